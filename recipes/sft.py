@@ -1,0 +1,210 @@
+"""Supervised fine-tuning, as one SPMD program. Read it top to bottom.
+
+    torchrun --nproc_per_node=2 -m spmdrl.train recipe=sft_tiny
+
+The step: each rank takes its shard of the global batch, splits it into micro-batches, and
+accumulates gradients of a masked cross-entropy on response tokens only. The loss is normalized by
+the number of valid tokens in the *global* batch (counted once per step with one all_reduce), so
+the result does not depend on how the batch is split over ranks and micro-batches. Then grad-norm
+clipping, an AdamW step and the LR schedule; periodically a validation loss; at the end an HF export.
+
+Deliberately simple: no sequence packing, no resume (see the checkpoint module when it lands),
+right-padding to the longest sequence of each micro-batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import torch
+import torch.distributed as dist
+
+from spmdrl.algos.losses import masked_cross_entropy
+from spmdrl.checkpoint.export import export_hf
+from spmdrl.config import Config, derive
+from spmdrl.data.sampler import DistributedSampler
+from spmdrl.data.sft import SFTBatch, SFTDataset, collate_sft
+from spmdrl.data.tiny_task import resolve_data_files
+from spmdrl.dist.placement import Placement
+from spmdrl.dist.reduce import all_reduce_sum
+from spmdrl.models.build import ModelSpec, build_fsdp_model, resolve_dtype
+from spmdrl.models.load import load_tokenizer, resolve_model_path_all_ranks
+from spmdrl.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
+from spmdrl.runtime import Run, start_run
+
+log = logging.getLogger("spmdrl")
+
+
+def load_sft_dataset(run: Run, tokenizer: object, files: list[str]) -> SFTDataset:
+    d = run.cfg.data
+    return SFTDataset(
+        resolve_data_files(files, run.cache_dir, d.tiny),
+        tokenizer,
+        prompt_key=d.prompt_key,
+        response_key=d.response_key,
+        max_prompt_length=d.max_prompt_length,
+        max_response_length=d.max_response_length,
+        overlong=d.overlong,
+    )
+
+
+def micro_batches(examples: list, size: int, pad_id: int, device: torch.device) -> list[SFTBatch]:
+    out = []
+    for i in range(0, len(examples), size):
+        b = collate_sft(examples[i : i + size], pad_id)
+        out.append(SFTBatch(**{k: v.to(device) for k, v in vars(b).items()}))
+    return out
+
+
+def num_target_tokens(batch: SFTBatch) -> int:
+    # Position t+1 is a target iff loss_mask[t+1] == 1 (logits[:, t] predict input_ids[:, t+1]).
+    return int(batch.loss_mask_BT[:, 1:].sum())
+
+
+def forward_loss(model: torch.nn.Module, batch: SFTBatch, global_tokens: float, dp_size: int) -> torch.Tensor:
+    logits = model(
+        input_ids=batch.input_ids_BT,
+        attention_mask=batch.attention_mask_BT,
+        position_ids=batch.position_ids_BT,
+    ).logits
+    loss, _ = masked_cross_entropy(
+        logits, batch.input_ids_BT, batch.loss_mask_BT, num_global_tokens=global_tokens, dp_size=dp_size
+    )
+    return loss
+
+
+@torch.no_grad()
+def validation_loss(run: Run, model: torch.nn.Module, ds: SFTDataset, micro: int, pad_id: int) -> float:
+    """Mean NLL per response token over the whole validation set, all ranks together.
+
+    FSDP2 runs collectives inside forward, so every rank must run the same number of forwards:
+    ranks with a shorter shard repeat an item whose loss is then dropped (weight 0).
+    """
+    env = run.env
+    mine = list(range(env.rank, len(ds), env.world_size))
+    per_rank = math.ceil(len(ds) / env.world_size)
+    weights = [1.0] * len(mine) + [0.0] * (per_rank - len(mine))
+    mine += [0] * (per_rank - len(mine))
+    model.eval()
+    nll_sum, tokens = 0.0, 0
+    for i in range(0, per_rank, micro):
+        idx, w = mine[i : i + micro], weights[i : i + micro]
+        batch = micro_batches([ds[j] for j in idx], micro, pad_id, env.device)[0]
+        keep = torch.tensor(w, device=env.device).unsqueeze(1)
+        batch = SFTBatch(
+            input_ids_BT=batch.input_ids_BT,
+            attention_mask_BT=batch.attention_mask_BT,
+            loss_mask_BT=batch.loss_mask_BT * keep.to(batch.loss_mask_BT.dtype),
+            position_ids_BT=batch.position_ids_BT,
+        )
+        n = num_target_tokens(batch)
+        nll_sum += float(forward_loss(model, batch, global_tokens=1.0, dp_size=1))  # a plain sum
+        tokens += n
+    model.train()
+    totals = all_reduce_sum({"nll": nll_sum, "tokens": tokens}, env.device)
+    return totals["nll"] / max(totals["tokens"], 1.0)
+
+
+def main(cfg: Config) -> None:
+    run = start_run(cfg)
+    env = run.env
+
+    # Model files and tokenizer (built or downloaded by rank 0 first).
+    model_dir = resolve_model_path_all_ranks(cfg.model.path, run.cache_dir)
+    tokenizer = load_tokenizer(model_dir, cfg.model.trust_remote_code)
+    pad_id = tokenizer.pad_token_id
+
+    # Data, and every value derived from its size: checked before the model is built.
+    train_ds = load_sft_dataset(run, tokenizer, cfg.data.train_files)
+    val_ds = load_sft_dataset(run, tokenizer, cfg.data.val_files) if cfg.data.val_files else None
+    derived = derive(cfg, env.world_size, len(train_ds))
+    run.log_derived(
+        derived,
+        train_samples=len(train_ds),
+        train_filtered_overlong=train_ds.num_filtered,
+        val_samples=len(val_ds) if val_ds else 0,
+    )
+    sampler = DistributedSampler(
+        len(train_ds),
+        rank=env.rank,
+        world_size=env.world_size,
+        batch_size_per_rank=derived.per_rank_batch_size,
+        seed=cfg.data.seed,
+        shuffle=cfg.data.shuffle,
+    )
+
+    # Model: meta -> FSDP2 over the actor mesh -> materialize -> load weights.
+    meshes = Placement.colocated(env.world_size, cfg.parallel.dp_replicate).build_meshes(env.device.type)
+    spec = ModelSpec(
+        path=model_dir,
+        param_dtype=resolve_dtype(cfg.model.param_dtype, env.device),
+        reduce_dtype=resolve_dtype(cfg.model.reduce_dtype, env.device),
+        activation_checkpointing=cfg.model.activation_checkpointing,
+        trust_remote_code=cfg.model.trust_remote_code,
+    )
+    model = build_fsdp_model(spec, meshes.fsdp("actor"), env.device)
+    optimizer = build_optimizer(model, cfg.optim)
+    scheduler = build_lr_scheduler(optimizer, cfg.optim, derived.total_steps)
+    logger = run.metric_logger(derived.total_steps)
+
+    for step in range(1, derived.total_steps + 1):
+        t0 = time.perf_counter()
+        examples = [train_ds[i] for i in sampler.next_batch()]
+        batches = micro_batches(examples, cfg.trainer.micro_batch_size, pad_id, env.device)
+
+        # Count the valid target tokens of the whole global batch once. Each micro-batch's summed
+        # loss is divided by that count; gradients then add up over micro-batches to the gradient
+        # of the global per-token mean. FSDP's reduce-scatter *averages* over the dp ranks, so the
+        # loss is also multiplied by dp_size to turn that average back into a sum.
+        local = {"tokens": sum(num_target_tokens(b) for b in batches), "seqs": len(examples)}
+        local["all_tokens"] = sum(int(b.attention_mask_BT.sum()) for b in batches)
+        counts = all_reduce_sum(local, env.device)
+
+        loss_sum = 0.0
+        for batch in batches:
+            loss = forward_loss(model, batch, counts["tokens"], derived.dp_size)
+            loss.backward()
+            loss_sum += float(loss.detach())
+        grad_norm = clip_grad_norm(model, cfg.optim.grad_clip)
+        train_loss = all_reduce_sum({"loss": loss_sum}, env.device)["loss"] / derived.dp_size
+        if not (math.isfinite(train_loss) and math.isfinite(grad_norm)):
+            raise FloatingPointError(
+                f"non-finite training loss {train_loss} / grad norm {grad_norm} at step {step}; "
+                f"try a lower optim.lr (now {cfg.optim.lr}) or check the data"
+            )
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        step_s = time.perf_counter() - t0
+
+        metrics = {
+            "train/loss": train_loss,
+            "train/grad_norm": grad_norm,
+            "train/lr": scheduler.get_last_lr()[0],
+            "train/epoch": sampler.epoch,
+            "perf/tokens_per_s": counts["all_tokens"] / step_s,
+            "timing/step_s": step_s,
+        }
+        if (
+            val_ds is not None
+            and cfg.trainer.val_every > 0
+            and (step % cfg.trainer.val_every == 0 or step == derived.total_steps)
+        ):
+            metrics["val/loss"] = validation_loss(run, model, val_ds, cfg.trainer.micro_batch_size, pad_id)
+        if step % cfg.trainer.log_every == 0 or "val/loss" in metrics:
+            logger.log(step, metrics)
+
+    if cfg.trainer.save_hf:
+        export_hf(model, tokenizer, run.output_dir / "hf_model")
+    logger.close()
+    dist.barrier()
+    log.info("done: %d steps, outputs in %s", derived.total_steps, run.output_dir)
+
+
+if __name__ == "__main__":
+    # A forked copy runs as a script: torchrun --nproc_per_node=2 my_sft.py recipe=sft_tiny ...
+    from spmdrl.train import run_recipe
+
+    run_recipe(main)

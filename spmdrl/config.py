@@ -1,0 +1,279 @@
+"""Typed configuration: the dataclasses Hydra validates against, and the values derived from them.
+
+Every default lives here, nowhere else (no ``cfg.get(key, default)`` in the code). Values that
+follow from others (per-rank batch sizes, gradient-accumulation steps, steps per epoch) are
+computed once by :func:`derive` and logged at start; no config object is mutated after that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong. The message says which key, what is wrong and how to fix it."""
+
+
+@dataclass
+class ModelConfig:
+    # A local directory with an HF causal LM (config.json + safetensors), a hub id, or "tiny": the
+    # built-in deterministic tiny Qwen2 model, built on first use and cached (no network needed).
+    path: str = "tiny"
+    # Training dtypes (FSDP2 mixed precision). "auto": bfloat16 params on CUDA, float32 on CPU.
+    param_dtype: str = "auto"
+    reduce_dtype: str = "float32"
+    activation_checkpointing: bool = False
+    trust_remote_code: bool = False
+    # Where the tiny model and generated data are cached. "": $SPMDRL_CACHE or ~/.cache/spmdrl.
+    cache_dir: str = ""
+
+
+@dataclass
+class TinyTaskConfig:
+    """The built-in arithmetic task (see spmdrl.data.tiny_task)."""
+
+    num_train: int = 2000
+    num_test: int = 200
+    max_operand: int = 20
+    # Fraction of SFT demonstrations whose answer is right; the rest carry a plausible wrong answer.
+    correct_fraction: float = 1.0
+    seed: int = 1234
+
+
+@dataclass
+class DataConfig:
+    # Parquet files. "tiny:train" / "tiny:test" name the built-in task's generated splits.
+    train_files: list[str] = field(default_factory=lambda: ["tiny:train"])
+    val_files: list[str] = field(default_factory=lambda: ["tiny:test"])
+    # Column holding the prompt: a list of chat messages (verl's schema) or a plain string.
+    prompt_key: str = "prompt"
+    # SFT only: column holding the response (a string, or a list of messages whose last is the answer).
+    response_key: str = "response"
+    max_prompt_length: int = 128
+    max_response_length: int = 64
+    # What to do with a sample longer than the limits: "filter" (drop it, count logged) or "error".
+    overlong: str = "filter"
+    shuffle: bool = True
+    seed: int = 0
+    tiny: TinyTaskConfig = field(default_factory=TinyTaskConfig)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-4
+    min_lr_ratio: float = 0.0
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    # "constant" or "cosine" (both after a linear warm-up of warmup_steps optimizer steps).
+    schedule: str = "constant"
+    warmup_steps: int = 0
+    grad_clip: float = 1.0
+
+
+@dataclass
+class ParallelConfig:
+    # "colocated": every role spans every rank and time-shares it (the hybrid engine).
+    placement: str = "colocated"
+    # HSDP: replicate over dp_replicate groups, shard within each. 1 means plain FSDP over the world.
+    dp_replicate: int = 1
+
+
+@dataclass
+class TrainerConfig:
+    # Optimizer steps to run. 0: derived from total_epochs and the dataset size.
+    total_steps: int = 0
+    total_epochs: int = 1
+    # Sequences per optimizer step over the whole job (SFT); prompts per step (RL).
+    global_batch_size: int = 32
+    # Sequences per forward/backward on one rank.
+    micro_batch_size: int = 8
+    val_every: int = 0
+    log_every: int = 1
+    seed: int = 0
+    # "auto" (cuda when available, else cpu), "cpu" or "cuda".
+    device: str = "auto"
+    # "" : outputs/<recipe>/<UTC timestamp>, chosen by rank 0 and broadcast to every rank.
+    output_dir: str = ""
+    # Minutes a collective may wait before it fails (a dead peer normally ends the job much sooner).
+    collective_timeout_min: float = 10.0
+    save_hf: bool = True
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = True
+    progress_bar: bool = True
+    console_every: int = 10
+
+
+@dataclass
+class RolloutConfig:
+    """The in-process generation engine (vLLM) and its sampling settings."""
+
+    engine: str = "vllm"
+    # Tensor-parallel size: consecutive ranks form one engine (tp=2: ranks {0,1}, {2,3}, ...).
+    tp: int = 1
+    # CUDA: fraction of GPU memory vLLM may take (weights + KV cache). CPU: see cpu_kvcache_gib.
+    gpu_memory_utilization: float = 0.5
+    cpu_kvcache_gib: float = 1.0
+    # 0: max_prompt_length + max_response_length.
+    max_model_len: int = 0
+    max_num_seqs: int = 256
+    enable_prefix_caching: bool = True
+    # CUDA graphs speed up decoding on GPUs; the CPU backend always runs eagerly.
+    enforce_eager: bool = False
+    # The engine's weight dtype: "auto" is bfloat16.
+    dtype: str = "auto"
+    # CUDA only: release the KV cache and weights while training (vLLM sleep mode).
+    free_cache_engine: bool = True
+    # Samples per prompt (the GRPO group size).
+    n: int = 5
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: list[str] = field(default_factory=list)
+    # Validation decoding: greedy, one sample.
+    val_temperature: float = 0.0
+    seed: int = 0
+
+
+@dataclass
+class AlgorithmConfig:
+    """GRPO / PPO loss settings (defaults follow verl's GSM8K GRPO example)."""
+
+    adv_estimator: str = "grpo"
+    # False gives Dr. GRPO (no division by the group's reward std).
+    norm_adv_by_std: bool = True
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    # "token-mean", "seq-mean-token-mean" or "seq-mean-token-sum".
+    loss_agg_mode: str = "token-mean"
+    use_kl_loss: bool = True
+    kl_loss_coef: float = 0.001
+    # "k1", "k2", "k3" or "low_var_kl" (k3 clamped).
+    kl_loss_type: str = "low_var_kl"
+    entropy_coeff: float = 0.0
+    ppo_epochs: int = 1
+    # Prompts per optimizer step over the whole job (each brings rollout.n samples); 0: the whole batch.
+    ppo_mini_batch_size: int = 0
+    # Truncated importance-sampling correction of the engine-vs-trainer mismatch; 0 disables it.
+    tis_cap: float = 0.0
+
+
+@dataclass
+class RewardConfig:
+    # "auto" (by data_source), "gsm8k", "tiny", or a user function "pkg.module:fn" / "path/file.py:fn".
+    fn: str = "auto"
+    # Seconds a user function may run per sample; past that it scores error_score (counted in reward/errors).
+    timeout_s: float = 10.0
+    error_score: float = 0.0
+
+
+@dataclass
+class Config:
+    # The recipe config's name (what recipe= selected) and the recipe module it runs (spmdrl.recipes.<entry>).
+    name: str = "sft_tiny"
+    entry: str = "sft"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+
+
+def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key}={value!r} is not one of {', '.join(choices)}")
+
+
+def validate(cfg: Config) -> None:
+    """Checks that need no world size. Raises ConfigError naming the key."""
+    _check_choice("model.param_dtype", cfg.model.param_dtype, ("auto", "float32", "bfloat16", "float16"))
+    _check_choice("model.reduce_dtype", cfg.model.reduce_dtype, ("float32", "bfloat16"))
+    _check_choice("data.overlong", cfg.data.overlong, ("filter", "error"))
+    _check_choice("optim.schedule", cfg.optim.schedule, ("constant", "cosine"))
+    _check_choice("trainer.device", cfg.trainer.device, ("auto", "cpu", "cuda"))
+    _check_choice("parallel.placement", cfg.parallel.placement, ("colocated",))
+    positive = {
+        "trainer.global_batch_size": cfg.trainer.global_batch_size,
+        "trainer.micro_batch_size": cfg.trainer.micro_batch_size,
+        "trainer.total_epochs": cfg.trainer.total_epochs,
+        "data.max_prompt_length": cfg.data.max_prompt_length,
+        "data.max_response_length": cfg.data.max_response_length,
+        "parallel.dp_replicate": cfg.parallel.dp_replicate,
+        "optim.lr": cfg.optim.lr,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{key} must be > 0, got {value}")
+    if cfg.trainer.total_steps < 0:
+        raise ConfigError(
+            f"trainer.total_steps must be >= 0 (0 derives it from epochs), got {cfg.trainer.total_steps}"
+        )
+    if len(cfg.optim.betas) != 2:
+        raise ConfigError(f"optim.betas must have two values, got {cfg.optim.betas}")
+    if not 0.0 <= cfg.data.tiny.correct_fraction <= 1.0:
+        raise ConfigError(
+            f"data.tiny.correct_fraction must be in [0, 1], got {cfg.data.tiny.correct_fraction}"
+        )
+
+
+@dataclass(frozen=True)
+class Derived:
+    """Values computed from the config, the world and the data; computed once, logged, never changed."""
+
+    world_size: int
+    dp_size: int
+    per_rank_batch_size: int
+    grad_accum_steps: int
+    steps_per_epoch: int
+    total_steps: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def derive(cfg: Config, world_size: int, num_train_samples: int, *, samples_per_item: int = 1) -> Derived:
+    """Per-rank batch, accumulation steps and step counts.
+
+    ``samples_per_item`` is how many training sequences one dataset item becomes (1 for SFT,
+    the rollout n for GRPO); the batch sizes here are counted in dataset items.
+    """
+    t = cfg.trainer
+    dp_size = world_size  # every rank is a data-parallel rank (FSDP / HSDP over the world)
+    if t.global_batch_size % dp_size:
+        raise ConfigError(
+            f"trainer.global_batch_size={t.global_batch_size} is not divisible by the data-parallel size "
+            f"{dp_size} (world size {world_size}); pick a multiple of {dp_size}"
+        )
+    per_rank = t.global_batch_size // dp_size
+    per_rank_seqs = per_rank * samples_per_item
+    if per_rank_seqs % t.micro_batch_size:
+        raise ConfigError(
+            f"trainer.micro_batch_size={t.micro_batch_size} must divide the per-rank batch of {per_rank_seqs} "
+            f"sequences (global_batch_size {t.global_batch_size} / {dp_size} ranks"
+            + (f" x {samples_per_item} samples each" if samples_per_item > 1 else "")
+            + ")"
+        )
+    steps_per_epoch = num_train_samples // t.global_batch_size
+    if steps_per_epoch == 0:
+        raise ConfigError(
+            f"the training set has {num_train_samples} samples, fewer than one global batch "
+            f"(trainer.global_batch_size={t.global_batch_size}); lower the batch size or add data"
+        )
+    total = t.total_steps if t.total_steps > 0 else steps_per_epoch * t.total_epochs
+    return Derived(
+        world_size=world_size,
+        dp_size=dp_size,
+        per_rank_batch_size=per_rank,
+        grad_accum_steps=per_rank_seqs // t.micro_batch_size,
+        steps_per_epoch=steps_per_epoch,
+        total_steps=total,
+    )

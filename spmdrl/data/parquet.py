@@ -1,0 +1,211 @@
+"""Reading parquet files in verl's schema, with errors that say which file, row and config key.
+
+verl's prompt files have the columns ``prompt`` (a list of ``{"role", "content"}`` messages),
+``data_source``, ``reward_model`` (a struct with ``ground_truth``) and ``extra_info``. Files made by
+verl's preprocessing scripts load here unchanged.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+
+class DataError(ValueError):
+    """A data file or cell is wrong. The message names the file (and row, column) and how to fix it."""
+
+
+@dataclass(frozen=True)
+class ParquetSource:
+    """Rows of several parquet files concatenated, remembering which file and row each came from."""
+
+    table: pa.Table
+    paths: list[Path]
+    # row_offsets[k] is the first global row of paths[k]; used only to word error messages.
+    row_offsets: list[int]
+
+    def where(self, row: int) -> str:
+        """``"<file> row <n>"`` for a global row index (n counts from 0 within that file)."""
+        k = bisect.bisect_right(self.row_offsets, row) - 1
+        return f"{self.paths[k]} row {row - self.row_offsets[k]}"
+
+
+def _open(path: Path) -> pq.ParquetFile:
+    if not path.exists():
+        raise DataError(f"data file {path} does not exist; check data.train_files / data.val_files")
+    if path.is_dir():
+        raise DataError(f"data file {path} is a directory; list the .parquet files inside it instead")
+    try:
+        return pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(
+            f"data file {path} is not a readable parquet file ({e}); "
+            "convert it to parquet (e.g. pandas.DataFrame.to_parquet) or fix the path"
+        ) from e
+
+
+def _missing_column(path: Path, column: str, have: list[str], column_keys: Mapping[str, str]) -> DataError:
+    if column in column_keys:
+        fix = f"set {column_keys[column]} to the column that holds it"
+    else:
+        fix = "verl's schema needs this column (see spmdrl/data/parquet.py)"
+    return DataError(f"data file {path} has no column {column!r} (it has: {', '.join(have)}); {fix}")
+
+
+def read_source(
+    paths: Sequence[str | os.PathLike[str]],
+    columns: Sequence[str],
+    *,
+    optional_columns: Sequence[str] = (),
+    column_keys: Mapping[str, str] | None = None,
+) -> ParquetSource:
+    """Reads ``columns`` (and any ``optional_columns`` that every file has) from each file, concatenated.
+
+    ``column_keys`` maps a column to the config key that selects it, so that a missing column's error
+    says which key to set (e.g. ``{"prompt": "data.prompt_key"}``).
+    """
+    column_keys = column_keys or {}
+    paths = [Path(p) for p in paths]
+    if not paths:
+        raise DataError("no data files given; set data.train_files / data.val_files to parquet files")
+    files = [_open(p) for p in paths]
+    names = [f.schema_arrow.names for f in files]
+    for path, have in zip(paths, names, strict=True):
+        for column in columns:
+            if column not in have:
+                raise _missing_column(path, column, have, column_keys)
+    wanted = list(dict.fromkeys(columns))
+    for column in optional_columns:
+        if column in wanted:
+            continue
+        holders = [column in have for have in names]
+        if all(holders):
+            wanted.append(column)
+        elif any(holders):
+            lacking = paths[holders.index(False)]
+            raise DataError(
+                f"column {column!r} is in {paths[holders.index(True)]} but not in {lacking}; "
+                "give every file the same columns"
+            )
+
+    tables: list[pa.Table] = []
+    for path, f in zip(paths, files, strict=True):
+        try:
+            table = f.read(columns=wanted)
+        except (pa.ArrowException, OSError) as e:
+            raise DataError(f"data file {path} could not be read ({e}); the file may be corrupt") from e
+        if table.num_rows == 0:
+            raise DataError(f"data file {path} has no rows; remove it from the file list")
+        tables.append(table)
+    _check_same_schema(paths, tables)
+    try:
+        # "permissive" unifies harmless differences (a struct that gained a field, an all-null column).
+        table = pa.concat_tables(tables, promote_options="permissive")
+    except (pa.ArrowException, TypeError) as e:
+        raise DataError(f"data files {', '.join(map(str, paths))} could not be combined: {e}") from e
+    offsets = [0]
+    for t in tables[:-1]:
+        offsets.append(offsets[-1] + t.num_rows)
+    return ParquetSource(table=table, paths=paths, row_offsets=offsets)
+
+
+def _kind(t: pa.DataType) -> str:
+    """A coarse type class; files that differ in it cannot be mixed (a list prompt vs a string prompt)."""
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return "string"
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        return "list"
+    if pa.types.is_struct(t):
+        return "struct"
+    if pa.types.is_null(t):
+        return "null"
+    if pa.types.is_integer(t) or pa.types.is_floating(t):
+        return "number"
+    return str(t)
+
+
+def _check_same_schema(paths: list[Path], tables: list[pa.Table]) -> None:
+    first = tables[0].schema
+    for path, table in zip(paths[1:], tables[1:], strict=True):
+        for field in table.schema:
+            ref = first.field(field.name).type
+            a, b = _kind(ref), _kind(field.type)
+            if a != b and "null" not in (a, b):
+                raise DataError(
+                    f"column {field.name!r} is {ref} in {paths[0]} but {field.type} in {path}; "
+                    "files read together must have the same column types"
+                )
+
+
+def read_table(paths: Sequence[str | os.PathLike[str]], columns: Sequence[str]) -> pa.Table:
+    """The given columns of all files, concatenated (see :func:`read_source` for the checks)."""
+    return read_source(paths, columns).table
+
+
+def to_messages(cell: Any, *, where: str, column: str, key: str) -> list[dict[str, str]]:
+    """A prompt cell as chat messages: a list of ``{"role", "content"}`` dicts, or a plain string.
+
+    A plain string becomes one user message. Keys other than role and content are dropped.
+    ``where`` is ``"<file> row <n>"``; ``key`` is the config key that selected ``column``, for errors.
+    """
+    if isinstance(cell, str):
+        return [{"role": "user", "content": cell}]
+    if not isinstance(cell, list) or not cell:
+        raise DataError(
+            f"{where}: column {column!r} must be a non-empty list of {{'role', 'content'}} messages or a "
+            f"string, got {_describe(cell)}; point {key} at the right column or fix the data"
+        )
+    messages = []
+    for j, m in enumerate(cell):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise DataError(
+                f"{where}: column {column!r}, message {j} must be a dict with string 'role' and "
+                f"'content', got {_describe(m)}"
+            )
+        messages.append({"role": m["role"], "content": m["content"]})
+    return messages
+
+
+def to_ground_truth(cell: Any, *, where: str) -> str:
+    """``reward_model.ground_truth`` as a string: numbers via ``str``, lists and dicts as JSON."""
+    if not isinstance(cell, dict) or cell.get("ground_truth") is None:
+        raise DataError(
+            f"{where}: column reward_model must be a struct with a 'ground_truth' field (verl's schema: "
+            f"{{'ground_truth': ..., 'style': 'rule'}}), got {_describe(cell)}"
+        )
+    truth = cell["ground_truth"]
+    if isinstance(truth, str):
+        return truth
+    if isinstance(truth, int | float | bool):
+        return str(truth)
+    # A reward function that expects a list (several accepted answers) can json.loads it back.
+    return json.dumps(truth)
+
+
+def to_extra_info(cell: Any, *, where: str) -> dict[str, Any]:
+    if cell is None:
+        return {}
+    if not isinstance(cell, dict):
+        raise DataError(f"{where}: column extra_info must be a struct (dict) or null, got {_describe(cell)}")
+    return cell
+
+
+def to_str(cell: Any, *, where: str, column: str) -> str:
+    if not isinstance(cell, str):
+        raise DataError(f"{where}: column {column!r} must be a string, got {_describe(cell)}")
+    return cell
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    if len(text) > 80:
+        text = text[:77] + "..."
+    return f"{type(value).__name__} {text}"

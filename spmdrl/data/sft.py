@@ -1,0 +1,183 @@
+"""SFT datasets: (prompt, response) pairs tokenized with an exact prompt/response boundary, and collation.
+
+The text of one example is the chat-templated prompt (ending with the assistant's generation prompt),
+then the response, then the tokenizer's eos token. The prompt and the response are tokenized apart and
+concatenated, so the loss mask marks exactly the response tokens; tokenizing the joined string could
+merge tokens across the boundary. As for RL prompts (see spmdrl.data.prompts), every rank computes all
+lengths for the overlong filter and builds examples lazily.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from spmdrl.data.parquet import DataError, read_source, to_messages
+from spmdrl.data.prompts import (
+    check_overlong,
+    encode,
+    fits,
+    iter_row_chunks,
+    no_rows_left,
+    render_prompt,
+    token_lengths,
+)
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+_CACHE_ITEMS = 16384
+
+
+@dataclass(frozen=True)
+class SFTExample:
+    input_ids: list[int]
+    # 1 for response tokens (the final eos included), 0 for prompt tokens.
+    loss_mask: list[int]
+
+
+@dataclass
+class SFTBatch:
+    """Right-padded batch. logits[:, t] predicts input_ids[:, t + 1]; it counts iff loss_mask_BT[:, t + 1]."""
+
+    input_ids_BT: torch.Tensor
+    attention_mask_BT: torch.Tensor
+    loss_mask_BT: torch.Tensor
+    position_ids_BT: torch.Tensor
+
+    def to(self, device: torch.device | str) -> SFTBatch:
+        return SFTBatch(
+            input_ids_BT=self.input_ids_BT.to(device),
+            attention_mask_BT=self.attention_mask_BT.to(device),
+            loss_mask_BT=self.loss_mask_BT.to(device),
+            position_ids_BT=self.position_ids_BT.to(device),
+        )
+
+
+class SFTDataset:
+    """(prompt, response) pairs from parquet; ``num_filtered`` counts pairs dropped as too long.
+
+    The prompt column holds chat messages or a plain string (one user message). The response column
+    holds a string, or messages whose last is the assistant's answer; earlier ones extend the prompt.
+    The response limit counts the response tokens and the eos token.
+    """
+
+    def __init__(
+        self,
+        paths: Sequence[str | os.PathLike[str]],
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        prompt_key: str,
+        response_key: str,
+        max_prompt_length: int,
+        max_response_length: int,
+        overlong: str,
+    ) -> None:
+        check_overlong(overlong)
+        if tokenizer.eos_token_id is None:
+            raise DataError("the tokenizer has no eos token; SFT appends one after each response")
+        self.tokenizer = tokenizer
+        self.prompt_key = prompt_key
+        self.response_key = response_key
+        self.eos_id = int(tokenizer.eos_token_id)
+        self.source = read_source(
+            paths,
+            [prompt_key, response_key],
+            column_keys={prompt_key: "data.prompt_key", response_key: "data.response_key"},
+        )
+        kept: list[int] = []
+        for start, rows in iter_row_chunks(self.source):
+            pairs = [self._parse(start + j, row) for j, row in enumerate(rows)]
+            prompt_lens = token_lengths(tokenizer, [p for p, _ in pairs])
+            response_lens = token_lengths(tokenizer, [r for _, r in pairs])
+            for j, (n_prompt, n_response) in enumerate(zip(prompt_lens, response_lens, strict=True)):
+                where = self.source.where(start + j)
+                ok = fits(
+                    n_prompt,
+                    max_prompt_length,
+                    what="chat-templated prompt",
+                    key="data.max_prompt_length",
+                    where=where,
+                    overlong=overlong,
+                )
+                ok = ok and fits(
+                    n_response + 1,
+                    max_response_length,
+                    what="response (with eos)",
+                    key="data.max_response_length",
+                    where=where,
+                    overlong=overlong,
+                )
+                if ok:
+                    kept.append(start + j)
+        if not kept:
+            raise no_rows_left(self.source, "data.max_prompt_length / data.max_response_length")
+        self._rows = np.asarray(kept, dtype=np.int64)
+        self.num_filtered = self.source.table.num_rows - len(kept)
+        self._build_cached = functools.lru_cache(maxsize=_CACHE_ITEMS)(self._build)
+
+    def _parse(self, row: int, cells: dict[str, Any]) -> tuple[str, str]:
+        """(templated prompt text, response text) of one row."""
+        where = self.source.where(row)
+        messages = to_messages(
+            cells[self.prompt_key], where=where, column=self.prompt_key, key="data.prompt_key"
+        )
+        response = cells[self.response_key]
+        if not isinstance(response, str):
+            turns = to_messages(response, where=where, column=self.response_key, key="data.response_key")
+            if turns[-1]["role"] != "assistant":
+                raise DataError(
+                    f"{where}: the last message in column {self.response_key!r} has role "
+                    f"{turns[-1]['role']!r}; it must be the assistant's answer"
+                )
+            messages = messages + turns[:-1]
+            response = turns[-1]["content"]
+        return render_prompt(self.tokenizer, messages, where=where), response
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __getitem__(self, i: int) -> SFTExample:
+        if not 0 <= i < len(self._rows):
+            raise IndexError(f"index {i} out of range for a dataset of {len(self._rows)} examples")
+        return self._build_cached(int(i))
+
+    def _build(self, i: int) -> SFTExample:
+        row = int(self._rows[i])
+        prompt, response = self._parse(row, self.source.table.slice(row, 1).to_pylist()[0])
+        prompt_ids = encode(self.tokenizer, prompt)
+        response_ids = encode(self.tokenizer, response) + [self.eos_id]
+        return SFTExample(
+            input_ids=prompt_ids + response_ids,
+            loss_mask=[0] * len(prompt_ids) + [1] * len(response_ids),
+        )
+
+
+def collate_sft(examples: list[SFTExample], pad_id: int, pad_to_multiple_of: int = 1) -> SFTBatch:
+    """Right-pads examples to the longest (rounded up to ``pad_to_multiple_of``); pads get attention 0, loss 0."""
+    if not examples:
+        raise ValueError("collate_sft needs at least one example")
+    if pad_to_multiple_of < 1:
+        raise ValueError(f"pad_to_multiple_of must be >= 1, got {pad_to_multiple_of}")
+    longest = max(len(e.input_ids) for e in examples)
+    T = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
+    B = len(examples)
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attention = torch.zeros((B, T), dtype=torch.long)
+    loss_mask = torch.zeros((B, T), dtype=torch.long)
+    for b, e in enumerate(examples):
+        n = len(e.input_ids)
+        input_ids[b, :n] = torch.tensor(e.input_ids, dtype=torch.long)
+        attention[b, :n] = 1
+        loss_mask[b, :n] = torch.tensor(e.loss_mask, dtype=torch.long)
+    # Right padding: real tokens sit at 0..n-1; pads get 0 (they are masked out of attention and loss).
+    positions = torch.arange(T, dtype=torch.long).expand(B, T) * attention
+    return SFTBatch(
+        input_ids_BT=input_ids, attention_mask_BT=attention, loss_mask_BT=loss_mask, position_ids_BT=positions
+    )

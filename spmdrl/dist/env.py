@@ -1,0 +1,70 @@
+"""Process-group start-up: device choice, backend, and a world of one when not under torchrun."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def pick_device(requested: str, local_rank: int) -> torch.device:
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu")
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(device: str = "auto", timeout_min: float = 10.0) -> DistEnv:
+    """Initializes the default process group (NCCL on CUDA, gloo on CPU) from torchrun's env vars.
+
+    Started without torchrun, it forms a world of one on a free local port, so
+    ``python -m spmdrl.train`` works as a single process too.
+    """
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    dev = pick_device(device, local_rank)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if not dist.is_initialized():
+        # "cpu:gloo,cuda:nccl" lets CPU-side collectives (object broadcasts) work next to NCCL.
+        backend = "cpu:gloo,cuda:nccl" if dev.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend=backend,
+            timeout=datetime.timedelta(minutes=timeout_min),
+            device_id=dev if dev.type == "cuda" else None,
+        )
+    return DistEnv(rank=rank, local_rank=local_rank, world_size=world_size, device=dev)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def broadcast_str(value: str, src: int = 0) -> str:
+    """Rank ``src``'s string on every rank (for example the output directory)."""
+    box = [value]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]

@@ -1,0 +1,93 @@
+"""Metric outputs: metrics.jsonl, tensorboard, console and a progress bar, written by rank 0 only.
+
+Reductions across ranks live in spmdrl.dist.reduce; by the time values reach a logger they are
+plain floats that every rank agrees on. Other ranks get a :class:`NullLogger`, so call sites need
+no ``if rank == 0``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("spmdrl")
+
+
+class NullLogger:
+    """Logs nothing: what non-zero ranks get."""
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class MetricLogger(NullLogger):
+    def __init__(
+        self,
+        output_dir: Path,
+        *,
+        total_steps: int,
+        tensorboard: bool = True,
+        progress_bar: bool = True,
+        console_every: int = 10,
+    ) -> None:
+        self.output_dir = output_dir
+        self.console_every = max(console_every, 1)
+        # Line-buffered so `tail -f metrics.jsonl` works; closed in close().
+        self._jsonl = open(output_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
+        self._tb: Any = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(output_dir / "tensorboard"))
+        self._bar: Any = None
+        if progress_bar and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, desc="train", dynamic_ncols=True)
+        self._start = time.time()
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        clean = {k: float(v) for k, v in metrics.items()}
+        self._jsonl.write(json.dumps({"step": step, **{k: _json_safe(v) for k, v in clean.items()}}) + "\n")
+        if self._tb is not None:
+            for k, v in clean.items():
+                self._tb.add_scalar(k, v, step)
+        if self._bar is not None:
+            self._bar.n = step
+            self._bar.set_postfix(_short(clean), refresh=True)
+        elif step % self.console_every == 0 or step == 1:
+            log.info("step %d  %s", step, "  ".join(f"{k}={_fmt(v)}" for k, v in sorted(clean.items())))
+
+    def close(self) -> None:
+        self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _json_safe(v: float) -> float | str:
+    return v if math.isfinite(v) else str(v)
+
+
+def _fmt(v: float) -> str:
+    return f"{v:.4g}"
+
+
+def _short(metrics: dict[str, float]) -> dict[str, str]:
+    keys = [k for k in metrics if k.split("/")[-1] in ("loss", "reward_mean", "accuracy", "grad_norm")]
+    return {k.split("/")[-1]: _fmt(metrics[k]) for k in keys[:4]}
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The rows of a metrics.jsonl (for plots, tests and users' notebooks)."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,132 @@
+"""Model creation in numbered steps: meta device -> parallelize -> materialize -> load weights.
+
+No rank ever holds a full randomly initialized copy: parameters are created on the meta device,
+sharded by FSDP2, materialized shard by shard, then filled from the safetensors files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from spmdrl.models.parallelize import apply_ac, apply_fsdp
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """ "auto" is bfloat16 on CUDA and float32 on CPU (CPU bf16 matmuls are slow and lossy for tiny models)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    path: Path
+    param_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    activation_checkpointing: bool = False
+    trust_remote_code: bool = False
+    train: bool = True
+
+
+@contextlib.contextmanager
+def _params_on_meta() -> Iterator[None]:
+    """Create parameters on the meta device but buffers for real.
+
+    Non-persistent buffers (rotary inv_freq) are not in the checkpoint, so they must be computed
+    by the module's own __init__; building everything on meta would leave them as garbage after
+    ``to_empty``. Parameters are the memory that matters.
+    """
+    original = nn.Module.register_parameter
+
+    def register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(module, name, param)
+        # Already-meta params are kept as the same object so that weight tying (a setattr) survives.
+        if param is not None and not param.is_meta:
+            p = module._parameters[name]
+            assert p is not None
+            module._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+
+    nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor in the directory's *.safetensors files (memory-mapped; pages load on first touch)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt", device="cpu") as sf:
+            for k in sf.keys():  # noqa: SIM118 - safe_open is not a dict
+                tensors[k] = sf.get_tensor(k)
+    return tensors
+
+
+def build_fsdp_model(spec: ModelSpec, mesh: DeviceMesh, device: torch.device) -> nn.Module:
+    hf_config = AutoConfig.from_pretrained(spec.path, trust_remote_code=spec.trust_remote_code)
+    # 1. Build on meta: the architecture without memory.
+    with _params_on_meta():
+        model = AutoModelForCausalLM.from_config(
+            hf_config, trust_remote_code=spec.trust_remote_code, dtype=torch.float32
+        )
+    # Sharded params are the fp32 master copy; FSDP2 casts to param_dtype for compute.
+    # Keep (owner module, name, value) rather than dotted names: activation checkpointing renames paths.
+    buffers = [
+        (mod, name, buf.detach().clone())
+        for mod in model.modules()
+        for name, buf in mod.named_buffers(recurse=False)
+    ]
+    # 2. Parallelize: activation checkpointing inside, FSDP2 outside.
+    if spec.activation_checkpointing:
+        apply_ac(model)
+    apply_fsdp(model, mesh, param_dtype=spec.param_dtype, reduce_dtype=spec.reduce_dtype)
+    # 3. Materialize: each rank allocates only its shards; buffers get their computed values back.
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for mod, name, value in buffers:
+            getattr(mod, name).copy_(value)
+    # 4. Load weights: each rank reads the (memory-mapped) files and keeps its own slices.
+    state = read_safetensors(spec.path)
+    missing = _check_keys(model, state, spec.path)
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+    if missing:
+        log.warning("not in the checkpoint (kept at their tied/initial values): %s", missing)
+    # Training never decodes incrementally; HF's KV cache would only cost memory, and under
+    # activation checkpointing the recomputed forward would append to it a second time.
+    model.config.use_cache = False
+    model.train(spec.train)
+    if not spec.train:
+        model.requires_grad_(False)
+    n_params = sum(p.numel() for p in model.parameters())
+    log.info("built %s from %s: %.2fM parameters", type(model).__name__, spec.path, n_params / 1e6)
+    return model
+
+
+def _check_keys(model: nn.Module, state: dict[str, torch.Tensor], path: Path) -> list[str]:
+    """Fail loudly on a checkpoint that does not fit the architecture (a silent partial load trains garbage)."""
+    expected = {k.replace("._checkpoint_wrapped_module", "") for k in model.state_dict()}
+    unexpected = sorted(set(state) - expected)
+    if unexpected:
+        raise ValueError(f"{path}: checkpoint tensors the model does not have: {unexpected[:8]}")
+    missing = sorted(expected - set(state))
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    missing = [k for k in missing if not (tied and k == "lm_head.weight")]
+    if missing:
+        raise ValueError(f"{path}: model weights missing from the checkpoint: {missing[:8]}")
+    return missing

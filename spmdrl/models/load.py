@@ -1,0 +1,75 @@
+"""Where a model's files come from: the built-in tiny model, a local directory, or a hub id."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+_HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+
+
+def resolve_model_path(path: str, cache_dir: Path) -> Path:
+    """A local directory holding config.json + *.safetensors (and the tokenizer).
+
+    ``"tiny"`` builds (once, cached) the deterministic tiny Qwen2; an existing directory is used
+    as is; anything else is taken as a Hugging Face hub id and downloaded (safetensors only).
+    """
+    if path == "tiny":
+        from spmdrl.models.tiny import ensure_tiny_model
+
+        return ensure_tiny_model(cache_dir)
+    local = Path(path).expanduser()
+    if local.exists():
+        if not (local / "config.json").is_file():
+            raise FileNotFoundError(
+                f"model.path={path}: no config.json in {local}; point it at an HF model directory"
+            )
+        if not any(local.glob("*.safetensors")):
+            raise FileNotFoundError(
+                f"model.path={path}: no *.safetensors in {local}; spmdrl loads safetensors only "
+                "(convert with transformers' save_pretrained(safe_serialization=True))"
+            )
+        return local
+    if path.startswith(("/", ".", "~")) or path.count("/") != 1:
+        raise FileNotFoundError(
+            f"model.path={path}: no such directory, and it does not look like a hub id (org/name)"
+        )
+    from huggingface_hub import snapshot_download
+
+    log.info("downloading %s from the hub (safetensors and tokenizer files)", path)
+    try:
+        return Path(snapshot_download(path, allow_patterns=_HUB_PATTERNS))
+    except Exception as e:  # noqa: BLE001 - re-raised with the fix
+        raise RuntimeError(
+            f"model.path={path}: could not download from the hub ({type(e).__name__}: {e}). Offline? "
+            "Download it elsewhere and set model.path to the local directory."
+        ) from e
+
+
+def resolve_model_path_all_ranks(path: str, cache_dir: Path) -> Path:
+    """resolve_model_path with rank 0 going first (one download / one build), the others after a barrier."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        resolved = resolve_model_path(path, cache_dir)
+    if dist.is_initialized():
+        dist.barrier()
+        if dist.get_rank() != 0:
+            resolved = resolve_model_path(path, cache_dir)
+    return resolved
+
+
+def load_tokenizer(model_dir: Path, trust_remote_code: bool = False):  # noqa: ANN201 - HF tokenizer type
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    if tok.pad_token_id is None:
+        # Padding is masked out everywhere; any id works, and eos is always present.
+        tok.pad_token = tok.eos_token
+    if tok.chat_template is None:
+        raise ValueError(
+            f"{model_dir}: the tokenizer has no chat_template; spmdrl applies the chat template to prompts"
+        )
+    return tok

@@ -1,0 +1,65 @@
+"""Parallelism as free functions over a mesh, applied in a fixed order: activation checkpointing, then FSDP2.
+
+Each takes the model, a mesh and plain values (never the whole config) and logs what it did.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+log = logging.getLogger(__name__)
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The repeated transformer blocks of an HF causal LM (``model.model.layers`` for Llama/Qwen/Mistral)."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise TypeError(
+            f"{type(model).__name__} has no model.layers ModuleList; spmdrl shards decoder-only HF models "
+            "laid out like Llama/Qwen2 (model.model.layers)"
+        )
+    return layers
+
+
+def apply_ac(model: nn.Module) -> None:
+    """Recompute each decoder layer's activations in backward: memory for ~30% more compute."""
+    layers = decoder_layers(model)
+    for i, layer in enumerate(layers):
+        layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
+    log.info("activation checkpointing on %d decoder layers", len(layers))
+
+
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    reshard_after_forward: bool = True,
+) -> None:
+    """fully_shard each decoder layer, then the root (embeddings, final norm, lm_head; tied weights stay tied).
+
+    Per-layer units let FSDP2 all-gather layer i+1 while layer i computes, and free each layer's
+    full parameters after use. The root's last unit is not resharded after forward because
+    backward needs it at once.
+    """
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    layers = decoder_layers(model)
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    log.info(
+        "FSDP2 over mesh %s (%s): %d layer units + root, param %s, reduce %s",
+        tuple(mesh.shape),
+        ",".join(mesh.mesh_dim_names or ()),
+        len(layers),
+        param_dtype,
+        reduce_dtype,
+    )

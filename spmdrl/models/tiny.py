@@ -1,0 +1,212 @@
+"""The built-in tiny model: a deterministic, randomly initialised Qwen2 with a locally trained tokenizer.
+
+``model.path: tiny`` selects it. It needs no network: the tokenizer is trained here with the
+``tokenizers`` library and the weights come from a fixed seed, so every machine builds the same bytes.
+It is small enough to train on two CPU cores, yet large enough to learn the tiny arithmetic task
+(:mod:`spmdrl.data.tiny_task`), and it loads in transformers and in vLLM like any HF checkpoint.
+
+Built once per cache directory into ``<cache>/tiny-qwen2-v<VERSION>/``; concurrent callers (every
+torchrun rank) serialize on a file lock and the finished directory appears by an atomic rename.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from spmdrl.data import tiny_task
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+logger = logging.getLogger(__name__)
+
+# Bump when anything below (corpus, tokenizer, architecture, seed) changes, so cached copies of the
+# old model are not mistaken for the new one.
+TINY_MODEL_VERSION = 1
+TINY_MODEL_DIRNAME = f"tiny-qwen2-v{TINY_MODEL_VERSION}"
+TINY_MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+)
+INIT_SEED = 0
+
+VOCAB_SIZE = 512
+PAD_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+EOS_TOKEN = "<|im_end|>"
+# Ids 0, 1, 2 in this order (the trainer adds special tokens first).
+SPECIAL_TOKENS = (PAD_TOKEN, IM_START, EOS_TOKEN)
+
+# Qwen2's pre-tokenization pattern: contractions, words (with one leading non-letter), single digits,
+# punctuation runs, newlines, other whitespace.
+PRETOKENIZE_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+
+# ChatML, as Qwen writes it, without Qwen's default system prompt.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+# The architecture. head_dim = hidden / heads = 32: vLLM's CPU attention rejects 16.
+MODEL_SHAPE = dict(
+    hidden_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=352,
+    max_position_embeddings=512,
+)
+
+_GENERIC_TEXT = """\
+The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step.
+Question: what is the answer? Answer: it is 42. Let's think step by step, then write the result.
+First, we add the numbers. Next, we subtract the second from the first. Finally, we check our work.
+You are a helpful assistant. Please answer the user's question clearly and briefly.
+def add(a, b):\n    return a + b  # sum\nprint(add(3, 4) * (2 - 1) / 5 % 7)
+x = [1, 2, 3]; y = {"key": 'value'}; z = (x[0] >= y.get("k", 0)) and not False
+Email: name@example.com, web: https://example.org/path?query=1&other=2#frag | pipes ~ tildes ` ^ $
+"""
+
+
+def default_cache_dir(configured: str = "") -> Path:
+    """Where the tiny model and generated data live: ``configured``, else $SPMDRL_CACHE, else ~/.cache/spmdrl."""
+    if configured:
+        return Path(configured).expanduser()
+    env = os.environ.get("SPMDRL_CACHE", "")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "spmdrl"
+
+
+def _tokenizer_corpus() -> list[str]:
+    """Fixed text the BPE merges are learned from: the tiny task in chat shape, role names, generic ASCII."""
+    lines = [_GENERIC_TEXT, "".join(chr(c) for c in range(32, 127)), "system\n", "tool\n"]
+    numbers = [(12, 7), (3, 1), (20, 15), (8, 8), (1, 0)]
+    for op, templates in tiny_task.TEMPLATES.items():
+        for t in range(len(templates)):
+            for n, name in enumerate(tiny_task.NAMES):
+                for o in range(len(tiny_task.OBJECTS)):
+                    a, b = numbers[(t + o + len(name)) % len(numbers)]
+                    question = tiny_task.phrase(((op, a, b), t, n, o))
+                    answer = a + b if op == "+" else a - b
+                    # "user" / "assistant" as the chat template places them, right after <|im_start|>.
+                    lines.append(f"user\n{question} {tiny_task.INSTRUCTION}")
+                    lines.append(f"assistant\n{tiny_task.demonstration((op, a, b), answer)}")
+    return lines
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer with single-digit tokens, trained on :func:`_tokenizer_corpus`."""
+    # Imported here, not at the top: importing transformers takes seconds, and callers that only need
+    # default_cache_dir or an already built model should not pay for it.
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    # The same normalizer and pre-tokenizer as Qwen2's: transformers 5 loads a qwen2 model's tokenizer
+    # as Qwen2Tokenizer, which rebuilds this pipeline around the saved vocab and merges, so training
+    # with anything else would make tokenizer.json and AutoTokenizer disagree. The pattern puts each
+    # digit in a token of its own ("19" is "1", "9": arithmetic is learnable), and byte-level pieces
+    # make any text, not only the corpus, encode and decode back.
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_tokenizer_corpus(), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        chat_template=CHAT_TEMPLATE,
+        # The default would rewrite " ." to "." on decode and break exact round trips.
+        clean_up_tokenization_spaces=False,
+        model_max_length=MODEL_SHAPE["max_position_embeddings"],
+    )
+
+
+def build_tiny_model(out_dir: Path) -> None:
+    """Writes the tiny model and tokenizer to ``out_dir`` (uncached; use :func:`ensure_tiny_model`)."""
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = build_tokenizer()
+    pad_id, eos_id = tokenizer.convert_tokens_to_ids([PAD_TOKEN, EOS_TOKEN])
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        **MODEL_SHAPE,
+        # Tied like Qwen2.5-0.5B, so the tied-embedding path of weight sync and export is exercised.
+        tie_word_embeddings=True,
+        bos_token_id=pad_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        dtype="float32",
+    )
+    config.architectures = ["Qwen2ForCausalLM"]
+    # A private RNG stream: the same weights every build, and the caller's torch RNG is left untouched.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(INIT_SEED)
+        model = Qwen2ForCausalLM(config).to(torch.float32)
+    model.generation_config = GenerationConfig(bos_token_id=pad_id, eos_token_id=eos_id, pad_token_id=pad_id)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+
+
+def _missing_files(model_dir: Path) -> list[str]:
+    return [f for f in TINY_MODEL_FILES if not (model_dir / f).is_file()]
+
+
+def ensure_tiny_model(cache_dir: Path) -> Path:
+    """The tiny model's directory under ``cache_dir``, built on first use. Safe to call from every rank."""
+    cache_dir = Path(cache_dir).expanduser()
+    target = cache_dir / TINY_MODEL_DIRNAME
+    if target.is_dir() and not _missing_files(target):
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with open(cache_dir / f".{TINY_MODEL_DIRNAME}.lock", "w") as lock:
+        # One builder at a time; the others wait here, then find the finished directory.
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.exists():
+            missing = _missing_files(target)
+            if missing:
+                raise RuntimeError(
+                    f"the tiny model directory {target} is incomplete (missing {', '.join(missing)}); "
+                    "delete it and it will be rebuilt"
+                )
+            return target
+        tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=f".{TINY_MODEL_DIRNAME}.tmp-"))
+        tmp.chmod(0o755)  # mkdtemp makes it private; the renamed model directory should be readable
+        try:
+            logger.info("building the tiny model into %s", target)
+            build_tiny_model(tmp)
+            try:
+                os.replace(tmp, target)
+            except OSError:
+                # Another machine sharing this cache (where flock may not reach) renamed first: use theirs.
+                if target.is_dir() and not _missing_files(target):
+                    return target
+                raise
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                shutil.rmtree(tmp)
+    return target

@@ -1,0 +1,104 @@
+"""Run a function on N local processes with a gloo process group: our own small spawn helper.
+
+torch.testing._internal has one, but it is private and moves between releases. Like torchrun,
+this ends every process as soon as one fails and reports the failing rank's traceback.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(
+    fn: Callable[..., Any], rank: int, world_size: int, port: int, env: dict[str, str], args: tuple, out: Any
+) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        # Plain pickle copies tensors by value; the queue's own pickler would pass shared-memory
+        # handles that die with this process before the parent reads them.
+        out.put((rank, True, pickle.dumps(result)))
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        out.put((rank, False, traceback.format_exc()))
+        out.close()
+        out.join_thread()  # flush the queue's feeder thread before os._exit skips it
+        sys.stderr.flush()
+        os._exit(1)
+
+
+class SpawnError(RuntimeError):
+    pass
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 300.0,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Calls ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; returns results by rank.
+
+    ``fn`` must be importable (defined at module level). Raises SpawnError with the first failing
+    rank's traceback, after killing the rest.
+    """
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    child_env = {"OMP_NUM_THREADS": "1", **(env or {})}
+    procs = [
+        ctx.Process(target=_child, args=(fn, r, world_size, port, child_env, args, out), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) < world_size:
+            if time.monotonic() > deadline:
+                raise SpawnError(f"timed out after {timeout_s:.0f}s; finished ranks: {sorted(results)}")
+            try:
+                rank, ok, value = out.get(timeout=0.2)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
+                if dead and out.empty():
+                    raise SpawnError(f"rank {dead[0]} exited with code {procs[dead[0]].exitcode}") from None
+                continue
+            if not ok:
+                raise SpawnError(f"rank {rank} failed:\n{value}")
+            results[rank] = pickle.loads(value)
+    finally:
+        for p in procs:
+            p.join(timeout=5 if len(results) == world_size else 0.1)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [results[r] for r in range(world_size)]

@@ -1,0 +1,59 @@
+"""``torchrun --nproc_per_node=N -m spmdrl.train recipe=<name> [key=value ...]``
+
+Every rank runs this same program. It composes the typed config (configs/config.yaml, the
+selected configs/recipe/<name>.yaml, then the command-line overrides), and runs the recipe named
+by the config's ``entry`` (spmdrl.recipes.<entry>.main). Any rank's failure ends the whole job.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+from spmdrl.config import Config, ConfigError
+from spmdrl.config_loader import load_config
+from spmdrl.dist.failure import run_or_die
+
+EXIT_CONFIG_ERROR = 2
+
+
+def parse_config(argv: list[str]) -> Config:
+    """The config, or a clean exit 2 with the message (printed once, not once per rank)."""
+    try:
+        return load_config(argv)
+    except ConfigError as e:
+        if os.environ.get("RANK", "0") == "0":
+            sys.stderr.write(f"spmdrl: config error: {e}\n")
+        sys.exit(EXIT_CONFIG_ERROR)
+
+
+def run_recipe(recipe_main: Callable[[Config], None], argv: list[str] | None = None) -> None:
+    """Parses the command line and runs ``recipe_main(cfg)``; what a forked recipe's ``__main__`` calls."""
+    cfg = parse_config(sys.argv[1:] if argv is None else argv)
+    run_or_die(lambda: _run(recipe_main, cfg))
+
+
+def _run(recipe_main: Callable[[Config], None], cfg: Config) -> None:
+    recipe_main(cfg)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_config(sys.argv[1:] if argv is None else argv)
+    try:
+        recipe = importlib.import_module(f"spmdrl.recipes.{cfg.entry}")
+    except ModuleNotFoundError as e:
+        sys.stderr.write(
+            f"spmdrl: config error: entry={cfg.entry!r}: no recipe module spmdrl.recipes.{cfg.entry} ({e})\n"
+        )
+        sys.exit(EXIT_CONFIG_ERROR)
+    run_or_die(lambda: _run(recipe.main, cfg))
+
+
+if __name__ == "__main__":
+    main()

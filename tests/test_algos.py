@@ -1,0 +1,260 @@
+"""Advantages, KL estimators, loss aggregation and the PPO / SFT losses, against hand-computed values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from spmdrl.algos.advantages import grpo_advantages
+from spmdrl.algos.kl import kl_penalty
+from spmdrl.algos.losses import (
+    aggregate,
+    aggregation_count,
+    entropy_from_logits,
+    masked_cross_entropy,
+    masked_mean,
+    ppo_policy_loss,
+    token_logprobs,
+    truncated_is_weights,
+)
+
+# ---------------------------------------------------------------------------------------------- advantages
+
+
+def test_grpo_advantages_two_groups_by_hand():
+    rewards_B = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0])
+    # Group 1: mean 0.5, unbiased std sqrt((4 * 0.25) / 3) = 1/sqrt(3). Group 2: mean 0.75,
+    # squared deviations 3 * 0.0625 + 0.5625 = 0.75, unbiased variance 0.25, std 0.5.
+    s = math.sqrt(3) / 2  # 0.5 / (1 / sqrt(3))
+    expected = torch.tensor([s, -s, -s, s, 0.5, 0.5, 0.5, -1.5])
+    torch.testing.assert_close(grpo_advantages(rewards_B, 4, eps=0.0), expected)
+    # The default eps only nudges the denominator.
+    torch.testing.assert_close(grpo_advantages(rewards_B, 4), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_grpo_advantages_without_std_is_dr_grpo():
+    rewards_B = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0])
+    expected = torch.tensor([0.5, -0.5, -0.5, 0.5, 0.25, 0.25, 0.25, -0.75])
+    torch.testing.assert_close(grpo_advantages(rewards_B, 4, norm_by_std=False), expected)
+
+
+def test_grpo_advantages_equal_rewards_give_zero_and_layout_errors():
+    assert torch.equal(grpo_advantages(torch.tensor([0.7, 0.7, 0.0, 0.0]), 2), torch.zeros(4))
+    with pytest.raises(ValueError, match="do not split into groups of 4"):
+        grpo_advantages(torch.zeros(6), 4)
+    with pytest.raises(ValueError, match="group_size >= 2"):
+        grpo_advantages(torch.zeros(6), 1)
+
+
+# ---------------------------------------------------------------------------------------------- KL
+
+
+def test_kl_estimators_on_numbers():
+    logp = torch.tensor([[math.log(0.5)]])
+    ref = torch.tensor([[math.log(0.25)]])
+    # d = ref - logp = log(0.5)
+    assert kl_penalty(logp, ref, "k1").item() == pytest.approx(math.log(2))
+    assert kl_penalty(logp, ref, "k2").item() == pytest.approx(0.5 * math.log(2) ** 2)
+    assert kl_penalty(logp, ref, "k3").item() == pytest.approx(0.5 + math.log(2) - 1)
+    assert kl_penalty(logp, ref, "low_var_kl").item() == pytest.approx(0.5 + math.log(2) - 1)
+
+
+def test_low_var_kl_clamps_with_finite_gradient():
+    logp = torch.tensor([[0.0, -100.0]], requires_grad=True)
+    ref = torch.tensor([[100.0, 0.0]])
+    kl = kl_penalty(logp, ref, "low_var_kl")
+    # exp(100) overflows float32; the estimate is clamped to 10 and the gradient stays finite
+    # (clamp()'s zero gradient times an infinite exp() gradient would be NaN).
+    assert kl.tolist() == [[10.0, 10.0]]
+    kl.sum().backward()
+    assert torch.isfinite(logp.grad).all()
+    assert kl_penalty(logp, ref, "k3")[0, 0].item() == float("inf")
+
+
+def test_kl_unknown_kind_lists_kinds():
+    with pytest.raises(ValueError, match="k1, k2, k3, low_var_kl"):
+        kl_penalty(torch.zeros(1, 1), torch.zeros(1, 1), "k4")
+
+
+# ---------------------------------------------------------------------------------------------- aggregation
+
+LOSS_BT = torch.tensor([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 0.0, 0.0], [7.0, 7.0, 7.0, 7.0]])
+MASK_BT = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]])
+
+
+@pytest.mark.parametrize(
+    "mode, expected",
+    [
+        ("token-mean", (1 + 2 + 3 + 5 + 6) / 5),
+        ("seq-mean-token-mean", (6 / 3 + 11 / 2) / 2),  # the empty third row is left out
+        ("seq-mean-token-sum", (6 + 11) / 2),
+    ],
+)
+def test_aggregate_modes_by_hand(mode, expected):
+    assert aggregate(LOSS_BT, MASK_BT, mode).item() == pytest.approx(expected)
+    # Masked entries do not leak in, even when they are NaN.
+    poisoned = torch.where(MASK_BT.bool(), LOSS_BT, torch.nan)
+    assert aggregate(poisoned, MASK_BT, mode).item() == pytest.approx(expected)
+
+
+def test_aggregation_counts_and_argument_errors():
+    assert aggregation_count(MASK_BT, "token-mean") == 5
+    assert aggregation_count(MASK_BT, "seq-mean-token-mean") == 2
+    with pytest.raises(ValueError, match="pass global_tokens"):
+        aggregate(LOSS_BT, MASK_BT, "token-mean", global_seqs=3)
+    with pytest.raises(ValueError, match="dp_size=2 only applies"):
+        aggregate(LOSS_BT, MASK_BT, "token-mean", dp_size=2)
+    with pytest.raises(ValueError, match="unknown loss aggregation 'mean'"):
+        aggregate(LOSS_BT, MASK_BT, "mean")
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_global_normalization_matches_whole_batch(mode):
+    """2 ranks x 2 micro-batches, FSDP-style gradient averaging over ranks == the batch at once."""
+    gen = torch.Generator().manual_seed(0)
+    x_BT = torch.randn(4, 5, generator=gen).requires_grad_()
+    mask_BT = torch.tensor([[1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 1, 0, 0], [0, 1, 1, 0, 0]])
+
+    def per_token(x):
+        return x.square() + x
+
+    whole = aggregate(per_token(x_BT), mask_BT, mode)
+    (grad_whole,) = torch.autograd.grad(whole, x_BT)
+
+    n_tokens = aggregation_count(mask_BT, "token-mean")
+    n_seqs = aggregation_count(mask_BT, mode) if mode != "token-mean" else None
+    dp_size = 2
+    rank_losses, rank_grads = [], []
+    for rank in range(dp_size):
+        total = 0.0
+        for row in (2 * rank, 2 * rank + 1):  # one sequence per micro-batch
+            total = total + aggregate(
+                per_token(x_BT[row : row + 1]),
+                mask_BT[row : row + 1],
+                mode,
+                global_tokens=n_tokens,
+                global_seqs=n_seqs,
+                dp_size=dp_size,
+            )
+        rank_losses.append(total)
+        rank_grads.append(torch.autograd.grad(total, x_BT)[0])
+    torch.testing.assert_close(sum(rank_losses) / dp_size, whole)
+    torch.testing.assert_close(sum(rank_grads) / dp_size, grad_whole)
+
+    if mode == "token-mean":
+        # Normalizing each micro-batch by its own count instead gives a different loss: the test
+        # above would catch a regression to it.
+        naive = sum(aggregate(per_token(x_BT[r : r + 1]), mask_BT[r : r + 1], mode) for r in range(4)) / 4
+        assert not torch.allclose(naive, whole)
+
+
+# ---------------------------------------------------------------------------------------------- PPO loss
+
+
+def _ppo_example():
+    # Ratios per token; sequence 0 has advantage +1, sequence 1 has -1; the last token is padding.
+    ratios_BT = torch.tensor([[1.5, 1.0, 0.5], [0.5, 1.1, 3.0]])
+    old_BT = torch.full((2, 3), math.log(0.3))
+    new_BT = (old_BT + ratios_BT.log()).requires_grad_()
+    mask_BT = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    return ratios_BT, old_BT, new_BT, mask_BT, torch.tensor([1.0, -1.0])
+
+
+def test_ppo_policy_loss_by_hand():
+    ratios_BT, old_BT, new_BT, mask_BT, adv_B = _ppo_example()
+    out = ppo_policy_loss(new_BT, old_BT, adv_B, mask_BT, clip_low=0.2, clip_high=0.28)
+    # Per-token max(-A r, -A clip(r, 0.8, 1.28)):
+    #   A=+1: r=1.5 -> max(-1.5, -1.28) = -1.28 (clipped high); r=1 -> -1; r=0.5 -> max(-0.5, -0.8) = -0.5
+    #   A=-1: r=0.5 -> max(0.5, 0.8) = 0.8 (clipped low); r=1.1 -> 1.1; r=3.0 masked.
+    assert out.loss.item() == pytest.approx((-1.28 - 1.0 - 0.5 + 0.8 + 1.1) / 5)
+    assert out.clip_frac.item() == pytest.approx(2 / 5)
+    k3 = [r - math.log(r) - 1 for r in (1.5, 1.0, 0.5, 0.5, 1.1)]
+    assert out.approx_kl.item() == pytest.approx(sum(k3) / 5)
+    out.loss.backward()
+    # d(-A r)/d logp = -A r on unclipped tokens, 0 on clipped and masked ones; / 5 tokens.
+    expected_grad = torch.tensor([[0.0, -1.0, -0.5], [0.0, 1.1, 0.0]]) / 5
+    torch.testing.assert_close(new_BT.grad, expected_grad)
+
+
+def test_ppo_policy_loss_is_weights_scale_without_gradient():
+    _, old_BT, new_BT, mask_BT, adv_B = _ppo_example()
+    weights_BT = torch.tensor([[2.0, 2.0, 2.0], [0.5, 0.5, 0.5]], requires_grad=True)
+    out = ppo_policy_loss(new_BT, old_BT, adv_B, mask_BT, is_weights_BT=weights_BT)
+    assert out.loss.item() == pytest.approx((2 * (-1.28 - 1.0 - 0.5) + 0.5 * (0.8 + 1.1)) / 5)
+    out.loss.backward()
+    assert weights_BT.grad is None
+    # Per-token advantages (B, T) are the same as broadcast per-sequence ones.
+    same = ppo_policy_loss(new_BT, old_BT, adv_B[:, None].expand(2, 3), mask_BT, is_weights_BT=weights_BT)
+    assert same.loss.item() == pytest.approx(out.loss.item())
+
+
+def test_truncated_is_weights():
+    trainer_BT = torch.tensor([[math.log(0.5), math.log(0.2), 0.0]], requires_grad=True)
+    rollout_BT = torch.tensor([[math.log(0.25), math.log(0.4), -50.0]])
+    w = truncated_is_weights(trainer_BT, rollout_BT, torch.tensor([[1, 1, 0]]), cap=1.5)
+    # exp(log 2) = 2 -> capped at 1.5; exp(log 0.5) = 0.5; masked -> 0 (even though exp(50) is huge).
+    torch.testing.assert_close(w, torch.tensor([[1.5, 0.5, 0.0]]))
+    assert not w.requires_grad
+
+
+# ---------------------------------------------------------------------------------------------- per-token math
+
+
+def test_token_logprobs_matches_log_softmax_across_chunks():
+    gen = torch.Generator().manual_seed(1)
+    # T = 600 with B = 2 spans two chunks of positions.
+    logits = torch.randn(2, 600, 7, generator=gen, requires_grad=True)
+    targets = torch.randint(0, 7, (2, 600), generator=gen)
+    ours = token_logprobs(logits, targets)
+    ref = logits.log_softmax(-1).gather(-1, targets[..., None]).squeeze(-1)
+    torch.testing.assert_close(ours, ref)
+    (g_ours,) = torch.autograd.grad(ours.sum(), logits)
+    (g_ref,) = torch.autograd.grad(ref.sum(), logits)
+    torch.testing.assert_close(g_ours, g_ref)
+    bf16 = logits.detach().bfloat16()
+    out = token_logprobs(bf16, targets)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, bf16.float().log_softmax(-1).gather(-1, targets[..., None]).squeeze(-1))
+
+
+def test_entropy_matches_direct_formula_and_is_stable():
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(3, 4, 9, generator=gen)
+    p = logits.softmax(-1)
+    torch.testing.assert_close(entropy_from_logits(logits), -(p * p.log()).sum(-1))
+    assert entropy_from_logits(torch.zeros(1, 1, 9)).item() == pytest.approx(math.log(9))
+    # A probability that underflows to 0 makes -sum(p log p) NaN (0 * -inf); ours stays finite.
+    extreme = torch.tensor([[[1000.0, 0.0, -1000.0]]])
+    assert entropy_from_logits(extreme).item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_masked_mean_empty_is_zero():
+    assert masked_mean(torch.tensor([1.0, torch.nan]), torch.tensor([0, 0])).item() == 0.0
+    assert masked_mean(torch.tensor([1.0, 3.0, 100.0]), torch.tensor([1, 1, 0])).item() == 2.0
+
+
+def test_masked_cross_entropy_matches_torch_on_unmasked_positions():
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 6, 11, generator=gen)
+    ids = torch.randint(0, 11, (2, 6), generator=gen)
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 0], [0, 1, 1, 0, 1, 1]])
+    n_global = int(loss_mask[:, 1:].sum())
+    loss, n_local = masked_cross_entropy(logits, ids, loss_mask, num_global_tokens=n_global)
+    # logits[:, t] predicts ids[:, t + 1], counted where loss_mask[:, t + 1] == 1.
+    valid = loss_mask[:, 1:].bool()
+    expected = F.cross_entropy(logits[:, :-1][valid], ids[:, 1:][valid])
+    assert n_local == 7
+    torch.testing.assert_close(loss, expected)
+
+    # Two micro-batches (one row each) divided by the global count sum to the whole-batch mean.
+    parts = [
+        masked_cross_entropy(
+            logits[r : r + 1], ids[r : r + 1], loss_mask[r : r + 1], num_global_tokens=n_global
+        )
+        for r in range(2)
+    ]
+    torch.testing.assert_close(parts[0][0] + parts[1][0], expected)
+    assert parts[0][1] + parts[1][1] == n_global

@@ -1,0 +1,115 @@
+"""Config composition, validation and derivation (no processes, no model)."""
+
+from __future__ import annotations
+
+import pytest
+
+from spmdrl.config import Config, ConfigError, TrainerConfig, derive
+from spmdrl.config_loader import available_recipes, load_config
+
+
+def test_recipe_and_overrides_compose() -> None:
+    cfg = load_config(
+        ["recipe=sft_tiny", "optim.lr=2e-5", "trainer.total_steps=50", "data.tiny.num_train=64"]
+    )
+    assert isinstance(cfg, Config)
+    assert cfg.name == "sft_tiny" and cfg.entry == "sft"
+    assert cfg.optim.lr == pytest.approx(2e-5)
+    assert cfg.trainer.total_steps == 50
+    assert cfg.data.tiny.num_train == 64
+    # recipe values override the dataclass defaults
+    assert cfg.optim.schedule == "cosine"
+
+
+def test_default_recipe_is_sft_tiny() -> None:
+    assert load_config([]).name == "sft_tiny"
+    assert "sft_tiny" in available_recipes()
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("optim.lrr=1e-5", "Did you mean 'optim.lr'"),
+        ("trainer.total_step=3", "trainer.total_steps"),
+        ("optimm.lr=1", "Valid keys at the top level"),
+        ("optim.lr.x=1", "has no sub-keys"),
+    ],
+)
+def test_unknown_key_names_valid_choices(override: str, expected: str) -> None:
+    with pytest.raises(ConfigError, match=expected):
+        load_config([override])
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("optim.lr=fast", "optim.lr"),
+        ("trainer.micro_batch_size=1.5", "trainer.micro_batch_size"),
+        ("logging.tensorboard=maybe", "logging.tensorboard"),
+    ],
+)
+def test_wrong_type_names_the_key(override: str, key: str) -> None:
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config([override])
+
+
+def test_unknown_recipe_lists_recipes() -> None:
+    with pytest.raises(ConfigError, match="Available recipes: .*sft_tiny"):
+        load_config(["recipe=sft_tin"])
+
+
+@pytest.mark.parametrize(
+    ("override", "match"),
+    [
+        ("optim.schedule=linearish", "optim.schedule"),
+        ("data.overlong=truncate", "data.overlong"),
+        ("trainer.global_batch_size=0", "trainer.global_batch_size must be > 0"),
+        ("parallel.dp_replicate=0", "parallel.dp_replicate"),
+        ("data.tiny.correct_fraction=1.5", "correct_fraction"),
+    ],
+)
+def test_bad_values_rejected(override: str, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        load_config([override])
+
+
+def test_unparseable_argument() -> None:
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(["lr"])
+
+
+def _cfg(global_batch: int, micro: int, total_steps: int = 0, epochs: int = 1) -> Config:
+    return Config(
+        trainer=TrainerConfig(
+            global_batch_size=global_batch,
+            micro_batch_size=micro,
+            total_steps=total_steps,
+            total_epochs=epochs,
+        )
+    )
+
+
+def test_derive_batch_arithmetic() -> None:
+    d = derive(_cfg(64, 8, epochs=3), world_size=4, num_train_samples=1000)
+    assert d.per_rank_batch_size == 16
+    assert d.grad_accum_steps == 2
+    assert d.steps_per_epoch == 1000 // 64
+    assert d.total_steps == 3 * (1000 // 64)
+    # an explicit total_steps wins over epochs
+    assert derive(_cfg(64, 8, total_steps=7), 4, 1000).total_steps == 7
+
+
+def test_derive_counts_samples_per_item() -> None:
+    # GRPO: 8 prompts per rank, 5 samples each = 40 sequences = 5 micro-batches of 8
+    d = derive(_cfg(16, 8), world_size=2, num_train_samples=100, samples_per_item=5)
+    assert d.per_rank_batch_size == 8
+    assert d.grad_accum_steps == 5
+
+
+def test_derive_rejects_indivisible_batch() -> None:
+    with pytest.raises(ConfigError, match="not divisible by the data-parallel size 3"):
+        derive(_cfg(64, 8), world_size=3, num_train_samples=1000)
+    with pytest.raises(ConfigError, match="micro_batch_size=3 must divide"):
+        derive(_cfg(64, 3), world_size=2, num_train_samples=1000)
+    with pytest.raises(ConfigError, match="fewer than one global batch"):
+        derive(_cfg(64, 8), world_size=2, num_train_samples=10)
