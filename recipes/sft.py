@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -109,6 +110,15 @@ def validation_loss(run: Run, model: torch.nn.Module, ds: SFTDataset, micro: int
 
 def main(cfg: Config) -> None:
     run = start_run(cfg)
+    train_sft(run, cfg)
+
+
+def train_sft(run: Run, cfg: Config, stage: str = "") -> Path:
+    """The whole SFT run on an initialized Run; returns the exported HF model directory.
+
+    ``stage`` names a sub-directory of the run's output for metrics and the export (the RL
+    recipes' warm-start uses "sft"); "" writes to the output directory itself.
+    """
     env = run.env
 
     # Model files and tokenizer (built or downloaded by rank 0 first).
@@ -122,6 +132,7 @@ def main(cfg: Config) -> None:
     derived = derive(cfg, env.world_size, len(train_ds))
     run.log_derived(
         derived,
+        stage=stage,
         train_samples=len(train_ds),
         train_filtered_overlong=train_ds.num_filtered,
         val_samples=len(val_ds) if val_ds else 0,
@@ -147,7 +158,7 @@ def main(cfg: Config) -> None:
     model = build_fsdp_model(spec, meshes.fsdp("actor"), env.device)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_lr_scheduler(optimizer, cfg.optim, derived.total_steps)
-    logger = run.metric_logger(derived.total_steps)
+    logger = run.metric_logger(derived.total_steps, stage)
 
     for step in range(1, derived.total_steps + 1):
         t0 = time.perf_counter()
@@ -196,11 +207,13 @@ def main(cfg: Config) -> None:
         if step % cfg.trainer.log_every == 0 or "val/loss" in metrics:
             logger.log(step, metrics)
 
-    if cfg.trainer.save_hf:
-        export_hf(model, tokenizer, run.output_dir / "hf_model")
+    export_dir = run.output_dir / stage / "hf_model"
+    if cfg.trainer.save_hf or stage:
+        export_hf(model, tokenizer, export_dir)
     logger.close()
     dist.barrier()
-    log.info("done: %d steps, outputs in %s", derived.total_steps, run.output_dir)
+    log.info("SFT done: %d steps, outputs in %s", derived.total_steps, run.output_dir / stage)
+    return export_dir
 
 
 if __name__ == "__main__":

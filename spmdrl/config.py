@@ -37,8 +37,14 @@ class TinyTaskConfig:
     num_train: int = 2000
     num_test: int = 200
     max_operand: int = 20
-    # Fraction of SFT demonstrations whose answer is right; the rest carry a plausible wrong answer.
+    # Fraction of SFT demonstrations whose answer is right; the rest carry a wrong answer.
     correct_fraction: float = 1.0
+    # How wrong demonstrations are wrong: 0 is a random slip of -3..+3; any other value is a
+    # systematic bias (every wrong answer is off by exactly this much), which SFT learns as the mode.
+    wrong_offset: int = 0
+    # What the test split holds out: "problems" (operand/operation combinations never seen in train)
+    # or "questions" (unseen wordings; the arithmetic facts may appear in train).
+    held_out: str = "problems"
     seed: int = 1234
 
 
@@ -107,6 +113,10 @@ class LoggingConfig:
     tensorboard: bool = True
     progress_bar: bool = True
     console_every: int = 10
+    # RL recipes: every this many steps, rank 0 appends samples_per_log completions with their
+    # rewards to samples.jsonl (0 turns it off).
+    samples_every: int = 10
+    samples_per_log: int = 4
 
 
 @dataclass
@@ -129,6 +139,8 @@ class RolloutConfig:
     dtype: str = "auto"
     # CUDA only: release the KV cache and weights while training (vLLM sleep mode).
     free_cache_engine: bool = True
+    # Weight sync gathers the actor's shards in buckets of about this many MB (one all-gather each).
+    weight_sync_bucket_mb: float = 32.0
     # Samples per prompt (the GRPO group size).
     n: int = 5
     temperature: float = 1.0
@@ -173,6 +185,22 @@ class RewardConfig:
 
 
 @dataclass
+class WarmstartConfig:
+    """An SFT stage run inside the RL job before RL starts, on data.train_files' response column.
+
+    grpo_tiny uses it to teach the answer format from demonstrations that are right only part of
+    the time; RL with a correctness reward does the rest.
+    """
+
+    enabled: bool = False
+    total_steps: int = 100
+    lr: float = 1e-3
+    global_batch_size: int = 64
+    micro_batch_size: int = 32
+    warmup_steps: int = 10
+
+
+@dataclass
 class Config:
     # The recipe config's name (what recipe= selected) and the recipe module it runs (spmdrl.recipes.<entry>).
     name: str = "sft_tiny"
@@ -186,6 +214,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    warmstart: WarmstartConfig = field(default_factory=WarmstartConfig)
 
 
 def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
@@ -219,6 +248,29 @@ def validate(cfg: Config) -> None:
         )
     if len(cfg.optim.betas) != 2:
         raise ConfigError(f"optim.betas must have two values, got {cfg.optim.betas}")
+    _check_choice("algorithm.adv_estimator", cfg.algorithm.adv_estimator, ("grpo",))
+    _check_choice(
+        "algorithm.loss_agg_mode",
+        cfg.algorithm.loss_agg_mode,
+        ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
+    )
+    _check_choice("algorithm.kl_loss_type", cfg.algorithm.kl_loss_type, ("k1", "k2", "k3", "low_var_kl"))
+    _check_choice("rollout.dtype", cfg.rollout.dtype, ("auto", "bfloat16", "float16", "float32"))
+    for key, value in {
+        "rollout.tp": cfg.rollout.tp,
+        "rollout.n": cfg.rollout.n,
+        "algorithm.ppo_epochs": cfg.algorithm.ppo_epochs,
+        "reward.timeout_s": cfg.reward.timeout_s,
+    }.items():
+        if value <= 0:
+            raise ConfigError(f"{key} must be > 0, got {value}")
+    if cfg.rollout.temperature < 0 or cfg.rollout.val_temperature < 0:
+        raise ConfigError("rollout.temperature and rollout.val_temperature must be >= 0 (0 is greedy)")
+    if cfg.algorithm.ppo_mini_batch_size < 0 or cfg.algorithm.tis_cap < 0:
+        raise ConfigError(
+            "algorithm.ppo_mini_batch_size and algorithm.tis_cap must be >= 0 (0 turns them off)"
+        )
+    _check_choice("data.tiny.held_out", cfg.data.tiny.held_out, ("problems", "questions"))
     if not 0.0 <= cfg.data.tiny.correct_fraction <= 1.0:
         raise ConfigError(
             f"data.tiny.correct_fraction must be in [0, 1], got {cfg.data.tiny.correct_fraction}"
@@ -276,4 +328,52 @@ def derive(cfg: Config, world_size: int, num_train_samples: int, *, samples_per_
         grad_accum_steps=per_rank_seqs // t.micro_batch_size,
         steps_per_epoch=steps_per_epoch,
         total_steps=total,
+    )
+
+
+@dataclass(frozen=True)
+class RLDerived:
+    """GRPO's batch arithmetic on top of :class:`Derived` (counts in sequences unless named prompts)."""
+
+    samples_per_prompt: int
+    mini_batches_per_step: int
+    per_rank_mini_batch_seqs: int
+    micro_batches_per_mini_batch: int
+    max_model_len: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def derive_rl(cfg: Config, derived: Derived) -> RLDerived:
+    n = cfg.rollout.n
+    mini_prompts = cfg.algorithm.ppo_mini_batch_size or cfg.trainer.global_batch_size
+    if cfg.trainer.global_batch_size % mini_prompts:
+        raise ConfigError(
+            f"algorithm.ppo_mini_batch_size={mini_prompts} must divide trainer.global_batch_size="
+            f"{cfg.trainer.global_batch_size} (both count prompts)"
+        )
+    if mini_prompts % derived.dp_size:
+        raise ConfigError(
+            f"algorithm.ppo_mini_batch_size={mini_prompts} is not divisible by the data-parallel size {derived.dp_size}"
+        )
+    per_rank_mini = mini_prompts // derived.dp_size * n
+    if per_rank_mini % cfg.trainer.micro_batch_size:
+        raise ConfigError(
+            f"trainer.micro_batch_size={cfg.trainer.micro_batch_size} must divide the per-rank mini-batch of "
+            f"{per_rank_mini} sequences ({mini_prompts} prompts / {derived.dp_size} ranks x rollout.n={n})"
+        )
+    if derived.world_size % cfg.rollout.tp:
+        raise ConfigError(f"rollout.tp={cfg.rollout.tp} must divide the world size {derived.world_size}")
+    max_len = cfg.rollout.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length
+    if max_len < cfg.data.max_prompt_length + 1:
+        raise ConfigError(
+            f"rollout.max_model_len={max_len} leaves no room for a response after data.max_prompt_length"
+        )
+    return RLDerived(
+        samples_per_prompt=n,
+        mini_batches_per_step=cfg.trainer.global_batch_size // mini_prompts,
+        per_rank_mini_batch_seqs=per_rank_mini,
+        micro_batches_per_mini_batch=per_rank_mini // cfg.trainer.micro_batch_size,
+        max_model_len=max_len,
     )

@@ -29,24 +29,30 @@ class Run:
     output_dir: Path
     cache_dir: Path
 
-    def metric_logger(self, total_steps: int) -> NullLogger:
+    def metric_logger(self, total_steps: int, subdir: str = "") -> NullLogger:
+        """Rank 0's logger into output_dir (or output_dir/subdir, for a stage such as the SFT warm-start)."""
         if not self.env.is_main:
             return NullLogger()
         lc = self.cfg.logging
+        out = self.output_dir / subdir
+        out.mkdir(parents=True, exist_ok=True)
         return MetricLogger(
-            self.output_dir,
+            out,
             total_steps=total_steps,
             tensorboard=lc.tensorboard,
             progress_bar=lc.progress_bar,
             console_every=lc.console_every,
         )
 
-    def log_derived(self, derived: Derived, **extra: object) -> None:
-        """Logs the derived values once and saves them beside the resolved config."""
+    def log_derived(self, derived: Derived, stage: str = "", **extra: object) -> None:
+        """Logs the derived values once and saves them (output_dir[/stage]/derived.json)."""
         values = {**derived.as_dict(), **extra}
-        log.info("derived: %s", "  ".join(f"{k}={v}" for k, v in values.items()))
+        log.info(
+            "derived%s: %s", f" ({stage})" if stage else "", "  ".join(f"{k}={v}" for k, v in values.items())
+        )
         if self.env.is_main:
-            (self.output_dir / "derived.json").write_text(json.dumps(values, indent=2) + "\n")
+            (self.output_dir / stage).mkdir(parents=True, exist_ok=True)
+            (self.output_dir / stage / "derived.json").write_text(json.dumps(values, indent=2) + "\n")
 
 
 def setup_logging(rank: int) -> None:

@@ -21,9 +21,10 @@ def test_recipe_and_overrides_compose() -> None:
     assert cfg.optim.schedule == "cosine"
 
 
-def test_default_recipe_is_sft_tiny() -> None:
-    assert load_config([]).name == "sft_tiny"
-    assert "sft_tiny" in available_recipes()
+def test_default_recipe_is_grpo_tiny() -> None:
+    cfg = load_config([])
+    assert (cfg.name, cfg.entry) == ("grpo_tiny", "grpo")
+    assert {"sft_tiny", "grpo_tiny", "grpo_gsm8k"} <= set(available_recipes())
 
 
 @pytest.mark.parametrize(

@@ -154,3 +154,27 @@ def test_cli_writes_both_splits(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert pq.read_table(tmp_path / "out" / "train.parquet").num_rows == 20
     assert pq.read_table(tmp_path / "out" / "test.parquet").num_rows == 5
     assert "train.parquet" in capsys.readouterr().out
+
+
+def test_systematic_wrong_offset_is_the_only_error() -> None:
+    from collections import Counter
+
+    cfg = TinyTaskConfig(num_train=1000, num_test=50, max_operand=9, correct_fraction=0.3, wrong_offset=1)
+    train, _ = generate(cfg)
+    offsets = Counter(
+        int(r["response"].split("#### ")[1]) - int(r["reward_model"]["ground_truth"]) for r in train
+    )
+    assert set(offsets) == {0, 1}
+    assert offsets[1] == round(0.7 * 1000)
+
+
+def test_held_out_questions_share_problems_not_questions() -> None:
+    cfg = TinyTaskConfig(num_train=1500, num_test=100, max_operand=9, held_out="questions")
+    train, test = generate(cfg)
+    q_train = {r["extra_info"]["question"] for r in train}
+    q_test = {r["extra_info"]["question"] for r in test}
+    assert not q_train & q_test
+    problems = lambda rows: {r["response"].split("\n")[0] for r in rows}  # noqa: E731
+    assert problems(train) & problems(test), "with held_out=questions the arithmetic facts overlap"
+    with pytest.raises(ValueError, match="held_out"):
+        generate(TinyTaskConfig(held_out="nope"))

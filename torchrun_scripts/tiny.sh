@@ -5,4 +5,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash torchrun_scripts/setup_cpu.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec .venv/bin/torchrun --nproc_per_node="${NPROC:-2}" -m spmdrl.train recipe="${RECIPE:-sft_tiny}" "$@"
+exec .venv/bin/torchrun --nproc_per_node="${NPROC:-2}" -m spmdrl.train recipe="${RECIPE:-grpo_tiny}" "$@"

@@ -110,9 +110,10 @@ def demonstration(combo: Combo, answer: int) -> str:
     return f"{a} {op} {b} = {answer}\n#### {answer}"
 
 
-def _wrong_answer(true: int, rng: random.Random) -> int:
-    # Off by 1-3, the kind of slip a model makes; never negative (the task has no negative answers).
-    delta = rng.choice((-3, -2, -1, 1, 2, 3))
+def _wrong_answer(true: int, rng: random.Random, offset: int = 0) -> int:
+    # Off by 1-3, the kind of slip a model makes (or by a fixed ``offset``: a systematic bias);
+    # never negative (the task has no negative answers).
+    delta = offset if offset else rng.choice((-3, -2, -1, 1, 2, 3))
     return true + delta if true + delta >= 0 else true - delta
 
 
@@ -125,12 +126,14 @@ def _check(cfg: TinyTaskConfig) -> None:
         raise ValueError(f"data.tiny.correct_fraction must be in [0, 1], got {cfg.correct_fraction}")
 
 
-def _sample_unique(combos: list[Combo], count: int, rng: random.Random, split: str) -> list[Phrasing]:
-    """``count`` distinct phrasings of ``combos``, spread about evenly over the combos."""
+def _sample_unique(
+    combos: list[Combo], count: int, rng: random.Random, split: str, exclude: frozenset | set = frozenset()
+) -> list[Phrasing]:
+    """``count`` distinct phrasings of ``combos`` (none in ``exclude``), spread about evenly over the combos."""
     shapes = [
         (t, n, o) for t in range(TEMPLATES_PER_OP) for n in range(len(NAMES)) for o in range(len(OBJECTS))
     ]
-    space = len(combos) * len(shapes)
+    space = len(combos) * len(shapes) - len(exclude)
     if count > space:
         raise ValueError(
             f"data.tiny: the {split} split needs {count} distinct questions but only {space} exist for "
@@ -138,7 +141,7 @@ def _sample_unique(combos: list[Combo], count: int, rng: random.Random, split: s
         )
     if count > space // 2:
         # Dense: enumerate everything and sample, rejection would stall near the end.
-        return rng.sample([(c, *s) for c in combos for s in shapes], count)
+        return rng.sample([p for c in combos for s in shapes if (p := (c, *s)) not in exclude], count)
     order = combos[:]
     rng.shuffle(order)
     out: list[Phrasing] = []
@@ -148,7 +151,7 @@ def _sample_unique(combos: list[Combo], count: int, rng: random.Random, split: s
         # Cycle through the combos so each appears about equally often, with a random phrasing each time.
         p = (order[i % len(order)], *rng.choice(shapes))
         i += 1
-        if p not in seen:
+        if p not in seen and p not in exclude:
             seen.add(p)
             out.append(p)
     return out
@@ -181,24 +184,30 @@ def generate(cfg: TinyTaskConfig) -> tuple[list[dict], list[dict]]:
     # Separate random streams per purpose (string seeds hash deterministically) so the test split does
     # not change when only num_train does.
     random.Random(f"tiny_arith/{cfg.seed}/split").shuffle(combos)
-    num_test_combos = min(cfg.num_test, len(combos) // 2)
-    test_combos, train_combos = combos[:num_test_combos], combos[num_test_combos:]
+    if cfg.held_out == "problems":
+        num_test_combos = min(cfg.num_test, len(combos) // 2)
+        test_combos, train_combos = combos[:num_test_combos], combos[num_test_combos:]
+    elif cfg.held_out == "questions":
+        test_combos, train_combos = combos, combos
+    else:
+        raise ValueError(f"data.tiny.held_out must be 'problems' or 'questions', got {cfg.held_out!r}")
 
     test_rng = random.Random(f"tiny_arith/{cfg.seed}/test")
-    test = [
-        _row(p, "test", i, _answer(p[0]))
-        for i, p in enumerate(_sample_unique(test_combos, cfg.num_test, test_rng, "test"))
-    ]
+    test_phrasings = _sample_unique(test_combos, cfg.num_test, test_rng, "test")
+    test = [_row(p, "test", i, _answer(p[0])) for i, p in enumerate(test_phrasings)]
 
     train_rng = random.Random(f"tiny_arith/{cfg.seed}/train")
-    phrasings = _sample_unique(train_combos, cfg.num_train, train_rng, "train")
+    # With held_out="questions" the splits share combinations, never a question.
+    test_questions = set(test_phrasings) if cfg.held_out == "questions" else set()
+    phrasings = _sample_unique(train_combos, cfg.num_train, train_rng, "train", exclude=test_questions)
     # An exact count of wrong demonstrations (not a coin per row) so the fraction holds for small sets too.
     num_wrong = round((1.0 - cfg.correct_fraction) * cfg.num_train)
     wrong = set(train_rng.sample(range(cfg.num_train), num_wrong))
     train = []
     for i, p in enumerate(phrasings):
         true = _answer(p[0])
-        train.append(_row(p, "train", i, _wrong_answer(true, train_rng) if i in wrong else true))
+        claimed = _wrong_answer(true, train_rng, cfg.wrong_offset) if i in wrong else true
+        train.append(_row(p, "train", i, claimed))
     return train, test
 
 

@@ -1,0 +1,136 @@
+"""FSDP2 training-step throughput and peak memory: mixed precision and activation checkpointing.
+
+Builds a randomly initialized Qwen2 of a named shape (no download), shards it with spmdrl's own
+build path (meta -> fully_shard -> load), and times forward+backward+AdamW steps on synthetic
+batches, in each variant, in one run. Prints a table with ratios to the first variant.
+
+    torchrun --nproc_per_node=1 benchmarks/train_step.py --shape qwen2.5-0.5b --seq 1024 --batch 8   # one GPU
+    torchrun --nproc_per_node=2 benchmarks/train_step.py --shape tiny --seq 128 --batch 8             # CPU, gloo
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from spmdrl.dist.env import init_distributed
+from spmdrl.dist.placement import Placement
+from spmdrl.models.build import ModelSpec, build_fsdp_model
+
+SHAPES = {
+    "tiny": dict(
+        hidden_size=128,
+        intermediate_size=352,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+    ),
+    "qwen2.5-0.5b": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+    ),
+    "qwen2.5-1.5b": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+    ),
+}
+
+
+def save_random_model(shape: str, out: Path) -> None:
+    cfg = Qwen2Config(**SHAPES[shape], tie_word_embeddings=True, max_position_embeddings=4096)
+    with torch.device("cpu"):
+        torch.manual_seed(0)
+        Qwen2ForCausalLM(cfg).save_pretrained(out)
+
+
+def time_variant(
+    path: Path, mesh, device: torch.device, dtype: torch.dtype, ac: bool, seq: int, batch: int, steps: int
+) -> tuple[float, float]:
+    model = build_fsdp_model(ModelSpec(path, dtype, torch.float32, activation_checkpointing=ac), mesh, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (batch, seq), device=device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    for i in range(steps + 2):  # two warm-up steps
+        if i == 2:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            dist.barrier()
+            t0 = time.perf_counter()
+        logits = model(input_ids=ids).logits
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
+    tokens_per_s = steps * batch * seq * dist.get_world_size() / elapsed
+    peak_gib = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+    del model, opt
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return tokens_per_s, peak_gib
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=5)
+    args = p.parse_args()
+    env = init_distributed("auto")
+    mesh = Placement.colocated(env.world_size).build_meshes(env.device.type).fsdp("actor")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "model"
+        if env.rank == 0:
+            save_random_model(args.shape, path)
+        path = Path(_bcast(str(path)))
+        dist.barrier()
+        low = torch.bfloat16 if env.device.type == "cuda" else torch.float32
+        variants = [
+            ("fp32", torch.float32, False),
+            (f"{str(low)[6:]} params", low, False),
+            (f"{str(low)[6:]} + AC", low, True),
+        ]
+        rows = []
+        for name, dtype, ac in variants:
+            tps, peak = time_variant(path, mesh, env.device, dtype, ac, args.seq, args.batch, args.steps)
+            rows.append((name, tps, peak))
+        dist.barrier()
+    if env.rank == 0:
+        dev = torch.cuda.get_device_name() if env.device.type == "cuda" else "cpu"
+        print(
+            f"\n{args.shape}, {env.world_size} rank(s) on {dev}, batch {args.batch} x seq {args.seq} per rank"
+        )
+        print(f"{'variant':<18}{'tokens/s':>12}{'x fp32':>9}{'peak GiB':>10}{'x fp32':>9}")
+        for name, tps, peak in rows:
+            print(f"{name:<18}{tps:>12.0f}{tps / rows[0][1]:>9.2f}{peak:>10.2f}{peak / rows[0][2]:>9.2f}")
+    dist.destroy_process_group()
+
+
+def _bcast(s: str) -> str:
+    box = [s]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+if __name__ == "__main__":
+    main()

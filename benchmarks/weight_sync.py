@@ -1,0 +1,192 @@
+"""Weight sync benchmark: the bucketed FSDP2 -> vLLM sync against the simple ways of doing it.
+
+    torchrun --nproc_per_node=2 benchmarks/weight_sync.py
+    torchrun --nproc_per_node=2 benchmarks/weight_sync.py --layers 8 --hidden 512 --vocab 16384 --tp 2
+    torchrun --nproc_per_node=2 benchmarks/weight_sync.py --model-dir /path/to/hf/model --no-engine
+
+Measured in one run, on the same ranks and the same model (a random Qwen2 of the given shape, or
+``--model-dir``), each the median of ``--repeats`` after one warm-up:
+
+- ``one all_gather``: a single all-gather of as many bytes as the whole model in the engine dtype: the
+  communication floor, with nothing to unpack;
+- ``bucketed gather``: :func:`spmdrl.rollout.weight_sync.iter_full_tensors` drained, per bucket size;
+- ``per-param full_tensor``: ``DTensor.full_tensor()`` for each parameter (one collective each), cast;
+- ``bucketed sync`` / ``per-param sync``: the same two, fed into the vLLM engine's in-place reload.
+
+Prints ratios to the bucketed gather and to the one all-gather; absolute times depend on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from spmdrl.dist.env import broadcast_str, init_distributed
+from spmdrl.dist.placement import Placement
+from spmdrl.models.build import ModelSpec, build_fsdp_model
+from spmdrl.rollout.weight_sync import DEFAULT_BUCKET_MB, iter_full_tensors, sync_weights, trainer_weights
+
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-dir", default="", help="an HF Qwen2/Llama directory; default: a random Qwen2")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--intermediate", type=int, default=1536)
+    p.add_argument("--vocab", type=int, default=16384)
+    p.add_argument("--buckets-mb", default="4,32,128", help="bucket sizes for the gather-only rows")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--no-engine", action="store_true", help="skip vLLM; time the gathers only")
+    return p.parse_args()
+
+
+def _random_qwen2(out: Path, a: argparse.Namespace) -> None:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from spmdrl.models.tiny import VOCAB_SIZE, build_tokenizer
+
+    if a.vocab < VOCAB_SIZE:
+        raise SystemExit(f"--vocab must be >= {VOCAB_SIZE} (the tokenizer's size), got {a.vocab}")
+    cfg = Qwen2Config(
+        vocab_size=a.vocab,
+        hidden_size=a.hidden,
+        intermediate_size=a.intermediate,
+        num_hidden_layers=a.layers,
+        num_attention_heads=max(1, a.hidden // 64),
+        num_key_value_heads=max(1, a.hidden // 256),
+        head_dim=64,
+        tie_word_embeddings=True,
+        max_position_embeddings=256,
+    )
+    cfg.architectures = ["Qwen2ForCausalLM"]
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(cfg).save_pretrained(out)
+    # vLLM loads a tokenizer with the model; the tiny model's (512 ids, all below --vocab) serves.
+    build_tokenizer().save_pretrained(out)
+
+
+def _median_s(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
+    times = []
+    for i in range(repeats + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier()
+        if i:  # the first run warms up allocators and communicators
+            times.append(time.perf_counter() - t0)
+    # Every rank reports the slowest rank's median: the sync is as slow as its slowest rank.
+    t = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def main() -> None:
+    a = _args()
+    env = init_distributed(a.device)
+    device = env.device
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    tmp = None
+    if a.model_dir:
+        model_dir = Path(a.model_dir)
+    else:
+        tmp = tempfile.TemporaryDirectory(prefix="spmdrl-bench-") if env.is_main else None
+        model_dir = Path(broadcast_str(tmp.name if tmp else ""))
+        if env.is_main:
+            _random_qwen2(model_dir, a)
+        dist.barrier()
+
+    mesh = Placement.colocated(env.world_size).build_meshes(device.type).fsdp("actor")
+    model = build_fsdp_model(ModelSpec(model_dir, torch.float32, torch.float32, train=False), mesh, device)
+    dtype = torch.bfloat16
+    weights = list(trainer_weights(model))
+    total_bytes = sum(p.numel() for _, p in weights) * dtype.itemsize
+    per_rank = -(-total_bytes // (dtype.itemsize * env.world_size))
+
+    def one_all_gather() -> None:
+        send = torch.empty(per_rank, dtype=dtype, device=device)
+        recv = torch.empty(per_rank * env.world_size, dtype=dtype, device=device)
+        all_gather_single(recv, send)
+
+    def drain(it: object) -> None:
+        for _ in it:  # type: ignore[attr-defined]
+            pass
+
+    rows: list[tuple[str, float]] = [
+        ("one all_gather, whole model", _median_s(one_all_gather, a.repeats, device))
+    ]
+    bucket_sizes = [float(x) for x in a.buckets_mb.split(",")]
+    for mb in bucket_sizes:
+        rows.append(
+            (
+                f"bucketed gather, {mb:g} MB",
+                _median_s(
+                    lambda mb=mb: drain(iter_full_tensors(weights, dtype=dtype, bucket_mb=mb)),
+                    a.repeats,
+                    device,
+                ),
+            )
+        )
+    # The reference row: the default bucket size when it was measured, else the largest one.
+    ref_mb = DEFAULT_BUCKET_MB if DEFAULT_BUCKET_MB in bucket_sizes else max(bucket_sizes)
+    ref = dict(rows)[f"bucketed gather, {ref_mb:g} MB"]
+    rows.append(
+        (
+            "per-param full_tensor",
+            _median_s(lambda: drain((n, p.full_tensor().to(dtype)) for n, p in weights), a.repeats, device),
+        )
+    )
+    if not a.no_engine:
+        from spmdrl.config import RolloutConfig
+        from spmdrl.rollout.engine import build_engine
+
+        cfg = RolloutConfig(tp=a.tp, cpu_kvcache_gib=0.25, max_num_seqs=8)
+        engine = build_engine(model_dir, cfg, max_model_len=128, device_type=device.type)
+        rows.append(
+            (
+                f"bucketed sync -> vLLM, {DEFAULT_BUCKET_MB:g} MB",
+                _median_s(lambda: sync_weights(model, engine), a.repeats, device),
+            )
+        )
+        rows.append(
+            (
+                "per-param full_tensor -> vLLM",
+                _median_s(
+                    lambda: engine.load_weights((n, p.full_tensor().to(dtype)) for n, p in weights),
+                    a.repeats,
+                    device,
+                ),
+            )
+        )
+        engine.close()
+
+    if env.is_main:
+        floor = rows[0][1]
+        print(
+            f"\nweight sync: {env.world_size} ranks on {device.type}, {len(weights)} tensors, "
+            f"{total_bytes / 1e6:.1f} MB in {dtype}, median of {a.repeats} (slowest rank)"
+        )
+        print(f"{'method':<36} {'ms':>9} {'x one all_gather':>17} {f'x bucketed {ref_mb:g} MB':>19}")
+        for name, t in rows:
+            print(f"{name:<36} {t * 1e3:>9.1f} {t / floor:>17.2f} {t / ref:>19.2f}")
+    dist.barrier()
+    if tmp is not None:
+        tmp.cleanup()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""The policy forward pass RL needs: per-token logprobs (and entropy) of the tokens in a batch."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from spmdrl.algos.losses import entropy_from_logits, token_logprobs
+
+
+def policy_logprobs(
+    model: nn.Module,
+    input_ids_BT: torch.Tensor,
+    attention_mask_BT: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprob of each token given the ones before it, at the token's own position (column 0 is 0).
+
+    Logits are divided by the sampling temperature so that the result is comparable with the
+    engine's logprobs, which are reported after temperature (0 = greedy is scored at 1).
+    Entropy, when asked, is the entropy of the distribution that predicted each token.
+    """
+    logits_BTV = model(input_ids=input_ids_BT, attention_mask=attention_mask_BT).logits
+    if temperature > 0 and temperature != 1.0:
+        logits_BTV = logits_BTV / temperature
+    B, T = input_ids_BT.shape
+    lp_BT = torch.zeros((B, T), dtype=torch.float32, device=input_ids_BT.device)
+    lp_BT[:, 1:] = token_logprobs(logits_BTV[:, :-1], input_ids_BT[:, 1:])
+    ent_BT = None
+    if with_entropy:
+        ent_BT = torch.zeros((B, T), dtype=torch.float32, device=input_ids_BT.device)
+        ent_BT[:, 1:] = entropy_from_logits(logits_BTV[:, :-1])
+    return lp_BT, ent_BT

@@ -1,0 +1,123 @@
+"""The rollout engine interface: what a recipe may ask of a generation backend.
+
+A recipe sees only :class:`RolloutEngine`; vLLM is one implementation (:mod:`spmdrl.rollout.vllm_engine`)
+and a second backend (SGLang, say) is a new module plus one branch in :func:`build_engine`, without
+touching recipes. Every rank builds the engine and calls every method (one SPMD program): an engine
+that spans several ranks (tensor parallelism) needs all of them in each call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from spmdrl.config import ConfigError, RolloutConfig
+
+ENGINES = ("vllm",)
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """How to sample. ``temperature == 0`` is greedy decoding (then ``n`` must be 1)."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 64
+    stop: list[str] = field(default_factory=list)
+    # None: the engine derives per-request seeds from its own call counter (reproducible for one run).
+    # Pass a value derived from the step (cfg.seed, step) to make sampling reproducible across resumes.
+    seed: int | None = None
+    logprobs: bool = True
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"SamplingSpec.n must be >= 1, got {self.n}")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingSpec.temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if self.temperature == 0 and self.n > 1:
+            raise ValueError(
+                f"SamplingSpec: greedy decoding (temperature=0) gives {self.n} identical samples; use n=1"
+            )
+        if self.max_tokens < 1:
+            raise ValueError(f"SamplingSpec.max_tokens must be >= 1, got {self.max_tokens}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingSpec.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"SamplingSpec.top_k must be -1 (off) or >= 1, got {self.top_k}")
+
+    @classmethod
+    def for_training(cls, cfg: RolloutConfig, max_tokens: int, seed: int | None = None) -> SamplingSpec:
+        return cls(
+            n=cfg.n,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            top_k=cfg.top_k,
+            max_tokens=max_tokens,
+            stop=list(cfg.stop),
+            seed=seed,
+        )
+
+    @classmethod
+    def for_validation(cls, cfg: RolloutConfig, max_tokens: int, seed: int | None = None) -> SamplingSpec:
+        """One sample per prompt at ``val_temperature`` (greedy by default)."""
+        return cls(
+            n=1, temperature=cfg.val_temperature, max_tokens=max_tokens, stop=list(cfg.stop), seed=seed
+        )
+
+
+@dataclass
+class Generation:
+    """One sampled completion. ``n`` samples of prompt i are ``n`` Generations with ``prompt_index == i``."""
+
+    prompt_index: int
+    token_ids: list[int]
+    # The engine's log-probability of each sampled token, under the distribution it sampled from
+    # (after temperature and top-k/top-p); empty when SamplingSpec.logprobs is False.
+    logprobs: list[float]
+    # "stop" (eos or a stop string) or "length" (max_tokens or the context limit reached).
+    finish_reason: str
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """A generation engine living inside this rank's process. Every rank calls every method."""
+
+    # The dtype the engine keeps its weights in; weight sync casts to it before the transfer.
+    dtype: torch.dtype
+
+    def generate(self, prompts: list[list[int]], params: SamplingSpec) -> list[Generation]:
+        """Completions of this rank's prompts, ``params.n`` per prompt, grouped by prompt in order."""
+        ...
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace the weights in place from (HF checkpoint name, full tensor) pairs, consumed once, lazily."""
+        ...
+
+    def sleep(self) -> None:
+        """Release device memory (KV cache, weights) while the trainer runs; a no-op where unsupported."""
+        ...
+
+    def wake_up(self) -> None:
+        """Take the memory back; generate and load_weights also wake the parts they need."""
+        ...
+
+    def close(self) -> None:
+        """Tear the engine down, leaving the trainer's process groups intact. Call before destroying them."""
+        ...
+
+
+def build_engine(
+    model_dir: Path, cfg: RolloutConfig, *, max_model_len: int, device_type: str
+) -> RolloutEngine:
+    """The engine ``cfg.engine`` names, built on every rank (all ranks must call this together)."""
+    if cfg.engine == "vllm":
+        from spmdrl.rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine(model_dir, cfg, max_model_len=max_model_len, device_type=device_type)
+    raise ConfigError(f"rollout.engine={cfg.engine!r} is not one of {', '.join(ENGINES)}")

@@ -1,0 +1,78 @@
+"""Tensor-parallel rollout groups: consecutive ranks share one engine, so they must send it the same prompts.
+
+Under vLLM's ``external_launcher`` every rank of a TP group runs its own copy of the scheduler, and the
+copies stay in step only if they see identical requests. Each rank holds its own shard of the batch, so
+before generating the group all-gathers its prompts, every rank generates for the concatenation (the
+model's work is split by TP, not repeated), and each rank keeps its own slice of the results. Nothing
+moves back: every rank of the group already has every result.
+
+vLLM lays out its TP groups the same way ([0..tp-1], [tp..2tp-1], ...), which is why the grouping here
+is by consecutive ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch.distributed as dist
+
+from spmdrl.config import ConfigError
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Gathered:
+    """The prompts of a whole TP group in rank order, and where this rank's part starts and ends."""
+
+    prompts: list[list[int]]
+    start: int
+    stop: int
+
+
+class TPGroups:
+    """The TP subgroups of the rollout engine, built once. Construct on every rank (it makes process groups)."""
+
+    def __init__(self, tp: int) -> None:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if tp < 1 or world % tp:
+            raise ConfigError(
+                f"rollout.tp={tp} must be >= 1 and divide the world size {world}: each engine spans tp "
+                f"consecutive ranks; pick a divisor of {world}"
+            )
+        self.tp = tp
+        self.tp_rank = rank % tp
+        # The data-parallel index of this engine: which TP group this rank belongs to.
+        self.dp_index = rank // tp
+        self.num_engines = world // tp
+        self.group: dist.ProcessGroup | None = None
+        if tp > 1:
+            # Object collectives (lists of token ids) need a CPU group; gloo serves them whatever the
+            # default backend is. Every rank creates every subgroup, as torch requires.
+            self.group, _ = dist.new_subgroups_by_enumeration(
+                [list(range(i * tp, (i + 1) * tp)) for i in range(self.num_engines)], backend="gloo"
+            )
+
+    def gather_for_tp(self, local_prompts: list[list[int]]) -> Gathered:
+        """All prompts of this rank's TP group in rank order, and this rank's range within them."""
+        if self.group is None:
+            return Gathered(prompts=list(local_prompts), start=0, stop=len(local_prompts))
+        parts: list[list[list[int]] | None] = [None] * self.tp
+        dist.all_gather_object(parts, list(local_prompts), group=self.group)
+        sizes = [len(p) for p in parts if p is not None]
+        start = sum(sizes[: self.tp_rank])
+        merged = [prompt for part in parts if part is not None for prompt in part]
+        return Gathered(prompts=merged, start=start, stop=start + len(local_prompts))
+
+    @staticmethod
+    def scatter_from_tp(results: Sequence[T], gathered: Gathered, per_prompt: int = 1) -> list[T]:
+        """This rank's results out of the group's (``per_prompt`` consecutive results for each prompt)."""
+        expected = len(gathered.prompts) * per_prompt
+        if len(results) != expected:
+            raise ValueError(
+                f"scatter_from_tp: got {len(results)} results for {len(gathered.prompts)} prompts x {per_prompt}"
+            )
+        return list(results[gathered.start * per_prompt : gathered.stop * per_prompt])

@@ -1,0 +1,233 @@
+"""Trainer -> engine weight sync: FSDP2 shards become full tensors bucket by bucket and load in place.
+
+After each actor update every rank holds 1/N of each parameter (a DTensor sharded on dim 0). The engine
+needs full tensors (vLLM's weight loaders cut their own tensor-parallel slices out of them). Per bucket
+of about ``bucket_mb`` MB:
+
+1. pack this rank's shards, cast to the engine dtype and padded to the FSDP shard size, into one buffer
+   (casting first halves the bytes sent when the trainer keeps fp32 and the engine bf16);
+2. one ``all_gather_into_tensor`` over the shard dimension's process group (``dp_shard``; under HSDP the
+   replicas already hold the same shard, so only the shard group gathers);
+3. cut the full tensors out of the gathered buffer and hand them to the engine;
+4. drop the buffer before the next bucket.
+
+The buckets come from a generator the engine consumes lazily inside one ``reload_weights`` call, so a
+rank never holds a second full copy of the model: at most a bucket in flight plus what the engine has
+buffered for a layer whose last weight has not arrived yet (parameters come in module order, so that
+is at most one layer).
+
+Why not vLLM's native weight-transfer engines (``weight_transfer_config`` / ``init_weight_transfer_engine``,
+``vllm/distributed/weight_transfer/``)? They move weights *between processes*: ``nccl`` opens a separate
+NCCL group from a trainer process, ``ipc`` passes CUDA IPC handles, others use RDMA; none exists for
+CPU, and all of them assume the weights live elsewhere. Here the trainer and the engine share a process,
+so the weights are already in memory after the gather; ``reload_weights`` with an iterator is the direct
+path, works the same on CPU and CUDA, and needs no extra process group.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from spmdrl.rollout.engine import RolloutEngine
+
+log = logging.getLogger(__name__)
+
+# benchmarks/weight_sync.py on 2 CPU ranks (gloo): 4-32 MB buckets gathered a 65 MB model in ~0.6x the
+# time of 128-256 MB ones (large buffers are fresh mmaps, page-faulted on every sync) and in ~0.3x the
+# time of one full_tensor() per parameter. Rerun it on GPUs (NCCL) before raising this.
+DEFAULT_BUCKET_MB = 32.0
+
+# torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+# Module names that wrappers insert into parameter paths; the engine knows the checkpoint's names.
+_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def engine_name(fqn: str) -> str:
+    """The HF checkpoint name of a trainer parameter: wrapper parts (activation checkpointing,
+    torch.compile, FSDP1) removed, as is DDP's leading ``module.``. The one place names are mapped."""
+    for part in _WRAPPER_PARTS:
+        fqn = fqn.replace(part, "")
+    return fqn.removeprefix("module.")
+
+
+@dataclass(frozen=True)
+class SyncStats:
+    seconds: float
+    # Bytes of full tensors handed to the engine (engine dtype).
+    bytes: int
+    num_buckets: int
+    num_tensors: int
+
+
+@dataclass
+class SyncCounter:
+    """Filled in by iter_full_tensors as the engine pulls tensors (the sync is lazy, so counts come last)."""
+
+    bytes: int = 0
+    num_buckets: int = 0
+    num_tensors: int = 0
+
+
+@dataclass(frozen=True)
+class _Gather:
+    """How to make a parameter full: gather dim 0 over ``group`` of ``size`` ranks, or not at all."""
+
+    kind: str  # "shard0": one dim-0 shard per rank of group; "local": already full; "fallback": full_tensor()
+    group: dist.ProcessGroup | None = None
+    size: int = 1
+
+
+def _gather_plan(t: torch.Tensor) -> _Gather:
+    if not isinstance(t, DTensor):
+        # Not sharded: a plain module, or FSDP2 params left unsharded after a forward (reshard_after_forward=False).
+        return _Gather("local")
+    shard_dims = [i for i, p in enumerate(t.placements) if isinstance(p, Shard)]
+    others_replicated = all(
+        isinstance(p, Replicate) for i, p in enumerate(t.placements) if i not in shard_dims
+    )
+    # type() and not isinstance(): _StridedShard (TP + FSDP on one dim) subclasses Shard but is laid out
+    # differently, so it takes the fallback.
+    if len(shard_dims) == 1 and others_replicated:
+        mesh_dim = shard_dims[0]
+        placement = t.placements[mesh_dim]
+        if type(placement) is Shard and placement.dim == 0:
+            return _Gather("shard0", t.device_mesh.get_group(mesh_dim), t.device_mesh.size(mesh_dim))
+    if not t.placements or all(isinstance(p, Replicate) for p in t.placements):
+        return _Gather("local")
+    return _Gather("fallback")  # strided / multi-dim / partial placements: let DTensor do it
+
+
+def _buckets(
+    named: list[tuple[str, torch.Tensor]], bucket_bytes: int, dtype: torch.dtype
+) -> Iterator[tuple[_Gather, list[tuple[str, torch.Tensor]]]]:
+    """Consecutive parameters with the same gather plan, about ``bucket_bytes`` of full tensors each.
+
+    Decided from global shapes and placements only, so every rank forms the same buckets (they issue
+    the same collectives in the same order).
+    """
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    current: list[tuple[str, torch.Tensor]] = []
+    plan: _Gather | None = None
+    size = 0
+    for name, t in named:
+        p = _gather_plan(t)
+        nbytes = t.numel() * itemsize
+        same = plan is not None and p.kind == plan.kind and p.group is plan.group
+        if current and (not same or size + nbytes > bucket_bytes):
+            assert plan is not None
+            yield plan, current
+            current, size = [], 0
+        current.append((name, t))
+        plan = p
+        size += nbytes
+    if current:
+        assert plan is not None
+        yield plan, current
+
+
+def _gather_shard0(
+    bucket: list[tuple[str, torch.Tensor]], plan: _Gather, dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """One all_gather for the bucket; yields full tensors cut out of the gathered buffer."""
+    world = plan.size
+    # FSDP2 (like torch.chunk) gives each rank ceil(dim0 / world) rows, the last ranks fewer or none.
+    # Padding every shard to that size makes the gathered buffer rank-major with equal strides.
+    layout = []
+    offset = 0
+    for name, t in bucket:
+        rows = t.shape[0]
+        padded_rows = math.ceil(rows / world)
+        row_numel = math.prod(t.shape[1:])
+        layout.append((name, t, offset, padded_rows, row_numel))
+        offset += padded_rows * row_numel
+    device = bucket[0][1].device
+    send = torch.empty(offset, dtype=dtype, device=device)
+    for _, t, off, _, _ in layout:
+        local = t.to_local()
+        send[off : off + local.numel()].copy_(local.reshape(-1))  # cast happens in the copy
+    recv = torch.empty(world * offset, dtype=dtype, device=device)
+    _all_gather_single(recv, send, group=plan.group)
+    del send
+    recv_WN = recv.view(world, offset)
+    out = []
+    for name, t, off, padded_rows, row_numel in layout:
+        part = recv_WN[:, off : off + padded_rows * row_numel]
+        # (world, padded_rows * rest) -> (world * padded_rows, *rest): a copy; then drop the padding rows.
+        full = part.reshape(world * padded_rows, *t.shape[1:])[: t.shape[0]]
+        out.append((name, full))
+    del recv, recv_WN
+    yield from out
+
+
+def iter_full_tensors(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    dtype: torch.dtype,
+    bucket_mb: float = DEFAULT_BUCKET_MB,
+    counter: SyncCounter | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor in ``dtype``) for each input, gathered bucket by bucket. Every rank of the
+    shard groups must drain it (it runs collectives). Names are passed through unchanged."""
+    if bucket_mb <= 0:
+        raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
+    named = [(n, t.detach()) for n, t in named_tensors]
+    for plan, bucket in _buckets(named, int(bucket_mb * 1e6), dtype):
+        if counter is not None:
+            counter.num_buckets += 1
+        if plan.kind == "shard0" and plan.size > 1:
+            items: Iterable[tuple[str, torch.Tensor]] = _gather_shard0(bucket, plan, dtype)
+        elif plan.kind == "fallback":
+            items = ((n, t.full_tensor().to(dtype)) for n, t in bucket)
+        else:
+            items = ((n, (t.to_local() if isinstance(t, DTensor) else t).to(dtype)) for n, t in bucket)
+        for name, full in items:
+            if counter is not None:
+                counter.bytes += full.numel() * full.element_size()
+                counter.num_tensors += 1
+            yield name, full
+        del items
+
+
+def trainer_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint name, parameter) in module order, each tensor once (tied weights under their first name)."""
+    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    for fqn, p in model.named_parameters():
+        name = engine_name(fqn)
+        if tied and name == "lm_head.weight":
+            continue  # the engine ties it to embed_tokens, which comes first
+        yield name, p
+
+
+def sync_weights(
+    model: nn.Module, engine: RolloutEngine, *, bucket_mb: float = DEFAULT_BUCKET_MB
+) -> SyncStats:
+    """Load the trainer's current weights into the engine, in place. Every rank calls it."""
+    t0 = time.perf_counter()
+    # FSDP2 keeps the root unit's parameters unsharded after a forward (reshard_after_forward=False):
+    # a full copy that would otherwise sit in memory through generation. Resharding first frees it
+    # and makes every parameter a dim-0 shard, gathered in one pass.
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    counter = SyncCounter()
+    with torch.no_grad():
+        engine.load_weights(
+            iter_full_tensors(
+                trainer_weights(model), dtype=engine.dtype, bucket_mb=bucket_mb, counter=counter
+            )
+        )
+    stats = SyncStats(time.perf_counter() - t0, counter.bytes, counter.num_buckets, counter.num_tensors)
+    log.debug("weight sync: %s", stats)
+    return stats

