@@ -44,7 +44,7 @@ from spmdrl.dist.placement import Placement
 from spmdrl.dist.reduce import all_reduce_max, all_reduce_sum
 from spmdrl.logging.plot import plot_curves
 from spmdrl.logging.samples import Sample, write_samples
-from spmdrl.models.build import ModelSpec, build_fsdp_model, resolve_dtype
+from spmdrl.models.build import build_fsdp_model, model_spec
 from spmdrl.models.forward import policy_logprobs
 from spmdrl.models.load import load_tokenizer, resolve_model_path_all_ranks
 from spmdrl.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
@@ -86,17 +86,6 @@ def load_prompts(run: Run, tokenizer: object, files: list[str]) -> PromptDataset
         prompt_key=d.prompt_key,
         max_prompt_length=d.max_prompt_length,
         overlong=d.overlong,
-    )
-
-
-def model_spec(cfg: Config, path: Path, device: torch.device, train: bool) -> ModelSpec:
-    return ModelSpec(
-        path=path,
-        param_dtype=resolve_dtype(cfg.model.param_dtype, device),
-        reduce_dtype=resolve_dtype(cfg.model.reduce_dtype, device),
-        activation_checkpointing=cfg.model.activation_checkpointing and train,
-        trust_remote_code=cfg.model.trust_remote_code,
-        train=train,
     )
 
 
@@ -319,12 +308,12 @@ def main(cfg: Config) -> None:
     # Models on their meshes (colocated: the same ranks), then the engine on every rank.
     meshes = Placement.colocated(env.world_size, cfg.parallel.dp_replicate).build_meshes(env.device.type)
     actor = build_fsdp_model(
-        model_spec(cfg, model_dir, env.device, train=True), meshes.fsdp("actor"), env.device
+        model_spec(cfg.model, model_dir, env.device, train=True), meshes.fsdp("actor"), env.device
     )
     ref = None
     if cfg.algorithm.use_kl_loss:
         ref = build_fsdp_model(
-            model_spec(cfg, model_dir, env.device, train=False), meshes.fsdp("ref"), env.device
+            model_spec(cfg.model, model_dir, env.device, train=False), meshes.fsdp("ref"), env.device
         )
     optimizer = build_optimizer(actor, cfg.optim)
     scheduler = build_lr_scheduler(optimizer, cfg.optim, derived.total_steps)

@@ -20,16 +20,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from spmdrl.data.parquet import write_parquet_atomic
 
 DATA_SOURCE = "openai/gsm8k"
 HUB_CONFIG = "main"
@@ -162,14 +162,7 @@ def load_from_jsonl(directory: Path) -> dict[str, list[dict[str, Any]]]:
 
 def write_parquet(rows: list[dict[str, Any]], path: Path) -> None:
     """Writes ``rows`` to ``path`` whole or not at all: a temp file in the same directory, then a rename."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_parquet_atomic(rows, path, SCHEMA)
 
 
 def prepare(out_dir: Path, from_jsonl: Path | None = None) -> dict[str, Path]:

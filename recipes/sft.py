@@ -30,7 +30,7 @@ from spmdrl.data.sft import SFTBatch, SFTDataset, collate_sft
 from spmdrl.data.tiny_task import resolve_data_files
 from spmdrl.dist.placement import Placement
 from spmdrl.dist.reduce import all_reduce_sum
-from spmdrl.models.build import ModelSpec, build_fsdp_model, resolve_dtype
+from spmdrl.models.build import build_fsdp_model, model_spec
 from spmdrl.models.load import load_tokenizer, resolve_model_path_all_ranks
 from spmdrl.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
 from spmdrl.runtime import Run, start_run
@@ -148,13 +148,7 @@ def train_sft(run: Run, cfg: Config, stage: str = "") -> Path:
 
     # Model: meta -> FSDP2 over the actor mesh -> materialize -> load weights.
     meshes = Placement.colocated(env.world_size, cfg.parallel.dp_replicate).build_meshes(env.device.type)
-    spec = ModelSpec(
-        path=model_dir,
-        param_dtype=resolve_dtype(cfg.model.param_dtype, env.device),
-        reduce_dtype=resolve_dtype(cfg.model.reduce_dtype, env.device),
-        activation_checkpointing=cfg.model.activation_checkpointing,
-        trust_remote_code=cfg.model.trust_remote_code,
-    )
+    spec = model_spec(cfg.model, model_dir, env.device, train=True)
     model = build_fsdp_model(spec, meshes.fsdp("actor"), env.device)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_lr_scheduler(optimizer, cfg.optim, derived.total_steps)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import json
 import os
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -209,3 +210,19 @@ def _describe(value: Any) -> str:
     if len(text) > 80:
         text = text[:77] + "..."
     return f"{type(value).__name__} {text}"
+
+
+def write_parquet_atomic(rows: list[dict], path: Path, schema: pa.Schema) -> None:
+    """Writes ``rows`` to ``path`` whole or not at all: a temp file in the same directory, then a rename.
+
+    Concurrent writers (one per rank) each replace the file whole, and a reader never sees a
+    half-written one.
+    """
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        pq.write_table(pa.Table.from_pylist(rows, schema=schema), tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

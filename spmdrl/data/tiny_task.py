@@ -25,15 +25,13 @@ import argparse
 import dataclasses
 import hashlib
 import json
-import os
 import random
-import tempfile
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from spmdrl.config import TinyTaskConfig
+from spmdrl.data.parquet import write_parquet_atomic
 
 DATA_SOURCE = "spmdrl/tiny_arith"
 INSTRUCTION = "Give the answer after ####."
@@ -218,16 +216,7 @@ def config_hash(cfg: TinyTaskConfig) -> str:
 
 
 def _write_atomic(rows: list[dict], path: Path) -> None:
-    # A temp file in the same directory, then a rename: concurrent writers (one per rank) each replace
-    # the file whole, and a reader never sees a half-written one.
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_parquet_atomic(rows, path, SCHEMA)
 
 
 def write_split_files(out_dir: Path, cfg: TinyTaskConfig) -> dict[str, Path]:

@@ -6,28 +6,35 @@ import torch
 import torch.distributed as dist
 
 
-def all_reduce_sum(values: dict[str, float], device: torch.device, group: dist.ProcessGroup | None = None) -> dict[str, float]:
+def _all_reduce(
+    values: dict[str, float], device: torch.device, group: dist.ProcessGroup | None, op: dist.ReduceOp
+) -> dict[str, float]:
+    if not values:
+        return {}
+    keys = sorted(values)  # every rank must pack the same keys in the same order
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=op, group=group)
+    return dict(zip(keys, t.tolist(), strict=True))
+
+
+def all_reduce_sum(
+    values: dict[str, float], device: torch.device, group: dist.ProcessGroup | None = None
+) -> dict[str, float]:
     """Sums every value over the group with one all_reduce."""
-    if not values:
-        return {}
-    keys = sorted(values)
-    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
-    return dict(zip(keys, t.tolist(), strict=True))
+    return _all_reduce(values, device, group, dist.ReduceOp.SUM)
 
 
-def all_reduce_max(values: dict[str, float], device: torch.device, group: dist.ProcessGroup | None = None) -> dict[str, float]:
-    if not values:
-        return {}
-    keys = sorted(values)
-    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return dict(zip(keys, t.tolist(), strict=True))
+def all_reduce_max(
+    values: dict[str, float], device: torch.device, group: dist.ProcessGroup | None = None
+) -> dict[str, float]:
+    """The maximum of every value over the group with one all_reduce."""
+    return _all_reduce(values, device, group, dist.ReduceOp.MAX)
 
 
-def dist_mean(values: dict[str, float], device: torch.device, group: dist.ProcessGroup | None = None) -> dict[str, float]:
+def dist_mean(
+    values: dict[str, float], device: torch.device, group: dist.ProcessGroup | None = None
+) -> dict[str, float]:
     """The mean over ranks of each value (each rank weighted equally)."""
     n = dist.get_world_size(group) if dist.is_initialized() else 1
     return {k: v / n for k, v in all_reduce_sum(values, device, group).items()}

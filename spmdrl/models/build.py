@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from spmdrl.config import ModelConfig
 from spmdrl.models.parallelize import apply_ac, apply_fsdp
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,18 @@ class ModelSpec:
     activation_checkpointing: bool = False
     trust_remote_code: bool = False
     train: bool = True
+
+
+def model_spec(cfg: ModelConfig, path: Path, device: torch.device, *, train: bool) -> ModelSpec:
+    """The ModelSpec for ``cfg`` (dtypes resolved for ``device``); frozen models skip activation checkpointing."""
+    return ModelSpec(
+        path=path,
+        param_dtype=resolve_dtype(cfg.param_dtype, device),
+        reduce_dtype=resolve_dtype(cfg.reduce_dtype, device),
+        activation_checkpointing=cfg.activation_checkpointing and train,
+        trust_remote_code=cfg.trust_remote_code,
+        train=train,
+    )
 
 
 @contextlib.contextmanager
