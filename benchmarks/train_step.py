@@ -1,5 +1,8 @@
 """FSDP2 training-step throughput and peak memory: mixed precision and activation checkpointing.
 
+``--loss grpo`` times the RL update's own path instead of plain cross-entropy: per-token logprobs
+and entropy from the logits (spmdrl.models.forward.policy_logprobs) and the clipped policy loss.
+
 Builds a randomly initialized Qwen2 of a named shape (no download), shards it with spmdrl's own
 build path (meta -> fully_shard -> load), and times forward+backward+AdamW steps on synthetic
 batches, in each variant, in one run. Prints a table with ratios to the first variant.
@@ -58,8 +61,32 @@ def save_random_model(shape: str, out: Path) -> None:
         Qwen2ForCausalLM(cfg).save_pretrained(out)
 
 
+def grpo_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    from spmdrl.algos.losses import ppo_policy_loss
+    from spmdrl.models.forward import policy_logprobs
+
+    lp_BT, _ = policy_logprobs(model, ids, torch.ones_like(ids), with_entropy=True)
+    mask_BT = torch.ones_like(lp_BT, dtype=torch.bool)
+    mask_BT[:, : ids.shape[1] // 4] = False  # a prompt quarter
+    adv_B = torch.linspace(-1, 1, ids.shape[0], device=ids.device)
+    return ppo_policy_loss(lp_BT, lp_BT.detach(), adv_B, mask_BT).loss
+
+
+def ce_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=ids).logits
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+
+
 def time_variant(
-    path: Path, mesh, device: torch.device, dtype: torch.dtype, ac: bool, seq: int, batch: int, steps: int
+    path: Path,
+    mesh,
+    device: torch.device,
+    dtype: torch.dtype,
+    ac: bool,
+    seq: int,
+    batch: int,
+    steps: int,
+    loss_fn=ce_loss,
 ) -> tuple[float, float]:
     model = build_fsdp_model(ModelSpec(path, dtype, torch.float32, activation_checkpointing=ac), mesh, device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
@@ -73,8 +100,7 @@ def time_variant(
                 torch.cuda.synchronize()
             dist.barrier()
             t0 = time.perf_counter()
-        logits = model(input_ids=ids).logits
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+        loss = loss_fn(model, ids)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -95,6 +121,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--loss", default="ce", choices=["ce", "grpo"])
     args = p.parse_args()
     env = init_distributed("auto")
     mesh = Placement.colocated(env.world_size).build_meshes(env.device.type).fsdp("actor")
@@ -112,13 +139,16 @@ def main() -> None:
         ]
         rows = []
         for name, dtype, ac in variants:
-            tps, peak = time_variant(path, mesh, env.device, dtype, ac, args.seq, args.batch, args.steps)
+            loss_fn = grpo_loss if args.loss == "grpo" else ce_loss
+            tps, peak = time_variant(
+                path, mesh, env.device, dtype, ac, args.seq, args.batch, args.steps, loss_fn
+            )
             rows.append((name, tps, peak))
         dist.barrier()
     if env.rank == 0:
         dev = torch.cuda.get_device_name() if env.device.type == "cuda" else "cpu"
         print(
-            f"\n{args.shape}, {env.world_size} rank(s) on {dev}, batch {args.batch} x seq {args.seq} per rank"
+            f"\n{args.shape}, {args.loss} loss, {env.world_size} rank(s) on {dev}, batch {args.batch} x seq {args.seq} per rank"
         )
         print(f"{'variant':<18}{'tokens/s':>12}{'x fp32':>9}{'peak GiB':>10}{'x fp32':>9}")
         for name, tps, peak in rows:

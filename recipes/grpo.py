@@ -416,7 +416,8 @@ def main(cfg: Config) -> None:
             "rollout/response_len_mean": sums["tokens"] / n,
             "rollout/clip_frac": sums["truncated"] / n,
             "rollout/solved_group_frac": sums["solved_groups"] / (n / cfg.rollout.n),
-            "reward/errors": sums["errors"],
+            # Every sample that did not get a real score: raised, bad value, or past the timeout.
+            "reward/errors": sums["errors"] + sums["timeouts"],
             "reward/timeouts": sums["timeouts"],
             **train_metrics,
             "train/lr": scheduler.get_last_lr()[0],
