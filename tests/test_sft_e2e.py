@@ -65,3 +65,28 @@ def test_sft_tiny_two_ranks(tmp_path: Path) -> None:
         ids = ids["input_ids"]
     logits = model(ids).logits
     assert torch.isfinite(logits).all()
+
+
+def test_non_finite_loss_stops_with_a_clear_error(tmp_path: Path) -> None:
+    res = torchrun(
+        [
+            "-m",
+            "spmdrl.train",
+            "recipe=sft_tiny",
+            f"trainer.output_dir={tmp_path / 'run'}",
+            "trainer.total_steps=6",
+            "data.tiny.num_train=128",
+            "data.tiny.num_test=16",
+            "trainer.global_batch_size=16",
+            "trainer.micro_batch_size=8",
+            "optim.lr=1e30",
+            "optim.grad_clip=0",
+        ],
+        nproc=2,
+        cwd=tmp_path,
+        timeout_s=300,
+        env={"SPMDRL_CACHE": os.environ.get("SPMDRL_CACHE", str(Path.home() / ".cache" / "spmdrl"))},
+    )
+    assert res.returncode != 0
+    assert "non-finite training loss" in res.output and "optim.lr" in res.output
+    assert not (tmp_path / "run" / "hf_model").exists(), "no export of a diverged model"
