@@ -142,3 +142,14 @@ def test_placement_rejects_bad_sizes() -> None:
         Placement.colocated(4, dp_replicate=3)
     with pytest.raises(ConfigError, match="wants ranks 2..5 but the world has 4"):
         Placement(world_size=4, roles={"critic": RoleSpec("critic", 2, 4)})
+
+
+def test_rollout_tp_groups_are_consecutive_blocks() -> None:
+    from spmdrl.config import ConfigError
+    from spmdrl.dist.placement import rollout_tp_groups
+
+    assert rollout_tp_groups(4, 2) == [[0, 1], [2, 3]]
+    assert rollout_tp_groups(4, 1) == [[0], [1], [2], [3]]
+    assert rollout_tp_groups(2, 2) == [[0, 1]]
+    with pytest.raises(ConfigError, match="rollout.tp=3 must be >= 1 and divide the world size 4"):
+        rollout_tp_groups(4, 3)

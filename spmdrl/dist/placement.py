@@ -21,6 +21,20 @@ from spmdrl.config import ConfigError
 ROLES = ("actor", "ref", "critic", "rollout")
 
 
+def rollout_tp_groups(world_size: int, tp: int) -> list[list[int]]:
+    """The rollout engines' tensor-parallel groups: blocks of ``tp`` consecutive ranks.
+
+    This is the layout vLLM's external_launcher gives its own TP groups ([0..tp-1], [tp..2tp-1], ...),
+    so ours must match it.
+    """
+    if tp < 1 or world_size % tp:
+        raise ConfigError(
+            f"rollout.tp={tp} must be >= 1 and divide the world size {world_size}: each engine spans tp "
+            f"consecutive ranks; pick a divisor of {world_size}"
+        )
+    return [list(range(first, first + tp)) for first in range(0, world_size, tp)]
+
+
 @dataclass(frozen=True)
 class RoleSpec:
     name: str

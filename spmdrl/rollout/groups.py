@@ -18,7 +18,7 @@ from typing import TypeVar
 
 import torch.distributed as dist
 
-from spmdrl.config import ConfigError
+from spmdrl.dist.placement import rollout_tp_groups
 
 T = TypeVar("T")
 
@@ -38,23 +38,17 @@ class TPGroups:
     def __init__(self, tp: int) -> None:
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
-        if tp < 1 or world % tp:
-            raise ConfigError(
-                f"rollout.tp={tp} must be >= 1 and divide the world size {world}: each engine spans tp "
-                f"consecutive ranks; pick a divisor of {world}"
-            )
+        groups = rollout_tp_groups(world, tp)
         self.tp = tp
-        self.tp_rank = rank % tp
-        # The data-parallel index of this engine: which TP group this rank belongs to.
-        self.dp_index = rank // tp
-        self.num_engines = world // tp
+        # The data-parallel index of this engine (which TP group this rank is in) and the rank's place in it.
+        self.dp_index = next(i for i, g in enumerate(groups) if rank in g)
+        self.tp_rank = groups[self.dp_index].index(rank)
+        self.num_engines = len(groups)
         self.group: dist.ProcessGroup | None = None
         if tp > 1:
             # Object collectives (lists of token ids) need a CPU group; gloo serves them whatever the
             # default backend is. Every rank creates every subgroup, as torch requires.
-            self.group, _ = dist.new_subgroups_by_enumeration(
-                [list(range(i * tp, (i + 1) * tp)) for i in range(self.num_engines)], backend="gloo"
-            )
+            self.group, _ = dist.new_subgroups_by_enumeration(groups, backend="gloo")
 
     def gather_for_tp(self, local_prompts: list[list[int]]) -> Gathered:
         """All prompts of this rank's TP group in rank order, and this rank's range within them."""
