@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
 
+from spmdrl.testing.models import save_small_qwen2
 from spmdrl.testing.spawn import run_distributed
 
 pytestmark = pytest.mark.slow
@@ -16,19 +17,7 @@ VOCAB = 96
 
 
 def _save_model(path: Path) -> None:
-    cfg = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        tie_word_embeddings=True,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(cfg).save_pretrained(path)
+    save_small_qwen2(path, vocab_size=VOCAB)
 
 
 def _data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

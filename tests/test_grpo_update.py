@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from spmdrl.testing.models import save_small_qwen2
 from spmdrl.testing.spawn import run_distributed
 
 pytestmark = pytest.mark.slow
@@ -77,18 +77,7 @@ def _worker(
 
 @pytest.mark.parametrize(("mini", "epochs"), [(4, 1), (2, 2)])
 def test_update_raises_positive_and_lowers_negative(tmp_path: Path, mini: int, epochs: int) -> None:
-    cfg = Qwen2Config(
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(cfg).save_pretrained(tmp_path / "m")
+    save_small_qwen2(tmp_path / "m")
     for up, down, metrics in run_distributed(_worker, 2, str(tmp_path / "m"), mini, epochs):
         assert up > 0, "positive-advantage samples must become more likely"
         assert down < 0, "negative-advantage samples must become less likely"

@@ -129,21 +129,9 @@ def test_sync_fsdp2_to_vllm_tp1_and_tp2(tmp_path: Path) -> None:
 
 def _save_odd_model(path: Path) -> None:
     """A Qwen2 whose dims do not split evenly over 4 ranks (vocab 101, MLP 67, one 32-row KV head)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from spmdrl.testing.models import save_small_qwen2
 
-    cfg = Qwen2Config(
-        vocab_size=101,
-        hidden_size=64,
-        intermediate_size=67,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        tie_word_embeddings=False,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(cfg).save_pretrained(path)
+    save_small_qwen2(path, vocab_size=101, intermediate_size=67, tie_word_embeddings=False)
 
 
 def _gather_worker(rank: int, world: int, model_dir: str) -> dict:
