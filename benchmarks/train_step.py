@@ -65,7 +65,8 @@ def grpo_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     from spmdrl.algos.losses import ppo_policy_loss
     from spmdrl.models.forward import policy_logprobs
 
-    lp_BT, _ = policy_logprobs(model, ids, torch.ones_like(ids), with_entropy=True)
+    # As the recipe with entropy_coeff=0 (the default): entropy as a metric, without a gradient graph.
+    lp_BT, _ = policy_logprobs(model, ids, torch.ones_like(ids), with_entropy=True, entropy_grad=False)
     mask_BT = torch.ones_like(lp_BT, dtype=torch.bool)
     mask_BT[:, : ids.shape[1] // 4] = False  # a prompt quarter
     adv_B = torch.linspace(-1, 1, ids.shape[0], device=ids.device)

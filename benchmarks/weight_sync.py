@@ -11,7 +11,9 @@ Measured in one run, on the same ranks and the same model (a random Qwen2 of the
   communication floor, with nothing to unpack;
 - ``bucketed gather``: :func:`spmdrl.rollout.weight_sync.iter_full_tensors` drained, per bucket size;
 - ``per-param full_tensor``: ``DTensor.full_tensor()`` for each parameter (one collective each), cast;
-- ``bucketed sync`` / ``per-param sync``: the same two, fed into the vLLM engine's in-place reload.
+- ``bucketed sync`` / ``per-param sync``: the same two, fed into the vLLM engine's in-place reload;
+- ``bucketed sync + check``: the bucketed sync followed by the run-time check that the engine's kernels
+  return exactly the synced weights (what the recipes run every step; spmdrl/rollout/fingerprint.py).
 
 Prints ratios to the bucketed gather and to the one all-gather; absolute times depend on the machine.
 """
@@ -19,6 +21,7 @@ Prints ratios to the bucketed gather and to the one all-gather; absolute times d
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import tempfile
@@ -32,7 +35,13 @@ import torch.distributed as dist
 from spmdrl.dist.env import broadcast_str, init_distributed
 from spmdrl.dist.placement import Placement
 from spmdrl.models.build import ModelSpec, build_fsdp_model
-from spmdrl.rollout.weight_sync import DEFAULT_BUCKET_MB, iter_full_tensors, sync_weights, trainer_weights
+from spmdrl.rollout.weight_sync import (
+    DEFAULT_BUCKET_MB,
+    SyncCheck,
+    iter_full_tensors,
+    sync_weights,
+    trainer_weights,
+)
 
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -49,6 +58,8 @@ def _args() -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--no-engine", action="store_true", help="skip vLLM; time the gathers only")
+    p.add_argument("--cpu-gemm", default="auto", help="rollout.cpu_gemm for the engine (CPU)")
+    p.add_argument("--json", default="", help="also write the rows (seconds and ratios) to this JSON file")
     return p.parse_args()
 
 
@@ -153,12 +164,23 @@ def main() -> None:
         from spmdrl.config import RolloutConfig
         from spmdrl.rollout.engine import build_engine
 
-        cfg = RolloutConfig(tp=a.tp, cpu_kvcache_gib=0.25, max_num_seqs=8)
+        cfg = RolloutConfig(
+            tp=a.tp, cpu_kvcache_gib=0.25, max_num_seqs=8, dtype="bfloat16", cpu_gemm=a.cpu_gemm
+        )
         engine = build_engine(model_dir, cfg, max_model_len=128, device_type=device.type)
         rows.append(
             (
                 f"bucketed sync -> vLLM, {DEFAULT_BUCKET_MB:g} MB",
                 _median_s(lambda: sync_weights(model, engine), a.repeats, device),
+            )
+        )
+        seeds = iter(range(1_000_000))
+        rows.append(
+            (
+                "bucketed sync + check -> vLLM",
+                _median_s(
+                    lambda: sync_weights(model, engine, check=SyncCheck(seed=next(seeds))), a.repeats, device
+                ),
             )
         )
         rows.append(
@@ -182,6 +204,21 @@ def main() -> None:
         print(f"{'method':<36} {'ms':>9} {'x one all_gather':>17} {f'x bucketed {ref_mb:g} MB':>19}")
         for name, t in rows:
             print(f"{name:<36} {t * 1e3:>9.1f} {t / floor:>17.2f} {t / ref:>19.2f}")
+        if a.json:
+            Path(a.json).write_text(
+                json.dumps(
+                    {
+                        "world_size": env.world_size,
+                        "device": device.type,
+                        "bytes": total_bytes,
+                        "rows": [
+                            {"method": n, "seconds": t, "x_one_all_gather": t / floor, "x_bucketed": t / ref}
+                            for n, t in rows
+                        ],
+                    },
+                    indent=2,
+                )
+            )
     dist.barrier()
     if tmp is not None:
         tmp.cleanup()

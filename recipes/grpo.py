@@ -52,7 +52,7 @@ from spmdrl.rewards.registry import RewardInput, load_reward_fn
 from spmdrl.rewards.sandbox import RewardResult, score_batch
 from spmdrl.rollout.engine import Generation, RolloutEngine, SamplingSpec, build_engine
 from spmdrl.rollout.mismatch import logprob_mismatch, pack_generations
-from spmdrl.rollout.weight_sync import sync_weights
+from spmdrl.rollout.weight_sync import SyncCheck, sync_weights
 from spmdrl.runtime import Run, start_run
 
 log = logging.getLogger("spmdrl")
@@ -120,6 +120,70 @@ def fill_logprobs(
         out_BT[start : start + micro, : lp_BT.shape[1]] = lp_BT
 
 
+@dataclasses.dataclass
+class MicroBatchLoss:
+    """One micro-batch's loss, the only tensor that holds its autograd graph, and detached by-products."""
+
+    loss: torch.Tensor  # scalar to backpropagate
+    logprobs_BT: torch.Tensor  # detached: the current policy's logprobs of the tokens
+    stats: dict[str, torch.Tensor]  # detached scalars: pg_loss, entropy, clip_frac, approx_kl (+ kl)
+
+
+def micro_batch_loss(
+    cfg: Config,
+    actor: torch.nn.Module,
+    mb: PolicyBatch,
+    old_BT: torch.Tensor | None,
+    dp_size: int,
+    counts: dict[str, float],
+) -> MicroBatchLoss:
+    """Clipped surrogate (+ KL loss) (- entropy bonus) of one micro-batch, normalized by ``counts``.
+
+    ``old_BT`` None is the on-policy single update: the policy before the step *is* the current one.
+    The entropy gets a gradient only when it enters the loss (algorithm.entropy_coeff > 0); as a mere
+    metric it is computed without one, since its graph would keep a B x T x V float32 softmax alive.
+    """
+    a = cfg.algorithm
+    entropy_in_loss = a.entropy_coeff > 0
+    lp_BT, ent_BT = policy_logprobs(
+        actor,
+        mb.input_ids_BT,
+        mb.attention_mask_BT,
+        temperature=cfg.rollout.temperature,
+        with_entropy=True,
+        entropy_grad=entropy_in_loss,
+    )
+    assert ent_BT is not None
+    mask_BT = mb.response_mask_BT
+    if old_BT is None:
+        old_BT = lp_BT.detach()
+    is_w = truncated_is_weights(old_BT, mb.engine_logprobs_BT, mask_BT, a.tis_cap) if a.tis_cap > 0 else None
+    pg = ppo_policy_loss(
+        lp_BT,
+        old_BT,
+        mb.advantages_B,
+        mask_BT,
+        clip_low=a.clip_ratio_low,
+        clip_high=a.clip_ratio_high,
+        agg=a.loss_agg_mode,
+        dp_size=dp_size,
+        is_weights_BT=is_w,
+        **counts,
+    )
+    loss = pg.loss
+    stats = {"pg_loss": pg.loss.detach(), "clip_frac": pg.clip_frac, "approx_kl": pg.approx_kl}
+    if a.use_kl_loss:
+        kl_BT = kl_penalty(lp_BT, mb.ref_logprobs_BT, a.kl_loss_type)
+        kl_loss = aggregate(kl_BT, mask_BT, a.loss_agg_mode, dp_size=dp_size, **counts)
+        loss = loss + a.kl_loss_coef * kl_loss
+        stats["kl"] = kl_loss.detach()
+    ent_loss = aggregate(ent_BT, mask_BT, a.loss_agg_mode, dp_size=dp_size, **counts)
+    if entropy_in_loss:
+        loss = loss - a.entropy_coeff * ent_loss
+    stats["entropy"] = ent_loss.detach()
+    return MicroBatchLoss(loss=loss, logprobs_BT=lp_BT.detach(), stats=stats)
+
+
 def update_policy(
     cfg: Config,
     rl: RLDerived,
@@ -150,55 +214,25 @@ def update_policy(
             global_count = all_reduce_sum({"n": local}, device)["n"]
             counts = {"global_tokens" if a.loss_agg_mode == "token-mean" else "global_seqs": global_count}
             for i, mb in enumerate(micro_batches):
-                lp_BT, ent_BT = policy_logprobs(
-                    actor,
-                    mb.input_ids_BT,
-                    mb.attention_mask_BT,
-                    temperature=cfg.rollout.temperature,
-                    with_entropy=True,
+                out = micro_batch_loss(
+                    cfg, actor, mb, mb.old_logprobs_BT if recompute_old else None, dp_size, counts
                 )
-                mask_BT = mb.response_mask_BT
-                if recompute_old:
-                    old_BT = mb.old_logprobs_BT
-                else:
-                    # On-policy single update: the policy before the step *is* the current one.
-                    old_BT = lp_BT.detach()
+                if not recompute_old:
                     row0 = lo + i * t.micro_batch_size
-                    pre_update_BT[row0 : row0 + mb.num_rows, : lp_BT.shape[1]] = old_BT
-                is_w = (
-                    truncated_is_weights(old_BT, mb.engine_logprobs_BT, mask_BT, a.tis_cap)
-                    if a.tis_cap > 0
-                    else None
-                )
-                pg = ppo_policy_loss(
-                    lp_BT,
-                    old_BT,
-                    mb.advantages_B,
-                    mask_BT,
-                    clip_low=a.clip_ratio_low,
-                    clip_high=a.clip_ratio_high,
-                    agg=a.loss_agg_mode,
-                    dp_size=dp_size,
-                    is_weights_BT=is_w,
-                    **counts,
-                )
-                loss = pg.loss
-                if a.use_kl_loss:
-                    kl_BT = kl_penalty(lp_BT, mb.ref_logprobs_BT, a.kl_loss_type)
-                    kl_loss = aggregate(kl_BT, mask_BT, a.loss_agg_mode, dp_size=dp_size, **counts)
-                    loss = loss + a.kl_loss_coef * kl_loss
-                    sums["kl"] += float(kl_loss.detach())
-                assert ent_BT is not None
-                ent_loss = aggregate(ent_BT, mask_BT, a.loss_agg_mode, dp_size=dp_size, **counts)
-                if a.entropy_coeff > 0:
-                    loss = loss - a.entropy_coeff * ent_loss
-                loss.backward()
+                    pre_update_BT[row0 : row0 + mb.num_rows, : out.logprobs_BT.shape[1]] = out.logprobs_BT
+                out.loss.backward()
                 # Per-mini-batch sums of the normalized parts: averaged over ranks below they are the
                 # mini-batch means; clip_frac / approx_kl are micro-batch means, averaged.
-                sums["pg_loss"] += float(pg.loss.detach())
-                sums["entropy"] += float(ent_loss.detach())
-                sums["clip_frac"] += float(pg.clip_frac) / len(micro_batches)
-                sums["approx_kl"] += float(pg.approx_kl) / len(micro_batches)
+                st = out.stats
+                if "kl" in st:
+                    sums["kl"] += float(st["kl"])
+                sums["pg_loss"] += float(st["pg_loss"])
+                sums["entropy"] += float(st["entropy"])
+                sums["clip_frac"] += float(st["clip_frac"]) / len(micro_batches)
+                sums["approx_kl"] += float(st["approx_kl"]) / len(micro_batches)
+                # The last reference to this micro-batch's graph: dropped before the next forward, not
+                # when `out` is reassigned after it, so no part of it can add to the next one's peak.
+                del out, st
             grad_norms.append(clip_grad_norm(actor, cfg.optim.grad_clip))
             if not math.isfinite(grad_norms[-1]):
                 raise FloatingPointError(
@@ -341,7 +375,7 @@ def main(cfg: Config) -> None:
         prompts = [train_ds[i] for i in sampler.next_batch()]
         spec = SamplingSpec.for_training(cfg.rollout, max_tokens, seed=cfg.rollout.seed * 1_000_003 + step)
         gens = engine.generate([p.prompt_ids for p in prompts], spec)
-        engine.sleep()  # CUDA: give the KV cache back to training; CPU: nothing to free
+        engine.sleep(keep_weights=False)  # CUDA: free its memory; the next use, sync (6), reloads it all
         timing["rollout_s"] = time.perf_counter() - t0
 
         # 2. Reward, on this rank's own samples.
@@ -384,8 +418,15 @@ def main(cfg: Config) -> None:
         timing["train_s"] = time.perf_counter() - t0
 
         # 6. Sync the new weights into the engine (bucketed all-gathers, loaded in place).
-        sync = sync_weights(actor, engine, bucket_mb=cfg.rollout.weight_sync_bucket_mb)
+        # The check proves the engine's kernels now return exactly these weights, else stops the run.
+        check = (
+            SyncCheck(seed=step, tol=cfg.rollout.weight_sync_check_tol)
+            if cfg.rollout.weight_sync_check
+            else None
+        )
+        sync = sync_weights(actor, engine, bucket_mb=cfg.rollout.weight_sync_bucket_mb, check=check)
         timing["weight_sync_s"] = sync.seconds
+        timing["weight_sync_check_s"] = sync.check_seconds
 
         # 7. Metrics, reduced over all ranks.
         mismatch = logprob_mismatch(

@@ -11,6 +11,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+# rollout.cpu_gemm's choices (spmdrl.rollout.cpu_gemm says what each is).
+CPU_GEMM_PATHS = ("auto", "torch", "onednn", "sgl", "zentorch")
+
 
 class ConfigError(ValueError):
     """A configuration value is wrong. The message says which key, what is wrong and how to fix it."""
@@ -135,12 +138,25 @@ class RolloutConfig:
     enable_prefix_caching: bool = True
     # CUDA graphs speed up decoding on GPUs; the CPU backend always runs eagerly.
     enforce_eager: bool = False
-    # The engine's weight dtype: "auto" is bfloat16.
+    # The engine's weight dtype. "auto": bfloat16 on CUDA; on CPU bfloat16 where the CPU has native bf16
+    # matmuls (AVX512-BF16 or AMX) and float32 elsewhere (there bf16 runs ~4-5x slower than fp32).
     dtype: str = "auto"
+    # CPU only: vLLM's GEMM path for linear layers. "auto": vLLM's choice for this CPU; "torch" (reads
+    # the weights directly), "onednn", "sgl" (bf16) or "zentorch" (needs the zentorch package) force one.
+    # Every path is correct after a weight sync (docs/rollout.md); forcing one is for tests and for
+    # routing around a path that misbehaves on some CPU.
+    cpu_gemm: str = "auto"
     # CUDA only: release the KV cache and weights while training (vLLM sleep mode).
     free_cache_engine: bool = True
     # Weight sync gathers the actor's shards in buckets of about this many MB (one all-gather each).
     weight_sync_bucket_mb: float = 32.0
+    # After every sync, prove the engine's kernels return exactly the weights just sent (one-hot probes
+    # through every layer, compared with the trainer's tensors; spmdrl/rollout/fingerprint.py). A
+    # mismatch stops the run. The cost is a few small matmuls per layer.
+    weight_sync_check: bool = True
+    # Allowed difference relative to the probed weights' magnitude. Exact kernels agree to float64
+    # rounding (~1e-14); one optimizer step at lr 1e-6 moves the probed sums by ~1e-7 or more.
+    weight_sync_check_tol: float = 1e-9
     # Samples per prompt (the GRPO group size).
     n: int = 5
     temperature: float = 1.0
@@ -256,6 +272,11 @@ def validate(cfg: Config) -> None:
     )
     _check_choice("algorithm.kl_loss_type", cfg.algorithm.kl_loss_type, ("k1", "k2", "k3", "low_var_kl"))
     _check_choice("rollout.dtype", cfg.rollout.dtype, ("auto", "bfloat16", "float16", "float32"))
+    _check_choice("rollout.cpu_gemm", cfg.rollout.cpu_gemm, CPU_GEMM_PATHS)
+    if not 0.0 <= cfg.rollout.weight_sync_check_tol < 1.0:
+        raise ConfigError(
+            f"rollout.weight_sync_check_tol must be in [0, 1), got {cfg.rollout.weight_sync_check_tol}"
+        )
     for key, value in {
         "rollout.tp": cfg.rollout.tp,
         "rollout.n": cfg.rollout.n,

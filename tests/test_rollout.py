@@ -100,6 +100,8 @@ def _engine_checks(rank: int, engine, tokenizer) -> dict:  # noqa: ANN001 - engi
 
 
 def _rollout_worker(rank: int, world: int, model_dir: str) -> dict:
+    import gc
+
     import torch
     import torch.distributed as dist
     from transformers import AutoTokenizer
@@ -112,11 +114,16 @@ def _rollout_worker(rank: int, world: int, model_dir: str) -> dict:
     torch.manual_seed(1234)
     trainer_rng = torch.get_rng_state()
     threads = torch.get_num_threads()
+    # A trainer that enabled TF32: vLLM's Worker.__init__ sets "highest", EngineCore.__init__ gc.freeze()s.
+    torch.set_float32_matmul_precision("high")
     results: dict = {}
     for tp in (1, 2):
         cfg = RolloutConfig(tp=tp, cpu_kvcache_gib=0.25, max_num_seqs=64, seed=3)
         engine = build_engine(Path(model_dir), cfg, max_model_len=MAX_LEN, device_type="cpu")
+        settings_after_build = (torch.get_float32_matmul_precision(), gc.get_freeze_count())
         out = _engine_checks(rank, engine, tokenizer)
+        out["settings_after_build"] = settings_after_build
+        out["settings_after_generate"] = (torch.get_float32_matmul_precision(), gc.get_freeze_count())
         if tp == 2:
             # A prompt both ranks hold, at different positions: each rank must get its own slice back.
             shared = [1, 11, 12, 13]
@@ -157,6 +164,8 @@ def test_vllm_engine_tp1_and_tp2(tmp_path: Path) -> None:
         for tp in (1, 2):
             out = res[tp]
             where = f"rank {rank}, tp={tp}"
+            # The trainer's float32 matmul precision, and no objects frozen out of the garbage collector.
+            assert out["settings_after_build"] == out["settings_after_generate"] == ("high", 0), where
             assert out["seeded_repeatable"] and out["seeded_logprobs_repeatable"], where
             assert out["n_samples_differ"], where
             assert out["unseeded_calls_differ"], where

@@ -51,7 +51,7 @@ def _sync_worker(rank: int, world: int, model_dir: str) -> dict:
     from spmdrl.dist.placement import Placement
     from spmdrl.models.build import ModelSpec, build_fsdp_model
     from spmdrl.rollout.engine import build_engine
-    from spmdrl.rollout.weight_sync import iter_full_tensors, sync_weights, trainer_weights
+    from spmdrl.rollout.weight_sync import SyncCheck, iter_full_tensors, sync_weights, trainer_weights
 
     mesh = Placement.colocated(world).build_meshes("cpu").fsdp("actor")
     model = build_fsdp_model(
@@ -75,15 +75,18 @@ def _sync_worker(rank: int, world: int, model_dir: str) -> dict:
         # (tp=2: the new engine was built from the checkpoint, the trainer has moved since.)
         out["stale"] = _mismatch(model, engine, prompts, seed=2)
         # Small buckets: several all-gathers, each bucket loaded through the same reload call.
-        stats = sync_weights(model, engine, bucket_mb=0.2)
+        stats = sync_weights(model, engine, bucket_mb=0.2, check=SyncCheck(seed=tp))
         out["stats"] = (stats.num_buckets, stats.num_tensors, stats.bytes, stats.seconds)
+        out["checked_groups"] = stats.checked_groups
         # Same prompts as the stale round: their prefix blocks are cached from the old weights.
         out["synced"] = _mismatch(model, engine, prompts, seed=3)
         # A second update into the same engine, as one bucket.
         _perturb(model, originals, seed=20 * tp + rank)
         # Left unsharded by this forward: the sync must reshard (or read the unsharded root) itself.
         out["stale_again"] = _mismatch(model, engine, prompts, seed=4, reshard=False)
-        out["one_bucket"] = sync_weights(model, engine, bucket_mb=1000.0).num_buckets
+        out["one_bucket"] = sync_weights(
+            model, engine, bucket_mb=1000.0, check=SyncCheck(seed=10 + tp)
+        ).num_buckets
         out["synced_again"] = _mismatch(model, engine, prompts, seed=5)
         engine.close()
         results[tp] = out
@@ -119,9 +122,147 @@ def test_sync_fsdp2_to_vllm_tp1_and_tp2(tmp_path: Path) -> None:
                 assert out[synced]["logprob_abs_diff_mean"] < 0.02, (where, synced, out[synced])
                 assert out[synced]["kl_k3"] < 1e-3 < out[stale]["kl_k3"], (where, out[synced], out[stale])
             assert out["one_bucket"] == 1
+            # Every decoder layer's matrices and vectors, plus embedding/LM head and final norm, were checked.
+            assert out["checked_groups"] >= 4 * 3 + 2, out["checked_groups"]
             num_buckets, num_tensors, nbytes, _ = out["stats"]
             assert num_buckets > 3, "0.2 MB buckets over a ~1.6 MB bf16 model must make several"
             assert nbytes == res["param_bytes_bf16"] and num_tensors > num_buckets
+
+
+# ---- every CPU GEMM path vLLM can pick, forced, in bf16 and fp32 engines ----------------------------
+
+# (rollout.cpu_gemm, rollout.dtype): each path vLLM 0.32 can give a linear layer on CPU, for both engine
+# dtypes it serves (sgl has no fp32 kernel). Forced, so every machine tests every path it can run.
+CPU_GEMM_CASES = [
+    ("torch", "bfloat16"),
+    ("onednn", "bfloat16"),
+    ("sgl", "bfloat16"),
+    ("zentorch", "bfloat16"),
+    ("torch", "float32"),
+    ("onednn", "float32"),
+    ("zentorch", "float32"),
+]
+# Packed paths: without the post-reload refresh, the tied LM head keeps serving its initial weights.
+PACKED = ("onednn", "sgl", "zentorch")
+
+
+def _unavailable(path: str) -> str | None:
+    """Why this machine cannot run ``path`` (None: it can). Decided without importing vLLM here."""
+    import importlib.util
+
+    from spmdrl.rollout.cpu_gemm import cpu_has_native_bf16
+
+    if path == "sgl" and not cpu_has_native_bf16():
+        return "sgl's bf16 kernel needs AVX512-BF16 or AMX, which this CPU lacks (vLLM never picks it here)"
+    if path == "zentorch" and importlib.util.find_spec("zentorch") is None:
+        return "the zentorch package is not installed (the cpu extra installs it on x86-64)"
+    return None
+
+
+def _paths_worker(rank: int, world: int, model_dir: str, cases: list[tuple[str, str]]) -> dict:
+    from spmdrl.config import RolloutConfig
+    from spmdrl.dist.placement import Placement
+    from spmdrl.models.build import ModelSpec, build_fsdp_model
+    from spmdrl.rollout import cpu_gemm
+    from spmdrl.rollout.engine import build_engine
+    from spmdrl.rollout.fingerprint import WeightSyncError
+    from spmdrl.rollout.weight_sync import SyncCheck, sync_weights
+
+    mesh = Placement.colocated(world).build_meshes("cpu").fsdp("actor")
+    model = build_fsdp_model(
+        ModelSpec(Path(model_dir), torch.float32, torch.float32, train=False), mesh, torch.device("cpu")
+    )
+    originals = [p.to_local().clone() for p in model.parameters()]
+    prompts = _prompts(rank)
+    results: dict = {}
+    for i, (path, dtype) in enumerate(cases):
+        _perturb(model, originals, seed=0, scale=0.0)  # back to the checkpoint the engine starts from
+        engine = build_engine(
+            Path(model_dir),
+            RolloutConfig(cpu_kvcache_gib=0.25, max_num_seqs=16, seed=i, dtype=dtype, cpu_gemm=path),
+            max_model_len=MAX_LEN,
+            device_type="cpu",
+        )
+        out: dict = {"paths": dict(engine.gemm_paths), "dtype": str(engine.dtype)}
+        out["fresh"] = _mismatch(model, engine, prompts, seed=1)
+        for round_ in range(2):
+            _perturb(model, originals, seed=100 * i + 10 * round_ + rank)
+            out[f"stale{round_}"] = _mismatch(model, engine, prompts, seed=2)
+            stats = sync_weights(model, engine, bucket_mb=0.5, check=SyncCheck(seed=round_))
+            out[f"checked{round_}"] = stats.checked_groups
+            out[f"refreshed{round_}"] = list(engine.last_refreshed)
+            out[f"synced{round_}"] = _mismatch(model, engine, prompts, seed=3)
+        # Break the sync on purpose; the check must stop it and say where.
+        if path in PACKED:
+            # (a) the real failure mode: packed copies left stale by the reload (the tied LM head's).
+            refresh = cpu_gemm.refresh_unprocessed
+            cpu_gemm.refresh_unprocessed = lambda model, before: []
+            _perturb(model, originals, seed=999 + rank)
+            try:
+                sync_weights(model, engine, check=SyncCheck(seed=7))
+                out["broken"] = "no error"
+            except WeightSyncError as e:
+                out["broken"] = str(e)
+            finally:
+                cpu_gemm.refresh_unprocessed = refresh
+        elif dtype == "bfloat16":
+            # (b) one tensor altered on its way into the engine (a wrong name or a bad loader would do this).
+            load = engine.load_weights
+            target = "model.layers.1.mlp.down_proj.weight"
+            engine.load_weights = lambda ws, load=load, target=target: load(
+                (n, t + 0.01 if n == target else t) for n, t in ws
+            )
+            try:
+                sync_weights(model, engine, check=SyncCheck(seed=8))
+                out["broken"] = "no error"
+            except WeightSyncError as e:
+                out["broken"] = str(e)
+            finally:
+                engine.load_weights = load
+        engine.close()
+        results[(path, dtype)] = out
+    return results
+
+
+@pytest.mark.slow
+def test_sync_and_check_on_every_cpu_gemm_path(tmp_path: Path) -> None:
+    from spmdrl.models.tiny import ensure_tiny_model
+
+    cases = [c for c in CPU_GEMM_CASES if _unavailable(c[0]) is None]
+    model_dir = ensure_tiny_model(tmp_path)
+    (res,) = run_distributed(_paths_worker, 1, str(model_dir), cases, timeout_s=900, env=VLLM_ENV)
+    for (path, dtype), out in res.items():
+        where = f"cpu_gemm={path} dtype={dtype}"
+        assert out["dtype"] == f"torch.{dtype}", where
+        # Every linear layer and the LM head took the forced path (the tiny model's shapes all fit sgl).
+        assert set(out["paths"]) == {path}, (where, out["paths"])
+        # bf16 engine vs fp32 trainer: small; fp32 vs fp32: kernel rounding only. Stale: far off.
+        tol = 0.02 if dtype == "bfloat16" else 2e-3
+        assert out["fresh"]["logprob_abs_diff_mean"] < tol, (where, out["fresh"])
+        for r in range(2):
+            assert out[f"stale{r}"]["logprob_abs_diff_mean"] > 0.2, (where, r, out[f"stale{r}"])
+            assert out[f"synced{r}"]["logprob_abs_diff_mean"] < tol, (where, r, out[f"synced{r}"])
+            assert out[f"checked{r}"] >= 4 * 3 + 2, (where, out[f"checked{r}"])
+            # The tied LM head is the layer vLLM's reload does not re-process.
+            assert out[f"refreshed{r}"] == ["lm_head"], (where, out[f"refreshed{r}"])
+        if path in PACKED:
+            assert "weight sync check failed" in out["broken"], (where, out["broken"])
+            assert "lm_head" in out["broken"] and "input size 128" in out["broken"], (where, out["broken"])
+        elif dtype == "bfloat16":
+            assert "weight sync check failed" in out["broken"], (where, out["broken"])
+            assert "layer 1: matrices, input size 352" in out["broken"], (where, out["broken"])
+            assert "model.layers.1.mlp.down_proj" in out["broken"], (where, out["broken"])
+
+
+@pytest.mark.parametrize("path", ["torch", "onednn", "sgl", "zentorch"])
+def test_cpu_gemm_path_runs_here(path: str) -> None:
+    """The paths the matrix above skips, with the reason; the others pass the engine's own check."""
+    reason = _unavailable(path)
+    if reason is not None:
+        pytest.skip(reason)
+    from spmdrl.rollout.cpu_gemm import check_available
+
+    check_available(path)
 
 
 # ---- the bucketed gather alone (no vLLM): uneven shards, HSDP, other placements ----------------------

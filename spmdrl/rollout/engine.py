@@ -16,6 +16,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from spmdrl.config import ConfigError, RolloutConfig
+from spmdrl.rollout.fingerprint import Fingerprint
 
 ENGINES = ("vllm",)
 
@@ -99,8 +100,17 @@ class RolloutEngine(Protocol):
         """Replace the weights in place from (HF checkpoint name, full tensor) pairs, consumed once, lazily."""
         ...
 
-    def sleep(self) -> None:
-        """Release device memory (KV cache, weights) while the trainer runs; a no-op where unsupported."""
+    def weight_fingerprint(self, seed: int) -> Fingerprint:
+        """The weights as the engine's kernels compute with them, reduced over the engine's ranks
+        (spmdrl.rollout.fingerprint); compared with the trainer's after each sync."""
+        ...
+
+    def sleep(self, *, keep_weights: bool = True) -> None:
+        """Release device memory (KV cache, weights) while the trainer runs; a no-op where unsupported.
+
+        ``keep_weights=False`` promises that the next call is ``load_weights``: the engine may then
+        discard its weights instead of keeping a copy, and ``generate`` raises until they are loaded.
+        """
         ...
 
     def wake_up(self) -> None:

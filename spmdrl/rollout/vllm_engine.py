@@ -4,7 +4,7 @@ Every rank builds the engine (built on a subset of ranks it hangs in its init) a
 ``tp`` consecutive ranks form one engine: they all-gather their prompts (:mod:`spmdrl.rollout.groups`),
 each runs the same scheduler on the same requests, and each keeps its own slice of the results.
 
-What building vLLM in the trainer's process would otherwise change, and is put back here:
+What building vLLM in the trainer's process changes, and what is done about it:
 - the RNGs (python, numpy, torch CPU/CUDA): vLLM reseeds them at init and its CPU sampler draws from the
   global torch RNG on every step. The trainer's random stream must not depend on how much was generated
   (exact resume), so construction and each generate run inside a saved-and-restored RNG state, and
@@ -12,11 +12,28 @@ What building vLLM in the trainer's process would otherwise change, and is put b
   the trainer consumed different amounts of randomness on them).
 - on CPU, ``CPUWorker.init_device`` replaces ``torch.set_num_threads`` with a no-op (it assumes a
   thread-pinned worker process, which in-process execution never does), and vLLM sets torch's thread
-  count for serving; both are restored.
+  count for serving (on CUDA too: ``set_torch_threads_for_runtime`` in 0.32's ``Worker.load_model``
+  drops it to 1 unless ``OMP_NUM_THREADS`` is set); both are restored.
+- process-wide settings (:class:`_SettingsSwap`): ``Worker.__init__`` calls
+  ``torch.set_float32_matmul_precision(VLLM_FLOAT32_MATMUL_PRECISION)`` ("highest" unless set), which
+  would take TF32 away from a trainer that enabled it; importing ``vllm.platforms.cuda`` calls
+  ``torch.backends.cuda.enable_cudnn_sdp(False)``; ``EngineCore.__init__`` and the GPU worker's warm-up
+  call ``gc.freeze()``, after which cyclic garbage among the objects alive then (the trainer's included)
+  is never collected. The trainer's values come back after construction, vLLM's are put in place for
+  each generate, and the freeze is undone unless the trainer had frozen objects itself.
+- harmless, left alone: ``set_default_torch_dtype`` (vLLM restores it), ``torch._dynamo.config``
+  changes (restored by vLLM's context managers, or made only when the flex-attention backend is
+  imported), env vars set at ``import vllm`` (``vllm/env_override.py``: ``PYTORCH_NVML_BASED_CUDA_CHECK``,
+  which only changes how torch counts devices, ``TORCHINDUCTOR_COMPILE_THREADS=1``, which a trainer's later ``torch.compile`` reads only if
+  ``torch._inductor.config`` was not imported yet; spmdrl does not compile) and at engine build (vLLM's
+  own ``VLLM_*`` settings, and ``NCCL_GRAPH_REGISTER=0`` by default with sleep mode and CUDA graphs,
+  which concerns NCCL calls captured in CUDA graphs; the trainer captures none).
 
-Sleep mode (CUDA only, ``rollout.free_cache_engine``): ``sleep()`` offloads weights and drops the KV
-cache (level 1); ``load_weights`` wakes only the weights, ``generate`` wakes the rest. On CPU vLLM's
-worker has nothing to free, so the calls are skipped (logged once).
+Sleep mode (CUDA only, ``rollout.free_cache_engine``): ``sleep()`` drops the KV cache, and the weights
+either to host memory (``keep_weights=True``, vLLM level 1) or for good (``keep_weights=False``, level 2:
+the next engine call must be ``load_weights``, and ``generate`` raises until it has run).
+``load_weights`` wakes only the weights, ``generate`` wakes the rest, ``close`` wakes everything first.
+On CPU vLLM's worker has nothing to free, so the calls are skipped (logged once).
 """
 
 from __future__ import annotations
@@ -28,6 +45,7 @@ import os
 import random
 import sys
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,17 +54,34 @@ import torch
 import torch.distributed as dist
 
 from spmdrl.config import ConfigError, RolloutConfig
+from spmdrl.rollout import cpu_gemm, vllm_worker
 from spmdrl.rollout.engine import Generation, SamplingSpec
+from spmdrl.rollout.fingerprint import Fingerprint
 from spmdrl.rollout.groups import TPGroups
+from spmdrl.rollout.vllm_version import require_supported_vllm
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {
-    "auto": torch.bfloat16,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
     "float32": torch.float32,
 }
+
+
+def resolve_engine_dtype(name: str, device_type: str) -> torch.dtype:
+    """``rollout.dtype`` as a torch dtype; "auto" is the fastest correct one for this device.
+
+    CUDA: bfloat16. CPU: bfloat16 where the CPU computes it natively; elsewhere bf16 matmuls are
+    emulated and float32 generation measured ~4.6x faster (2 cores, grpo_tiny's model), so float32.
+    """
+    if name != "auto":
+        if name not in _DTYPES:
+            raise ConfigError(f"rollout.dtype={name!r} is not one of auto, {', '.join(_DTYPES)}")
+        return _DTYPES[name]
+    if device_type == "cpu" and not cpu_gemm.cpu_has_native_bf16():
+        return torch.float32
+    return torch.bfloat16
 
 
 def _prepare_environment() -> None:
@@ -86,6 +121,82 @@ def _keep_thread_settings() -> Iterator[None]:
     finally:
         torch.set_num_threads = set_num_threads  # type: ignore[assignment]
         torch.set_num_threads(num_threads)
+
+
+@dataclass(frozen=True)
+class _ProcessSettings:
+    """The process-wide torch settings vLLM changes in the process that builds it (see the module doc)."""
+
+    # torch.backends.{cuda,mkldnn}.matmul.fp32_precision, which torch.set_float32_matmul_precision sets
+    # (None on a torch without the per-backend API).
+    matmul_fp32: tuple[str, str] | None
+    # torch.get_float32_matmul_precision(); None where the per-backend API was used (the legacy getter
+    # then raises "mix of the legacy and new APIs").
+    matmul_legacy: str | None
+    cudnn_sdp: bool
+
+    @classmethod
+    def current(cls) -> _ProcessSettings:
+        cuda_mm, mkldnn_mm = torch.backends.cuda.matmul, torch.backends.mkldnn.matmul
+        fp32 = getattr(cuda_mm, "fp32_precision", None)
+        try:
+            legacy: str | None = torch.get_float32_matmul_precision()
+        except RuntimeError:
+            legacy = None
+        return cls(
+            None if fp32 is None else (fp32, mkldnn_mm.fp32_precision),
+            legacy,
+            torch.backends.cuda.cudnn_sdp_enabled(),
+        )
+
+    def apply(self) -> None:
+        # Through the API that set it: assigning the per-backend values after the legacy setter was used
+        # makes the legacy getter raise for the rest of the process, and the legacy setter cannot express
+        # per-backend values. "none" everywhere is torch's untouched state, which only assignment restores.
+        untouched = self.matmul_fp32 == ("none", "none")
+        if self.matmul_fp32 is not None and (self.matmul_legacy is None or untouched):
+            torch.backends.cuda.matmul.fp32_precision, torch.backends.mkldnn.matmul.fp32_precision = (
+                self.matmul_fp32
+            )
+        elif self.matmul_legacy is not None:
+            torch.set_float32_matmul_precision(self.matmul_legacy)
+        torch.backends.cuda.enable_cudnn_sdp(self.cudnn_sdp)
+
+
+class _SettingsSwap:
+    """The trainer's and vLLM's :class:`_ProcessSettings`, each in place while its own code runs.
+
+    Create it before vLLM is imported (importing ``vllm.platforms.cuda`` already disables cuDNN SDPA).
+    """
+
+    def __init__(self) -> None:
+        self.trainer = _ProcessSettings.current()
+        self.engine = self.trainer
+        self._gc_frozen_before = gc.get_freeze_count() > 0
+
+    @contextlib.contextmanager
+    def building(self) -> Iterator[None]:
+        """Around the engine's construction: record vLLM's settings, then put the trainer's back."""
+        try:
+            yield
+        finally:
+            self.engine = _ProcessSettings.current()
+            self.trainer.apply()
+            # EngineCore.__init__ and the GPU worker's warm-up freeze every live object (freeze_gc_heap,
+            # vllm/utils/gc_utils.py) to shorten vLLM's full collections; undone, that costs vLLM only those
+            # pauses. A trainer that froze objects itself keeps its freeze (and vLLM's: they are one set).
+            if not self._gc_frozen_before:
+                gc.unfreeze()
+
+    @contextlib.contextmanager
+    def engine_call(self) -> Iterator[None]:
+        """Around a call into vLLM: its settings inside, the trainer's current ones back afterwards."""
+        trainer = _ProcessSettings.current()
+        self.engine.apply()
+        try:
+            yield
+        finally:
+            trainer.apply()
 
 
 def _request_seed(base: int, dp_index: int, prompt_index: int) -> int:
@@ -140,14 +251,12 @@ class VLLMEngine:
                 "VLLMEngine needs torch.distributed initialized first (spmdrl.dist.env.init_distributed): "
                 "vLLM's external_launcher joins the existing process group"
             )
-        if cfg.dtype not in _DTYPES:
-            raise ConfigError(f"rollout.dtype={cfg.dtype!r} is not one of {', '.join(_DTYPES)}")
         if max_model_len < 2:
             raise ConfigError(f"rollout max_model_len must be >= 2, got {max_model_len}")
         if device_type not in ("cpu", "cuda"):
             raise ValueError(f"VLLMEngine: device_type must be 'cpu' or 'cuda', got {device_type!r}")
         self.device_type = device_type
-        self.dtype = _DTYPES[cfg.dtype]
+        self.dtype = resolve_engine_dtype(cfg.dtype, device_type)
         self.max_model_len = max_model_len
         self.groups = TPGroups(cfg.tp)
         # Different engines (data-parallel groups) must sample differently; the ranks of one engine alike.
@@ -155,11 +264,17 @@ class VLLMEngine:
         self._calls = 0
         self.sleep_enabled = device_type == "cuda" and cfg.free_cache_engine
         self._sleeping: set[str] = set()
+        # True from a sleep(keep_weights=False) until the next load_weights: the weights are gone.
+        self._weights_discarded = False
         self._warned_no_sleep = False
 
         _prepare_environment()
+        require_supported_vllm()
+        self._settings = _SettingsSwap()  # before importing vLLM, which changes some of them
         from vllm import LLM
 
+        if device_type == "cpu":
+            cpu_gemm.force_cpu_gemm(cfg.cpu_gemm)
         kwargs: dict[str, Any] = dict(
             model=str(model_dir),
             tokenizer=str(model_dir),
@@ -189,15 +304,16 @@ class VLLMEngine:
             kwargs["enable_chunked_prefill"] = False
             kwargs["max_num_batched_tokens"] = max(max_model_len, _CPU_MAX_BATCHED_TOKENS)
         log.info(
-            "building vLLM (external_launcher, tp=%d, engine %d of %d, seed %d, %s, max_model_len %d)",
+            "building vLLM (external_launcher, tp=%d, engine %d of %d, seed %d, %s%s, max_model_len %d)",
             cfg.tp,
             self.groups.dp_index,
             self.groups.num_engines,
             self.seed,
             kwargs["dtype"],
+            f" (rollout.dtype={cfg.dtype})" if cfg.dtype == "auto" else "",
             max_model_len,
         )
-        with _isolated_rng(device_type), _keep_thread_settings():
+        with _isolated_rng(device_type), _keep_thread_settings(), self._settings.building():
             self.llm = LLM(**kwargs)
         hf_config = self.llm.llm_engine.model_config.hf_config
         self.tied_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
@@ -206,10 +322,17 @@ class VLLMEngine:
         for f in [f for f in reload_log.filters if isinstance(f, _ExpectedReloadWarnings)]:
             reload_log.removeFilter(f)  # from an engine built earlier in this process
         reload_log.addFilter(_ExpectedReloadWarnings(self.tied_embeddings))
+        # Which CPU GEMM path each linear layer took (vLLM's choice or rollout.cpu_gemm's): logged once,
+        # since it decides speed and which packed copies a reload must rebuild.
+        self.gemm_paths = self.llm.collective_rpc(vllm_worker.gemm_paths)[0] if device_type == "cpu" else {}
+        if self.gemm_paths:
+            log.info("vLLM CPU GEMM paths (rollout.cpu_gemm=%s): %s", cfg.cpu_gemm, self.gemm_paths)
 
     # ---- generation -------------------------------------------------------------------------------------
 
     def generate(self, prompts: list[list[int]], params: SamplingSpec) -> list[Generation]:
+        # Before any collective: the state is the same on every rank, so a TP group raises together.
+        self._require_weights("generate")
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -245,7 +368,7 @@ class VLLMEngine:
             )
             for i in range(len(gathered.prompts))
         ]
-        with _isolated_rng(self.device_type):
+        with _isolated_rng(self.device_type), self._settings.engine_call():
             outputs = self.llm.generate(
                 [TokensPrompt(prompt_token_ids=p) for p in gathered.prompts], sampling, use_tqdm=False
             )
@@ -264,13 +387,18 @@ class VLLMEngine:
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """All weights in one ``reload_weights`` call, pulled lazily from ``weights``.
 
-        vLLM's checkpoint-format reload (``model_executor/model_loader/reload/inplace.py``) moves every
+        vLLM's checkpoint-format reload (0.32: ``model_executor/model_loader/reload/inplace.py``; 0.24:
+        inline in ``gpu_model_runner.reload_weights``) moves every
         layer to the meta device, loads whatever the iterator yields, and at the end puts the *old*
         tensors back into layers that got nothing -- and runs layers that got only part of their
         weights (q but not k, v) on uninitialized memory. So it must see every weight in one call;
         buckets arrive through the iterator, and a layer is processed (and its buffered inputs freed)
         as soon as its last weight arrives.
+
+        Until it returns the weights count as invalid: a load that raises leaves some layers on the meta
+        device or at old values (garbage after a level-2 sleep), and ``generate`` then refuses to run.
         """
+        self._weights_discarded = True
         self._wake(("weights",))
         seen: set[str] = set()
 
@@ -279,9 +407,8 @@ class VLLMEngine:
                 seen.add(name)
                 yield name, tensor
 
-        self.llm.collective_rpc(
-            "reload_weights", kwargs=dict(weights_iterator=tracked(), is_checkpoint_format=True)
-        )
+        # vllm_worker.reload_weights also rebuilds the packed CPU GEMM copies the reload left stale.
+        self.last_refreshed = self.llm.collective_rpc(vllm_worker.reload_weights, args=(tracked(),))[0]
         missing = sorted(self.expected_weights - seen)
         if missing:
             raise RuntimeError(
@@ -295,23 +422,52 @@ class VLLMEngine:
             raise RuntimeError(
                 "vLLM refused to reset its prefix cache after a weight load (requests running?)"
             )
+        self._weights_discarded = False
+
+    def weight_fingerprint(self, seed: int) -> Fingerprint:
+        """The engine's weights as its kernels see them (spmdrl.rollout.fingerprint), summed over the TP group."""
+        self._require_weights("weight_fingerprint")
+        self._wake(("weights",))
+        fp: Fingerprint = self.llm.collective_rpc(
+            vllm_worker.fingerprint, args=(seed, self.groups.tp_rank, self.dtype)
+        )[0]
+        if self.groups.group is not None:
+            keys = sorted(fp.values)
+            sums = torch.tensor([fp.values[k] for k in keys], dtype=torch.float64)
+            dist.all_reduce(sums, group=self.groups.group)
+            fp.values = {k: sums[i].tolist() for i, k in enumerate(keys)}
+        return fp
 
     def close(self) -> None:
         """Release the engine but keep torch.distributed alive; call it before destroy_process_group.
 
         vLLM's own shutdown (``EngineCore.shutdown`` -> ``cleanup_dist_env_and_memory`` in
         ``distributed/parallel_state.py``) ends with ``torch.distributed.destroy_process_group()``:
-        the trainer's default group, not just vLLM's. Left to itself it runs from a finalizer at exit,
-        after the program destroyed the group, and fails ("Invalid process group specified"). So this
-        detaches that finalizer and does the rest of the teardown: executor, scheduler, vLLM's groups.
+        the trainer's default group, not just vLLM's. vLLM 0.32's in-process client runs it from a
+        finalizer at exit, after the program destroyed the group, and fails ("Invalid process group
+        specified"); 0.24's never runs it. So this detaches that finalizer where there is one and does
+        the rest of the teardown: executor, scheduler, vLLM's groups.
+
+        A sleeping engine is woken first. Sleep unmaps and releases the memory of the sleeping allocations
+        but keeps their records (``CuMemAllocator.sleep`` in ``device_allocator/cumem.py``); tearing the
+        engine down frees them once more (0.32's ``Worker.shutdown`` calls ``CuMemAllocator.release_pools``;
+        0.24 leaves the pools to interpreter exit), and on CUDA that free runs ``cuMemUnmap`` on unmapped
+        memory (0.32's ``_python_free_callback`` special-cases only ROCm). The allocator's C extension
+        keeps the error in a global, which makes it skip ``cuMemRelease`` for every allocation freed after
+        it (``unmap_and_release`` in ``csrc/cumem_allocator.cpp``): device memory lost to the rest of the
+        process. The last step usually ends asleep (generate, sleep, train, then the sync wakes only the
+        weights); waking costs one KV-cache allocation, which every generate makes anyway.
         """
         llm = getattr(self, "llm", None)
         if llm is None:
             return
+        self._wake(("weights", "kv_cache"))
+        client = llm.llm_engine.engine_core  # the in-process client (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+        finalizer = getattr(client, "_finalizer", None)  # vLLM 0.32; 0.24's InprocClient has none
+        if finalizer is not None:
+            finalizer.detach()
         from vllm.distributed import parallel_state
 
-        client = llm.llm_engine.engine_core  # the in-process client (VLLM_ENABLE_V1_MULTIPROCESSING=0)
-        client._finalizer.detach()
         core = client.engine_core
         core.model_executor.shutdown()
         core.scheduler.shutdown()
@@ -324,23 +480,53 @@ class VLLMEngine:
 
     # ---- sleep / wake (CUDA) -----------------------------------------------------------------------------
 
-    def sleep(self) -> None:
+    def sleep(self, *, keep_weights: bool = True) -> None:
+        """Free the engine's device memory while the trainer uses it (CUDA with rollout.free_cache_engine).
+
+        The KV cache is dropped either way. ``keep_weights=True`` (vLLM sleep level 1) copies the weights to
+        host memory and back at the next wake: for when the engine may generate before the next
+        ``load_weights``. ``keep_weights=False`` (level 2) discards them, with no host copy and no copies
+        either way: for when the next use is ``load_weights`` (a GRPO step: generate, sleep, train, sync),
+        which overwrites every weight. ``generate`` raises until it has run.
+
+        Level 2 loses nothing the reload does not send: vLLM copies the model's buffers (the rotary
+        ``cos_sin_cache``, attention scales) to host before discarding and back when the weights wake
+        (``Worker.sleep`` / ``Worker.wake_up``, ``v1/worker/gpu_worker.py``, 0.24 and 0.32), and the reload
+        gives layers it sends nothing to (the rotary embedding) those tensors back. The weights' memory
+        itself is remapped at the same addresses, so captured CUDA graphs stay valid.
+        """
         if not self._sleep_supported():
             return
         if not self._sleeping:
-            # Level 1 keeps a host copy of the weights: the engine stays usable even if a step generates
-            # before the next weight sync (validation, say). The KV cache is dropped either way.
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=1 if keep_weights else 2)
             self._sleeping = {"weights", "kv_cache"}
+            self._weights_discarded = not keep_weights
 
     def wake_up(self) -> None:
         self._wake(("weights", "kv_cache"))
 
     def _wake(self, tags: tuple[str, ...]) -> None:
+        """Wake the sleeping parts among ``tags`` (whether the weights are valid is ``load_weights``'s
+        business: it alone clears ``_weights_discarded``, after a load that succeeded)."""
         todo = [t for t in tags if t in self._sleeping]
         if todo:
+            if self.device_type == "cuda":
+                # The blocks the trainer freed stay reserved by PyTorch's caching allocator, while vLLM maps
+                # its sleep-mode memory with cuMemCreate outside that cache: without this the wake can run
+                # out of memory that is free in all but name. vLLM 0.32's CuMemAllocator.wake_up empties
+                # the cache itself; 0.24's does not.
+                torch.cuda.empty_cache()
             self.llm.wake_up(tags=todo)
             self._sleeping.difference_update(todo)
+
+    def _require_weights(self, what: str) -> None:
+        if self._weights_discarded:
+            raise RuntimeError(
+                f"{what}: the engine's weights are not valid: discarded by sleep(keep_weights=False) with no "
+                "load_weights since, or the last load_weights failed; load weights first "
+                "(spmdrl.rollout.weight_sync.sync_weights), or sleep with keep_weights=True when the engine "
+                "generates before the next weight sync"
+            )
 
     def _sleep_supported(self) -> bool:
         if self.sleep_enabled:

@@ -38,7 +38,9 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from spmdrl.dist.reduce import all_reduce_max
 from spmdrl.rollout.engine import RolloutEngine
+from spmdrl.rollout.fingerprint import Fingerprint, WeightSyncError, compare, observe, sync_error
 
 log = logging.getLogger(__name__)
 
@@ -63,12 +65,24 @@ def engine_name(fqn: str) -> str:
 
 
 @dataclass(frozen=True)
+class SyncCheck:
+    """Prove after the load that the engine serves exactly these weights (spmdrl.rollout.fingerprint)."""
+
+    # Chooses the probed columns; pass something that changes every sync (the step).
+    seed: int
+    tol: float = 1e-9
+
+
+@dataclass(frozen=True)
 class SyncStats:
     seconds: float
     # Bytes of full tensors handed to the engine (engine dtype).
     bytes: int
     num_buckets: int
     num_tensors: int
+    # Of ``seconds``: the check's share, and how many (layer, input size) groups it compared (0: no check).
+    check_seconds: float = 0.0
+    checked_groups: int = 0
 
 
 @dataclass
@@ -210,10 +224,28 @@ def trainer_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         yield name, p
 
 
+def _tied_uses(model: nn.Module) -> dict[str, int]:
+    """Trainer tensors that more than one engine layer computes from: a tied input embedding is also the
+    engine's LM head (a layer of its own, with its own packed copy on CPU)."""
+    if not bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False)):
+        return {}
+    emb = model.get_input_embeddings().weight  # type: ignore[operator]
+    return {engine_name(n): 2 for n, p in model.named_parameters() if p is emb}
+
+
 def sync_weights(
-    model: nn.Module, engine: RolloutEngine, *, bucket_mb: float = DEFAULT_BUCKET_MB
+    model: nn.Module,
+    engine: RolloutEngine,
+    *,
+    bucket_mb: float = DEFAULT_BUCKET_MB,
+    check: SyncCheck | None = None,
 ) -> SyncStats:
-    """Load the trainer's current weights into the engine, in place. Every rank calls it."""
+    """Load the trainer's current weights into the engine, in place; with ``check``, prove they arrived.
+
+    Every rank calls it. The check fingerprints the full tensors as they stream past (no second
+    gather), asks the engine for the same fingerprint through its kernels, and raises WeightSyncError
+    on every rank together if any rank's engine differs.
+    """
     t0 = time.perf_counter()
     # FSDP2 keeps the root unit's parameters unsharded after a forward (reshard_after_forward=False):
     # a full copy that would otherwise sit in memory through generation. Resharding first frees it
@@ -222,12 +254,37 @@ def sync_weights(
         if isinstance(module, FSDPModule):
             module.reshard()
     counter = SyncCounter()
+    sent = Fingerprint()
     with torch.no_grad():
-        engine.load_weights(
-            iter_full_tensors(
-                trainer_weights(model), dtype=engine.dtype, bucket_mb=bucket_mb, counter=counter
-            )
+        weights = iter_full_tensors(
+            trainer_weights(model), dtype=engine.dtype, bucket_mb=bucket_mb, counter=counter
         )
-    stats = SyncStats(time.perf_counter() - t0, counter.bytes, counter.num_buckets, counter.num_tensors)
+        if check is not None:
+            weights = observe(weights, sent, check.seed, _tied_uses(model))
+        engine.load_weights(weights)
+    t_check = time.perf_counter()
+    groups = 0
+    if check is not None:
+        divergences = compare(engine.weight_fingerprint(check.seed), sent, check.tol)
+        groups = len(sent.values)
+        device = next(model.parameters()).device
+        # Every rank stops together, also those whose own engine is fine (another engine may not be).
+        failed = all_reduce_max({"failed": float(bool(divergences))}, device)["failed"]
+        if failed:
+            if not divergences:
+                raise WeightSyncError(
+                    f"weight sync check (seed {check.seed}) failed on another rank's engine; its log "
+                    "says which layers differ"
+                )
+            raise sync_error(divergences, f"(seed {check.seed})")
+    done = time.perf_counter()
+    stats = SyncStats(
+        done - t0,
+        counter.bytes,
+        counter.num_buckets,
+        counter.num_tensors,
+        check_seconds=done - t_check,
+        checked_groups=groups,
+    )
     log.debug("weight sync: %s", stats)
     return stats

@@ -1,0 +1,151 @@
+"""The weight-sync check: the engine's kernels must return exactly the weights the trainer just sent.
+
+Reading ``layer.weight`` back from the engine proves nothing: on CPU most GEMM paths compute from a
+packed copy (:mod:`spmdrl.rollout.cpu_gemm`), and the failure this guards against is precisely a fresh
+``weight`` beside a stale copy. So the check goes *through the kernels*: every linear layer (and LM head)
+is applied to a few one-hot probe rows, which returns columns of the weight its kernel actually uses.
+With one non-zero input the product is a single multiplication by 1, exact in any precision and
+accumulation order, so the engine's answer equals the trainer's engine-dtype tensor bit for bit.
+Embedding tables, norms and biases are read directly (their forward reads the tensor itself).
+
+Per sync, both sides reduce what they saw to a few float64 numbers per *key* (a decoder layer index and
+an input size, or a layer's 1-D tensors): the sum, the sum of squares and the sum of magnitudes of the
+probed entries. Keys need no knowledge of how the engine merges or shards tensors (q/k/v into
+qkv_proj, TP slices): columns of the same input index add up the same whichever way the rows are
+grouped. The trainer side is computed from the full tensors while they stream into the engine (no extra
+gather); the engine side is reduced over its TP group. The two must agree to float64 rounding; a stale
+layer, a tensor that never arrived, or one loaded under the wrong name differ by whole weight updates.
+The probed columns change with every sync, so over a run every column is checked.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+# Probe columns per input size per sync: enough that a stale layer cannot hide in an unchanged column.
+NUM_PROBE_COLUMNS = 4
+
+_LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
+
+
+def probe_columns(input_size: int, seed: int, num: int = NUM_PROBE_COLUMNS) -> list[int]:
+    """The input columns probed for tensors of this input size at this sync; the same on every rank."""
+    rng = np.random.default_rng([seed & 0xFFFFFFFF, input_size])
+    return sorted({int(c) for c in rng.integers(0, input_size, size=min(num, input_size))})
+
+
+def matrix_key(name: str, input_size: int) -> str:
+    m = _LAYER.search(name)
+    return f"{'layer ' + m.group(1) if m else 'top'}: matrices, input size {input_size}"
+
+
+def vector_key(name: str) -> str:
+    m = _LAYER.search(name)
+    return f"{'layer ' + m.group(1) if m else 'top'}: vectors"
+
+
+@dataclass
+class Fingerprint:
+    """Per key: [sum, sum of squares, sum of |x|] in float64, and the names that contributed."""
+
+    values: dict[str, list[float]] = field(default_factory=dict)
+    names: dict[str, list[str]] = field(default_factory=dict)
+
+    def add(self, key: str, name: str, probed: torch.Tensor, times: int = 1) -> None:
+        x = probed.detach().to(torch.float64)
+        acc = self.values.setdefault(key, [0.0, 0.0, 0.0])
+        acc[0] += times * float(x.sum())
+        acc[1] += times * float((x * x).sum())
+        acc[2] += times * float(x.abs().sum())
+        self.names.setdefault(key, []).append(name)
+
+    def add_matrix(self, name: str, full: torch.Tensor, seed: int, times: int = 1) -> None:
+        """A trainer tensor (out x in): its probed columns, as a one-hot probe through a kernel returns them."""
+        cols = probe_columns(full.shape[1], seed)
+        self.add(matrix_key(name, full.shape[1]), name, full[:, cols], times)
+
+    def add_vector(self, name: str, full: torch.Tensor, times: int = 1) -> None:
+        self.add(vector_key(name), name, full, times)
+
+
+def observe(
+    weights: Iterable[tuple[str, torch.Tensor]], fp: Fingerprint, seed: int, times: dict[str, int]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pass (name, full tensor) pairs through unchanged, adding each to the trainer's fingerprint.
+
+    ``times``: how many engine layers compute from one trainer tensor (a tied embedding serves the
+    embedding lookup and the LM head: 2).
+    """
+    for name, t in weights:
+        if t.dim() == 2:
+            fp.add_matrix(name, t, seed, times.get(name, 1))
+        elif t.dim() == 1:
+            fp.add_vector(name, t, times.get(name, 1))
+        yield name, t
+
+
+@dataclass(frozen=True)
+class Divergence:
+    key: str
+    engine: tuple[float, float, float]
+    trainer: tuple[float, float, float]
+    engine_names: tuple[str, ...]
+    trainer_names: tuple[str, ...]
+
+    def describe(self) -> str:
+        e, t = self.engine, self.trainer
+        return (
+            f"  {self.key}: engine sum {e[0]:.9g}, sum sq {e[1]:.9g} vs trainer sum {t[0]:.9g}, sum sq "
+            f"{t[1]:.9g}\n    engine layers: {', '.join(self.engine_names) or '(none)'}\n"
+            f"    trainer tensors: {', '.join(self.trainer_names) or '(none)'}"
+        )
+
+
+def compare(engine: Fingerprint, trainer: Fingerprint, tol: float) -> list[Divergence]:
+    """Keys whose sums differ by more than ``tol`` times their sum of magnitudes (or exist on one side only).
+
+    Exact kernels agree to float64 rounding (about 1e-16 relative); ``tol`` leaves room for kernels
+    that round their output (TF32 matmuls, say) while staying far below one optimizer update.
+    """
+    out = []
+    for key in sorted(engine.values.keys() | trainer.values.keys()):
+        e = engine.values.get(key, [0.0, 0.0, 0.0])
+        t = trainer.values.get(key, [0.0, 0.0, 0.0])
+        scale = max(e[2], t[2], 1e-30)
+        sq_scale = max(e[1], t[1], 1e-30)
+        if abs(e[0] - t[0]) > tol * scale or abs(e[1] - t[1]) > tol * sq_scale:
+            out.append(
+                Divergence(
+                    key,
+                    (e[0], e[1], e[2]),
+                    (t[0], t[1], t[2]),
+                    tuple(engine.names.get(key, [])),
+                    tuple(trainer.names.get(key, [])),
+                )
+            )
+    return out
+
+
+class WeightSyncError(RuntimeError):
+    """The engine does not serve the weights the trainer sent."""
+
+
+def sync_error(divergences: list[Divergence], step_label: str, limit: int = 6) -> WeightSyncError:
+    shown = "\n".join(d.describe() for d in divergences[:limit])
+    more = f"\n  ... and {len(divergences) - limit} more" if len(divergences) > limit else ""
+    return WeightSyncError(
+        f"weight sync check failed {step_label}: the rollout engine's kernels do not return the weights the "
+        f"trainer sent ({len(divergences)} of the checked groups differ; one-hot probes through each "
+        f"layer, see spmdrl/rollout/fingerprint.py):\n{shown}{more}\n"
+        "Likely causes: a CPU GEMM path that keeps a packed copy of a weight the reload did not rebuild "
+        "(try rollout.cpu_gemm=torch, which reads the weights directly, and report the vLLM version and "
+        "CPU); trainer parameter names that do not map onto the engine's (spmdrl.rollout.weight_sync."
+        "engine_name); a vLLM release outside the supported range. Rollouts from this engine would "
+        "not come from the policy being trained, so the run stops. rollout.weight_sync_check=false "
+        "turns the check off (for debugging only)."
+    )

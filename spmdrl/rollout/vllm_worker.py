@@ -1,0 +1,101 @@
+"""Functions that run inside vLLM's worker (``LLM.collective_rpc(fn)``), next to the engine's model.
+
+With ``external_launcher`` the worker lives in this rank's process, so ``collective_rpc`` calls these
+directly with the worker as first argument; each rank's call sees only its own TP shard of the model.
+They are plain functions, not worker methods, so no vLLM class is patched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from spmdrl.rollout import cpu_gemm
+from spmdrl.rollout.fingerprint import Fingerprint, matrix_key, probe_columns
+
+
+def _model(worker: Any) -> nn.Module:
+    return worker.model_runner.get_model()
+
+
+def reload_weights(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """vLLM's in-place checkpoint-format reload, then the packed CPU GEMM copies it did not rebuild.
+
+    Returns the names of the layers re-dispatched (on CPU, a tied LM head; on CUDA, none: nothing has
+    a ``cpu_linear``).
+    """
+    model = _model(worker)
+    before = cpu_gemm.snapshot(model)
+    worker.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+    return cpu_gemm.refresh_unprocessed(model, before)
+
+
+def gemm_paths(worker: Any) -> dict[str, int]:
+    return cpu_gemm.gemm_paths(_model(worker))
+
+
+def _is_sliced(module: nn.Module) -> bool:
+    """Whether the module's tensors are split over the TP group (else every TP rank holds a full copy)."""
+    return int(getattr(module, "tp_size", 1)) > 1
+
+
+def _output_sliced(module: nn.Module) -> bool:
+    out, per = getattr(module, "output_size", None), getattr(module, "output_size_per_partition", None)
+    return _is_sliced(module) and out is not None and per is not None and per < out
+
+
+@torch.no_grad()
+def fingerprint(worker: Any, seed: int, tp_rank: int, dtype: torch.dtype) -> Fingerprint:
+    """This rank's share of the engine's fingerprint (see spmdrl.rollout.fingerprint).
+
+    Linear layers and LM heads are probed through their kernels (``quant_method.apply``) with one-hot
+    rows; other tensors are read directly. A tensor replicated over the TP group counts on TP rank 0
+    only (with zero weight elsewhere, so every rank has the same keys), a split one on every rank: the
+    sum over the group is then the whole model's, whatever the split.
+    """
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    model = _model(worker)
+    device = next(model.parameters()).device
+    fp = Fingerprint()
+    probed: set[int] = set()
+    # TF32 would round the probed weights on CUDA; the probe must read them exactly.
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        for name, m in model.named_modules():
+            if isinstance(m, LinearBase):
+                k_global, k_local = int(m.input_size), int(m.input_size_per_partition)
+                start = int(getattr(m, "tp_rank", 0)) * k_local if k_local < k_global else 0
+            elif isinstance(m, ParallelLMHead):
+                k_global = k_local = int(m.embedding_dim)
+                start = 0
+            else:
+                continue
+            cols = probe_columns(k_global, seed)
+            x = torch.zeros(len(cols), k_local, dtype=dtype, device=device)
+            for row, c in enumerate(cols):
+                if start <= c < start + k_local:
+                    x[row, c - start] = 1
+            y = m.quant_method.apply(m, x)
+            times = 1 if _is_sliced(m) or tp_rank == 0 else 0
+            fp.add(matrix_key(name, k_global), name, y, times)
+            probed.add(id(m))
+        for name, m in model.named_modules():
+            for pname, p in m.named_parameters(recurse=False):
+                full = f"{name}.{pname}" if name else pname
+                if pname == "weight" and id(m) in probed:
+                    continue
+                if p.dim() == 2:  # an embedding table (vocab-parallel when TP splits it)
+                    times = 1 if _is_sliced(m) or tp_rank == 0 else 0
+                    fp.add_matrix(full, p, seed, times)
+                elif p.dim() == 1:
+                    sliced = _output_sliced(m) and hasattr(p, "output_dim")
+                    fp.add_vector(full, p, 1 if sliced or tp_rank == 0 else 0)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    return fp
