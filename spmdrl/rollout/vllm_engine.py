@@ -428,9 +428,12 @@ class VLLMEngine:
         """The engine's weights as its kernels see them (spmdrl.rollout.fingerprint), summed over the TP group."""
         self._require_weights("weight_fingerprint")
         self._wake(("weights",))
-        fp: Fingerprint = self.llm.collective_rpc(
-            vllm_worker.fingerprint, args=(seed, self.groups.tp_rank, self.dtype)
-        )[0]
+        # vLLM's own matmul settings ("highest" float32 precision unless VLLM_FLOAT32_MATMUL_PRECISION
+        # lowers it): no TF32, so an fp32 engine's probe reads its weights exactly.
+        with self._settings.engine_call():
+            fp: Fingerprint = self.llm.collective_rpc(
+                vllm_worker.fingerprint, args=(seed, self.groups.tp_rank, self.dtype)
+            )[0]
         if self.groups.group is not None:
             keys = sorted(fp.values)
             sums = torch.tensor([fp.values[k] for k in keys], dtype=torch.float64)

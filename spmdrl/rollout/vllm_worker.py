@@ -63,39 +63,33 @@ def fingerprint(worker: Any, seed: int, tp_rank: int, dtype: torch.dtype) -> Fin
     device = next(model.parameters()).device
     fp = Fingerprint()
     probed: set[int] = set()
-    # TF32 would round the probed weights on CUDA; the probe must read them exactly.
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        for name, m in model.named_modules():
-            if isinstance(m, LinearBase):
-                k_global, k_local = int(m.input_size), int(m.input_size_per_partition)
-                start = int(getattr(m, "tp_rank", 0)) * k_local if k_local < k_global else 0
-            elif isinstance(m, ParallelLMHead):
-                k_global = k_local = int(m.embedding_dim)
-                start = 0
-            else:
+    for name, m in model.named_modules():
+        if isinstance(m, LinearBase):
+            k_global, k_local = int(m.input_size), int(m.input_size_per_partition)
+            start = int(getattr(m, "tp_rank", 0)) * k_local if k_local < k_global else 0
+        elif isinstance(m, ParallelLMHead):
+            k_global = k_local = int(m.embedding_dim)
+            start = 0
+        else:
+            continue
+        cols = probe_columns(k_global, seed)
+        x = torch.zeros(len(cols), k_local, dtype=dtype, device=device)
+        for row, c in enumerate(cols):
+            if start <= c < start + k_local:
+                x[row, c - start] = 1
+        y = m.quant_method.apply(m, x)
+        times = 1 if _is_sliced(m) or tp_rank == 0 else 0
+        fp.add(matrix_key(name, k_global), name, y, times)
+        probed.add(id(m))
+    for name, m in model.named_modules():
+        for pname, p in m.named_parameters(recurse=False):
+            full = f"{name}.{pname}" if name else pname
+            if pname == "weight" and id(m) in probed:
                 continue
-            cols = probe_columns(k_global, seed)
-            x = torch.zeros(len(cols), k_local, dtype=dtype, device=device)
-            for row, c in enumerate(cols):
-                if start <= c < start + k_local:
-                    x[row, c - start] = 1
-            y = m.quant_method.apply(m, x)
-            times = 1 if _is_sliced(m) or tp_rank == 0 else 0
-            fp.add(matrix_key(name, k_global), name, y, times)
-            probed.add(id(m))
-        for name, m in model.named_modules():
-            for pname, p in m.named_parameters(recurse=False):
-                full = f"{name}.{pname}" if name else pname
-                if pname == "weight" and id(m) in probed:
-                    continue
-                if p.dim() == 2:  # an embedding table (vocab-parallel when TP splits it)
-                    times = 1 if _is_sliced(m) or tp_rank == 0 else 0
-                    fp.add_matrix(full, p, seed, times)
-                elif p.dim() == 1:
-                    sliced = _output_sliced(m) and hasattr(p, "output_dim")
-                    fp.add_vector(full, p, 1 if sliced or tp_rank == 0 else 0)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32
+            if p.dim() == 2:  # an embedding table (vocab-parallel when TP splits it)
+                times = 1 if _is_sliced(m) or tp_rank == 0 else 0
+                fp.add_matrix(full, p, seed, times)
+            elif p.dim() == 1:
+                sliced = _output_sliced(m) and hasattr(p, "output_dim")
+                fp.add_vector(full, p, 1 if sliced or tp_rank == 0 else 0)
     return fp
