@@ -50,7 +50,13 @@ from spmdrl.models.load import load_tokenizer, resolve_model_path_all_ranks
 from spmdrl.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
 from spmdrl.rewards.registry import RewardInput, load_reward_fn
 from spmdrl.rewards.sandbox import RewardResult, score_batch
-from spmdrl.rollout.engine import Generation, RolloutEngine, SamplingSpec, build_engine
+from spmdrl.rollout.engine import (
+    Generation,
+    RolloutEngine,
+    SamplingSpec,
+    build_engine,
+    check_engine_config,
+)
 from spmdrl.rollout.mismatch import logprob_mismatch, pack_generations
 from spmdrl.rollout.weight_sync import SyncCheck, sync_weights
 from spmdrl.runtime import Run, start_run
@@ -308,6 +314,8 @@ def main(cfg: Config) -> None:
     run = start_run(cfg)
     env = run.env
     t_start = time.perf_counter()
+    # An engine this machine cannot run (vLLM release, forced CPU GEMM path) fails now, not after the SFT.
+    check_engine_config(cfg.rollout, env.device.type)
 
     # Model files; optionally an SFT stage first (in this same job), whose export RL starts from.
     model_dir = resolve_model_path_all_ranks(cfg.model.path, run.cache_dir)

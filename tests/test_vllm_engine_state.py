@@ -230,3 +230,22 @@ def test_trainer_keeps_its_process_settings(setup: str) -> None:
     script = textwrap.dedent(_SETTINGS_SCRIPT).replace("{setup}", setup)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_engine_settings_this_machine_cannot_run_fail_before_any_work(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A CPU without native bf16 and a missing zentorch are faked (CPU flags, the import), since neither
+    can be had here on demand."""
+    from spmdrl.config import ConfigError, RolloutConfig
+    from spmdrl.rollout.engine import check_engine_config
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    with pytest.raises(ConfigError, match="AVX512-BF16 or AMX"):
+        check_engine_config(RolloutConfig(cpu_gemm="sgl"), "cpu")
+    check_engine_config(RolloutConfig(cpu_gemm="torch"), "cpu")  # runs anywhere
+    check_engine_config(RolloutConfig(cpu_gemm="sgl"), "cuda")  # a CPU-only setting
+    monkeypatch.setitem(sys.modules, "zentorch", None)  # import zentorch -> ImportError
+    with pytest.raises(ConfigError, match="pip install 'zentorch=="):
+        check_engine_config(RolloutConfig(cpu_gemm="zentorch"), "cpu")

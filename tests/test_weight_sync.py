@@ -51,6 +51,7 @@ def _sync_worker(rank: int, world: int, model_dir: str) -> dict:
     from spmdrl.dist.placement import Placement
     from spmdrl.models.build import ModelSpec, build_fsdp_model
     from spmdrl.rollout.engine import build_engine
+    from spmdrl.rollout.fingerprint import WeightSyncError
     from spmdrl.rollout.weight_sync import SyncCheck, iter_full_tensors, sync_weights, trainer_weights
 
     mesh = Placement.colocated(world).build_meshes("cpu").fsdp("actor")
@@ -88,6 +89,19 @@ def _sync_worker(rank: int, world: int, model_dir: str) -> dict:
             model, engine, bucket_mb=1000.0, check=SyncCheck(seed=10 + tp)
         ).num_buckets
         out["synced_again"] = _mismatch(model, engine, prompts, seed=5)
+        if tp == 1:
+            # Only rank 1's engine gets a bad tensor: every rank must stop, rank 0 saying where to look.
+            load = engine.load_weights
+            if rank == 1:
+                engine.load_weights = lambda ws, load=load: load(
+                    (n, t * 2 if n == "model.norm.weight" else t) for n, t in ws
+                )
+            try:
+                sync_weights(model, engine, check=SyncCheck(seed=99))
+                out["one_rank_broken"] = "no error"
+            except WeightSyncError as e:
+                out["one_rank_broken"] = str(e)
+            engine.load_weights = load
         engine.close()
         results[tp] = out
     # (b) on the trained model: the bucketed gather gives exactly what DTensor.full_tensor() gives.
@@ -122,6 +136,13 @@ def test_sync_fsdp2_to_vllm_tp1_and_tp2(tmp_path: Path) -> None:
                 assert out[synced]["logprob_abs_diff_mean"] < 0.02, (where, synced, out[synced])
                 assert out[synced]["kl_k3"] < 1e-3 < out[stale]["kl_k3"], (where, out[synced], out[stale])
             assert out["one_bucket"] == 1
+            if tp == 1:
+                broken = out["one_rank_broken"]
+                if rank == 1:
+                    assert "weight sync check failed" in broken and "top: vectors" in broken, broken
+                    assert "model.norm.weight" in broken, broken
+                else:
+                    assert "failed on another rank's engine" in broken, broken
             # Every decoder layer's matrices and vectors, plus embedding/LM head and final norm, were checked.
             assert out["checked_groups"] >= 4 * 3 + 2, out["checked_groups"]
             num_buckets, num_tensors, nbytes, _ = out["stats"]

@@ -122,6 +122,21 @@ class RolloutEngine(Protocol):
         ...
 
 
+def check_engine_config(cfg: RolloutConfig, device_type: str) -> None:
+    """What can be checked about the engine without building it: the installed release, and a forced CPU
+    GEMM path this machine cannot run. Recipes call it first, so a bad setting fails before any
+    training (the warm-start, say) instead of at the engine's build."""
+    if cfg.engine != "vllm":
+        raise ConfigError(f"rollout.engine={cfg.engine!r} is not one of {', '.join(ENGINES)}")
+    from spmdrl.rollout.vllm_version import require_supported_vllm
+
+    require_supported_vllm()
+    if device_type == "cpu":
+        from spmdrl.rollout.cpu_gemm import check_available
+
+        check_available(cfg.cpu_gemm)
+
+
 def build_engine(
     model_dir: Path, cfg: RolloutConfig, *, max_model_len: int, device_type: str
 ) -> RolloutEngine:
