@@ -62,7 +62,8 @@ def save_random_model(shape: str, out: Path) -> None:
 
 
 def grpo_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    from spmdrl.algos.losses import ppo_policy_loss
+    from spmdrl.algos.aggregation import Aggregation
+    from spmdrl.algos.policy_losses import PolicyLossParams, policy_loss
     from spmdrl.models.forward import policy_logprobs
 
     # As the recipe with entropy_coeff=0 (the default): entropy as a metric, without a gradient graph.
@@ -70,7 +71,10 @@ def grpo_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     mask_BT = torch.ones_like(lp_BT, dtype=torch.bool)
     mask_BT[:, : ids.shape[1] // 4] = False  # a prompt quarter
     adv_B = torch.linspace(-1, 1, ids.shape[0], device=ids.device)
-    return ppo_policy_loss(lp_BT, lp_BT.detach(), adv_B, mask_BT).loss
+    agg = Aggregation.local("token-mean", mask_BT)
+    return policy_loss("vanilla")(
+        lp_BT, lp_BT.detach(), adv_B, mask_BT, agg=agg, params=PolicyLossParams()
+    ).loss
 
 
 def ce_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:

@@ -5,9 +5,10 @@
 Every rank, every step:
   1. rollout    its shard of the prompts -> rollout.n samples each, from the in-process vLLM engine
   2. reward     rule / user reward functions on its own samples (sandboxed, with a timeout)
-  3. advantage  group-normalized rewards; a rank holds whole groups, so no communication
+  3. batch      rows + advantages (algorithm.adv_estimator); a rank holds whole groups: no communication
   4. old, ref   the trainer's and the reference model's logprobs of the sampled tokens
-  5. update     PPO-clipped surrogate + KL loss, mini-batches x micro-batches, global-token normalized
+  5. update     policy loss (algorithm.policy_loss) + KL loss, mini-batches x micro-batches; every term
+                is sum / (the mini-batch's global count) and FSDP sums gradients (algos/aggregation.py)
   6. sync       the actor's FSDP2 shards -> full tensors per bucket -> the engine, in place
   7. log        metrics (reduced over ranks), samples, validation, curves
 
@@ -22,20 +23,24 @@ import logging
 import math
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from spmdrl.algos.advantages import grpo_advantages
-from spmdrl.algos.batch import PolicyBatch
+from spmdrl.algos.advantages import NEEDS_BASELINE, AdvantageInputs, compute_advantages, token_level_rewards
+from spmdrl.algos.aggregation import Aggregation, count_units
+from spmdrl.algos.batch import PolicyBatch, build_policy_batch
+from spmdrl.algos.correction import rollout_correction
 from spmdrl.algos.kl import kl_penalty
-from spmdrl.algos.losses import (
-    aggregate,
-    aggregation_count,
-    ppo_policy_loss,
-    truncated_is_weights,
+from spmdrl.algos.kl_control import (
+    AdaptiveKLController,
+    FixedKLController,
+    apply_kl_penalty,
+    build_kl_controller,
 )
+from spmdrl.algos.policy_losses import PolicyLossParams, agg_mode_for, policy_loss
 from spmdrl.config import Config, ConfigError, OptimConfig, RLDerived, derive, derive_rl
 from spmdrl.data.prompts import PromptDataset, PromptExample
 from spmdrl.data.sampler import DistributedSampler
@@ -44,6 +49,7 @@ from spmdrl.dist.placement import Placement
 from spmdrl.dist.reduce import all_reduce_max, all_reduce_sum
 from spmdrl.logging.plot import plot_curves
 from spmdrl.logging.samples import Sample, write_samples
+from spmdrl.logging.timer import PhaseTimer
 from spmdrl.models.build import build_fsdp_model, model_spec
 from spmdrl.models.forward import policy_logprobs
 from spmdrl.models.load import load_tokenizer, resolve_model_path_all_ranks
@@ -57,7 +63,7 @@ from spmdrl.rollout.engine import (
     build_engine,
     check_engine_config,
 )
-from spmdrl.rollout.mismatch import logprob_mismatch, pack_generations
+from spmdrl.rollout.mismatch import logprob_mismatch
 from spmdrl.rollout.weight_sync import SyncCheck, sync_weights
 from spmdrl.runtime import Run, start_run
 
@@ -116,14 +122,14 @@ def score(
 
 
 @torch.no_grad()
-def fill_logprobs(
-    model: torch.nn.Module, batch: PolicyBatch, out_BT: torch.Tensor, micro: int, temperature: float
-) -> None:
-    """A no-grad pass over the rank's batch writing each token's logprob into ``out_BT``."""
+def logprobs_of(model: torch.nn.Module, batch: PolicyBatch, micro: int, temperature: float) -> torch.Tensor:
+    """A no-grad pass over the rank's batch: each token's logprob under ``model``, shape (B, T)."""
+    out_BT = torch.zeros_like(batch.engine_logprobs_BT)
     for start in range(0, batch.num_rows, micro):
         mb = batch.rows(start, start + micro)
         lp_BT, _ = policy_logprobs(model, mb.input_ids_BT, mb.attention_mask_BT, temperature=temperature)
         out_BT[start : start + micro, : lp_BT.shape[1]] = lp_BT
+    return out_BT
 
 
 @dataclasses.dataclass
@@ -132,22 +138,34 @@ class MicroBatchLoss:
 
     loss: torch.Tensor  # scalar to backpropagate
     logprobs_BT: torch.Tensor  # detached: the current policy's logprobs of the tokens
-    stats: dict[str, torch.Tensor]  # detached scalars: pg_loss, entropy, clip_frac, approx_kl (+ kl)
+    stats: dict[str, torch.Tensor]  # detached scalars: pg_loss, entropy, pg_clipfrac, ppo_kl (+ kl_loss)
+
+
+def loss_params(cfg: Config) -> PolicyLossParams:
+    a = cfg.algorithm
+    return PolicyLossParams(
+        clip_ratio_low=a.clip_ratio_low,
+        clip_ratio_high=a.clip_ratio_high,
+        clip_ratio_c=a.clip_ratio_c,
+        clip_cov_ratio=a.clip_cov_ratio,
+        clip_cov_lb=a.clip_cov_lb,
+        clip_cov_ub=a.clip_cov_ub,
+        kl_cov_ratio=a.kl_cov_ratio,
+        ppo_kl_coef=a.ppo_kl_coef,
+        tau_pos=a.tau_pos,
+        tau_neg=a.tau_neg,
+    )
 
 
 def micro_batch_loss(
-    cfg: Config,
-    actor: torch.nn.Module,
-    mb: PolicyBatch,
-    old_BT: torch.Tensor | None,
-    dp_size: int,
-    counts: dict[str, float],
+    cfg: Config, actor: torch.nn.Module, mb: PolicyBatch, agg: Aggregation
 ) -> MicroBatchLoss:
-    """Clipped surrogate (+ KL loss) (- entropy bonus) of one micro-batch, normalized by ``counts``.
+    """Policy loss (+ KL loss) (- entropy bonus) of one micro-batch: each term ``agg(per-token term)``.
 
-    ``old_BT`` None is the on-policy single update: the policy before the step *is* the current one.
-    The entropy gets a gradient only when it enters the loss (algorithm.entropy_coeff > 0); as a mere
-    metric it is computed without one, since its graph would keep a B x T x V float32 softmax alive.
+    ``mb.old_logprobs_BT`` None is the on-policy single update: the policy before the step *is* the
+    current one. The entropy gets a gradient only when it enters the loss (algorithm.entropy_coeff > 0);
+    as a mere metric it is computed without one, since its graph would keep a B x T x V float32 softmax
+    alive.
     """
     a = cfg.algorithm
     entropy_in_loss = a.entropy_coeff > 0
@@ -161,97 +179,255 @@ def micro_batch_loss(
     )
     assert ent_BT is not None
     mask_BT = mb.response_mask_BT
-    if old_BT is None:
-        old_BT = lp_BT.detach()
-    is_w = truncated_is_weights(old_BT, mb.engine_logprobs_BT, mask_BT, a.tis_cap) if a.tis_cap > 0 else None
-    pg = ppo_policy_loss(
+    old_BT = mb.old_logprobs_BT if mb.old_logprobs_BT is not None else lp_BT.detach()
+    pg = policy_loss(a.policy_loss)(
         lp_BT,
         old_BT,
-        mb.advantages_B,
+        mb.advantages_BT,
         mask_BT,
-        clip_low=a.clip_ratio_low,
-        clip_high=a.clip_ratio_high,
-        agg=a.loss_agg_mode,
-        dp_size=dp_size,
-        is_weights_BT=is_w,
-        **counts,
+        agg=agg,
+        params=loss_params(cfg),
+        is_weights_BT=mb.is_weights_BT,
     )
     loss = pg.loss
-    stats = {"pg_loss": pg.loss.detach(), "clip_frac": pg.clip_frac, "approx_kl": pg.approx_kl}
+    stats = {"pg_loss": pg.loss.detach(), **pg.metrics}
     if a.use_kl_loss:
-        kl_BT = kl_penalty(lp_BT, mb.ref_logprobs_BT, a.kl_loss_type)
-        kl_loss = aggregate(kl_BT, mask_BT, a.loss_agg_mode, dp_size=dp_size, **counts)
+        assert mb.ref_logprobs_BT is not None
+        kl_loss = agg(kl_penalty(lp_BT, mb.ref_logprobs_BT, a.kl_loss_type), mask_BT)
         loss = loss + a.kl_loss_coef * kl_loss
-        stats["kl"] = kl_loss.detach()
-    ent_loss = aggregate(ent_BT, mask_BT, a.loss_agg_mode, dp_size=dp_size, **counts)
+        stats["kl_loss"] = kl_loss.detach()
+    ent_loss = agg(ent_BT, mask_BT)
     if entropy_in_loss:
         loss = loss - a.entropy_coeff * ent_loss
     stats["entropy"] = ent_loss.detach()
     return MicroBatchLoss(loss=loss, logprobs_BT=lp_BT.detach(), stats=stats)
 
 
+@dataclasses.dataclass
+class UpdateResult:
+    metrics: dict[str, float]
+    # The policy's logprobs before this update (recomputed, or from the first epoch's forward).
+    old_logprobs_BT: torch.Tensor
+
+
+# Summed over micro-batches and ranks, these are the mini-batch's loss terms (each micro-batch is already
+# divided by the mini-batch's global count); the others are micro-batch means, averaged.
+_SUMMED = ("pg_loss", "kl_loss", "entropy")
+
+
 def update_policy(
     cfg: Config,
     rl: RLDerived,
-    dp_size: int,
     actor: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     batch: PolicyBatch,
-    recompute_old: bool,
-    pre_update_BT: torch.Tensor,
-) -> dict[str, float]:
+) -> UpdateResult:
     """PPO epochs x mini-batches; each mini-batch is one optimizer step over its micro-batches.
 
-    Losses are normalized by the count (tokens or sequences, per algorithm.loss_agg_mode) of the
-    whole mini-batch on all ranks, counted once with one all_reduce: see spmdrl/algos/losses.py.
+    Every loss term is (this rank's sum) / (the mini-batch's count of tokens or sequences on all
+    ranks), counted once per mini-batch with one all_reduce, and FSDP sums the gradients over ranks:
+    the gradient of the whole mini-batch's loss, however it is split (spmdrl/algos/aggregation.py).
     """
     a, t = cfg.algorithm, cfg.trainer
     device = batch.input_ids_BT.device
+    norm_length = float(a.loss_scale_factor or cfg.data.max_response_length)
+    mode = agg_mode_for(
+        a.policy_loss, a.loss_agg_mode
+    )  # gspo, sapo, geo_mean reduce per sequence, as in verl
+    old_BT = batch.old_logprobs_BT.clone() if batch.old_logprobs_BT is not None else None
+    captured_BT = torch.zeros_like(batch.engine_logprobs_BT)
     sums: dict[str, float] = defaultdict(float)
-    grad_norms = []
+    grad_norms, skipped = [], 0
     for epoch in range(a.ppo_epochs):
         for m in range(rl.mini_batches_per_step):
             lo = m * rl.per_rank_mini_batch_seqs
-            micro_batches = [
-                batch.rows(s, s + t.micro_batch_size)
-                for s in range(lo, lo + rl.per_rank_mini_batch_seqs, t.micro_batch_size)
-            ]
-            local = sum(aggregation_count(mb.response_mask_BT, a.loss_agg_mode) for mb in micro_batches)
-            global_count = all_reduce_sum({"n": local}, device)["n"]
-            counts = {"global_tokens" if a.loss_agg_mode == "token-mean" else "global_seqs": global_count}
-            for i, mb in enumerate(micro_batches):
-                out = micro_batch_loss(
-                    cfg, actor, mb, mb.old_logprobs_BT if recompute_old else None, dp_size, counts
-                )
-                if not recompute_old:
-                    row0 = lo + i * t.micro_batch_size
-                    pre_update_BT[row0 : row0 + mb.num_rows, : out.logprobs_BT.shape[1]] = out.logprobs_BT
+            starts = range(lo, lo + rl.per_rank_mini_batch_seqs, t.micro_batch_size)
+            micro_batches = [batch.rows(s, s + t.micro_batch_size) for s in starts]
+            local = sum(count_units(mb.response_mask_BT, mode) for mb in micro_batches)
+            agg = Aggregation(mode, all_reduce_sum({"n": local}, device)["n"], norm_length)
+            for start, mb in zip(starts, micro_batches, strict=True):
+                out = micro_batch_loss(cfg, actor, mb, agg)
+                if old_BT is None and epoch == 0:  # on-policy: this forward is the old policy
+                    captured_BT[start : start + mb.num_rows, : out.logprobs_BT.shape[1]] = out.logprobs_BT
                 out.loss.backward()
-                # Per-mini-batch sums of the normalized parts: averaged over ranks below they are the
-                # mini-batch means; clip_frac / approx_kl are micro-batch means, averaged.
-                st = out.stats
-                if "kl" in st:
-                    sums["kl"] += float(st["kl"])
-                sums["pg_loss"] += float(st["pg_loss"])
-                sums["entropy"] += float(st["entropy"])
-                sums["clip_frac"] += float(st["clip_frac"]) / len(micro_batches)
-                sums["approx_kl"] += float(st["approx_kl"]) / len(micro_batches)
+                for k, v in out.stats.items():
+                    sums[k] += float(v) if k in _SUMMED else float(v) / len(micro_batches)
                 # The last reference to this micro-batch's graph: dropped before the next forward, not
                 # when `out` is reassigned after it, so no part of it can add to the next one's peak.
-                del out, st
-            grad_norms.append(clip_grad_norm(actor, cfg.optim.grad_clip))
-            if not math.isfinite(grad_norms[-1]):
-                raise FloatingPointError(
-                    f"non-finite gradient norm in PPO epoch {epoch} mini-batch {m}; try a lower optim.lr "
-                    f"(now {cfg.optim.lr}) or check the rewards"
-                )
+                del out
+            grad_norm = clip_grad_norm(actor, cfg.optim.grad_clip)
+            if not math.isfinite(grad_norm):
+                if cfg.optim.nonfinite_grad == "stop":
+                    raise FloatingPointError(
+                        f"non-finite gradient norm in PPO epoch {epoch} mini-batch {m}; try a lower "
+                        f"optim.lr (now {cfg.optim.lr}), check the rewards, or set optim.nonfinite_grad=skip"
+                    )
+                skipped += 1  # verl's behaviour: drop this update, keep training
+                optimizer.zero_grad(set_to_none=True)
+                continue
+            grad_norms.append(grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     updates = a.ppo_epochs * rl.mini_batches_per_step
     reduced = all_reduce_sum(dict(sums), device)
-    out = {f"train/{k}": v / dp_size / updates for k, v in reduced.items()}
-    out["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
-    return out
+    world = dist.get_world_size()
+    metrics = {f"actor/{k}": v / updates / (1 if k in _SUMMED else world) for k, v in reduced.items()}
+    metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
+    metrics["actor/skipped_updates"] = skipped
+    return UpdateResult(metrics, old_BT if old_BT is not None else captured_BT)
+
+
+def step_metrics(
+    cfg: Config,
+    gens: list[Generation],
+    rewards: RewardResult,
+    batch: PolicyBatch,
+    old_logprobs_BT: torch.Tensor,
+    device: torch.device,
+) -> dict[str, float]:
+    """Rollout, reward and trainer-vs-engine metrics of the step, reduced over all ranks."""
+    n = cfg.rollout.n
+    mismatch = logprob_mismatch(
+        old_logprobs_BT, batch.engine_logprobs_BT, batch.response_mask_BT, group=dist.group.WORLD
+    )
+    scores_B = rewards.scores_B
+    sums = all_reduce_sum(
+        {
+            "reward": float(scores_B.sum()),
+            "reward_sq": float((scores_B**2).sum()),
+            "n": len(gens),
+            "tokens": sum(len(g.token_ids) for g in gens),
+            "truncated": sum(g.finish_reason == "length" for g in gens),
+            "errors": rewards.num_errors,
+            "timeouts": rewards.num_timeouts,
+            "solved_groups": float((scores_B.view(-1, n).min(dim=1).values >= 1.0).sum()),
+        },
+        device,
+    )
+    count = sums["n"]
+    mean = sums["reward"] / count
+    return {
+        "rollout/reward_mean": mean,
+        "rollout/reward_std": math.sqrt(max(sums["reward_sq"] / count - mean**2, 0.0)),
+        "rollout/response_len_mean": sums["tokens"] / count,
+        # Responses cut at data.max_response_length (verl: response_length/clip_ratio).
+        "rollout/truncated_frac": sums["truncated"] / count,
+        "rollout/solved_group_frac": sums["solved_groups"] / (count / n),
+        # Every sample that did not get a real score: raised, bad value, or past the timeout.
+        "reward/errors": sums["errors"] + sums["timeouts"],
+        "reward/timeouts": sums["timeouts"],
+        "rollout/tokens": sums["tokens"],
+        **{f"mismatch/{k}": mismatch[k] for k in ("logprob_abs_diff_mean", "logprob_abs_diff_max", "kl_k3")},
+    }
+
+
+def advantage_estimator(
+    cfg: Config, num_prompts: int, baseline_B: torch.Tensor | None
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """algorithm.adv_estimator over this rank's rows: rollout.n consecutive samples per prompt."""
+    a = cfg.algorithm
+
+    def advantages(token_rewards_BT: torch.Tensor, response_mask_BT: torch.Tensor) -> torch.Tensor:
+        inputs = AdvantageInputs(
+            token_rewards_BT,
+            response_mask_BT,
+            group_ids_B=torch.arange(num_prompts).repeat_interleave(cfg.rollout.n),
+            baseline_B=baseline_B,
+            gamma=a.gamma,
+            lam=a.lam,
+            norm_by_std=a.norm_adv_by_std,
+        )
+        return compute_advantages(a.adv_estimator, inputs)[0]
+
+    return advantages
+
+
+def kl_in_reward(
+    cfg: Config,
+    batch: PolicyBatch,
+    token_rewards_BT: torch.Tensor,
+    kl_ctrl: FixedKLController | AdaptiveKLController,
+    device: torch.device,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """verl's use_kl_in_reward: rewards minus coef x KL(rollout policy || reference) per token; the
+    adaptive controller moves coef with the KL of the whole batch (all ranks), so every rank agrees."""
+    assert batch.ref_logprobs_BT is not None
+    policy_BT = batch.old_logprobs_BT if batch.old_logprobs_BT is not None else batch.engine_logprobs_BT
+    rewards_BT, mean_kl = apply_kl_penalty(
+        token_rewards_BT,
+        policy_BT,
+        batch.ref_logprobs_BT,
+        batch.response_mask_BT,
+        kl_ctrl.value,
+        cfg.algorithm.kl_penalty,
+    )
+    total = all_reduce_sum({"kl": float(mean_kl) * batch.num_rows, "n": batch.num_rows}, device)
+    coef = kl_ctrl.value
+    kl_ctrl.update(total["kl"] / total["n"], int(total["n"]))
+    return rewards_BT, {
+        "actor/reward_kl_penalty": total["kl"] / total["n"],
+        "actor/reward_kl_penalty_coeff": coef,
+    }
+
+
+def correct_rollout(
+    cfg: Config, batch: PolicyBatch, device: torch.device
+) -> tuple[PolicyBatch, dict[str, float]]:
+    """verl's rollout correction: importance weights and rejection of the tokens or sequences whose
+    engine logprobs stray too far from the trainer's (spmdrl/algos/correction.py)."""
+    rc = cfg.algorithm.rollout_correction
+    assert batch.old_logprobs_BT is not None
+    corr = rollout_correction(
+        batch.old_logprobs_BT,
+        batch.engine_logprobs_BT,
+        batch.response_mask_BT,
+        rollout_is=rc.rollout_is or None,
+        rollout_is_threshold=rc.rollout_is_threshold,
+        rollout_is_batch_normalize=rc.rollout_is_batch_normalize,
+        rollout_rs=rc.rollout_rs or None,
+        rollout_rs_threshold=rc.rollout_rs_threshold or None,
+    )
+    # Means over ranks (each rank's metric is over its own tokens).
+    metrics = {
+        f"rollout_corr/{k}": v / dist.get_world_size()
+        for k, v in all_reduce_sum({k: float(v) for k, v in corr.metrics.items()}, device).items()
+    }
+    return batch.replace(response_mask_BT=corr.mask_BT, is_weights_BT=corr.is_weights_BT), metrics
+
+
+def greedy_rollout(
+    engine: RolloutEngine, prompts: list[PromptExample], cfg: Config, step: int
+) -> list[Generation]:
+    """One greedy completion per prompt (remax's baseline)."""
+    spec = SamplingSpec(
+        n=1, temperature=0.0, max_tokens=cfg.data.max_response_length, stop=list(cfg.rollout.stop), seed=step
+    )
+    return engine.generate([p.prompt_ids for p in prompts], spec)
+
+
+def train_samples(
+    step: int,
+    tokenizer: object,
+    prompts: list[PromptExample],
+    gens: list[Generation],
+    responses: list[str],
+    rewards: RewardResult,
+    cfg: Config,
+) -> list[Sample]:
+    return [
+        Sample(
+            step,
+            "train",
+            tokenizer.decode(prompts[g.prompt_index].prompt_ids),  # type: ignore[attr-defined]
+            r,
+            prompts[g.prompt_index].ground_truth,
+            s,
+            prompts[g.prompt_index].data_source,
+        )
+        for g, r, s in list(zip(gens, responses, rewards.scores_B.tolist(), strict=True))[
+            : cfg.logging.samples_per_log
+        ]
+    ]
 
 
 def validate(
@@ -329,7 +505,10 @@ def main(cfg: Config) -> None:
     derived = derive(cfg, env.world_size, len(train_ds), samples_per_item=cfg.rollout.n)
     rl = derive_rl(cfg, derived)
     reward_fn = load_reward_fn(cfg.reward.fn)
-    recompute_old = cfg.algorithm.ppo_epochs > 1 or rl.mini_batches_per_step > 1
+    a, n = cfg.algorithm, cfg.rollout.n
+    # verl always recomputes them; here only when the update's first forward is not the old policy, or
+    # when the rollout correction needs them before the update.
+    recompute_old = a.ppo_epochs > 1 or rl.mini_batches_per_step > 1 or a.rollout_correction.enabled
     run.log_derived(
         derived,
         **rl.as_dict(),
@@ -353,7 +532,7 @@ def main(cfg: Config) -> None:
         model_spec(cfg.model, model_dir, env.device, train=True), meshes.fsdp("actor"), env.device
     )
     ref = None
-    if cfg.algorithm.use_kl_loss:
+    if a.use_kl_loss or a.use_kl_in_reward:
         ref = build_fsdp_model(
             model_spec(cfg.model, model_dir, env.device, train=False), meshes.fsdp("ref"), env.device
         )
@@ -374,138 +553,105 @@ def main(cfg: Config) -> None:
     if val_ds is not None and cfg.trainer.val_every > 0:
         logger.log(0, run_validation(0))
 
+    kl_ctrl = build_kl_controller(
+        a.kl_ctrl.type, a.kl_ctrl.kl_coef, target_kl=a.kl_ctrl.target_kl, horizon=a.kl_ctrl.horizon
+    )
     for step in range(1, derived.total_steps + 1):
-        t_step = time.perf_counter()
-        timing: dict[str, float] = {}
+        timer = PhaseTimer()
 
         # 1. Rollout: this rank's prompts, rollout.n samples each, grouped by prompt.
-        t0 = time.perf_counter()
-        prompts = [train_ds[i] for i in sampler.next_batch()]
-        spec = SamplingSpec.for_training(cfg.rollout, max_tokens, seed=cfg.rollout.seed * 1_000_003 + step)
-        gens = engine.generate([p.prompt_ids for p in prompts], spec)
-        engine.sleep(keep_weights=False)  # CUDA: free its memory; the next use, sync (6), reloads it all
-        timing["rollout_s"] = time.perf_counter() - t0
+        with timer("rollout"):
+            prompts = [train_ds[i] for i in sampler.next_batch()]
+            spec = SamplingSpec.for_training(
+                cfg.rollout, max_tokens, seed=cfg.rollout.seed * 1_000_003 + step
+            )
+            gens = engine.generate([p.prompt_ids for p in prompts], spec)
+            # remax: each prompt's greedy answer is its samples' baseline (one more, short, generate).
+            greedy = greedy_rollout(engine, prompts, cfg, step) if a.adv_estimator in NEEDS_BASELINE else None
+            engine.sleep(keep_weights=False)  # CUDA: the next engine call is the sync; CPU: a no-op
 
         # 2. Reward, on this rank's own samples.
-        t0 = time.perf_counter()
-        rewards, responses = score(cfg, reward_fn, tokenizer, prompts, gens)
-        timing["reward_s"] = time.perf_counter() - t0
+        with timer("reward"):
+            rewards, responses = score(cfg, reward_fn, tokenizer, prompts, gens)
+            baseline_B = None
+            if greedy is not None:
+                baseline_B = score(cfg, reward_fn, tokenizer, prompts, greedy)[0].scores_B.repeat_interleave(
+                    n
+                )
+        batch = build_policy_batch([p.prompt_ids for p in prompts], gens, pad_id=pad_id).to(env.device)
+        sampled_mask_BT = batch.response_mask_BT  # before rejection masks any of it
 
-        # 3. Advantages: the rank holds whole groups, so group statistics need no communication.
-        advantages_B = grpo_advantages(
-            rewards.scores_B, cfg.rollout.n, norm_by_std=cfg.algorithm.norm_adv_by_std
-        )
-        packed = pack_generations([p.prompt_ids for p in prompts], gens, pad_id)
-        zeros_BT = torch.zeros_like(packed.engine_logprobs_BT)
-        batch = PolicyBatch(
-            input_ids_BT=packed.input_ids_BT,
-            attention_mask_BT=packed.attention_mask_BT,
-            response_mask_BT=packed.response_mask_BT,
-            engine_logprobs_BT=packed.engine_logprobs_BT,
-            advantages_B=advantages_B,
-            old_logprobs_BT=zeros_BT,
-            ref_logprobs_BT=zeros_BT.clone(),
-        ).to(env.device)
+        # 3. Old (a separate pass when the update takes several optimizer steps or corrects the rollout)
+        #    and reference logprobs.
+        with timer("old_ref"):
+            micro, temp = cfg.trainer.micro_batch_size, cfg.rollout.temperature
+            if recompute_old:
+                batch = batch.replace(old_logprobs_BT=logprobs_of(actor, batch, micro, temp))
+            if ref is not None:
+                batch = batch.replace(ref_logprobs_BT=logprobs_of(ref, batch, micro, temp))
 
-        # 4. Old and reference logprobs of the sampled tokens.
-        t0 = time.perf_counter()
-        micro, temp = cfg.trainer.micro_batch_size, cfg.rollout.temperature
-        if recompute_old:
-            fill_logprobs(actor, batch, batch.old_logprobs_BT, micro, temp)
-        if ref is not None:
-            fill_logprobs(ref, batch, batch.ref_logprobs_BT, micro, temp)
-        timing["old_ref_s"] = time.perf_counter() - t0
+        # 4. Advantages (algorithm.adv_estimator; the rank holds whole groups, so no communication), with
+        #    the KL to the reference folded into the reward if asked, and the rollout correction.
+        token_rewards_BT = token_level_rewards(rewards.scores_B.to(env.device), batch.response_mask_BT)
+        extra: dict[str, float] = {}
+        if a.use_kl_in_reward:
+            token_rewards_BT, extra = kl_in_reward(cfg, batch, token_rewards_BT, kl_ctrl, env.device)
+        estimate = advantage_estimator(cfg, len(prompts), baseline_B)
+        batch = batch.replace(advantages_BT=estimate(token_rewards_BT, batch.response_mask_BT))
+        if a.rollout_correction.enabled:
+            batch, corr_metrics = correct_rollout(cfg, batch, env.device)
+            extra.update(corr_metrics)
 
         # 5. Update the actor.
-        t0 = time.perf_counter()
-        pre_update_BT = batch.old_logprobs_BT if recompute_old else torch.zeros_like(batch.old_logprobs_BT)
-        train_metrics = update_policy(
-            cfg, rl, derived.dp_size, actor, optimizer, batch, recompute_old, pre_update_BT
-        )
-        scheduler.step()
-        timing["train_s"] = time.perf_counter() - t0
+        with timer("train"):
+            update = update_policy(cfg, rl, actor, optimizer, batch)
+            scheduler.step()  # once per RL step (optim.warmup_steps counts RL steps)
 
-        # 6. Sync the new weights into the engine (bucketed all-gathers, loaded in place).
-        # The check proves the engine's kernels now return exactly these weights, else stops the run.
-        check = (
-            SyncCheck(seed=step, tol=cfg.rollout.weight_sync_check_tol)
-            if cfg.rollout.weight_sync_check
-            else None
-        )
-        sync = sync_weights(actor, engine, bucket_mb=cfg.rollout.weight_sync_bucket_mb, check=check)
-        timing["weight_sync_s"] = sync.seconds
-        timing["weight_sync_check_s"] = sync.check_seconds
+        # 6. Sync the new weights into the engine; the check proves the engine now serves exactly them.
+        with timer("weight_sync"):
+            check = (
+                SyncCheck(step, cfg.rollout.weight_sync_check_tol) if cfg.rollout.weight_sync_check else None
+            )
+            sync = sync_weights(actor, engine, bucket_mb=cfg.rollout.weight_sync_bucket_mb, check=check)
+        timer.add("weight_sync_check", sync.check_seconds)
 
-        # 7. Metrics, reduced over all ranks.
-        mismatch = logprob_mismatch(
-            pre_update_BT, batch.engine_logprobs_BT, batch.response_mask_BT, group=dist.group.WORLD
-        )
-        resp_lens = [len(g.token_ids) for g in gens]
-        sums = all_reduce_sum(
-            {
-                "reward": float(rewards.scores_B.sum()),
-                "reward_sq": float((rewards.scores_B**2).sum()),
-                "n": len(gens),
-                "tokens": sum(resp_lens),
-                "truncated": sum(g.finish_reason == "length" for g in gens),
-                "errors": rewards.num_errors,
-                "timeouts": rewards.num_timeouts,
-                "train_tokens": float(batch.attention_mask_BT.sum()) * cfg.algorithm.ppo_epochs,
-                "solved_groups": float(
-                    (rewards.scores_B.view(-1, cfg.rollout.n).min(dim=1).values >= 1.0).sum()
-                ),
-            },
-            env.device,
-        )
-        slowest = all_reduce_max(timing, env.device)  # a step is as slow as its slowest rank
-        n = sums["n"]
+        # 7. Log: metrics reduced over ranks, samples, validation, curves.
         metrics = {
-            "rollout/reward_mean": sums["reward"] / n,
-            "rollout/reward_std": math.sqrt(max(sums["reward_sq"] / n - (sums["reward"] / n) ** 2, 0.0)),
-            "rollout/response_len_mean": sums["tokens"] / n,
-            "rollout/clip_frac": sums["truncated"] / n,
-            "rollout/solved_group_frac": sums["solved_groups"] / (n / cfg.rollout.n),
-            # Every sample that did not get a real score: raised, bad value, or past the timeout.
-            "reward/errors": sums["errors"] + sums["timeouts"],
-            "reward/timeouts": sums["timeouts"],
-            **train_metrics,
-            "train/lr": scheduler.get_last_lr()[0],
-            "mismatch/logprob_abs_diff_mean": mismatch["logprob_abs_diff_mean"],
-            "mismatch/logprob_abs_diff_max": mismatch["logprob_abs_diff_max"],
-            "mismatch/kl_k3": mismatch["kl_k3"],
-            "perf/rollout_tokens_per_s": sums["tokens"] / max(slowest["rollout_s"], 1e-9),
-            "perf/train_tokens_per_s": sums["train_tokens"] / max(slowest["train_s"], 1e-9),
-            **{f"timing/{k}": v for k, v in slowest.items()},
+            **step_metrics(
+                cfg,
+                gens,
+                rewards,
+                batch.replace(response_mask_BT=sampled_mask_BT),
+                update.old_logprobs_BT,
+                env.device,
+            ),
+            **update.metrics,
+            **extra,
+            "actor/lr": scheduler.get_last_lr()[0],
         }
-        if not math.isfinite(metrics["train/pg_loss"]):
+        if not math.isfinite(metrics["actor/pg_loss"]):
             raise FloatingPointError(
                 f"non-finite policy loss at step {step}; try a lower optim.lr (now {cfg.optim.lr})"
             )
+        slowest = all_reduce_max(timer.seconds, env.device)  # a step is as slow as its slowest rank
+        train_tokens = all_reduce_sum({"t": float(batch.attention_mask_BT.sum())}, env.device)["t"]
+        metrics["perf/rollout_tokens_per_s"] = metrics.pop("rollout/tokens") / max(slowest["rollout_s"], 1e-9)
+        metrics["perf/train_tokens_per_s"] = (
+            train_tokens * cfg.algorithm.ppo_epochs / max(slowest["train_s"], 1e-9)
+        )
+        metrics.update({f"timing/{k}": v for k, v in slowest.items()})
         if env.is_main and cfg.logging.samples_every > 0 and step % cfg.logging.samples_every == 0:
             write_samples(
-                samples_path,
-                [
-                    Sample(
-                        step,
-                        "train",
-                        tokenizer.decode(prompts[g.prompt_index].prompt_ids),
-                        r,
-                        prompts[g.prompt_index].ground_truth,
-                        s,
-                        prompts[g.prompt_index].data_source,
-                    )
-                    for g, r, s in list(zip(gens, responses, rewards.scores_B.tolist(), strict=True))[
-                        : cfg.logging.samples_per_log
-                    ]
-                ],
+                samples_path, train_samples(step, tokenizer, prompts, gens, responses, rewards, cfg)
             )
+        is_last = step == derived.total_steps
         if (
             val_ds is not None
             and cfg.trainer.val_every > 0
-            and (step % cfg.trainer.val_every == 0 or step == derived.total_steps)
+            and (step % cfg.trainer.val_every == 0 or is_last)
         ):
             metrics.update(run_validation(step))
-        metrics["timing/step_s"] = time.perf_counter() - t_step
+        metrics["timing/step_s"] = timer.elapsed()
         logger.log(step, metrics)
         if env.is_main and "val/accuracy" in metrics:
             plot_curves(metrics_path, run.output_dir / "curves.png", CURVE_KEYS, title=cfg.name)

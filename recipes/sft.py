@@ -64,14 +64,14 @@ def num_target_tokens(batch: SFTBatch) -> int:
     return int(batch.loss_mask_BT[:, 1:].sum())
 
 
-def forward_loss(model: torch.nn.Module, batch: SFTBatch, global_tokens: float, dp_size: int) -> torch.Tensor:
+def forward_loss(model: torch.nn.Module, batch: SFTBatch, global_tokens: float) -> torch.Tensor:
     logits = model(
         input_ids=batch.input_ids_BT,
         attention_mask=batch.attention_mask_BT,
         position_ids=batch.position_ids_BT,
     ).logits
     loss, _ = masked_cross_entropy(
-        logits, batch.input_ids_BT, batch.loss_mask_BT, num_global_tokens=global_tokens, dp_size=dp_size
+        logits, batch.input_ids_BT, batch.loss_mask_BT, num_global_tokens=global_tokens
     )
     return loss
 
@@ -101,7 +101,7 @@ def validation_loss(run: Run, model: torch.nn.Module, ds: SFTDataset, micro: int
             position_ids_BT=batch.position_ids_BT,
         )
         n = num_target_tokens(batch)
-        nll_sum += float(forward_loss(model, batch, global_tokens=1.0, dp_size=1))  # a plain sum
+        nll_sum += float(forward_loss(model, batch, global_tokens=1.0))  # a plain sum
         tokens += n
     model.train()
     totals = all_reduce_sum({"nll": nll_sum, "tokens": tokens}, env.device)
@@ -160,20 +160,19 @@ def train_sft(run: Run, cfg: Config, stage: str = "") -> Path:
         batches = micro_batches(examples, cfg.trainer.micro_batch_size, pad_id, env.device)
 
         # Count the valid target tokens of the whole global batch once. Each micro-batch's summed
-        # loss is divided by that count; gradients then add up over micro-batches to the gradient
-        # of the global per-token mean. FSDP's reduce-scatter *averages* over the dp ranks, so the
-        # loss is also multiplied by dp_size to turn that average back into a sum.
+        # loss is divided by that count, and gradients add up over micro-batches and (FSDP sums them)
+        # over ranks to the gradient of the global per-token mean (spmdrl/algos/aggregation.py).
         local = {"tokens": sum(num_target_tokens(b) for b in batches), "seqs": len(examples)}
         local["all_tokens"] = sum(int(b.attention_mask_BT.sum()) for b in batches)
         counts = all_reduce_sum(local, env.device)
 
         loss_sum = 0.0
         for batch in batches:
-            loss = forward_loss(model, batch, counts["tokens"], derived.dp_size)
+            loss = forward_loss(model, batch, counts["tokens"])
             loss.backward()
             loss_sum += float(loss.detach())
         grad_norm = clip_grad_norm(model, cfg.optim.grad_clip)
-        train_loss = all_reduce_sum({"loss": loss_sum}, env.device)["loss"] / derived.dp_size
+        train_loss = all_reduce_sum({"loss": loss_sum}, env.device)["loss"]
         if not (math.isfinite(train_loss) and math.isfinite(grad_norm)):
             raise FloatingPointError(
                 f"non-finite training loss {train_loss} / grad norm {grad_norm} at step {step}; "

@@ -76,10 +76,14 @@ class OptimConfig:
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
-    # "constant" or "cosine" (both after a linear warm-up of warmup_steps optimizer steps).
+    # "constant" or "cosine", after a linear warm-up of warmup_steps. The schedule advances once per
+    # trainer step (an RL step, however many optimizer steps its mini-batches and epochs take).
     schedule: str = "constant"
     warmup_steps: int = 0
     grad_clip: float = 1.0
+    # A non-finite gradient norm: "stop" the run with an error, or "skip" that optimizer step (verl's
+    # behaviour), counted in actor/skipped_updates.
+    nonfinite_grad: str = "stop"
 
 
 @dataclass
@@ -169,26 +173,77 @@ class RolloutConfig:
 
 
 @dataclass
+class KLCtrlConfig:
+    """verl's algorithm.kl_ctrl: the coefficient of the KL penalty in the reward."""
+
+    # "fixed" or "adaptive" (moves kl_coef towards target_kl over horizon samples).
+    type: str = "fixed"
+    kl_coef: float = 0.001
+    target_kl: float = 0.1
+    horizon: int = 10000
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """verl's algorithm.rollout_correction (spmdrl/algos/correction.py, docs/algorithms.md)."""
+
+    # "": off; "token" or "sequence": truncated importance weights exp(trainer - engine logprob).
+    rollout_is: str = ""
+    rollout_is_threshold: float = 2.0
+    rollout_is_batch_normalize: bool = False
+    # "": off; comma-joined rejection options (token_k1, seq_mean_k3, ...) and their thresholds.
+    rollout_rs: str = ""
+    rollout_rs_threshold: str = ""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.rollout_is or self.rollout_rs)
+
+
+@dataclass
 class AlgorithmConfig:
     """GRPO / PPO loss settings (defaults follow verl's GSM8K GRPO example)."""
 
+    # verl's name (docs/algorithms.md): grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline,
+    # remax (one extra greedy rollout per prompt as the baseline), opo, grpo_passk, gpg; gae needs a critic.
     adv_estimator: str = "grpo"
-    # False gives Dr. GRPO (no division by the group's reward std).
+    # False gives Dr. GRPO (no division by the group's reward std); verl's norm_adv_by_std_in_grpo.
     norm_adv_by_std: bool = True
+    # Discount and GAE lambda (gae, reinforce_plus_plus).
+    gamma: float = 1.0
+    lam: float = 1.0
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
-    # "token-mean", "seq-mean-token-mean" or "seq-mean-token-sum".
+    # "token-mean", "seq-mean-token-mean", "seq-mean-token-sum" or "seq-mean-token-sum-norm" (Dr. GRPO).
     loss_agg_mode: str = "token-mean"
+    # seq-mean-token-sum-norm's constant divisor per sequence; 0: data.max_response_length.
+    loss_scale_factor: float = 0.0
+    # verl's actor.policy_loss.loss_mode: vanilla (PPO clip + dual-clip), gspo, cispo, gpg, clip_cov,
+    # kl_cov, geo_mean, sapo (docs/algorithms.md); and the parameters those read, under verl's names.
+    policy_loss: str = "vanilla"
+    clip_ratio_c: float = 3.0
+    clip_cov_ratio: float = 0.0002
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002
+    ppo_kl_coef: float = 0.1
+    tau_pos: float = 1.0
+    tau_neg: float = 1.05
     use_kl_loss: bool = True
     kl_loss_coef: float = 0.001
-    # "k1", "k2", "k3" or "low_var_kl" (k3 clamped).
+    # kl/k1, abs, mse/k2, low_var_kl/k3, and each with "+" (its value, k2's gradient).
     kl_loss_type: str = "low_var_kl"
+    # KL to the reference folded into the reward (verl's use_kl_in_reward), estimator kl_penalty, with a
+    # fixed or adaptive coefficient (kl_ctrl).
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "kl"
+    kl_ctrl: KLCtrlConfig = field(default_factory=lambda: KLCtrlConfig())
     entropy_coeff: float = 0.0
     ppo_epochs: int = 1
     # Prompts per optimizer step over the whole job (each brings rollout.n samples); 0: the whole batch.
     ppo_mini_batch_size: int = 0
-    # Truncated importance-sampling correction of the engine-vs-trainer mismatch; 0 disables it.
-    tis_cap: float = 0.0
+    # Importance weights and rejection for the engine-vs-trainer mismatch (verl's rollout correction).
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=lambda: RolloutCorrectionConfig())
 
 
 @dataclass
@@ -244,6 +299,7 @@ def validate(cfg: Config) -> None:
     _check_choice("model.reduce_dtype", cfg.model.reduce_dtype, ("float32", "bfloat16"))
     _check_choice("data.overlong", cfg.data.overlong, ("filter", "error"))
     _check_choice("optim.schedule", cfg.optim.schedule, ("constant", "cosine"))
+    _check_choice("optim.nonfinite_grad", cfg.optim.nonfinite_grad, ("stop", "skip"))
     _check_choice("trainer.device", cfg.trainer.device, ("auto", "cpu", "cuda"))
     _check_choice("parallel.placement", cfg.parallel.placement, ("colocated",))
     positive = {
@@ -264,13 +320,51 @@ def validate(cfg: Config) -> None:
         )
     if len(cfg.optim.betas) != 2:
         raise ConfigError(f"optim.betas must have two values, got {cfg.optim.betas}")
-    _check_choice("algorithm.adv_estimator", cfg.algorithm.adv_estimator, ("grpo",))
+    from spmdrl.algos.advantages import ADV_ESTIMATORS, NEEDS_CRITIC
+
+    _check_choice("algorithm.adv_estimator", cfg.algorithm.adv_estimator, tuple(ADV_ESTIMATORS))
+    if cfg.algorithm.adv_estimator in NEEDS_CRITIC:
+        raise ConfigError(
+            f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} needs a critic (values), which the "
+            f"{cfg.entry} recipe does not train; pick a critic-free estimator (grpo, rloo, "
+            "reinforce_plus_plus, ...) or a recipe with a critic"
+        )
+    if not (0.0 <= cfg.algorithm.gamma <= 1.0 and 0.0 <= cfg.algorithm.lam <= 1.0):
+        raise ConfigError(
+            f"algorithm.gamma and algorithm.lam must be in [0, 1], got {cfg.algorithm.gamma}, {cfg.algorithm.lam}"
+        )
+    from spmdrl.algos.aggregation import AGG_MODES
+
+    _check_choice("algorithm.loss_agg_mode", cfg.algorithm.loss_agg_mode, AGG_MODES)
+    if cfg.algorithm.loss_scale_factor < 0:
+        raise ConfigError(f"algorithm.loss_scale_factor must be >= 0, got {cfg.algorithm.loss_scale_factor}")
+    from spmdrl.algos import kl, kl_control, policy_losses
+
+    _check_choice("algorithm.policy_loss", cfg.algorithm.policy_loss, tuple(policy_losses.POLICY_LOSSES))
+    _check_choice("algorithm.kl_loss_type", cfg.algorithm.kl_loss_type, kl.KINDS)
+    _check_choice("algorithm.kl_penalty", cfg.algorithm.kl_penalty, kl.KINDS)
+    _check_choice("algorithm.kl_ctrl.type", cfg.algorithm.kl_ctrl.type, kl_control.KL_CTRL_TYPES)
     _check_choice(
-        "algorithm.loss_agg_mode",
-        cfg.algorithm.loss_agg_mode,
-        ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
+        "algorithm.rollout_correction.rollout_is",
+        cfg.algorithm.rollout_correction.rollout_is,
+        ("", "token", "sequence"),
     )
-    _check_choice("algorithm.kl_loss_type", cfg.algorithm.kl_loss_type, ("k1", "k2", "k3", "low_var_kl"))
+    rc = cfg.algorithm.rollout_correction
+    if rc.rollout_rs:
+        from spmdrl.algos.correction import parse_rs_thresholds
+
+        if not rc.rollout_rs_threshold:
+            raise ConfigError("algorithm.rollout_correction.rollout_rs needs rollout_rs_threshold")
+        try:
+            parse_rs_thresholds(
+                [o.strip() for o in rc.rollout_rs.split(",") if o.strip()], rc.rollout_rs_threshold
+            )
+        except ValueError as e:
+            raise ConfigError(f"algorithm.rollout_correction: {e}") from None
+    if cfg.algorithm.clip_ratio_c <= 1.0:
+        raise ConfigError(
+            f"algorithm.clip_ratio_c must be > 1 (dual-clip bound), got {cfg.algorithm.clip_ratio_c}"
+        )
     _check_choice("rollout.dtype", cfg.rollout.dtype, ("auto", "bfloat16", "float16", "float32"))
     _check_choice("rollout.cpu_gemm", cfg.rollout.cpu_gemm, CPU_GEMM_PATHS)
     if not 0.0 <= cfg.rollout.weight_sync_check_tol < 1.0:
@@ -287,9 +381,10 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{key} must be > 0, got {value}")
     if cfg.rollout.temperature < 0 or cfg.rollout.val_temperature < 0:
         raise ConfigError("rollout.temperature and rollout.val_temperature must be >= 0 (0 is greedy)")
-    if cfg.algorithm.ppo_mini_batch_size < 0 or cfg.algorithm.tis_cap < 0:
+    if cfg.algorithm.ppo_mini_batch_size < 0 or cfg.algorithm.rollout_correction.rollout_is_threshold <= 0:
         raise ConfigError(
-            "algorithm.ppo_mini_batch_size and algorithm.tis_cap must be >= 0 (0 turns them off)"
+            "algorithm.ppo_mini_batch_size must be >= 0 (0: the whole batch) and "
+            "algorithm.rollout_correction.rollout_is_threshold > 0"
         )
     _check_choice("data.tiny.held_out", cfg.data.tiny.held_out, ("problems", "questions"))
     if not 0.0 <= cfg.data.tiny.correct_fraction <= 1.0:
@@ -360,6 +455,10 @@ class RLDerived:
     mini_batches_per_step: int
     per_rank_mini_batch_seqs: int
     micro_batches_per_mini_batch: int
+    # Micro-batches accumulated per optimizer step (overrides Derived's count, which assumes one
+    # optimizer step per trainer step), and optimizer steps per RL step (mini-batches x PPO epochs).
+    grad_accum_steps: int
+    optimizer_steps_per_step: int
     max_model_len: int
 
     def as_dict(self) -> dict[str, Any]:
@@ -396,5 +495,7 @@ def derive_rl(cfg: Config, derived: Derived) -> RLDerived:
         mini_batches_per_step=cfg.trainer.global_batch_size // mini_prompts,
         per_rank_mini_batch_seqs=per_rank_mini,
         micro_batches_per_mini_batch=per_rank_mini // cfg.trainer.micro_batch_size,
+        grad_accum_steps=per_rank_mini // cfg.trainer.micro_batch_size,
+        optimizer_steps_per_step=cfg.trainer.global_batch_size // mini_prompts * cfg.algorithm.ppo_epochs,
         max_model_len=max_len,
     )

@@ -9,17 +9,14 @@ import torch
 import torch.nn.functional as F
 
 from spmdrl.algos.advantages import grpo_advantages
+from spmdrl.algos.aggregation import Aggregation, count_units, masked_mean
 from spmdrl.algos.kl import kl_penalty
 from spmdrl.algos.losses import (
-    aggregate,
-    aggregation_count,
     entropy_from_logits,
     masked_cross_entropy,
-    masked_mean,
-    ppo_policy_loss,
     token_logprobs,
-    truncated_is_weights,
 )
+from spmdrl.algos.policy_losses import PolicyLossParams, vanilla_policy_loss
 
 # ---------------------------------------------------------------------------------------------- advantages
 
@@ -45,8 +42,10 @@ def test_grpo_advantages_equal_rewards_give_zero_and_layout_errors():
     assert torch.equal(grpo_advantages(torch.tensor([0.7, 0.7, 0.0, 0.0]), 2), torch.zeros(4))
     with pytest.raises(ValueError, match="do not split into groups of 4"):
         grpo_advantages(torch.zeros(6), 4)
-    with pytest.raises(ValueError, match="group_size >= 2"):
-        grpo_advantages(torch.zeros(6), 1)
+    # A group of one behaves as verl's: mean 0, std 1, so the sample keeps its reward (scaled by 1 / (1 + eps)).
+    torch.testing.assert_close(
+        grpo_advantages(torch.tensor([0.5, 2.0]), 1), torch.tensor([0.5, 2.0]) / (1 + 1e-6)
+    )
 
 
 # ---------------------------------------------------------------------------------------------- KL
@@ -91,29 +90,35 @@ MASK_BT = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]])
         ("token-mean", (1 + 2 + 3 + 5 + 6) / 5),
         ("seq-mean-token-mean", (6 / 3 + 11 / 2) / 2),  # the empty third row is left out
         ("seq-mean-token-sum", (6 + 11) / 2),
+        ("seq-mean-token-sum-norm", (6 + 11) / 4 / 2),  # each sequence's sum / L=4, over 2 sequences
     ],
 )
 def test_aggregate_modes_by_hand(mode, expected):
-    assert aggregate(LOSS_BT, MASK_BT, mode).item() == pytest.approx(expected)
+    agg = Aggregation.local(mode, MASK_BT, norm_length=4.0)
+    assert agg(LOSS_BT, MASK_BT).item() == pytest.approx(expected)
     # Masked entries do not leak in, even when they are NaN.
     poisoned = torch.where(MASK_BT.bool(), LOSS_BT, torch.nan)
-    assert aggregate(poisoned, MASK_BT, mode).item() == pytest.approx(expected)
+    assert agg(poisoned, MASK_BT).item() == pytest.approx(expected)
 
 
 def test_aggregation_counts_and_argument_errors():
-    assert aggregation_count(MASK_BT, "token-mean") == 5
-    assert aggregation_count(MASK_BT, "seq-mean-token-mean") == 2
-    with pytest.raises(ValueError, match="pass global_tokens"):
-        aggregate(LOSS_BT, MASK_BT, "token-mean", global_seqs=3)
-    with pytest.raises(ValueError, match="dp_size=2 only applies"):
-        aggregate(LOSS_BT, MASK_BT, "token-mean", dp_size=2)
+    assert count_units(MASK_BT, "token-mean") == 5
+    assert count_units(MASK_BT, "seq-mean-token-mean") == 2
+    assert count_units(MASK_BT, "seq-mean-token-sum-norm") == 2
     with pytest.raises(ValueError, match="unknown loss aggregation 'mean'"):
-        aggregate(LOSS_BT, MASK_BT, "mean")
+        Aggregation("mean", 1.0)
+    with pytest.raises(ValueError, match="norm_length must be > 0"):
+        Aggregation("seq-mean-token-sum-norm", 1.0, norm_length=0.0)
+    # Nothing valid anywhere: loss 0, not a division by zero.
+    assert Aggregation("token-mean", 0.0)(LOSS_BT, torch.zeros_like(MASK_BT)).item() == 0.0
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize(
+    "mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+)
 def test_global_normalization_matches_whole_batch(mode):
-    """2 ranks x 2 micro-batches, FSDP-style gradient averaging over ranks == the batch at once."""
+    """2 ranks x 2 micro-batches, gradients summed over micro-batches and ranks (FSDP with divide
+    factor 1) == the whole batch at once, with no world size anywhere in the loss."""
     gen = torch.Generator().manual_seed(0)
     x_BT = torch.randn(4, 5, generator=gen).requires_grad_()
     mask_BT = torch.tensor([[1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 1, 0, 0], [0, 1, 1, 0, 0]])
@@ -121,33 +126,30 @@ def test_global_normalization_matches_whole_batch(mode):
     def per_token(x):
         return x.square() + x
 
-    whole = aggregate(per_token(x_BT), mask_BT, mode)
+    whole = Aggregation.local(mode, mask_BT, norm_length=5.0)(per_token(x_BT), mask_BT)
     (grad_whole,) = torch.autograd.grad(whole, x_BT)
 
-    n_tokens = aggregation_count(mask_BT, "token-mean")
-    n_seqs = aggregation_count(mask_BT, mode) if mode != "token-mean" else None
-    dp_size = 2
+    agg = Aggregation(mode, float(count_units(mask_BT, mode)), norm_length=5.0)
     rank_losses, rank_grads = [], []
-    for rank in range(dp_size):
+    for rank in range(2):
         total = 0.0
         for row in (2 * rank, 2 * rank + 1):  # one sequence per micro-batch
-            total = total + aggregate(
-                per_token(x_BT[row : row + 1]),
-                mask_BT[row : row + 1],
-                mode,
-                global_tokens=n_tokens,
-                global_seqs=n_seqs,
-                dp_size=dp_size,
-            )
+            total = total + agg(per_token(x_BT[row : row + 1]), mask_BT[row : row + 1])
         rank_losses.append(total)
         rank_grads.append(torch.autograd.grad(total, x_BT)[0])
-    torch.testing.assert_close(sum(rank_losses) / dp_size, whole)
-    torch.testing.assert_close(sum(rank_grads) / dp_size, grad_whole)
+    torch.testing.assert_close(sum(rank_losses), whole)
+    torch.testing.assert_close(sum(rank_grads), grad_whole)
 
     if mode == "token-mean":
         # Normalizing each micro-batch by its own count instead gives a different loss: the test
         # above would catch a regression to it.
-        naive = sum(aggregate(per_token(x_BT[r : r + 1]), mask_BT[r : r + 1], mode) for r in range(4)) / 4
+        naive = (
+            sum(
+                Aggregation.local(mode, mask_BT[r : r + 1])(per_token(x_BT[r : r + 1]), mask_BT[r : r + 1])
+                for r in range(4)
+            )
+            / 4
+        )
         assert not torch.allclose(naive, whole)
 
 
@@ -163,44 +165,46 @@ def _ppo_example():
     return ratios_BT, old_BT, new_BT, mask_BT, torch.tensor([1.0, -1.0])
 
 
-def test_ppo_policy_loss_by_hand():
+def test_vanilla_policy_loss_by_hand():
     ratios_BT, old_BT, new_BT, mask_BT, adv_B = _ppo_example()
-    out = ppo_policy_loss(new_BT, old_BT, adv_B, mask_BT, clip_low=0.2, clip_high=0.28)
+    out = vanilla_policy_loss(
+        new_BT,
+        old_BT,
+        adv_B,
+        mask_BT,
+        agg=Aggregation.local("token-mean", mask_BT),
+        params=PolicyLossParams(clip_ratio_low=0.2, clip_ratio_high=0.28),
+    )
     # Per-token max(-A r, -A clip(r, 0.8, 1.28)):
     #   A=+1: r=1.5 -> max(-1.5, -1.28) = -1.28 (clipped high); r=1 -> -1; r=0.5 -> max(-0.5, -0.8) = -0.5
     #   A=-1: r=0.5 -> max(0.5, 0.8) = 0.8 (clipped low); r=1.1 -> 1.1; r=3.0 masked.
     assert out.loss.item() == pytest.approx((-1.28 - 1.0 - 0.5 + 0.8 + 1.1) / 5)
-    assert out.clip_frac.item() == pytest.approx(2 / 5)
-    k3 = [r - math.log(r) - 1 for r in (1.5, 1.0, 0.5, 0.5, 1.1)]
-    assert out.approx_kl.item() == pytest.approx(sum(k3) / 5)
+    assert out.metrics["pg_clipfrac"].item() == pytest.approx(2 / 5)
+    # verl's ppo_kl: the mean of -log r (k1 of old vs new).
+    assert out.metrics["ppo_kl"].item() == pytest.approx(
+        -sum(math.log(r) for r in (1.5, 1.0, 0.5, 0.5, 1.1)) / 5
+    )
     out.loss.backward()
     # d(-A r)/d logp = -A r on unclipped tokens, 0 on clipped and masked ones; / 5 tokens.
     expected_grad = torch.tensor([[0.0, -1.0, -0.5], [0.0, 1.1, 0.0]]) / 5
     torch.testing.assert_close(new_BT.grad, expected_grad)
 
 
-def test_ppo_policy_loss_is_weights_scale_without_gradient():
+def test_vanilla_policy_loss_is_weights_scale_without_gradient():
     _, old_BT, new_BT, mask_BT, adv_B = _ppo_example()
     weights_BT = torch.tensor([[2.0, 2.0, 2.0], [0.5, 0.5, 0.5]], requires_grad=True)
-    out = ppo_policy_loss(new_BT, old_BT, adv_B, mask_BT, is_weights_BT=weights_BT)
+    agg, params = Aggregation.local("token-mean", mask_BT), PolicyLossParams(clip_ratio_high=0.28)
+    out = vanilla_policy_loss(
+        new_BT, old_BT, adv_B, mask_BT, agg=agg, params=params, is_weights_BT=weights_BT
+    )
     assert out.loss.item() == pytest.approx((2 * (-1.28 - 1.0 - 0.5) + 0.5 * (0.8 + 1.1)) / 5)
     out.loss.backward()
     assert weights_BT.grad is None
     # Per-token advantages (B, T) are the same as broadcast per-sequence ones.
-    same = ppo_policy_loss(new_BT, old_BT, adv_B[:, None].expand(2, 3), mask_BT, is_weights_BT=weights_BT)
+    same = vanilla_policy_loss(
+        new_BT, old_BT, adv_B[:, None].expand(2, 3), mask_BT, agg=agg, params=params, is_weights_BT=weights_BT
+    )
     assert same.loss.item() == pytest.approx(out.loss.item())
-
-
-def test_truncated_is_weights():
-    trainer_BT = torch.tensor([[math.log(0.5), math.log(0.2), 0.0]], requires_grad=True)
-    rollout_BT = torch.tensor([[math.log(0.25), math.log(0.4), -50.0]])
-    w = truncated_is_weights(trainer_BT, rollout_BT, torch.tensor([[1, 1, 0]]), cap=1.5)
-    # exp(log 2) = 2 -> capped at 1.5; exp(log 0.5) = 0.5; masked -> 0 (even though exp(50) is huge).
-    torch.testing.assert_close(w, torch.tensor([[1.5, 0.5, 0.0]]))
-    assert not w.requires_grad
-
-
-# ---------------------------------------------------------------------------------------------- per-token math
 
 
 def test_token_logprobs_matches_log_softmax_across_chunks():

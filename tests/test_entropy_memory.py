@@ -16,8 +16,9 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from spmdrl.algos.aggregation import Aggregation
 from spmdrl.algos.batch import PolicyBatch
-from spmdrl.algos.losses import aggregate, aggregation_count, entropy_from_logits
+from spmdrl.algos.losses import entropy_from_logits
 from spmdrl.config import AlgorithmConfig, Config
 from spmdrl.models.forward import policy_logprobs
 from spmdrl.recipes.grpo import MicroBatchLoss, micro_batch_loss
@@ -42,7 +43,8 @@ def _batch() -> PolicyBatch:
     resp = attn.bool().clone()
     resp[:, : T // 4] = False  # the prompt
     ref = -torch.rand(B, T, generator=g)
-    return PolicyBatch(ids, attn, resp, ref.clone(), torch.tensor([1.0, -1.0]), torch.zeros(B, T), ref)
+    adv_BT = torch.tensor([1.0, -1.0])[:, None] * resp
+    return PolicyBatch(ids, attn, resp, ref.clone(), adv_BT, ref_logprobs_BT=ref)
 
 
 def _cfg(entropy_coeff: float, temperature: float) -> Config:
@@ -50,8 +52,8 @@ def _cfg(entropy_coeff: float, temperature: float) -> Config:
     return dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, temperature=temperature))
 
 
-def _counts(mb: PolicyBatch) -> dict[str, float]:
-    return {"global_tokens": float(aggregation_count(mb.response_mask_BT, "token-mean"))}
+def _agg(mb: PolicyBatch) -> Aggregation:
+    return Aggregation.local("token-mean", mb.response_mask_BT)
 
 
 @contextmanager
@@ -74,7 +76,7 @@ def _run(model: torch.nn.Module, cfg: Config, mb: PolicyBatch) -> tuple[MicroBat
     Every saved storage stays alive while ``out.loss`` does, so no address in the count is reused.
     """
     with _saved_bytes() as seen:
-        out = micro_batch_loss(cfg, model, mb, None, 1, _counts(mb))
+        out = micro_batch_loss(cfg, model, mb, _agg(mb))
     return out, sum(seen.values())
 
 
@@ -115,7 +117,7 @@ def test_entropy_bonus_gets_its_gradient(model: torch.nn.Module, temperature: fl
     handle = model.register_forward_hook(keep_logits)
     try:
         for c in (0.0, coeff):
-            out = micro_batch_loss(_cfg(c, temperature), model, mb, None, 1, _counts(mb))
+            out = micro_batch_loss(_cfg(c, temperature), model, mb, _agg(mb))
             out.loss.backward()
             grads.append(captured.pop().grad)
     finally:
@@ -127,7 +129,7 @@ def test_entropy_bonus_gets_its_gradient(model: torch.nn.Module, temperature: fl
     z_BTV.requires_grad_()
     ent_BT = torch.zeros(B, T)
     ent_BT[:, 1:] = entropy_from_logits(z_BTV[:, :-1] / temperature)
-    ent = aggregate(ent_BT, mb.response_mask_BT, "token-mean", **_counts(mb))
+    ent = _agg(mb)(ent_BT, mb.response_mask_BT)
     (d_ent,) = torch.autograd.grad(ent, z_BTV)
     assert d_ent.abs().max() > 0
     torch.testing.assert_close(grads[1] - grads[0], -coeff * d_ent, rtol=1e-4, atol=1e-7)
@@ -145,7 +147,7 @@ def test_graph_is_freed_by_backward(model: torch.nn.Module) -> None:
 
     for coeff in (0.0, 0.01):
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = micro_batch_loss(_cfg(coeff, 1.0), model, mb, None, 1, _counts(mb))
+            out = micro_batch_loss(_cfg(coeff, 1.0), model, mb, _agg(mb))
         assert any(r() is not None for r in big), "the logprobs' graph saves B x T x V tensors"
         out.loss.backward()
         assert all(r() is None for r in big), f"coeff {coeff}: a B x T x V tensor outlived the backward"

@@ -31,8 +31,9 @@ def _data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return ids, attn, loss_mask
 
 
-def _train(model: torch.nn.Module, rows: slice, steps: int, dp_size: int, ac: bool = False) -> list[float]:
-    """Two micro-batches per rank, loss normalized by the global token count (the SFT recipe's rule)."""
+def _train(model: torch.nn.Module, rows: slice, steps: int) -> list[float]:
+    """Two micro-batches per rank, loss normalized by the global token count (the SFT recipe's rule;
+    FSDP sums the gradients over ranks)."""
     import torch.distributed as dist
 
     from spmdrl.algos.losses import masked_cross_entropy
@@ -54,16 +55,14 @@ def _train(model: torch.nn.Module, rows: slice, steps: int, dp_size: int, ac: bo
         half = ids.shape[0] // 2
         for mb in (slice(0, half), slice(half, None)):
             logits = model(input_ids=ids[mb], attention_mask=attn[mb]).logits
-            loss, _ = masked_cross_entropy(
-                logits, ids[mb], lm[mb], num_global_tokens=global_tokens, dp_size=dp_size
-            )
+            loss, _ = masked_cross_entropy(logits, ids[mb], lm[mb], num_global_tokens=global_tokens)
             loss.backward()
             total += float(loss.detach())
         clip_grad_norm(model, 1.0)
         opt.step()
         opt.zero_grad()
         if dist.is_initialized():
-            total = all_reduce_sum({"l": total}, torch.device("cpu"))["l"] / dp_size
+            total = all_reduce_sum({"l": total}, torch.device("cpu"))["l"]
         losses.append(total)
     return losses
 
@@ -84,14 +83,14 @@ def _fsdp_worker(
     )
     assert model.lm_head.weight is model.model.embed_tokens.weight, "tied weights must stay tied"
     per = 8 // world_size
-    losses = _train(model, slice(rank * per, (rank + 1) * per), steps=3, dp_size=world_size)
+    losses = _train(model, slice(rank * per, (rank + 1) * per), steps=3)
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return losses, full
 
 
 def _reference(model_dir: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
     model = Qwen2ForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    losses = _train(model, slice(0, 8), steps=3, dp_size=1)
+    losses = _train(model, slice(0, 8), steps=3)
     return losses, model.state_dict()
 
 

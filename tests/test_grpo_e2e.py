@@ -8,6 +8,7 @@ metrics, samples, curves and export.
 
 from __future__ import annotations
 
+import math
 import os
 import textwrap
 from pathlib import Path
@@ -53,7 +54,9 @@ def test_grpo_tiny_short_run(tmp_path: Path) -> None:
             "trainer.micro_batch_size=8",
             "algorithm.use_kl_loss=true",
             "algorithm.ppo_mini_batch_size=4",
-            "algorithm.tis_cap=2.0",
+            "algorithm.rollout_correction.rollout_is=token",
+            "algorithm.rollout_correction.rollout_rs=token_k1",
+            "algorithm.rollout_correction.rollout_rs_threshold='0.1_10'",
             "logging.samples_every=1",
             # The 8-step warm-start model rarely earns a reward, so advantages may all be 0; the
             # entropy bonus keeps a gradient in every step so the update path is exercised.
@@ -75,12 +78,12 @@ def test_grpo_tiny_short_run(tmp_path: Path) -> None:
     for key in (
         "rollout/reward_mean",
         "rollout/response_len_mean",
-        "rollout/clip_frac",
-        "train/pg_loss",
-        "train/kl",
-        "train/entropy",
-        "train/clip_frac",
-        "train/grad_norm",
+        "rollout/truncated_frac",
+        "actor/pg_loss",
+        "actor/kl_loss",
+        "actor/entropy",
+        "actor/pg_clipfrac",
+        "actor/grad_norm",
         "perf/rollout_tokens_per_s",
         "perf/train_tokens_per_s",
         "timing/rollout_s",
@@ -90,6 +93,10 @@ def test_grpo_tiny_short_run(tmp_path: Path) -> None:
         "mismatch/kl_k3",
     ):
         assert all(key in r for r in train), key
+    # The rollout correction ran (token IS weights, k1 rejection) and logged under verl's names.
+    assert all(
+        "rollout_corr/rollout_is_mean" in r and "rollout_corr/rollout_rs_masked_fraction" in r for r in train
+    )
     # Rank 1's flaky reward raised on some samples: counted, scored error_score, and the run went on.
     assert sum(r["reward/errors"] for r in train) > 0
     # Weight sync keeps the engine on the trainer's weights: the gap stays at bf16-vs-fp32 noise.
@@ -98,8 +105,8 @@ def test_grpo_tiny_short_run(tmp_path: Path) -> None:
         r["mismatch/logprob_abs_diff_mean"] for r in train
     ]
     # Two mini-batches per step: the ratio moved away from 1 within the step.
-    assert any(r["train/approx_kl"] > 0 for r in train), [
-        (r["train/approx_kl"], r["train/grad_norm"]) for r in train
+    assert any(r["actor/ppo_kl"] > 0 for r in train), [
+        (r["actor/ppo_kl"], r["actor/grad_norm"]) for r in train
     ]
 
     assert (out / "curves.png").stat().st_size > 1000
@@ -143,3 +150,44 @@ def test_grpo_tiny_mismatch_stays_flat(tmp_path: Path) -> None:
     # Every sync was checked, and the check costs little next to the sync itself.
     rows = read_metrics(out / "metrics.jsonl")[-14:]
     assert all(0 < r["timing/weight_sync_check_s"] <= r["timing/weight_sync_s"] for r in rows)
+
+
+def test_grpo_recipe_runs_verl_variants_by_name(tmp_path: Path) -> None:
+    """Other estimators and losses by their verl names alone: remax (an extra greedy rollout as the
+    baseline), GSPO's sequence-level loss, the KL folded into the reward with the adaptive controller."""
+    out = tmp_path / "run"
+    res = torchrun(
+        [
+            "-m",
+            "spmdrl.train",
+            "recipe=grpo_tiny",
+            f"trainer.output_dir={out}",
+            "warmstart.total_steps=8",
+            "trainer.total_steps=2",
+            "trainer.val_every=0",
+            "trainer.save_hf=false",
+            "data.tiny.num_train=256",
+            "trainer.global_batch_size=8",
+            "rollout.n=4",
+            "trainer.micro_batch_size=8",
+            "algorithm.adv_estimator=remax",
+            "algorithm.policy_loss=gspo",
+            "algorithm.clip_ratio_low=0.0003",
+            "algorithm.clip_ratio_high=0.0004",
+            "algorithm.use_kl_in_reward=true",
+            "algorithm.kl_ctrl.type=adaptive",
+            "algorithm.kl_ctrl.target_kl=0.01",
+        ],
+        nproc=2,
+        cwd=tmp_path,
+        timeout_s=900,
+        env={"SPMDRL_CACHE": os.environ.get("SPMDRL_CACHE", str(Path.home() / ".cache" / "spmdrl"))},
+    )
+    assert res.returncode == 0, res.output[-5000:]
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert math.isfinite(r["actor/pg_loss"]) and "actor/pg_clipfrac" in r
+        assert r["actor/reward_kl_penalty_coeff"] > 0
+    # The adaptive controller moved the coefficient after the first step.
+    assert rows[1]["actor/reward_kl_penalty_coeff"] != rows[0]["actor/reward_kl_penalty_coeff"]

@@ -33,7 +33,7 @@ def _worker(
     from spmdrl.models.build import ModelSpec, build_fsdp_model
     from spmdrl.models.forward import policy_logprobs
     from spmdrl.optim import build_optimizer
-    from spmdrl.recipes.grpo import fill_logprobs, update_policy
+    from spmdrl.recipes.grpo import logprobs_of, update_policy
 
     cfg = Config(
         trainer=TrainerConfig(global_batch_size=4, micro_batch_size=2),
@@ -59,16 +59,17 @@ def _worker(
     resp = torch.zeros(B, T, dtype=torch.bool)
     resp[:, 4:] = True
     adv = torch.tensor([1.0, -1.0, 1.0, -1.0])
-    z = torch.zeros(B, T)
-    batch = PolicyBatch(ids, attn, resp, z.clone(), adv, z.clone(), z.clone())
-    fill_logprobs(ref, batch, batch.ref_logprobs_BT, 2, 1.0)
+    batch = PolicyBatch(ids, attn, resp, torch.zeros(B, T), adv[:, None] * resp)
+    batch = batch.replace(ref_logprobs_BT=logprobs_of(ref, batch, 2, 1.0))
     recompute = epochs > 1 or rl.mini_batches_per_step > 1
     if recompute:
-        fill_logprobs(actor, batch, batch.old_logprobs_BT, 2, 1.0)
+        batch = batch.replace(old_logprobs_BT=logprobs_of(actor, batch, 2, 1.0))
     with torch.no_grad():
         before, _ = policy_logprobs(actor, ids, attn)
-    pre = torch.zeros(B, T)
-    metrics = update_policy(cfg, rl, world, actor, build_optimizer(actor, cfg.optim), batch, recompute, pre)
+    result = update_policy(cfg, rl, actor, build_optimizer(actor, cfg.optim), batch)
+    metrics = result.metrics
+    # The old policy the update reports is the one before it (the first forward when on-policy).
+    torch.testing.assert_close(result.old_logprobs_BT * resp, before * resp)
     with torch.no_grad():
         after, _ = policy_logprobs(actor, ids, attn)
     delta_B = ((after - before) * resp).sum(1)
@@ -81,8 +82,12 @@ def test_update_raises_positive_and_lowers_negative(tmp_path: Path, mini: int, e
     for up, down, metrics in run_distributed(_worker, 2, str(tmp_path / "m"), mini, epochs):
         assert up > 0, "positive-advantage samples must become more likely"
         assert down < 0, "negative-advantage samples must become less likely"
-        assert {"train/pg_loss", "train/kl", "train/entropy", "train/clip_frac", "train/grad_norm"} <= set(
-            metrics
-        )
+        assert {
+            "actor/pg_loss",
+            "actor/kl_loss",
+            "actor/entropy",
+            "actor/pg_clipfrac",
+            "actor/grad_norm",
+        } <= set(metrics)
         if epochs > 1:
-            assert metrics["train/approx_kl"] > 0  # later updates see a ratio != 1
+            assert metrics["actor/ppo_kl"] > 0  # later updates see a ratio != 1

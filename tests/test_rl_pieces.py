@@ -25,7 +25,7 @@ def _batch() -> PolicyBatch:
         attention_mask_BT=attn,
         response_mask_BT=attn.bool() & (torch.arange(T) >= 1),
         engine_logprobs_BT=torch.randn(B, T),
-        advantages_B=torch.tensor([1.0, -1.0, 0.5, -0.5]),
+        advantages_BT=torch.tensor([1.0, -1.0, 0.5, -0.5])[:, None] * (attn.bool() & (torch.arange(T) >= 1)),
         old_logprobs_BT=torch.zeros(B, T),
         ref_logprobs_BT=torch.zeros(B, T),
     )
@@ -37,7 +37,8 @@ def test_rows_slices_every_field_and_trims_padding() -> None:
     assert mb.num_rows == 2
     assert mb.input_ids_BT.shape == (2, 4)  # longest of rows 0-1 is 4 tokens
     assert torch.equal(mb.input_ids_BT, b.input_ids_BT[:2, :4])
-    assert torch.equal(mb.advantages_B, b.advantages_B[:2])
+    assert torch.equal(mb.advantages_BT, b.advantages_BT[:2, :4])
+    assert b.replace(old_logprobs_BT=None).rows(0, 2).old_logprobs_BT is None
     assert b.rows(2, 3).input_ids_BT.shape == (1, 2)
 
 
@@ -56,6 +57,9 @@ def test_derive_rl_mini_and_micro_batches() -> None:
     assert rl.mini_batches_per_step == 4
     assert rl.per_rank_mini_batch_seqs == 8 // 4 * 5
     assert rl.micro_batches_per_mini_batch == 1
+    # The accumulation an optimizer step really uses (not the whole step's micro-batches).
+    assert rl.grad_accum_steps == 1 and rl.optimizer_steps_per_step == 4
+    assert {**d.as_dict(), **rl.as_dict()}["grad_accum_steps"] == 1  # what derived.json reports
     assert rl.max_model_len == cfg.data.max_prompt_length + cfg.data.max_response_length
 
 

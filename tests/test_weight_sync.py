@@ -25,8 +25,9 @@ def _prompts(rank: int) -> list[list[int]]:
 
 
 def _mismatch(model, engine, prompts: list[list[int]], seed: int, reshard: bool = True) -> dict[str, float]:  # noqa: ANN001
+    from spmdrl.algos.batch import pack_generations
     from spmdrl.rollout.engine import SamplingSpec
-    from spmdrl.rollout.mismatch import pack_generations, score_tokens
+    from spmdrl.rollout.mismatch import score_tokens
 
     gens = engine.generate(prompts, SamplingSpec(n=2, temperature=1.0, max_tokens=12, seed=seed))
     batch = pack_generations(prompts, gens, pad_id=0)

@@ -1,30 +1,70 @@
-"""The RL batch of one rank: prompt + response rows and their per-token quantities."""
+"""The RL batch of one rank: prompt + response rows and their per-token quantities, and how it is built."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from spmdrl.rollout.engine import Generation
 
-@dataclass
+
+@dataclass(frozen=True)
+class RolloutRows:
+    """Prompt + response rows, right-padded. ``response_mask_BT`` marks the sampled tokens;
+    ``engine_logprobs_BT`` holds the engine's logprob of each, at the token's own position."""
+
+    input_ids_BT: torch.Tensor
+    attention_mask_BT: torch.Tensor
+    response_mask_BT: torch.Tensor
+    engine_logprobs_BT: torch.Tensor
+
+
+def pack_generations(
+    prompts: Sequence[list[int]], generations: Sequence[Generation], pad_id: int
+) -> RolloutRows:
+    """One row per generation: its prompt (``prompts[g.prompt_index]``) followed by its sampled tokens."""
+    rows = [list(prompts[g.prompt_index]) + list(g.token_ids) for g in generations]
+    T = max((len(r) for r in rows), default=0)
+    B = len(rows)
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attention = torch.zeros((B, T), dtype=torch.long)
+    response = torch.zeros((B, T), dtype=torch.bool)
+    engine_lp = torch.zeros((B, T), dtype=torch.float32)
+    for i, (row, g) in enumerate(zip(rows, generations, strict=True)):
+        if len(g.logprobs) != len(g.token_ids):
+            raise ValueError(
+                f"generation {i} has {len(g.token_ids)} tokens but {len(g.logprobs)} logprobs "
+                "(generate with SamplingSpec.logprobs=True)"
+            )
+        start = len(row) - len(g.token_ids)
+        input_ids[i, : len(row)] = torch.tensor(row)
+        attention[i, : len(row)] = 1
+        response[i, start : len(row)] = True
+        engine_lp[i, start : len(row)] = torch.tensor(g.logprobs, dtype=torch.float32)
+    return RolloutRows(input_ids, attention, response, engine_lp)
+
+
+@dataclass(frozen=True)
 class PolicyBatch:
     """Right-padded rows; every ``_BT`` tensor is indexed at the token's own position.
 
-    ``response_mask_BT`` marks sampled tokens (the only ones the loss sees). Rows come in
-    consecutive groups of ``rollout.n`` samples of one prompt.
+    ``response_mask_BT`` marks sampled tokens (the only ones the loss sees). ``old_logprobs_BT`` is the
+    policy's logprobs before the update (PPO's "old" policy) when they were computed by a separate
+    pass; None means on-policy: the update's own first forward is the old policy.
     """
 
     input_ids_BT: torch.Tensor
     attention_mask_BT: torch.Tensor
     response_mask_BT: torch.Tensor
     engine_logprobs_BT: torch.Tensor
-    advantages_B: torch.Tensor
-    # Filled in before the update: the trainer's logprobs before it (PPO's "old" policy) and the
-    # reference model's; zeros when not needed.
-    old_logprobs_BT: torch.Tensor
-    ref_logprobs_BT: torch.Tensor
+    advantages_BT: torch.Tensor
+    old_logprobs_BT: torch.Tensor | None = None
+    ref_logprobs_BT: torch.Tensor | None = None
+    # Rollout-correction importance weights (detached), multiplied into the per-token policy loss.
+    is_weights_BT: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -33,13 +73,33 @@ class PolicyBatch:
     def rows(self, start: int, stop: int) -> PolicyBatch:
         """Rows [start, stop), trimmed to their longest sequence (less padding per micro-batch)."""
         width = int(self.attention_mask_BT[start:stop].sum(dim=1).max())
+        return self._map(lambda t: t[start:stop, :width])
+
+    def to(self, device: torch.device) -> PolicyBatch:
+        return self._map(lambda t: t.to(device))
+
+    def replace(self, **tensors: torch.Tensor | None) -> PolicyBatch:
+        return dataclasses.replace(self, **tensors)
+
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> PolicyBatch:
         return PolicyBatch(
             **{
-                f.name: (t[start:stop, :width] if t.dim() == 2 else t[start:stop])
+                f.name: None if (t := getattr(self, f.name)) is None else fn(t)
                 for f in dataclasses.fields(self)
-                for t in [getattr(self, f.name)]
             }
         )
 
-    def to(self, device: torch.device) -> PolicyBatch:
-        return PolicyBatch(**{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)})
+
+def build_policy_batch(
+    prompts: Sequence[list[int]], generations: Sequence[Generation], *, pad_id: int
+) -> PolicyBatch:
+    """The rows the update trains on, from what the rollout produced; advantages are set later
+    (``batch.replace(advantages_BT=...)``), once the logprobs a KL-in-reward needs are known."""
+    rows = pack_generations(prompts, generations, pad_id)
+    return PolicyBatch(
+        input_ids_BT=rows.input_ids_BT,
+        attention_mask_BT=rows.attention_mask_BT,
+        response_mask_BT=rows.response_mask_BT,
+        engine_logprobs_BT=rows.engine_logprobs_BT,
+        advantages_BT=torch.zeros_like(rows.engine_logprobs_BT),
+    )

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +55,19 @@ def apply_fsdp(
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    # Sum gradients over ranks instead of averaging: every loss already divides by the global count of
+    # its units (spmdrl/algos/aggregation.py), so no loss needs to know the world size (torchtitan's way).
+    # A plain SUM collective, not PREMUL_SUM(1.0): gloo has no PREMUL_SUM, and on NCCL the two agree.
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            set_factor = (
+                getattr(module, "set_gradient_divide_factor", None) or module.set_reduce_scatter_divide_factor
+            )
+            set_factor(1.0)
+            if hasattr(module, "set_force_sum_reduction_for_comms"):
+                module.set_force_sum_reduction_for_comms(True)
     log.info(
-        "FSDP2 over mesh %s (%s): %d layer units + root, param %s, reduce %s",
+        "FSDP2 over mesh %s (%s): %d layer units + root, param %s, reduce %s, gradients summed over ranks",
         tuple(mesh.shape),
         ",".join(mesh.mesh_dim_names or ()),
         len(layers),

@@ -8,52 +8,12 @@ these numbers every step.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from spmdrl.algos.kl import kl_penalty
 from spmdrl.algos.losses import token_logprobs
-from spmdrl.rollout.engine import Generation
-
-
-@dataclass(frozen=True)
-class ResponseBatch:
-    """Prompt + response rows, right-padded. ``response_mask_BT`` marks the sampled tokens;
-    ``engine_logprobs_BT`` holds the engine's logprob of each, at the token's own position."""
-
-    input_ids_BT: torch.Tensor
-    attention_mask_BT: torch.Tensor
-    response_mask_BT: torch.Tensor
-    engine_logprobs_BT: torch.Tensor
-
-
-def pack_generations(
-    prompts: Sequence[list[int]], generations: Sequence[Generation], pad_id: int
-) -> ResponseBatch:
-    """One row per generation: its prompt (``prompts[g.prompt_index]``) followed by its sampled tokens."""
-    rows = [list(prompts[g.prompt_index]) + list(g.token_ids) for g in generations]
-    T = max((len(r) for r in rows), default=0)
-    B = len(rows)
-    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
-    attention = torch.zeros((B, T), dtype=torch.long)
-    response = torch.zeros((B, T), dtype=torch.bool)
-    engine_lp = torch.zeros((B, T), dtype=torch.float32)
-    for i, (row, g) in enumerate(zip(rows, generations, strict=True)):
-        if len(g.logprobs) != len(g.token_ids):
-            raise ValueError(
-                f"generation {i} has {len(g.token_ids)} tokens but {len(g.logprobs)} logprobs "
-                "(generate with SamplingSpec.logprobs=True)"
-            )
-        start = len(row) - len(g.token_ids)
-        input_ids[i, : len(row)] = torch.tensor(row)
-        attention[i, : len(row)] = 1
-        response[i, start : len(row)] = True
-        engine_lp[i, start : len(row)] = torch.tensor(g.logprobs, dtype=torch.float32)
-    return ResponseBatch(input_ids, attention, response, engine_lp)
 
 
 @torch.no_grad()

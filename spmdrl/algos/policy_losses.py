@@ -1,0 +1,491 @@
+"""Policy losses by verl's names (verl's ``actor.policy_loss.loss_mode``; spmdrl: ``algorithm.policy_loss``).
+
+Every loss is a pure function with one signature::
+
+    fn(logprobs_BT, old_logprobs_BT, advantages_BT, mask_BT, *, agg, params, is_weights_BT=None)
+        -> PolicyLossOutput
+
+``logprobs_BT`` carries the gradient (the policy being trained), ``old_logprobs_BT`` is the policy that
+PPO's ratio ``r = exp(logprobs - old_logprobs)`` divides by, ``advantages_BT`` is per token (a per
+sequence ``(B,)`` tensor is broadcast over T), ``is_weights_BT`` are detached rollout-correction weights
+(:mod:`spmdrl.algos.correction`) that multiply the per-token loss. The per-token loss is reduced by
+``agg`` (:class:`~spmdrl.algos.aggregation.Aggregation`: sum / global count), never by a local mean, so
+the gradient does not depend on how the mini-batch is split.
+
+Metrics are detached 0-dim tensors under verl's names (verl logs them as ``actor/<name>``), each a mean
+over this micro-batch's valid tokens; they are not ``.item()``-ed here, so computing them does not
+synchronize the device.
+
+The formulas follow ``verl/trainer/ppo/core_algos.py`` (``compute_policy_loss_<name>``), re-derived here;
+each function's docstring gives its formula and the paper.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from spmdrl.algos.aggregation import Aggregation, masked_mean
+
+# exp(20) ~ 5e8: far above any useful ratio, far below float32 overflow. verl clamps the log ratio to
+# this in vanilla, sapo and cispo (and not in gspo, clip_cov, kl_cov, geo_mean: neither do we there).
+_MAX_LOG_RATIO = 20.0
+# gspo clamps its (sequence) log ratio from above only, at 10, as verl does.
+_GSPO_MAX_LOG_RATIO = 10.0
+
+
+@dataclass(frozen=True)
+class PolicyLossParams:
+    """Plain values the losses read, with verl's names and defaults (``actor.*`` and
+    ``actor.policy_loss.*`` in verl's ``actor.yaml``). verl's symmetric ``clip_ratio`` is resolved into
+    ``clip_ratio_low`` / ``clip_ratio_high`` by whoever builds this."""
+
+    # PPO clip range: r is clipped to [1 - clip_ratio_low, 1 + clip_ratio_high] (vanilla, gspo, cispo,
+    # clip_cov; geo_mean clips the log ratio to [-clip_ratio_low, clip_ratio_high]).
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    # Dual-clip (vanilla): for A < 0 the per-token loss is at most -A * clip_ratio_c. Must be > 1.
+    clip_ratio_c: float = 3.0
+    # clip_cov: fraction of valid tokens whose gradient is dropped, chosen among tokens whose
+    # centered covariance (A - mean A)(logp - mean logp) lies in (clip_cov_lb, clip_cov_ub).
+    clip_cov_ratio: float = 0.0002
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    # kl_cov: fraction of valid tokens (largest covariance) that get + ppo_kl_coef * |log r|.
+    kl_cov_ratio: float = 0.0002
+    ppo_kl_coef: float = 0.1  # verl's actor.yaml default (core_algos falls back to 1.0 only if unset)
+    # sapo: temperatures of the soft gate for positive / non-positive advantages.
+    tau_pos: float = 1.0
+    tau_neg: float = 1.05
+
+    def __post_init__(self) -> None:
+        if not self.clip_ratio_c > 1.0:
+            raise ValueError(f"clip_ratio_c (dual-clip bound) must be > 1, got {self.clip_ratio_c}")
+        if self.clip_ratio_low < 0 or self.clip_ratio_high < 0:
+            raise ValueError(f"clip ratios must be >= 0, got {self.clip_ratio_low}, {self.clip_ratio_high}")
+        if self.clip_cov_ratio <= 0 or self.kl_cov_ratio <= 0:
+            raise ValueError(
+                f"clip_cov_ratio and kl_cov_ratio must be > 0, got {self.clip_cov_ratio}, {self.kl_cov_ratio}"
+            )
+        if self.tau_pos <= 0 or self.tau_neg <= 0:
+            raise ValueError(f"tau_pos and tau_neg must be > 0, got {self.tau_pos}, {self.tau_neg}")
+
+
+@dataclass
+class PolicyLossOutput:
+    loss: torch.Tensor  # scalar with gradient: agg(per-token loss)
+    metrics: dict[str, torch.Tensor]  # detached 0-dim tensors under verl's names
+
+
+PolicyLossFn = Callable[..., PolicyLossOutput]
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def as_token_advantages(advantages: torch.Tensor, logprobs_BT: torch.Tensor) -> torch.Tensor:
+    """Per-token advantages (B, T): a (B,) tensor is broadcast over the T positions."""
+    if advantages.dim() == 1 and advantages.shape[0] == logprobs_BT.shape[0]:
+        return advantages.unsqueeze(-1).expand_as(logprobs_BT)
+    if advantages.shape == logprobs_BT.shape:
+        return advantages
+    raise ValueError(
+        f"advantages must have shape (B,) or (B, T) = {tuple(logprobs_BT.shape)}, got {tuple(advantages.shape)}"
+    )
+
+
+def seq_masked_mean(x_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    """Per-sequence mean over valid tokens, shape (B,); 0 for a sequence with none."""
+    return masked_mean(x_BT, mask_BT, dim=-1)
+
+
+def _weighted(loss_BT: torch.Tensor, is_weights_BT: torch.Tensor | None) -> torch.Tensor:
+    # Importance weights change the measure the expectation is taken under, not the objective: no
+    # gradient flows into them.
+    return loss_BT if is_weights_BT is None else loss_BT * is_weights_BT.detach()
+
+
+def _metric(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().float()
+
+
+def _zero(like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros((), dtype=torch.float32, device=like.device)
+
+
+# ---------------------------------------------------------------------------------------------- losses
+
+
+def vanilla_policy_loss(
+    logprobs_BT: torch.Tensor,
+    old_logprobs_BT: torch.Tensor,
+    advantages_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    *,
+    agg: Aggregation,
+    params: PolicyLossParams,
+    is_weights_BT: torch.Tensor | None = None,
+) -> PolicyLossOutput:
+    """``vanilla``: PPO's clipped surrogate with clip-higher and dual-clip (verl ``compute_policy_loss_vanilla``).
+
+    With ``r = exp(clamp(logp - old, -20, 20))``, ``eps_l = clip_ratio_low``, ``eps_h = clip_ratio_high``,
+    ``c = clip_ratio_c``::
+
+        l1 = max(-A r, -A clip(r, 1 - eps_l, 1 + eps_h))        (Schulman et al. 2017; DAPO's clip-higher)
+        l  = l1                       if A >= 0
+             min(l1, -A c)            if A < 0                  (dual-clip, Ye et al. 2019, arXiv:1912.09729)
+
+    Dual-clip bounds the loss (and zeroes the gradient) of a negative-advantage token whose ratio has
+    grown past ``c``: without it ``-A r`` is unbounded. Metrics: ``pg_clipfrac`` = fraction of tokens with
+    ``-A clip(r) > -A r``; ``pg_clipfrac_lower`` = fraction with ``A < 0`` and ``l1 > -A c``;
+    ``ppo_kl`` = mean of ``old - logp`` (k1 of KL(old || new)).
+    """
+    advantages_BT = as_token_advantages(advantages_BT, logprobs_BT)
+    log_ratio_BT = (logprobs_BT - old_logprobs_BT).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    ratio_BT = torch.exp(log_ratio_BT)
+    unclipped_BT = -advantages_BT * ratio_BT
+    clipped_BT = -advantages_BT * ratio_BT.clamp(1.0 - params.clip_ratio_low, 1.0 + params.clip_ratio_high)
+    clip1_BT = torch.maximum(unclipped_BT, clipped_BT)
+    dual_BT = -advantages_BT * params.clip_ratio_c
+    negative_BT = advantages_BT < 0
+    loss_BT = torch.where(negative_BT, torch.minimum(clip1_BT, dual_BT), clip1_BT)
+    loss = agg(_weighted(loss_BT, is_weights_BT), mask_BT)
+    with torch.no_grad():
+        metrics = {
+            "pg_clipfrac": _metric(masked_mean((clipped_BT > unclipped_BT).float(), mask_BT)),
+            "ppo_kl": _metric(masked_mean(-log_ratio_BT, mask_BT)),
+            "pg_clipfrac_lower": _metric(masked_mean(((clip1_BT > dual_BT) & negative_BT).float(), mask_BT)),
+        }
+    return PolicyLossOutput(loss, metrics)
+
+
+def gspo_policy_loss(
+    logprobs_BT: torch.Tensor,
+    old_logprobs_BT: torch.Tensor,
+    advantages_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    *,
+    agg: Aggregation,
+    params: PolicyLossParams,
+    is_weights_BT: torch.Tensor | None = None,
+) -> PolicyLossOutput:
+    """``gspo``: Group Sequence Policy Optimization (arXiv:2507.18071; verl ``compute_policy_loss_gspo``).
+
+    The ratio is the sequence's length-normalized likelihood ratio
+    ``s_i = exp(mean_t (logp - old))``, applied per token with the token's own gradient::
+
+        log s_it = sg(log s_i) + logp_t - sg(logp_t)       (clamped above at 10)
+        l_t      = max(-A s_it, -A clip(s_it, 1 - eps_l, 1 + eps_h))
+
+    so every token of a sequence shares one value and one clipping decision, and the gradient is
+    ``s_i * grad logp_t`` per token. Expects ``agg.mode == "seq-mean-token-mean"``: verl ignores the
+    configured ``loss_agg_mode`` for gspo and uses that one (see :data:`VERL_FORCED_AGG_MODE`);
+    this function reduces through whatever ``agg`` it is given. Metrics: ``pg_clipfrac`` (tokens whose
+    clipped term won), ``ppo_kl`` (mean of ``old - logp``, unclamped), ``pg_clipfrac_lower`` = 0.
+    """
+    advantages_BT = as_token_advantages(advantages_BT, logprobs_BT)
+    log_ratio_BT = logprobs_BT - old_logprobs_BT
+    seq_log_ratio_B = seq_masked_mean(log_ratio_BT, mask_BT)
+    log_seq_ratio_BT = logprobs_BT - logprobs_BT.detach() + seq_log_ratio_B.detach().unsqueeze(-1)
+    seq_ratio_BT = torch.exp(log_seq_ratio_BT.clamp(max=_GSPO_MAX_LOG_RATIO))
+    unclipped_BT = -advantages_BT * seq_ratio_BT
+    clipped_BT = -advantages_BT * seq_ratio_BT.clamp(
+        1.0 - params.clip_ratio_low, 1.0 + params.clip_ratio_high
+    )
+    loss_BT = torch.maximum(unclipped_BT, clipped_BT)
+    loss = agg(_weighted(loss_BT, is_weights_BT), mask_BT)
+    with torch.no_grad():
+        metrics = {
+            "pg_clipfrac": _metric(masked_mean((clipped_BT > unclipped_BT).float(), mask_BT)),
+            "ppo_kl": _metric(masked_mean(-log_ratio_BT, mask_BT)),
+            "pg_clipfrac_lower": _zero(loss),
+        }
+    return PolicyLossOutput(loss, metrics)
+
+
+def sapo_policy_loss(
+    logprobs_BT: torch.Tensor,
+    old_logprobs_BT: torch.Tensor,
+    advantages_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    *,
+    agg: Aggregation,
+    params: PolicyLossParams,
+    is_weights_BT: torch.Tensor | None = None,
+) -> PolicyLossOutput:
+    """``sapo``: Soft Adaptive Policy Optimization (arXiv:2511.20347; verl ``compute_policy_loss_sapo``).
+
+    A smooth gate replaces the hard clip. With ``r = exp(clamp(logp - old, -20, 20))`` and
+    ``tau = tau_pos if A > 0 else tau_neg``::
+
+        f(r) = sigmoid(tau (r - 1)) * 4 / tau,       l = -f(r) A
+
+    ``f(1) = 2 / tau`` and ``f'(r) = 4 sigmoid'(tau (r - 1))`` peaks at r = 1 and decays as r leaves 1, so
+    far-off-policy tokens get a vanishing (not zero) gradient; a larger ``tau_neg`` damps negative
+    updates faster. Expects ``agg.mode == "seq-mean-token-mean"`` (verl forces it). Metrics:
+    ``ppo_kl``; ``pg_clipfrac`` and ``pg_clipfrac_lower`` are 0 (nothing is clipped).
+    """
+    advantages_BT = as_token_advantages(advantages_BT, logprobs_BT)
+    log_ratio_BT = (logprobs_BT - old_logprobs_BT).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    ratio_BT = torch.exp(log_ratio_BT)
+    tau_BT = torch.where(
+        advantages_BT > 0,
+        torch.tensor(params.tau_pos, dtype=ratio_BT.dtype, device=ratio_BT.device),
+        torch.tensor(params.tau_neg, dtype=ratio_BT.dtype, device=ratio_BT.device),
+    )
+    gate_BT = torch.sigmoid(tau_BT * (ratio_BT - 1.0)) * (4.0 / tau_BT)
+    loss_BT = -gate_BT * advantages_BT
+    loss = agg(_weighted(loss_BT, is_weights_BT), mask_BT)
+    with torch.no_grad():
+        metrics = {
+            "pg_clipfrac": _zero(loss),
+            "ppo_kl": _metric(masked_mean(-log_ratio_BT, mask_BT)),
+            "pg_clipfrac_lower": _zero(loss),
+        }
+    return PolicyLossOutput(loss, metrics)
+
+
+def gpg_policy_loss(
+    logprobs_BT: torch.Tensor,
+    old_logprobs_BT: torch.Tensor,
+    advantages_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    *,
+    agg: Aggregation,
+    params: PolicyLossParams,
+    is_weights_BT: torch.Tensor | None = None,
+) -> PolicyLossOutput:
+    """``gpg``: Group Policy Gradient (arXiv:2504.02546; verl ``compute_policy_loss_gpg``).
+
+    Plain REINFORCE with no ratio and no clip: ``l = -A logp``. ``old_logprobs_BT`` and ``params`` are
+    unused (the signature is shared). No metrics, as in verl.
+    """
+    del old_logprobs_BT, params  # shared signature; GPG needs neither
+    advantages_BT = as_token_advantages(advantages_BT, logprobs_BT)
+    loss_BT = -logprobs_BT * advantages_BT
+    return PolicyLossOutput(agg(_weighted(loss_BT, is_weights_BT), mask_BT), {})
+
+
+def clip_cov_policy_loss(
+    logprobs_BT: torch.Tensor,
+    old_logprobs_BT: torch.Tensor,
+    advantages_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    *,
+    agg: Aggregation,
+    params: PolicyLossParams,
+    is_weights_BT: torch.Tensor | None = None,
+) -> PolicyLossOutput:
+    """``clip_cov``: Clip-Cov (Cui et al., "The Entropy Mechanism of RL for Reasoning LMs",
+    arXiv:2505.22617; verl ``compute_policy_loss_clip_cov``).
+
+    Entropy collapses through tokens with a large covariance between advantage and log-probability.
+    Per valid token, ``cov = (A - mean A)(logp - mean logp)`` (means over this micro-batch's valid tokens,
+    detached). Among valid tokens not already clipped by PPO (``-A clip(r) > -A r``) with
+    ``clip_cov_lb < cov < clip_cov_ub``, ``max(int(clip_cov_ratio * valid tokens), 1)`` are drawn
+    uniformly at random (``torch.randperm``, the global RNG, as verl) and their loss is multiplied by 0::
+
+        l = max(-A r, -A clip(r, 1 - eps_l, 1 + eps_h)) * (0 if drawn else 1),    r = exp(logp - old)
+
+    (no dual-clip, and the log ratio is not clamped, as in verl). Metrics: ``pg_clipfrac`` = fraction
+    of valid tokens drawn, ``ppo_kl`` = mean of ``old - logp``.
+    """
+    advantages_BT = as_token_advantages(advantages_BT, logprobs_BT)
+    valid_BT = mask_BT.bool()
+    log_ratio_BT = logprobs_BT - old_logprobs_BT
+    ratio_BT = torch.exp(log_ratio_BT)
+    unclipped_BT = -advantages_BT * ratio_BT
+    clipped_BT = -advantages_BT * ratio_BT.clamp(1.0 - params.clip_ratio_low, 1.0 + params.clip_ratio_high)
+    with torch.no_grad():
+        clipped_by_ppo_BT = (clipped_BT > unclipped_BT) & valid_BT
+        cov_BT = (advantages_BT - masked_mean(advantages_BT, mask_BT)) * (
+            logprobs_BT - masked_mean(logprobs_BT, mask_BT)
+        )
+        candidates_BT = (
+            (cov_BT > params.clip_cov_lb) & (cov_BT < params.clip_cov_ub) & valid_BT & ~clipped_by_ppo_BT
+        )
+        candidate_idx_N2 = torch.nonzero(candidates_BT)
+        n_draw = max(int(params.clip_cov_ratio * int(valid_BT.sum())), 1)
+        drawn_BT = torch.zeros_like(valid_BT)
+        if len(candidate_idx_N2) > 0:
+            perm_N = torch.randperm(len(candidate_idx_N2))[:n_draw].to(candidate_idx_N2.device)
+            chosen_K2 = candidate_idx_N2[perm_N]
+            drawn_BT[chosen_K2[:, 0], chosen_K2[:, 1]] = True
+    loss_BT = torch.where(drawn_BT, 0.0, torch.maximum(unclipped_BT, clipped_BT))
+    loss = agg(_weighted(loss_BT, is_weights_BT), mask_BT)
+    with torch.no_grad():
+        metrics = {
+            "pg_clipfrac": _metric(masked_mean(drawn_BT.float(), mask_BT)),
+            "ppo_kl": _metric(masked_mean(-log_ratio_BT, mask_BT)),
+        }
+    return PolicyLossOutput(loss, metrics)
+
+
+def kl_cov_policy_loss(
+    logprobs_BT: torch.Tensor,
+    old_logprobs_BT: torch.Tensor,
+    advantages_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    *,
+    agg: Aggregation,
+    params: PolicyLossParams,
+    is_weights_BT: torch.Tensor | None = None,
+) -> PolicyLossOutput:
+    """``kl_cov``: KL-Cov (arXiv:2505.22617, as clip_cov; verl ``compute_policy_loss_kl_cov``).
+
+    No clipping. The ``max(1, int(valid tokens * kl_cov_ratio))`` valid tokens with the largest
+    ``cov = (A - mean A)(logp - mean logp)`` (detached, means over valid tokens) get a KL penalty::
+
+        l = -A r + (ppo_kl_coef * |logp - old| if selected else 0),     r = exp(logp - old)
+
+    (unclamped log ratio, as in verl). Ties at the k-th covariance are broken by ``torch.topk``.
+    Metric: ``ppo_kl`` = mean of ``|logp - old|`` (verl logs the absolute value for this loss).
+    """
+    advantages_BT = as_token_advantages(advantages_BT, logprobs_BT)
+    valid_BT = mask_BT.bool()
+    log_ratio_BT = logprobs_BT - old_logprobs_BT
+    ratio_BT = torch.exp(log_ratio_BT)
+    pg_BT = -advantages_BT * ratio_BT
+    with torch.no_grad():
+        selected_BT = torch.zeros_like(valid_BT)
+        n_valid = int(valid_BT.sum())
+        if n_valid > 0:
+            adv_N = advantages_BT[valid_BT].detach()
+            logp_N = logprobs_BT[valid_BT].detach()
+            cov_N = (adv_N - adv_N.mean()) * (logp_N - logp_N.mean())
+            top_K = torch.topk(cov_N, max(1, int(n_valid * params.kl_cov_ratio)), largest=True).indices
+            selected_N = torch.zeros_like(cov_N, dtype=torch.bool)
+            selected_N[top_K] = True
+            selected_BT[valid_BT] = selected_N
+    loss_BT = torch.where(selected_BT, pg_BT + params.ppo_kl_coef * log_ratio_BT.abs(), pg_BT)
+    loss = agg(_weighted(loss_BT, is_weights_BT), mask_BT)
+    with torch.no_grad():
+        metrics = {"ppo_kl": _metric(masked_mean(log_ratio_BT.abs(), mask_BT))}
+    return PolicyLossOutput(loss, metrics)
+
+
+def geo_mean_policy_loss(
+    logprobs_BT: torch.Tensor,
+    old_logprobs_BT: torch.Tensor,
+    advantages_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    *,
+    agg: Aggregation,
+    params: PolicyLossParams,
+    is_weights_BT: torch.Tensor | None = None,
+) -> PolicyLossOutput:
+    """``geo_mean``: Geometric-Mean Policy Optimization (GMPO, arXiv:2507.20673; verl
+    ``compute_policy_loss_geo_mean``).
+
+    The sequence ratio is the geometric mean of token ratios, each clipped in log space (the
+    pessimistic side of the clip, per the advantage's sign)::
+
+        d_t   = logp_t - old_t,      c_t = clip(d_t, -clip_ratio_low, clip_ratio_high)
+        m_t   = sign(A) * min(sign(A) d_t, sign(A) c_t)
+        rho_i = exp(mean_t m_t),     A_i = mean_t A_t,      L_i = -A_i rho_i
+
+    If ``is_weights_BT`` is given, ``L_i`` is multiplied by the geometric mean of the sequence's weights,
+    ``exp(mean_t log(w_t + 1e-10))`` (as verl). verl returns the plain mean of ``L_i`` over sequences and
+    ignores ``loss_agg_mode``; here ``L_i`` is put on each valid token of its sequence and reduced by
+    ``agg``, so ``agg.mode == "seq-mean-token-mean"`` gives verl's loss (a mean over sequences with at
+    least one valid token). Metrics: ``pg_clipfrac`` / ``pg_clipfrac_lower`` = fraction of valid tokens
+    with ``c_t != d_t`` and ``A > 0`` / ``A < 0``; ``ppo_kl`` = mean of ``old - logp``.
+    """
+    advantages_BT = as_token_advantages(advantages_BT, logprobs_BT)
+    valid_BT = mask_BT.bool()
+    log_ratio_BT = logprobs_BT - old_logprobs_BT
+    log_ratio_clamped_BT = log_ratio_BT.clamp(-params.clip_ratio_low, params.clip_ratio_high)
+    sign_BT = torch.sign(advantages_BT)
+    pessimistic_BT = sign_BT * torch.minimum(sign_BT * log_ratio_BT, sign_BT * log_ratio_clamped_BT)
+    ratio_B = torch.exp(seq_masked_mean(pessimistic_BT, mask_BT))
+    advantage_B = seq_masked_mean(advantages_BT, mask_BT)
+    loss_B = -advantage_B * ratio_B
+    if is_weights_BT is not None:
+        log_w_BT = torch.log(is_weights_BT.detach() + 1e-10)
+        loss_B = loss_B * torch.exp(seq_masked_mean(log_w_BT, mask_BT))
+    loss_BT = loss_B.unsqueeze(-1).expand_as(logprobs_BT)
+    loss = agg(loss_BT, mask_BT)
+    with torch.no_grad():
+        clipped_BT = (log_ratio_BT != log_ratio_clamped_BT) & valid_BT
+        metrics = {
+            "pg_clipfrac": _metric(masked_mean((clipped_BT & (advantages_BT > 0)).float(), mask_BT)),
+            "ppo_kl": _metric(masked_mean(-log_ratio_BT, mask_BT)),
+            "pg_clipfrac_lower": _metric(masked_mean((clipped_BT & (advantages_BT < 0)).float(), mask_BT)),
+        }
+    return PolicyLossOutput(loss, metrics)
+
+
+def cispo_policy_loss(
+    logprobs_BT: torch.Tensor,
+    old_logprobs_BT: torch.Tensor,
+    advantages_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    *,
+    agg: Aggregation,
+    params: PolicyLossParams,
+    is_weights_BT: torch.Tensor | None = None,
+) -> PolicyLossOutput:
+    """``cispo``: Clipped IS-weight Policy Optimization (MiniMax-M1, arXiv:2506.13585; verl
+    ``compute_policy_loss_cispo``).
+
+    The importance weight is clipped and detached; the gradient flows only through ``logp``::
+
+        l = -sg(clip(r, 1 - eps_l, 1 + eps_h)) * A * logp,       r = exp(clamp(logp - old, -20, 20))
+
+    Unlike PPO's clip, a clipped token still contributes a gradient (scaled by the clip bound), so no
+    token's update is dropped. Metrics: ``pg_clipfrac`` = fraction of valid tokens whose ratio was
+    clipped, ``ppo_kl`` = mean of ``old - logp``, ``pg_clipfrac_lower`` = 0.
+    """
+    advantages_BT = as_token_advantages(advantages_BT, logprobs_BT)
+    log_ratio_BT = (logprobs_BT - old_logprobs_BT).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    ratio_BT = torch.exp(log_ratio_BT)
+    clipped_ratio_BT = ratio_BT.clamp(1.0 - params.clip_ratio_low, 1.0 + params.clip_ratio_high).detach()
+    loss_BT = -clipped_ratio_BT * advantages_BT * logprobs_BT
+    loss = agg(_weighted(loss_BT, is_weights_BT), mask_BT)
+    with torch.no_grad():
+        metrics = {
+            "pg_clipfrac": _metric(masked_mean((ratio_BT != clipped_ratio_BT).float(), mask_BT)),
+            "ppo_kl": _metric(masked_mean(-log_ratio_BT, mask_BT)),
+            "pg_clipfrac_lower": _zero(loss),
+        }
+    return PolicyLossOutput(loss, metrics)
+
+
+# ---------------------------------------------------------------------------------------------- registry
+
+POLICY_LOSSES: dict[str, PolicyLossFn] = {
+    "vanilla": vanilla_policy_loss,
+    "gspo": gspo_policy_loss,
+    "cispo": cispo_policy_loss,
+    "gpg": gpg_policy_loss,
+    "clip_cov": clip_cov_policy_loss,
+    "kl_cov": kl_cov_policy_loss,
+    "geo_mean": geo_mean_policy_loss,
+    "sapo": sapo_policy_loss,
+}
+
+# Losses for which verl ignores the configured loss_agg_mode and reduces as below (gspo, sapo:
+# agg_loss(..., "seq-mean-token-mean"); geo_mean: a plain mean over sequences, which is
+# seq-mean-token-mean of the sequence loss put on every token). The recipe builds its Aggregation
+# (and counts its units) with :func:`agg_mode_for` to get verl's loss for these names.
+VERL_FORCED_AGG_MODE: dict[str, str] = {
+    "gspo": "seq-mean-token-mean",
+    "sapo": "seq-mean-token-mean",
+    "geo_mean": "seq-mean-token-mean",
+}
+
+
+def policy_loss(name: str) -> PolicyLossFn:
+    """The policy loss called ``name`` in verl (``actor.policy_loss.loss_mode``)."""
+    try:
+        return POLICY_LOSSES[name]
+    except KeyError:
+        raise ValueError(f"unknown policy loss {name!r}; use one of {', '.join(POLICY_LOSSES)}") from None
+
+
+def agg_mode_for(name: str, configured_mode: str) -> str:
+    """The aggregation mode verl actually uses for loss ``name`` given the configured ``loss_agg_mode``."""
+    policy_loss(name)  # validates the name
+    return VERL_FORCED_AGG_MODE.get(name, configured_mode)

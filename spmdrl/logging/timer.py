@@ -1,0 +1,32 @@
+"""Wall-clock time per phase of a step: ``with timer("rollout"): ...`` instead of paired ``t0 =`` lines."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+
+
+class PhaseTimer:
+    """Seconds per named phase (``<name>_s``), added up if a phase runs more than once."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._start = time.perf_counter()
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            key = f"{name}_s"
+            self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - t0
+
+    def add(self, name: str, seconds: float) -> None:
+        """A phase timed elsewhere (a part of another phase, say)."""
+        self.seconds[f"{name}_s"] = self.seconds.get(f"{name}_s", 0.0) + seconds
+
+    def elapsed(self) -> float:
+        """Seconds since the timer was made (the whole step)."""
+        return time.perf_counter() - self._start

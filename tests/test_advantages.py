@@ -1,0 +1,412 @@
+"""Advantage estimators against values computed independently: by hand, or by plain-Python loops written
+here from the papers' / verl's formulas (``statistics`` for means and unbiased stds, no tensors)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import pytest
+import torch
+
+from spmdrl.algos.advantages import (
+    ADV_ESTIMATORS,
+    NEEDS_BASELINE,
+    NEEDS_CRITIC,
+    AdvantageInputs,
+    compute_advantages,
+    grpo_advantages,
+    token_level_rewards,
+)
+
+VERL_NAMES = {
+    "gae",
+    "grpo",
+    "rloo",
+    "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
+    "remax",
+    "opo",
+    "grpo_passk",
+    "gpg",
+}
+
+
+def _mask(lengths: list[int], T: int) -> torch.Tensor:
+    return torch.tensor([[t < n for t in range(T)] for n in lengths])
+
+
+def _outcome(scores: list[float], lengths: list[int], ids: list[int], T: int = 4, **kw) -> AdvantageInputs:
+    mask_BT = _mask(lengths, T)
+    return AdvantageInputs(
+        token_rewards_BT=token_level_rewards(torch.tensor(scores), mask_BT),
+        response_mask_BT=mask_BT,
+        group_ids_B=torch.tensor(ids),
+        **kw,
+    )
+
+
+def _broadcast_ref(per_seq: list[float], lengths: list[int], T: int) -> torch.Tensor:
+    return torch.tensor(
+        [[a if t < n else 0.0 for t in range(T)] for a, n in zip(per_seq, lengths, strict=True)]
+    )
+
+
+def _whiten_ref(rows: list[list[float]], mask: list[list[bool]]) -> torch.Tensor:
+    """Mean and unbiased std over the valid entries of the whole batch; 0 where masked."""
+    flat = [x for row, m in zip(rows, mask, strict=True) for x, v in zip(row, m, strict=True) if v]
+    mean, var = statistics.fmean(flat), statistics.variance(flat)
+    return torch.tensor(
+        [
+            [(x - mean) / math.sqrt(var + 1e-8) if v else 0.0 for x, v in zip(row, m, strict=True)]
+            for row, m in zip(rows, mask, strict=True)
+        ]
+    )
+
+
+# Non-consecutive, unequal groups: 7 has three samples (positions 0, 2, 5), 3 has two (1, 4), 9 one (3).
+SCORES = [1.0, 0.5, 0.0, 0.7, -0.5, 0.25]
+LENGTHS = [4, 2, 3, 1, 4, 2]
+IDS = [7, 3, 7, 9, 3, 7]
+
+
+def _groups_ref(scores: list[float], ids: list[int]) -> dict[int, list[float]]:
+    groups: dict[int, list[float]] = {}
+    for s, g in zip(scores, ids, strict=True):
+        groups.setdefault(g, []).append(s)
+    return groups
+
+
+# ---------------------------------------------------------------------------------------------- inputs
+
+
+def test_token_level_rewards_puts_score_on_last_valid_token():
+    mask_BT = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]])
+    rewards_BT = token_level_rewards(torch.tensor([2.0, -1.0, 5.0, 0.5]), mask_BT)
+    expected = torch.tensor([[0, 0, 2.0, 0], [-1.0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0.5]])
+    assert rewards_BT.dtype == torch.float32
+    torch.testing.assert_close(rewards_BT, expected)
+
+
+def test_inputs_check_shapes():
+    mask_BT = torch.ones(2, 3, dtype=torch.bool)
+    with pytest.raises(ValueError, match="group_ids_B"):
+        AdvantageInputs(torch.zeros(2, 3), mask_BT, torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match="response_mask_BT"):
+        AdvantageInputs(torch.zeros(2, 3), torch.ones(2, 4), torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="values_BT"):
+        AdvantageInputs(torch.zeros(2, 3), mask_BT, torch.tensor([0, 1]), values_BT=torch.zeros(2))
+    with pytest.raises(ValueError, match="baseline_B"):
+        AdvantageInputs(torch.zeros(2, 3), mask_BT, torch.tensor([0, 1]), baseline_B=torch.zeros(3))
+
+
+# ---------------------------------------------------------------------------------------------- registry
+
+
+def test_registry_has_exactly_verls_names_and_clear_errors():
+    assert set(ADV_ESTIMATORS) == VERL_NAMES
+    assert set(NEEDS_CRITIC) == {"gae"} and set(NEEDS_BASELINE) == {"remax"}
+    inputs = _outcome([1.0, 0.0], [2, 2], [0, 0])
+    with pytest.raises(ValueError, match="unknown advantage estimator 'ppo'.*grpo.*reinforce_plus_plus"):
+        compute_advantages("ppo", inputs)
+    with pytest.raises(ValueError, match="needs a critic.*recipe=ppo_tiny"):
+        compute_advantages("gae", inputs)
+    with pytest.raises(ValueError, match="baseline_B"):
+        compute_advantages("remax", inputs)
+
+
+@pytest.mark.parametrize("name", sorted(VERL_NAMES))
+def test_every_estimator_zero_where_masked_and_finite(name: str):
+    T = 5
+    mask_BT = _mask([5, 2, 3, 1, 4, 2], T)
+    kl_BT = torch.linspace(-0.3, 0.3, 6 * T).view(6, T)  # per-token terms, as a KL penalty in the reward
+    inputs = AdvantageInputs(
+        token_rewards_BT=token_level_rewards(torch.tensor(SCORES), mask_BT) + kl_BT * mask_BT,
+        response_mask_BT=mask_BT,
+        # grpo_passk needs groups of >= 2: merge the singleton into group 3 for it.
+        group_ids_B=torch.tensor([7, 3, 7, 3, 3, 7] if name == "grpo_passk" else IDS),
+        # NaN at padding must not leak: values there are whatever the critic output on pad tokens.
+        values_BT=torch.where(mask_BT, torch.linspace(0, 1, 6 * T).view(6, T), float("nan")),
+        baseline_B=torch.full((6,), 0.3),
+        gamma=0.9,
+        lam=0.8,
+    )
+    advantages_BT, returns_BT = compute_advantages(name, inputs)
+    for out_BT in (advantages_BT, returns_BT):
+        assert out_BT.shape == (6, T) and out_BT.dtype == torch.float32
+        assert torch.isfinite(out_BT).all()
+        assert (out_BT[~mask_BT] == 0).all()
+    assert advantages_BT[mask_BT].abs().sum() > 0
+
+
+# ---------------------------------------------------------------------------------------------- grpo
+
+
+def _grpo_ref(scores: list[float], ids: list[int], norm: bool, eps: float = 1e-6) -> list[float]:
+    groups = _groups_ref(scores, ids)
+    out = []
+    for s, g in zip(scores, ids, strict=True):
+        # verl: a group of one has mean 0 and std 1.
+        mean, std = (
+            (0.0, 1.0) if len(groups[g]) == 1 else (statistics.fmean(groups[g]), statistics.stdev(groups[g]))
+        )
+        out.append((s - mean) / (std + eps) if norm else s - mean)
+    return out
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_grpo_non_consecutive_groups_and_group_of_one(norm: bool):
+    advantages_BT, returns_BT = compute_advantages("grpo", _outcome(SCORES, LENGTHS, IDS, norm_by_std=norm))
+    expected = _broadcast_ref(_grpo_ref(SCORES, IDS, norm), LENGTHS, 4)
+    torch.testing.assert_close(advantages_BT, expected)
+    torch.testing.assert_close(returns_BT, expected)
+    # The group of one (position 3) keeps its raw reward 0.7, / (1 + eps) when normalising.
+    assert advantages_BT[3, 0].item() == pytest.approx(0.7 / (1 + 1e-6) if norm else 0.7)
+
+
+def test_grpo_by_hand():
+    # Group 0: [1, 0, 0, 1], mean 0.5, unbiased std 1/sqrt(3); group 1: [1, 1], std 0 -> advantage
+    # 0 / (0 + eps) = 0 (the eps is what keeps an all-equal group from 0/0).
+    inputs = _outcome([1.0, 1.0, 0.0, 1.0, 0.0, 1.0], [1, 1, 1, 1, 1, 1], [0, 1, 0, 1, 0, 0], T=1)
+    s = math.sqrt(3) / 2
+    advantages_BT, _ = compute_advantages("grpo", inputs)
+    torch.testing.assert_close(
+        advantages_BT[:, 0], torch.tensor([s, 0.0, -s, 0.0, -s, s]), atol=1e-5, rtol=1e-5
+    )
+
+
+def test_grpo_advantages_wrapper_matches_registry_and_allows_group_of_one():
+    rewards_B = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0])
+    inputs = AdvantageInputs(
+        token_rewards_BT=rewards_B.unsqueeze(1),
+        response_mask_BT=torch.ones(8, 1, dtype=torch.bool),
+        group_ids_B=torch.arange(8) // 4,
+    )
+    torch.testing.assert_close(grpo_advantages(rewards_B, 4), compute_advantages("grpo", inputs)[0][:, 0])
+    # group_size 1: no error; each sample is its own group, mean 0 and std 1, as verl.
+    torch.testing.assert_close(grpo_advantages(rewards_B, 1), rewards_B / (1 + 1e-6))
+    torch.testing.assert_close(grpo_advantages(rewards_B, 1, norm_by_std=False), rewards_B)
+    with pytest.raises(ValueError, match="group_size must be >= 1"):
+        grpo_advantages(rewards_B, 0)
+
+
+# ---------------------------------------------------------------------------------------------- rloo
+
+
+def test_rloo_leave_one_out_and_group_of_one():
+    advantages_BT, returns_BT = compute_advantages("rloo", _outcome(SCORES, LENGTHS, IDS))
+    ref = []
+    for i, (s, g) in enumerate(zip(SCORES, IDS, strict=True)):
+        others = [SCORES[j] for j in range(len(SCORES)) if IDS[j] == g and j != i]
+        ref.append(s - statistics.fmean(others) if others else s)  # a group of one: raw reward (verl)
+    torch.testing.assert_close(advantages_BT, _broadcast_ref(ref, LENGTHS, 4))
+    torch.testing.assert_close(returns_BT, advantages_BT)
+    # By hand: group 7 = [1, 0, 0.25] -> 1 - 0.125, 0 - 0.625, 0.25 - 0.5.
+    torch.testing.assert_close(advantages_BT[[0, 2, 5], 0], torch.tensor([0.875, -0.625, -0.25]))
+
+
+# ---------------------------------------------------------------------------------------------- reinforce++
+
+
+def test_reinforce_plus_plus_discounted_returns_reset_at_mask_then_whitened():
+    gamma = 0.5
+    rewards = [[0.1, 0.2, 0.3, 1.0, 0.0], [0.0, -0.1, 9.0, 0.4, 2.0], [0.5, 0.0, 0.0, 0.0, 0.0]]
+    # Row 1 has a masked hole at t=2 (e.g. tool output): the return restarts there, its 9.0 is ignored.
+    mask = [[1, 1, 1, 1, 0], [1, 1, 0, 1, 1], [1, 0, 0, 0, 0]]
+    mask_b = [[bool(v) for v in row] for row in mask]
+    ref_returns = []
+    for row, m in zip(rewards, mask_b, strict=True):
+        out, running = [0.0] * len(row), 0.0
+        for t in reversed(range(len(row))):
+            running = row[t] + gamma * running if m[t] else 0.0
+            out[t] = running
+        ref_returns.append(out)
+    # Hand check of the recursion: row 0 t=0: 0.1 + 0.5 * (0.2 + 0.5 * (0.3 + 0.5 * 1.0)) = 0.4.
+    assert ref_returns[0][0] == pytest.approx(0.4)
+    assert ref_returns[1][:2] == pytest.approx([-0.05, -0.1]) and ref_returns[1][3] == pytest.approx(1.4)
+    inputs = AdvantageInputs(torch.tensor(rewards), torch.tensor(mask), torch.tensor([0, 0, 1]), gamma=gamma)
+    advantages_BT, returns_BT = compute_advantages("reinforce_plus_plus", inputs)
+    torch.testing.assert_close(returns_BT, torch.tensor(ref_returns))
+    torch.testing.assert_close(advantages_BT, _whiten_ref(ref_returns, mask_b))
+    valid_BT = torch.tensor(mask_b)
+    assert advantages_BT[valid_BT].mean().abs() < 1e-6
+    assert advantages_BT[valid_BT].std().item() == pytest.approx(1.0, abs=1e-4)
+
+
+def test_reinforce_plus_plus_baseline_group_mean_then_token_whitening():
+    advantages_BT, returns_BT = compute_advantages(
+        "reinforce_plus_plus_baseline", _outcome(SCORES, LENGTHS, IDS)
+    )
+    groups = _groups_ref(SCORES, IDS)
+    centered = [
+        s - (statistics.fmean(groups[g]) if len(groups[g]) > 1 else 0.0)
+        for s, g in zip(SCORES, IDS, strict=True)
+    ]
+    rows = [[c] * 4 for c in centered]
+    mask = [[t < n for t in range(4)] for n in LENGTHS]
+    torch.testing.assert_close(advantages_BT, _whiten_ref(rows, mask))
+    torch.testing.assert_close(returns_BT, advantages_BT)
+
+
+# ---------------------------------------------------------------------------------------------- remax
+
+
+def test_remax_subtracts_greedy_baseline_from_reward_to_go():
+    rewards = [[0.1, 0.2, 1.0, 0.0], [0.0, 0.5, 0.0, 0.0]]
+    mask = [[1, 1, 1, 0], [1, 1, 0, 0]]
+    inputs = AdvantageInputs(
+        torch.tensor(rewards),
+        torch.tensor(mask),
+        torch.tensor([0, 1]),
+        baseline_B=torch.tensor([0.4, 1.0]),
+        gamma=0.5,  # ignored: ReMax's return is undiscounted in verl
+    )
+    advantages_BT, returns_BT = compute_advantages("remax", inputs)
+    torch.testing.assert_close(returns_BT, torch.tensor([[1.3, 1.2, 1.0, 0.0], [0.5, 0.5, 0.0, 0.0]]))
+    torch.testing.assert_close(advantages_BT, torch.tensor([[0.9, 0.8, 0.6, 0.0], [-0.5, -0.5, 0.0, 0.0]]))
+
+
+# ---------------------------------------------------------------------------------------------- opo
+
+
+def test_opo_length_weighted_baseline():
+    advantages_BT, returns_BT = compute_advantages("opo", _outcome(SCORES, LENGTHS, IDS))
+    ref = []
+    for s, g in zip(SCORES, IDS, strict=True):
+        members = [(SCORES[j], LENGTHS[j]) for j in range(len(SCORES)) if IDS[j] == g]
+        b = sum(n * r for r, n in members) / sum(n for _, n in members) if len(members) > 1 else 0.0
+        ref.append(s - b)
+    torch.testing.assert_close(advantages_BT, _broadcast_ref(ref, LENGTHS, 4))
+    torch.testing.assert_close(returns_BT, advantages_BT)
+    # By hand: group 3 = scores [0.5, -0.5], lengths [2, 4]: b = (1 - 2) / 6 = -1/6.
+    torch.testing.assert_close(advantages_BT[[1, 4], 0], torch.tensor([0.5 + 1 / 6, -0.5 + 1 / 6]))
+    assert advantages_BT[3, 0].item() == pytest.approx(0.7)  # group of one: baseline 0
+
+
+# ---------------------------------------------------------------------------------------------- grpo_passk
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_grpo_passk_only_best_sample_gets_advantage(norm: bool):
+    scores = [0.2, 1.0, 0.9, 0.5, 0.3, 0.3]
+    ids = [5, 2, 5, 5, 2, 2]
+    inputs = _outcome(scores, [4, 3, 2, 1, 4, 2], ids, norm_by_std=norm)
+    advantages_BT, returns_BT = compute_advantages("grpo_passk", inputs)
+    gap5, gap2 = 0.9 - 0.5, 1.0 - 0.3
+    if norm:
+        gap5 /= statistics.stdev([0.2, 0.9, 0.5]) + 1e-6
+        gap2 /= statistics.stdev([1.0, 0.3, 0.3]) + 1e-6
+    expected = _broadcast_ref([0.0, gap2, gap5, 0.0, 0.0, 0.0], [4, 3, 2, 1, 4, 2], 4)
+    torch.testing.assert_close(advantages_BT, expected)
+    torch.testing.assert_close(returns_BT, expected)
+
+
+def test_grpo_passk_tie_for_best_gives_zero_and_group_of_one_raises():
+    advantages_BT, _ = compute_advantages("grpo_passk", _outcome([1.0, 0.0, 1.0], [2, 2, 2], [0, 0, 0]))
+    assert (advantages_BT == 0).all()
+    with pytest.raises(ValueError, match="at least 2 samples per group"):
+        compute_advantages("grpo_passk", _outcome(SCORES, LENGTHS, IDS))
+
+
+# ---------------------------------------------------------------------------------------------- gpg
+
+
+def test_gpg_scales_by_batch_over_nonzero_rewards():
+    scores = [1.0, 0.0, 0.0, 0.0, 2.0, 0.0]
+    ids = [0, 0, 1, 1, 1, 2]
+    advantages_BT, returns_BT = compute_advantages("gpg", _outcome(scores, [1] * 6, ids, T=1))
+    alpha = 6 / 2  # 6 samples, 2 with a non-zero reward
+    # Group means: 0.5, 2/3, and the group of one has mean 0; no std division.
+    expected = [alpha * v for v in [0.5, -0.5, -2 / 3, -2 / 3, 4 / 3, 0.0]]
+    torch.testing.assert_close(advantages_BT[:, 0], torch.tensor(expected))
+    torch.testing.assert_close(returns_BT, advantages_BT)
+    # All rewards zero: alpha = B / max(0, 1), advantages 0.
+    zero_BT, _ = compute_advantages("gpg", _outcome([0.0, 0.0], [1, 1], [0, 0], T=1))
+    assert (zero_BT == 0).all()
+
+
+# ---------------------------------------------------------------------------------------------- gae
+
+
+def test_gae_hand_unrolled_one_sequence():
+    gamma, lam = 0.9, 0.8
+    r, v = [0.0, 0.1, 1.0], [0.5, 0.4, 0.6]
+    # Hand-unrolled: the value after the last token is 0.
+    d2 = r[2] - v[2]
+    d1 = r[1] + gamma * v[2] - v[1]
+    d0 = r[0] + gamma * v[1] - v[0]
+    a2 = d2
+    a1 = d1 + gamma * lam * a2
+    a0 = d0 + gamma * lam * a1
+    raw = [a0, a1, a2]
+    # A second row so the batch-wide whitening has something to mix.
+    r2, v2 = [0.0, -1.0, 0.0], [0.2, 0.3, 0.0]
+    b1 = r2[1] - v2[1]
+    b0 = r2[0] + gamma * v2[1] - v2[0] + gamma * lam * b1
+    inputs = AdvantageInputs(
+        token_rewards_BT=torch.tensor([r, r2]),
+        response_mask_BT=torch.tensor([[1, 1, 1], [1, 1, 0]]),
+        group_ids_B=torch.tensor([0, 1]),
+        values_BT=torch.tensor([v, v2]),
+        gamma=gamma,
+        lam=lam,
+    )
+    advantages_BT, returns_BT = compute_advantages("gae", inputs)
+    mask = [[True] * 3, [True, True, False]]
+    torch.testing.assert_close(
+        returns_BT,
+        torch.tensor([[a + x for a, x in zip(raw, v, strict=True)], [b0 + v2[0], b1 + v2[1], 0.0]]),
+    )
+    torch.testing.assert_close(advantages_BT, _whiten_ref([raw, [b0, b1, 0.0]], mask))
+
+
+def test_gae_skips_masked_positions_inside_a_response():
+    # A loop-based reference over each row's valid positions only (masked ones, e.g. tool output,
+    # are skipped: their reward and value do not enter the recursion).
+    gamma, lam = 0.95, 0.7
+    rewards = [[0.1, 5.0, 0.2, 0.0, 1.0], [0.3, 0.0, 0.0, -0.5, 7.0]]
+    values = [[0.4, 9.0, 0.1, 0.3, 0.2], [0.6, 0.5, 0.1, 0.2, 9.0]]
+    mask = [[1, 0, 1, 1, 1], [1, 1, 1, 1, 0]]
+    raw = []
+    for row_r, row_v, row_m in zip(rewards, values, mask, strict=True):
+        valid = [t for t in range(5) if row_m[t]]
+        out, next_value, next_adv = [0.0] * 5, 0.0, 0.0
+        for t in reversed(valid):
+            next_adv = row_r[t] + gamma * next_value - row_v[t] + gamma * lam * next_adv
+            next_value = row_v[t]
+            out[t] = next_adv
+        raw.append(out)
+    inputs = AdvantageInputs(
+        torch.tensor(rewards),
+        torch.tensor(mask),
+        torch.tensor([0, 0]),
+        values_BT=torch.tensor(values),
+        gamma=gamma,
+        lam=lam,
+    )
+    advantages_BT, returns_BT = compute_advantages("gae", inputs)
+    mask_b = [[bool(x) for x in row] for row in mask]
+    expected_returns = [
+        [a + v if m else 0.0 for a, v, m in zip(ra, rv, rm, strict=True)]
+        for ra, rv, rm in zip(raw, values, mask_b, strict=True)
+    ]
+    torch.testing.assert_close(returns_BT, torch.tensor(expected_returns))
+    torch.testing.assert_close(advantages_BT, _whiten_ref(raw, mask_b))
+
+
+def test_gae_with_gamma_lam_one_is_reward_to_go_minus_value():
+    # gamma = lam = 1: A_t = sum_{s >= t} r_s - V_t, so returns = reward-to-go.
+    inputs = AdvantageInputs(
+        token_rewards_BT=torch.tensor([[0.0, 0.0, 1.0], [0.0, 2.0, 0.0]]),
+        response_mask_BT=torch.tensor([[1, 1, 1], [1, 1, 0]]),
+        group_ids_B=torch.tensor([0, 1]),
+        values_BT=torch.tensor([[0.3, 0.2, 0.1], [0.5, 0.4, 0.0]]),
+    )
+    _, returns_BT = compute_advantages("gae", inputs)
+    torch.testing.assert_close(returns_BT, torch.tensor([[1.0, 1.0, 1.0], [2.0, 2.0, 0.0]]))
+
+
+def test_whitening_needs_two_valid_tokens():
+    inputs = AdvantageInputs(torch.ones(1, 2), torch.tensor([[1, 0]]), torch.tensor([0]))
+    with pytest.raises(ValueError, match="at least 2 valid tokens"):
+        compute_advantages("reinforce_plus_plus", inputs)

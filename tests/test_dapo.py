@@ -1,0 +1,246 @@
+"""DAPO's dynamic sampling and overlong shaping against hand-computed values and verl's rules
+(``recipe/dapo/dapo_ray_trainer.py``, ``verl/workers/reward_manager/dapo.py``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from spmdrl.algos.dapo import (
+    count_groups,
+    dynamic_sampling_metrics,
+    first_groups_mask,
+    groups_with_signal,
+    num_groups_to_take,
+    overlong_metrics,
+    overlong_penalty,
+    should_generate_more,
+)
+
+
+def _ids(xs: list[int]) -> torch.Tensor:
+    return torch.tensor(xs, dtype=torch.long)
+
+
+def _verl_keep(values: list[float], ids: list[int]) -> list[bool]:
+    """verl's rule, written out: keep a uid iff np.std of its values > 0 or it has one sample."""
+    by_uid: dict[int, list[float]] = {}
+    for uid, v in zip(ids, values, strict=True):
+        by_uid.setdefault(uid, []).append(v)
+    kept = {u for u, vs in by_uid.items() if np.std(vs) > 0 or len(vs) == 1}
+    return [u in kept for u in ids]
+
+
+# ---------------------------------------------------------------------------------------------- the filter
+
+
+def test_all_equal_groups_are_dropped_mixed_kept():
+    # group 0 all right, group 1 all wrong, group 2 mixed
+    acc = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0])
+    ids = _ids([0, 0, 0, 1, 1, 1, 2, 2, 2])
+    keep = groups_with_signal(acc, ids)
+    assert keep.dtype == torch.bool
+    assert keep.tolist() == [False] * 6 + [True] * 3
+    assert count_groups(keep, ids) == (1, 2)
+
+
+def test_groups_of_one_are_kept_as_verl():
+    values = torch.tensor([0.0, 1.0, 1.0, 1.0])
+    ids = _ids([5, 7, 8, 8])  # 5 and 7 alone; 8 all equal
+    assert groups_with_signal(values, ids).tolist() == [True, True, False, False]
+    assert _verl_keep(values.tolist(), ids.tolist()) == [True, True, False, False]
+
+
+def test_non_consecutive_ids_and_interleaved_groups():
+    # groups interleaved (not contiguous), ids neither consecutive nor sorted, sizes 3 and 2
+    values = torch.tensor([0.5, 2.0, 0.5, 2.0, 0.25])
+    ids = _ids([42, -3, 42, -3, 42])
+    assert groups_with_signal(values, ids).tolist() == [True, False, True, False, True]
+    assert count_groups(groups_with_signal(values, ids), ids) == (1, 1)
+
+
+def test_tiny_float_differences_are_signal():
+    one_up32 = float(np.nextafter(np.float32(1.0), np.float32(2.0)))  # 1 + 2^-23
+    v32 = torch.tensor([1.0, one_up32, 1.0, 1.0, 1e-30, 0.0], dtype=torch.float32)
+    ids = _ids([0, 0, 1, 1, 2, 2])
+    assert groups_with_signal(v32, ids).tolist() == [True, True, False, False, True, True]
+    # float64 with a one-ulp difference, kept; verl agrees (np.std > 0)
+    v64 = torch.tensor([0.1, 0.1 + 2**-56, 0.3, 0.3], dtype=torch.float64)
+    ids64 = _ids([0, 0, 1, 1])
+    assert groups_with_signal(v64, ids64).tolist() == _verl_keep(v64.tolist(), ids64.tolist())
+    assert groups_with_signal(v64, ids64).tolist() == [True, True, False, False]
+
+
+def test_bool_int_and_nonfinite_metrics():
+    ids = _ids([0, 0, 1, 1])
+    assert groups_with_signal(torch.tensor([True, False, True, True]), ids).tolist() == [
+        True,
+        True,
+        False,
+        False,
+    ]
+    assert groups_with_signal(torch.tensor([3, 4, 2, 2]), ids).tolist() == [True, True, False, False]
+    # a NaN or an infinity in a group of >= 2 drops it (verl: std is NaN, NaN > 0 is false); alone, kept
+    nan, inf = float("nan"), float("inf")
+    values = torch.tensor([nan, 1.0, inf, 0.0, nan, inf])
+    ids6 = _ids([0, 0, 1, 1, 2, 3])
+    with np.errstate(invalid="ignore"):
+        expected = _verl_keep(values.tolist(), ids6.tolist())
+    assert expected == [False, False, False, False, True, True]
+    assert groups_with_signal(values, ids6).tolist() == expected
+
+
+def test_matches_verl_rule_on_random_batches():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        B = int(torch.randint(1, 40, (1,), generator=g))
+        ids = torch.randint(0, 8, (B,), generator=g)
+        values = torch.randint(0, 3, (B,), generator=g).double() / 2
+        assert groups_with_signal(values, ids).tolist() == _verl_keep(values.tolist(), ids.tolist())
+
+
+def test_filter_checks_shapes():
+    with pytest.raises(ValueError, match="differ"):
+        groups_with_signal(torch.zeros(3), _ids([0, 0]))
+    with pytest.raises(ValueError, match="integer"):
+        groups_with_signal(torch.zeros(2), torch.zeros(2))
+    assert groups_with_signal(torch.zeros(0), _ids([])).tolist() == []
+
+
+# ---------------------------------------------------------------------------------------------- filling the batch
+
+
+def test_enough_after_one_batch():
+    assert should_generate_more(8, 8, num_gen_batches=1, max_num_gen_batches=10) is False
+    assert should_generate_more(11, 8, num_gen_batches=1, max_num_gen_batches=1) is False
+
+
+def test_needs_a_second_batch():
+    assert should_generate_more(5, 8, num_gen_batches=1, max_num_gen_batches=10) is True
+    assert should_generate_more(9, 8, num_gen_batches=2, max_num_gen_batches=10) is False
+
+
+def test_no_limit_when_max_is_non_positive():
+    assert should_generate_more(0, 8, num_gen_batches=1000, max_num_gen_batches=0) is True
+    assert should_generate_more(0, 8, num_gen_batches=1000, max_num_gen_batches=-1) is True
+
+
+def test_exceeding_the_limit_raises_naming_the_option():
+    # verl: short after the max_num_gen_batches-th batch is an error (num_gen_batches >= max)
+    assert should_generate_more(3, 8, num_gen_batches=2, max_num_gen_batches=3) is True
+    with pytest.raises(ValueError) as err:
+        should_generate_more(3, 8, num_gen_batches=3, max_num_gen_batches=3)
+    msg = str(err.value)
+    assert "algorithm.filter_groups.max_num_gen_batches=3" in msg
+    assert "0 = no limit" in msg and "trainer.global_batch_size" in msg
+    assert "3 groups" in msg and "8 prompts" in msg
+
+
+def test_more_than_needed_takes_the_first_groups_single_rank():
+    # target 3, 1 kept from batch 1; batch 2 keeps 20, 40, 60 (30, 50 all equal): take 20 and 40 only
+    values = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0])
+    ids = _ids([20, 20, 30, 30, 40, 40, 50, 50, 60, 60])
+    keep = groups_with_signal(values, ids)
+    kept, dropped = count_groups(keep, ids)
+    assert (kept, dropped) == (3, 2)
+    assert should_generate_more(1 + kept, 3, num_gen_batches=2, max_num_gen_batches=0) is False
+    take = num_groups_to_take(kept_before=1, kept_per_rank=[kept], rank=0, target_groups=3)
+    assert take == 2
+    assert first_groups_mask(keep, ids, take).tolist() == [True, True, False, False, True, True] + [False] * 4
+
+
+def test_first_groups_follow_batch_order_not_id_order():
+    keep = torch.tensor([True, True, True, True, False, True])
+    ids = _ids([9, 9, 1, 1, 5, 3])  # first appearances: 9, 1, 5 (dropped), 3
+    assert first_groups_mask(keep, ids, 2).tolist() == [True, True, True, True, False, False]
+    assert first_groups_mask(keep, ids, 0).tolist() == [False] * 6
+    assert first_groups_mask(keep, ids, 3).tolist() == keep.tolist()
+    with pytest.raises(ValueError, match="num_groups"):
+        first_groups_mask(keep, ids, 4)
+    with pytest.raises(ValueError, match="whole groups"):
+        first_groups_mask(torch.tensor([True, False]), _ids([0, 0]), 1)
+
+
+def test_take_across_ranks_sums_to_the_target_in_rank_order():
+    # 2 kept before; latest batch kept 3, 0, 4, 2 on ranks 0..3; target 8 -> need 6: 3, 0, 3, 0
+    per_rank = [3, 0, 4, 2]
+    takes = [num_groups_to_take(2, per_rank, r, 8) for r in range(4)]
+    assert takes == [3, 0, 3, 0]
+    assert sum(takes) == 8 - 2
+    # exactly enough: everyone takes all
+    assert [num_groups_to_take(0, [2, 2], r, 4) for r in range(2)] == [2, 2]
+
+
+def test_take_rejects_calls_outside_the_last_batch():
+    with pytest.raises(ValueError, match="should_generate_more"):
+        num_groups_to_take(0, [1, 1], 0, 4)  # still short: generate more first
+    with pytest.raises(ValueError, match="should_generate_more"):
+        num_groups_to_take(4, [1, 1], 0, 4)  # already enough before this batch
+    with pytest.raises(ValueError, match="rank"):
+        num_groups_to_take(0, [4], 1, 4)
+
+
+def test_metrics_names():
+    m = dynamic_sampling_metrics(num_gen_batches=3, num_kept_groups=10, num_dropped_groups=30)
+    assert m == {
+        "num_gen_batches": 3.0,
+        "num_kept_groups": 10.0,
+        "num_dropped_groups": 30.0,
+        "kept_group_fraction": 0.25,
+    }
+
+
+# ---------------------------------------------------------------------------------------------- overlong shaping
+
+
+def test_overlong_penalty_hand_values():
+    # L_max 20, buffer 8: free up to 12, -p at 20
+    lengths = torch.tensor([0, 5, 12, 16, 18, 20])
+    pen = overlong_penalty(lengths, max_response_length=20, buffer_len=8, penalty_factor=1.0)
+    assert pen.dtype == torch.float32
+    torch.testing.assert_close(pen, torch.tensor([0.0, 0.0, 0.0, -0.5, -0.75, -1.0]))
+    pen2 = overlong_penalty(lengths, max_response_length=20, buffer_len=8, penalty_factor=0.5)
+    torch.testing.assert_close(pen2, torch.tensor([0.0, 0.0, 0.0, -0.25, -0.375, -0.5]))
+
+
+def test_overlong_penalty_dapo_paper_setting():
+    # DAPO: 16384 + 4096 tokens, factor 1: midpoint of the buffer -1/2, at the max -1
+    lengths = torch.tensor([16384, 16384 + 2048, 20480])
+    pen = overlong_penalty(lengths, 20480, 4096, 1.0)
+    torch.testing.assert_close(pen, torch.tensor([0.0, -0.5, -1.0]))
+
+
+def test_overlong_beyond_max_is_not_clamped_as_verl():
+    # verl's only clamp is min(., 0): 4 tokens past the max with an 8-token buffer -> -1.5 p
+    pen = overlong_penalty(torch.tensor([24]), 20, 8, 2.0)
+    torch.testing.assert_close(pen, torch.tensor([-3.0]))
+
+
+def test_overlong_matches_verl_formula_per_sample():
+    max_len, buf, factor = 100, 30, 0.7
+    lengths = torch.arange(0, 101)
+    pen = overlong_penalty(lengths, max_len, buf, factor)
+    for L in range(101):
+        # verl: exceed = L - (max - buf); min(-exceed / buf * factor, 0), with L a 0-dim long tensor
+        exceed = torch.tensor(L) - (max_len - buf)
+        ref = min(-exceed / buf * factor, 0)
+        assert float(pen[L]) == float(ref)
+
+
+def test_overlong_checks_options():
+    with pytest.raises(ValueError, match="overlong_buffer.len"):
+        overlong_penalty(torch.tensor([1]), 20, 0, 1.0)
+    with pytest.raises(ValueError, match="overlong_buffer.len"):
+        overlong_penalty(torch.tensor([1]), 20, 21, 1.0)
+    with pytest.raises(ValueError, match="penalty_factor"):
+        overlong_penalty(torch.tensor([1]), 20, 8, -1.0)
+    with pytest.raises(ValueError, match="1-D"):
+        overlong_penalty(torch.tensor([[1]]), 20, 8, 1.0)
+
+
+def test_overlong_metrics():
+    m = overlong_metrics(torch.tensor([0.0, -0.5, -1.0, 0.0]))
+    assert float(m["overlong_reward"]) == pytest.approx(-0.375)
+    assert float(m["overlong"]) == pytest.approx(0.5)
+    assert float(overlong_metrics(torch.zeros(0))["overlong"]) == 0.0

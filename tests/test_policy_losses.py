@@ -1,0 +1,516 @@
+"""Policy losses, KL estimators and controllers, rollout correction: against values computed by hand or by
+loop-based references written from the papers' / verl's formulas (not from the implementation)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from spmdrl.algos.aggregation import Aggregation
+from spmdrl.algos.correction import rollout_correction, rollout_is_weights, rollout_rejection_mask
+from spmdrl.algos.kl import KINDS, kl_penalty
+from spmdrl.algos.kl_control import (
+    AdaptiveKLController,
+    FixedKLController,
+    apply_kl_penalty,
+    build_kl_controller,
+)
+from spmdrl.algos.policy_losses import (
+    POLICY_LOSSES,
+    PolicyLossParams,
+    agg_mode_for,
+    policy_loss,
+)
+
+PARAMS = PolicyLossParams(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0)
+
+
+def _logprobs(ratios_BT: torch.Tensor, base: float = 0.3) -> tuple[torch.Tensor, torch.Tensor]:
+    """(new, old) log-probabilities with new / old = ratios_BT; new requires grad."""
+    old_BT = torch.full(ratios_BT.shape, math.log(base))
+    new_BT = (old_BT + ratios_BT.log()).requires_grad_()
+    return new_BT, old_BT
+
+
+def _token_mean(mask_BT: torch.Tensor) -> Aggregation:
+    return Aggregation.local("token-mean", mask_BT)
+
+
+# ---------------------------------------------------------------------------------------------- registry
+
+
+def test_registry_has_verl_names_and_lists_them_on_error():
+    assert set(POLICY_LOSSES) == {"vanilla", "gspo", "cispo", "gpg", "clip_cov", "kl_cov", "geo_mean", "sapo"}
+    assert policy_loss("gspo") is POLICY_LOSSES["gspo"]
+    with pytest.raises(ValueError, match="unknown policy loss 'ppo'.*vanilla, gspo"):
+        policy_loss("ppo")
+    # verl reduces gspo / sapo / geo_mean with seq-mean-token-mean whatever loss_agg_mode says.
+    assert agg_mode_for("gspo", "token-mean") == "seq-mean-token-mean"
+    assert agg_mode_for("geo_mean", "token-mean") == "seq-mean-token-mean"
+    assert agg_mode_for("vanilla", "seq-mean-token-sum") == "seq-mean-token-sum"
+
+
+def test_params_validation():
+    with pytest.raises(ValueError, match="clip_ratio_c"):
+        PolicyLossParams(clip_ratio_c=1.0)
+    with pytest.raises(ValueError, match="tau_pos"):
+        PolicyLossParams(tau_neg=0.0)
+    assert PolicyLossParams().ppo_kl_coef == 0.1  # verl's actor.yaml default
+
+
+@pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
+def test_every_loss_ignores_masked_nan_and_takes_per_sequence_advantages(name):
+    torch.manual_seed(0)
+    new_BT, old_BT = _logprobs(torch.tensor([[1.1, 0.9, 1.0], [1.2, 0.7, 1.0]]))
+    mask_BT = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    adv_B = torch.tensor([1.0, -0.5])
+    agg = Aggregation.local("seq-mean-token-mean", mask_BT)
+    fn = policy_loss(name)
+    out = fn(new_BT, old_BT, adv_B, mask_BT, agg=agg, params=PARAMS)
+    poisoned_BT = torch.where(mask_BT.bool(), new_BT, torch.nan)
+    torch.manual_seed(0)
+    same = fn(poisoned_BT, old_BT, adv_B[:, None].expand(2, 3), mask_BT, agg=agg, params=PARAMS)
+    torch.testing.assert_close(out.loss, same.loss)
+    (grad_BT,) = torch.autograd.grad(same.loss, new_BT)
+    assert torch.isfinite(grad_BT).all() and grad_BT[0, 2] == 0
+    assert all(torch.isfinite(v) and not v.requires_grad for v in out.metrics.values())
+
+
+# ---------------------------------------------------------------------------------------------- vanilla
+
+
+def _vanilla_example():
+    # Row 0: A = +1; row 1: A = -1, its last token with r = 4 > clip_ratio_c = 3.
+    ratios_BT = torch.tensor([[1.5, 1.0, 0.5], [0.5, 1.1, 4.0]])
+    new_BT, old_BT = _logprobs(ratios_BT)
+    return ratios_BT, new_BT, old_BT, torch.ones(2, 3), torch.tensor([[1.0] * 3, [-1.0] * 3])
+
+
+def test_vanilla_dual_clip_active_by_hand():
+    ratios_BT, new_BT, old_BT, mask_BT, adv_BT = _vanilla_example()
+    out = policy_loss("vanilla")(new_BT, old_BT, adv_BT, mask_BT, agg=_token_mean(mask_BT), params=PARAMS)
+    # max(-A r, -A clip(r, 0.8, 1.28)); for A < 0 then min(., -A * 3):
+    #   A=+1: r=1.5 -> -1.28 (clipped high), r=1 -> -1, r=0.5 -> max(-0.5, -0.8) = -0.5
+    #   A=-1: r=0.5 -> max(0.5, 0.8) = 0.8 (clipped low), r=1.1 -> 1.1, r=4 -> min(max(4, 1.28), 3) = 3 (dual)
+    assert out.loss.item() == pytest.approx((-1.28 - 1.0 - 0.5 + 0.8 + 1.1 + 3.0) / 6)
+    assert out.metrics["pg_clipfrac"].item() == pytest.approx(2 / 6)
+    assert out.metrics["pg_clipfrac_lower"].item() == pytest.approx(1 / 6)
+    assert out.metrics["ppo_kl"].item() == pytest.approx(-sum(math.log(r) for r in ratios_BT.flatten()) / 6)
+    out.loss.backward()
+    # d(-A r)/d logp = -A r where the unclipped term is used; 0 where clipped or dual-clipped.
+    torch.testing.assert_close(new_BT.grad, torch.tensor([[0.0, -1.0, -0.5], [0.0, 1.1, 0.0]]) / 6)
+
+
+def test_vanilla_dual_clip_inactive_when_c_is_large():
+    _, new_BT, old_BT, mask_BT, adv_BT = _vanilla_example()
+    params = PolicyLossParams(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=5.0)
+    out = policy_loss("vanilla")(new_BT, old_BT, adv_BT, mask_BT, agg=_token_mean(mask_BT), params=params)
+    assert out.loss.item() == pytest.approx((-1.28 - 1.0 - 0.5 + 0.8 + 1.1 + 4.0) / 6)
+    assert out.metrics["pg_clipfrac_lower"].item() == 0.0
+    out.loss.backward()
+    assert new_BT.grad[1, 2].item() == pytest.approx(4.0 / 6)  # the ratio's gradient is back
+
+
+def test_vanilla_is_weights_and_aggregation():
+    _, new_BT, old_BT, mask_BT, adv_BT = _vanilla_example()
+    weights_BT = torch.tensor([[2.0] * 3, [0.5] * 3], requires_grad=True)
+    agg = Aggregation.local("seq-mean-token-sum", mask_BT)
+    out = policy_loss("vanilla")(
+        new_BT, old_BT, adv_BT, mask_BT, agg=agg, params=PARAMS, is_weights_BT=weights_BT
+    )
+    assert out.loss.item() == pytest.approx((2 * (-1.28 - 1.0 - 0.5) + 0.5 * (0.8 + 1.1 + 3.0)) / 2)
+    out.loss.backward()
+    assert weights_BT.grad is None
+
+
+# ---------------------------------------------------------------------------------------------- gspo
+
+
+def test_gspo_sequence_ratio_and_gradient():
+    log_ratio_BT = torch.tensor([[0.1, 0.3, -0.1], [0.5, 0.4, 9.0]])  # row 1's last token masked
+    old_BT = torch.full((2, 3), -1.0)
+    new_BT = (old_BT + log_ratio_BT).requires_grad_()
+    mask_BT = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    adv_B = torch.tensor([2.0, 1.0])
+    agg = Aggregation.local("seq-mean-token-mean", mask_BT)
+    out = policy_loss("gspo")(new_BT, old_BT, adv_B, mask_BT, agg=agg, params=PARAMS)
+    # Sequence ratios: exp(mean log r) = exp(0.1) (inside [0.8, 1.28]) and exp(0.45) = 1.568 (clipped).
+    s0, s1 = math.exp(0.1), math.exp(0.45)
+    seq_losses = [-2.0 * s0, max(-1.0 * s1, -1.0 * 1.28)]
+    assert out.loss.item() == pytest.approx(sum(seq_losses) / 2)
+    # All of a sequence's tokens share one clipping decision.
+    assert out.metrics["pg_clipfrac"].item() == pytest.approx(2 / 5)
+    assert out.metrics["pg_clipfrac_lower"].item() == 0.0
+    assert out.metrics["ppo_kl"].item() == pytest.approx(-(0.1 + 0.3 - 0.1 + 0.5 + 0.4) / 5)
+    out.loss.backward()
+    # Token t of an unclipped sequence: d/dlogp_t of -A s_i (with s_i's value, the token's own gradient)
+    # = -A s_i, averaged over the sequence's 3 tokens and 2 sequences. Equal for all three tokens,
+    # although their token ratios differ (vanilla PPO would weight them by exp(log r_t)).
+    expected = torch.tensor([[-2.0 * s0 / 3 / 2] * 3, [0.0, 0.0, 0.0]])
+    torch.testing.assert_close(new_BT.grad, expected)
+
+
+# ---------------------------------------------------------------------------------------------- cispo
+
+
+def test_cispo_clipped_weight_with_stop_gradient():
+    ratios_BT = torch.tensor([[1.5, 1.0, 0.5]])
+    new_BT, old_BT = _logprobs(ratios_BT)
+    mask_BT = torch.ones(1, 3)
+    adv_BT = torch.tensor([[1.0, -1.0, 2.0]])
+    out = policy_loss("cispo")(new_BT, old_BT, adv_BT, mask_BT, agg=_token_mean(mask_BT), params=PARAMS)
+    clipped = [1.28, 1.0, 0.8]
+    logp = new_BT.detach()[0].tolist()
+    expected = sum(-c * a * lp for c, a, lp in zip(clipped, [1.0, -1.0, 2.0], logp, strict=True)) / 3
+    assert out.loss.item() == pytest.approx(expected)
+    assert out.metrics["pg_clipfrac"].item() == pytest.approx(2 / 3)
+    out.loss.backward()
+    # The gradient is -sg(clip(r)) A / N on every token, clipped ones included (unlike PPO).
+    torch.testing.assert_close(new_BT.grad, torch.tensor([[-1.28, 1.0, -1.6]]) / 3)
+
+
+# ---------------------------------------------------------------------------------------------- gpg
+
+
+def test_gpg_is_reinforce():
+    new_BT = torch.tensor([[-0.5, -1.0], [-2.0, -0.1]], requires_grad=True)
+    mask_BT = torch.tensor([[1, 1], [1, 0]])
+    adv_B = torch.tensor([1.0, -3.0])
+    out = policy_loss("gpg")(
+        new_BT, torch.zeros(2, 2), adv_B, mask_BT, agg=_token_mean(mask_BT), params=PARAMS
+    )
+    assert out.loss.item() == pytest.approx((0.5 + 1.0 - 6.0) / 3)
+    assert out.metrics == {}
+    out.loss.backward()
+    torch.testing.assert_close(new_BT.grad, torch.tensor([[-1.0, -1.0], [3.0, 0.0]]) / 3)
+
+
+# ---------------------------------------------------------------------------------------------- clip_cov / kl_cov
+
+
+def _cov_reference(adv_BT, logp_BT, mask_BT):
+    """(A - mean A)(logp - mean logp) over valid tokens, by loops."""
+    cells = [(b, t) for b in range(mask_BT.shape[0]) for t in range(mask_BT.shape[1]) if mask_BT[b, t]]
+    mean_a = sum(float(adv_BT[b, t]) for b, t in cells) / len(cells)
+    mean_l = sum(float(logp_BT[b, t]) for b, t in cells) / len(cells)
+    return {(b, t): (float(adv_BT[b, t]) - mean_a) * (float(logp_BT[b, t]) - mean_l) for b, t in cells}
+
+
+def _cov_example():
+    gen = torch.Generator().manual_seed(0)
+    logp_BT = torch.randn(4, 6, generator=gen) * 2 - 2
+    adv_BT = torch.randn(4, 1, generator=gen).expand(4, 6) * 2
+    mask_BT = (torch.rand(4, 6, generator=gen) > 0.2).long()
+    old_BT = logp_BT + torch.randn(4, 6, generator=gen) * 0.05
+    return logp_BT.clone().requires_grad_(), old_BT, adv_BT.contiguous(), mask_BT
+
+
+def test_clip_cov_drops_the_gradient_of_candidates_only():
+    new_BT, old_BT, adv_BT, mask_BT = _cov_example()
+    cov = _cov_reference(adv_BT, new_BT.detach(), mask_BT)
+    log_r_BT = (new_BT - old_BT).detach()
+    lo, hi = 0.5, 5.0
+    candidates = set()
+    for (b, t), c in cov.items():
+        r = math.exp(float(log_r_BT[b, t]))
+        a = float(adv_BT[b, t])
+        clipped_by_ppo = -a * min(max(r, 0.8), 1.28) > -a * r
+        if lo < c < hi and not clipped_by_ppo:
+            candidates.add((b, t))
+    assert 2 <= len(candidates) < len(cov)  # the example exercises the selection
+
+    # A ratio of 1 draws max(int(1 * valid), 1) >= all candidates: exactly the candidates drop out.
+    params = PolicyLossParams(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_cov_ratio=1.0, clip_cov_lb=lo)
+    out = policy_loss("clip_cov")(new_BT, old_BT, adv_BT, mask_BT, agg=_token_mean(mask_BT), params=params)
+    (grad_BT,) = torch.autograd.grad(out.loss, new_BT)
+    vanilla = policy_loss("vanilla")(
+        new_BT, old_BT, adv_BT, mask_BT, agg=_token_mean(mask_BT), params=PolicyLossParams(0.2, 0.28, 1e9)
+    )
+    (vanilla_grad_BT,) = torch.autograd.grad(vanilla.loss, new_BT)
+    for b, t in cov:
+        expected = 0.0 if (b, t) in candidates else vanilla_grad_BT[b, t].item()
+        assert grad_BT[b, t].item() == pytest.approx(expected, abs=1e-7)
+    assert out.metrics["pg_clipfrac"].item() == pytest.approx(len(candidates) / len(cov))
+
+    # A tiny ratio draws one candidate, at random (global RNG): the same with the same seed.
+    params = PolicyLossParams(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_cov_ratio=1e-4, clip_cov_lb=lo)
+    dropped = []
+    for _ in range(2):
+        torch.manual_seed(123)
+        out = policy_loss("clip_cov")(
+            new_BT, old_BT, adv_BT, mask_BT, agg=_token_mean(mask_BT), params=params
+        )
+        (grad_BT,) = torch.autograd.grad(out.loss, new_BT)
+        zero = {(b, t) for b, t in cov if grad_BT[b, t] == 0 and vanilla_grad_BT[b, t] != 0}
+        assert len(zero) == 1 and zero <= candidates
+        dropped.append(zero)
+    assert dropped[0] == dropped[1]
+
+
+def test_kl_cov_penalizes_the_top_covariance_tokens():
+    new_BT, old_BT, adv_BT, mask_BT = _cov_example()
+    cov = _cov_reference(adv_BT, new_BT.detach(), mask_BT)
+    n_valid = len(cov)
+    params = PolicyLossParams(kl_cov_ratio=0.1, ppo_kl_coef=0.5)
+    k = max(1, int(n_valid * 0.1))
+    top = set(sorted(cov, key=cov.get, reverse=True)[:k])
+    total = 0.0
+    for b, t in cov:
+        log_r = float(new_BT[b, t].detach() - old_BT[b, t])
+        total += -float(adv_BT[b, t]) * math.exp(log_r) + (0.5 * abs(log_r) if (b, t) in top else 0.0)
+    out = policy_loss("kl_cov")(new_BT, old_BT, adv_BT, mask_BT, agg=_token_mean(mask_BT), params=params)
+    assert out.loss.item() == pytest.approx(total / n_valid, rel=1e-5)
+    abs_kl = sum(abs(float(new_BT[b, t].detach() - old_BT[b, t])) for b, t in cov) / n_valid
+    assert out.metrics["ppo_kl"].item() == pytest.approx(abs_kl, rel=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- geo_mean
+
+
+def test_geo_mean_by_loops():
+    log_ratio_BT = torch.tensor([[0.5, -0.5, 0.1, 7.0], [0.5, -0.5, -0.1, 0.0]])  # (0, 3) masked
+    old_BT = torch.full((2, 4), -1.0)
+    new_BT = (old_BT + log_ratio_BT).requires_grad_()
+    mask_BT = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    adv_B = torch.tensor([1.0, -2.0])
+    w_BT = torch.tensor([[1.0, 2.0, 0.5, 9.0], [1.5, 1.5, 1.5, 1.5]])
+    low, high = 0.2, 0.28
+    expected_seq = []
+    for b in range(2):
+        a = float(adv_B[b])
+        terms, log_w = [], []
+        for t in range(4):
+            if not mask_BT[b, t]:
+                continue
+            d = float(log_ratio_BT[b, t])
+            c = min(max(d, -low), high)
+            # The pessimistic side: the smaller log ratio for A > 0, the larger for A < 0.
+            terms.append(min(d, c) if a > 0 else max(d, c))
+            log_w.append(math.log(float(w_BT[b, t]) + 1e-10))
+        rho = math.exp(sum(terms) / len(terms))
+        expected_seq.append(-a * rho * math.exp(sum(log_w) / len(log_w)))
+    agg = Aggregation.local("seq-mean-token-mean", mask_BT)
+    out = policy_loss("geo_mean")(new_BT, old_BT, adv_B, mask_BT, agg=agg, params=PARAMS, is_weights_BT=w_BT)
+    assert out.loss.item() == pytest.approx(sum(expected_seq) / 2)
+    # Clipped tokens: |d| = 0.5 in both rows; A > 0 in row 0, A < 0 in row 1.
+    assert out.metrics["pg_clipfrac"].item() == pytest.approx(2 / 7)
+    assert out.metrics["pg_clipfrac_lower"].item() == pytest.approx(2 / 7)
+    out.loss.backward()
+    # d/d logp_t of -A exp(mean m): -A rho / n where m_t = d_t (unclipped side), 0 where clipped.
+    g0 = -1.0 * math.exp((-0.5 + 0.1 + 0.28) / 3) / 3 * math.exp((math.log(2.0) + math.log(0.5)) / 3) / 2
+    assert new_BT.grad[0, 1].item() == pytest.approx(g0)
+    assert new_BT.grad[0, 0].item() == 0.0 and new_BT.grad[0, 3].item() == 0.0
+
+
+# ---------------------------------------------------------------------------------------------- sapo
+
+
+def test_sapo_soft_gates():
+    ratios_BT = torch.tensor([[1.0, 1.3, 1.0, 0.6]])
+    new_BT, old_BT = _logprobs(ratios_BT)
+    adv_BT = torch.tensor([[1.0, 1.0, -1.0, -2.0]])
+    mask_BT = torch.ones(1, 4)
+    params = PolicyLossParams(tau_pos=1.0, tau_neg=1.05)
+
+    def sig(x):
+        return 1 / (1 + math.exp(-x))
+
+    taus = [1.0, 1.0, 1.05, 1.05]
+    gates = [sig(tau * (r - 1)) * 4 / tau for tau, r in zip(taus, [1.0, 1.3, 1.0, 0.6], strict=True)]
+    assert gates[0] == pytest.approx(2.0)  # f(1) = 2 / tau
+    out = policy_loss("sapo")(new_BT, old_BT, adv_BT, mask_BT, agg=_token_mean(mask_BT), params=params)
+    expected = sum(-g * a for g, a in zip(gates, [1.0, 1.0, -1.0, -2.0], strict=True)) / 4
+    assert out.loss.item() == pytest.approx(expected)
+    assert out.metrics["pg_clipfrac"].item() == 0.0
+    out.loss.backward()
+    # d f / d logp = r * 4 * sig'(tau (r - 1)) with sig' = sig (1 - sig): the tau cancels.
+    grads = [
+        -a * r * 4 * sig(tau * (r - 1)) * (1 - sig(tau * (r - 1))) / 4
+        for tau, r, a in zip(taus, [1.0, 1.3, 1.0, 0.6], [1.0, 1.0, -1.0, -2.0], strict=True)
+    ]
+    torch.testing.assert_close(new_BT.grad, torch.tensor([grads]))
+
+
+# ---------------------------------------------------------------------------------------------- KL
+
+
+def test_kl_kinds_by_hand_with_verl_aliases():
+    logp = torch.tensor([[math.log(0.5)]])
+    ref = torch.tensor([[math.log(0.25)]])
+    d = math.log(0.5)  # ref - logp
+    expected = {"kl": -d, "k1": -d, "abs": abs(d), "mse": 0.5 * d * d, "k2": 0.5 * d * d}
+    expected.update({"k3": math.exp(d) - d - 1, "low_var_kl": math.exp(d) - d - 1})
+    for kind, value in expected.items():
+        assert kl_penalty(logp, ref, kind).item() == pytest.approx(value), kind
+        assert kl_penalty(logp, ref, kind + "+").item() == pytest.approx(value), kind + "+"
+    with pytest.raises(ValueError, match="unknown KL estimator 'full'"):
+        kl_penalty(logp, ref, "full")
+    assert "k3+" in KINDS and "low_var_kl+" in KINDS
+
+
+@pytest.mark.parametrize("kind", ["k1+", "kl+", "abs+", "k3+", "low_var_kl+", "k2+", "mse+"])
+def test_straight_through_kinds_have_k2_gradient(kind):
+    logp = torch.tensor([[-1.0, -0.2, -3.0]], requires_grad=True)
+    ref = torch.tensor([[-1.5, -0.1, -1.0]], requires_grad=True)
+    value = kl_penalty(logp, ref, kind)
+    torch.testing.assert_close(value, kl_penalty(logp, ref, kind[:-1]))
+    g_logp, g_ref = torch.autograd.grad(value.sum(), (logp, ref))
+    # k2 = (logp - ref)^2 / 2: d/dlogp = logp - ref, d/dref = ref - logp.
+    torch.testing.assert_close(g_logp, (logp - ref).detach())
+    torch.testing.assert_close(g_ref, (ref - logp).detach())
+
+
+def test_k3_plus_value_is_verls_clamped_k3():
+    logp = torch.tensor([[0.0]], requires_grad=True)
+    ref = torch.tensor([[100.0]])
+    assert kl_penalty(logp, ref, "k3+").item() == 10.0  # verl: k3 is low_var_kl, clamped to 10
+    (g,) = torch.autograd.grad(kl_penalty(logp, ref, "k3+").sum(), logp)
+    assert g.item() == pytest.approx(-100.0)
+
+
+def test_kl_controllers_by_hand():
+    fixed = FixedKLController(0.05)
+    fixed.update(10.0, 100)
+    assert fixed.value == 0.05
+    ctrl = AdaptiveKLController(init_kl_coef=0.1, target_kl=0.1, horizon=100)
+    ctrl.update(current_kl=0.15, n_steps=10)  # error 0.5, clipped to 0.2: x (1 + 0.2 * 10 / 100)
+    assert ctrl.value == pytest.approx(0.1 * 1.02)
+    ctrl.update(current_kl=0.09, n_steps=10)  # error -0.1: x (1 - 0.01)
+    assert ctrl.value == pytest.approx(0.1 * 1.02 * 0.99)
+    assert isinstance(build_kl_controller("adaptive", 0.1, target_kl=1.0, horizon=5), AdaptiveKLController)
+    with pytest.raises(ValueError, match="fixed, adaptive"):
+        build_kl_controller("pid", 0.1)
+    with pytest.raises(ValueError, match="horizon"):
+        build_kl_controller("adaptive", 0.1, horizon=0)
+
+
+def test_apply_kl_penalty_by_hand():
+    scores_BT = torch.tensor([[0.0, 0.0, 1.0], [0.0, 2.0, 0.0]])
+    logp_BT = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -1.0, torch.nan]])
+    ref_BT = torch.tensor([[-1.5, -1.0, -0.5], [-0.5, -2.0, 0.0]])
+    mask_BT = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    rewards_BT, mean_kl = apply_kl_penalty(scores_BT, logp_BT, ref_BT, mask_BT, coef=0.1, kind="kl")
+    # k1 = logp - ref: [0.5, -1, 0] and [-0.5, 1, masked -> 0].
+    expected = torch.tensor([[-0.05, 0.1, 1.0], [0.05, 1.9, 0.0]])
+    torch.testing.assert_close(rewards_BT, expected)
+    # Per-sequence means (-0.5 / 3 and 0.5 / 2), averaged over sequences.
+    assert mean_kl.item() == pytest.approx((-0.5 / 3 + 0.25) / 2)
+
+
+# ---------------------------------------------------------------------------------------------- correction
+
+
+def test_token_is_weights_truncate_and_match_tis():
+    trainer_BT = torch.tensor([[math.log(0.5), math.log(0.2), 0.0]], requires_grad=True)
+    rollout_BT = torch.tensor([[math.log(0.25), math.log(0.4), -50.0]])
+    mask_BT = torch.tensor([[1, 1, 0]])
+    w_BT, metrics = rollout_is_weights(
+        trainer_BT, rollout_BT, mask_BT, rollout_is="token", rollout_is_threshold=1.5
+    )
+    torch.testing.assert_close(w_BT, torch.tensor([[1.5, 0.5, 0.0]]))
+    assert not w_BT.requires_grad
+    # Before truncation (as verl): weights 2 and 0.5.
+    assert metrics["rollout_is_mean"].item() == pytest.approx(1.25)
+    assert metrics["rollout_is_max"].item() == pytest.approx(2.0)
+    assert metrics["rollout_is_min"].item() == pytest.approx(0.5)
+    assert metrics["rollout_is_ratio_fraction_high"].item() == pytest.approx(0.5)
+    assert metrics["rollout_is_ratio_fraction_low"].item() == pytest.approx(0.5)  # 0.5 < 1 / 1.5
+    # ESS of the weights clamped to [1/1.5, 1.5]: 1.5 and 2/3, normalized by their mean.
+    m = (1.5 + 2 / 3) / 2
+    assert metrics["rollout_is_eff_sample_size"].item() == pytest.approx(
+        1 / (((1.5 / m) ** 2 + (2 / 3 / m) ** 2) / 2)
+    )
+
+
+def test_sequence_is_weights_are_the_product_of_token_ratios():
+    log_r_BT = torch.tensor([[0.1, 0.2, 5.0], [-0.3, -0.4, -0.1]])
+    mask_BT = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    w_BT, metrics = rollout_is_weights(
+        log_r_BT, torch.zeros(2, 3), mask_BT, rollout_is="sequence", rollout_is_threshold=2.0
+    )
+    s0, s1 = math.exp(0.3), math.exp(-0.8)
+    torch.testing.assert_close(w_BT, torch.tensor([[s0, s0, 0.0], [s1, s1, s1]]))
+    assert metrics["rollout_is_max"].item() == pytest.approx(s0)
+    assert metrics["rollout_is_ratio_fraction_low"].item() == pytest.approx(0.5)  # s1 < 1/2
+    # Truncation at the cap, and batch normalization to mean 1 over sequences.
+    w_BT, metrics = rollout_is_weights(
+        log_r_BT * 10,
+        torch.zeros(2, 3),
+        mask_BT,
+        rollout_is="sequence",
+        rollout_is_threshold=2.0,
+        rollout_is_batch_normalize=True,
+    )
+    raw = [min(math.exp(3.0), 2.0), math.exp(-8.0)]
+    mean = sum(raw) / 2
+    torch.testing.assert_close(w_BT[:, 0], torch.tensor([raw[0] / mean, raw[1] / mean]))
+    assert metrics["rollout_is_batch_norm_factor"].item() == pytest.approx(mean)
+    with pytest.raises(ValueError, match="token, sequence"):
+        rollout_is_weights(log_r_BT, log_r_BT, mask_BT, rollout_is="geometric")
+
+
+def test_rejection_token_k1_ratio_bounds():
+    r_BT = torch.tensor([[1.0, 2.5, 0.4], [1.9, 0.6, 3.0]])
+    mask_BT = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    new_mask_BT, metrics = rollout_rejection_mask(
+        r_BT.log(), torch.zeros(2, 3), mask_BT, rollout_rs="token_k1", rollout_rs_threshold="0.5_2.0"
+    )
+    # Kept: 0.5 <= r <= 2 among valid tokens; the masked 3.0 stays masked.
+    torch.testing.assert_close(new_mask_BT, torch.tensor([[1, 0, 0], [1, 1, 0]]))
+    assert metrics["rollout_rs_masked_fraction"].item() == pytest.approx(2 / 5)
+    assert metrics["rollout_rs_seq_masked_fraction"].item() == pytest.approx(1 / 2)
+    # A bare number is the upper bound with lower = 1 / upper: the same here.
+    same_BT, _ = rollout_rejection_mask(
+        r_BT.log(), torch.zeros(2, 3), mask_BT, rollout_rs="token_k1", rollout_rs_threshold=2.0
+    )
+    torch.testing.assert_close(same_BT, new_mask_BT)
+
+
+def test_rejection_sequence_options_and_chaining():
+    log_r_BT = torch.tensor([[0.1, 0.1, 0.1], [1.0, -0.9, 0.0], [0.05, 0.0, 2.0]])
+    mask_BT = torch.tensor([[1, 1, 1], [1, 1, 1], [1, 1, 0]])
+    zeros = torch.zeros(3, 3)
+    # seq_sum_k1: -sum log r within [log 0.5, log 2] = [-0.69, 0.69]: sums 0.3, 0.1, 0.05 -> all kept.
+    m, _ = rollout_rejection_mask(
+        log_r_BT, zeros, mask_BT, rollout_rs="seq_sum_k1", rollout_rs_threshold="0.5_2.0"
+    )
+    torch.testing.assert_close(m, mask_BT)
+    # seq_max_k2: max of (log r)^2 / 2 <= 0.3: row 1 has 0.5 -> the whole sequence goes.
+    m, metrics = rollout_rejection_mask(
+        log_r_BT, zeros, mask_BT, rollout_rs="seq_max_k2", rollout_rs_threshold=0.3
+    )
+    torch.testing.assert_close(m, torch.tensor([[1, 1, 1], [0, 0, 0], [1, 1, 0]]))
+    assert metrics["rollout_rs_seq_max_k2_max"].item() == pytest.approx(0.5)
+    # Chained with token_k3 <= 0.004 (k3(0.1) = 0.00517 > 0.004): row 0 goes too, row 2 keeps 2 tokens.
+    m, metrics = rollout_rejection_mask(
+        log_r_BT, zeros, mask_BT, rollout_rs="seq_max_k2, token_k3", rollout_rs_threshold="0.3,0.004"
+    )
+    torch.testing.assert_close(m, torch.tensor([[0, 0, 0], [0, 0, 0], [1, 1, 0]]))
+    assert metrics["rollout_rs_token_k3_masked_fraction"].item() == pytest.approx(5 / 8)
+    assert metrics["rollout_rs_masked_fraction"].item() == pytest.approx(6 / 8)
+    with pytest.raises(ValueError, match="one upper bound"):
+        rollout_rejection_mask(log_r_BT, zeros, mask_BT, rollout_rs="token_k2", rollout_rs_threshold="0.5_2")
+    with pytest.raises(ValueError, match="unknown rollout_rs option 'sequence'"):
+        rollout_rejection_mask(log_r_BT, zeros, mask_BT, rollout_rs="sequence", rollout_rs_threshold=2.0)
+
+
+def test_rollout_correction_combines_weights_and_rejection():
+    r_BT = torch.tensor([[1.0, 2.5, 0.4]])
+    mask_BT = torch.tensor([[1, 1, 1]])
+    out = rollout_correction(
+        r_BT.log(),
+        torch.zeros(1, 3),
+        mask_BT,
+        rollout_is="token",
+        rollout_is_threshold=2.0,
+        rollout_rs="token_k1",
+        rollout_rs_threshold="0.5_2.0",
+    )
+    # The weights are computed on the input mask and not zeroed by rejection (as verl).
+    torch.testing.assert_close(out.is_weights_BT, torch.tensor([[1.0, 2.0, 0.4]]))
+    torch.testing.assert_close(out.mask_BT, torch.tensor([[1, 0, 0]]))
+    assert {"rollout_is_mean", "rollout_rs_masked_fraction"} <= set(out.metrics)
+    off = rollout_correction(r_BT.log(), torch.zeros(1, 3), mask_BT)
+    assert off.is_weights_BT is None and off.mask_BT is mask_BT and off.metrics == {}
