@@ -33,6 +33,12 @@ from spmdrl.algos.advantages import NEEDS_BASELINE, AdvantageInputs, compute_adv
 from spmdrl.algos.aggregation import Aggregation, count_units
 from spmdrl.algos.batch import PolicyBatch, build_policy_batch
 from spmdrl.algos.correction import rollout_correction
+from spmdrl.algos.dapo import (
+    dynamic_sampling_metrics,
+    groups_with_signal,
+    overlong_penalty,
+    should_generate_more,
+)
 from spmdrl.algos.kl import kl_penalty
 from spmdrl.algos.kl_control import (
     AdaptiveKLController,
@@ -41,12 +47,12 @@ from spmdrl.algos.kl_control import (
     build_kl_controller,
 )
 from spmdrl.algos.policy_losses import PolicyLossParams, agg_mode_for, policy_loss
-from spmdrl.config import Config, ConfigError, OptimConfig, RLDerived, derive, derive_rl
+from spmdrl.config import Config, ConfigError, RLDerived, derive, derive_rl
 from spmdrl.data.prompts import PromptDataset, PromptExample
 from spmdrl.data.sampler import DistributedSampler
 from spmdrl.data.tiny_task import resolve_data_files
 from spmdrl.dist.placement import Placement
-from spmdrl.dist.reduce import all_reduce_max, all_reduce_sum
+from spmdrl.dist.reduce import all_reduce_max, all_reduce_min, all_reduce_sum
 from spmdrl.logging.plot import plot_curves
 from spmdrl.logging.samples import Sample, write_samples
 from spmdrl.logging.timer import PhaseTimer
@@ -78,7 +84,7 @@ def warmstart_config(cfg: Config) -> Config:
     ws = cfg.warmstart
     return dataclasses.replace(
         cfg,
-        optim=OptimConfig(lr=ws.lr, schedule="cosine", warmup_steps=ws.warmup_steps, min_lr_ratio=0.1),
+        optim=ws.optim,
         trainer=dataclasses.replace(
             cfg.trainer,
             total_steps=ws.total_steps,
@@ -342,6 +348,114 @@ def advantage_estimator(
     return advantages
 
 
+@dataclasses.dataclass
+class Rollouts:
+    """A step's samples on this rank: rollout.n per prompt, grouped by prompt, with their rewards."""
+
+    prompts: list[PromptExample]
+    gens: list[Generation]
+    rewards: RewardResult
+    responses: list[str]
+    metrics: dict[str, float]
+
+
+def rollout_and_score(
+    cfg: Config,
+    engine: RolloutEngine,
+    sampler: DistributedSampler,
+    train_ds: PromptDataset,
+    tokenizer: object,
+    reward_fn: object,
+    step: int,
+    timer: PhaseTimer,
+    device: torch.device,
+) -> Rollouts:
+    """Generate and score this rank's batch; with algorithm.filter_groups (DAPO's dynamic sampling),
+    keep only prompts whose samples differ in the filter metric and generate further batches until
+    every rank has its share of prompts, then take each rank's first ones.
+
+    verl pools kept groups over the whole world; here each rank must end with the same number of rows
+    (the update's FSDP collectives run once per micro-batch on every rank), so the decision to generate
+    more is made on the smallest per-rank count, identical on every rank (one all_reduce per batch).
+    """
+    fg, ob, n = cfg.algorithm.filter_groups, cfg.reward.overlong_buffer, cfg.rollout.n
+    target = 0
+    kept: list[tuple[PromptExample, list[Generation], list[float], list[str]]] = []
+    errors = timeouts = dropped = generated = 0
+    penalties: list[float] = []
+    for gen_batch in range(1, 1_000_000):
+        with timer("rollout"):
+            prompts = [train_ds[i] for i in sampler.next_batch()]
+            seed = (cfg.rollout.seed * 1_000_003 + step) * 1_000 + gen_batch - 1
+            spec = SamplingSpec.for_training(cfg.rollout, cfg.data.max_response_length, seed=seed)
+            gens = engine.generate([p.prompt_ids for p in prompts], spec)
+        with timer("reward"):
+            result, responses = score(cfg, reward_fn, tokenizer, prompts, gens)
+        target = len(prompts)
+        scores = result.scores_B.clone()
+        if ob.enable:
+            lengths_B = torch.tensor([len(g.token_ids) for g in gens])
+            penalty_B = overlong_penalty(lengths_B, cfg.data.max_response_length, ob.len, ob.penalty_factor)
+            scores = scores + penalty_B
+            penalties += penalty_B.tolist()
+        errors, timeouts, generated = (
+            errors + result.num_errors,
+            timeouts + result.num_timeouts,
+            generated + len(prompts),
+        )
+        group_ids_B = torch.arange(len(prompts)).repeat_interleave(n)
+        keep_B = torch.ones(len(gens), dtype=torch.bool)
+        if fg.enable:
+            metric_B = {
+                "acc": (result.scores_B >= 1.0).float(),
+                "score": result.scores_B,
+                "seq_final_reward": scores,
+            }[fg.metric]
+            keep_B = groups_with_signal(metric_B, group_ids_B)
+        for i, p in enumerate(prompts):
+            if keep_B[i * n]:
+                rows = range(i * n, (i + 1) * n)
+                kept.append(
+                    (
+                        p,
+                        [gens[r] for r in rows],
+                        [float(scores[r]) for r in rows],
+                        [responses[r] for r in rows],
+                    )
+                )
+            else:
+                dropped += 1
+        if not fg.enable:
+            break
+        fewest = int(all_reduce_min({"kept": len(kept)}, device)["kept"])
+        try:
+            if not should_generate_more(fewest, target, gen_batch, fg.max_num_gen_batches):
+                break
+        except ValueError as e:
+            raise RuntimeError(f"step {step}: {e}") from None
+    kept = kept[:target]
+    out_prompts = [k[0] for k in kept]
+    out_gens = [dataclasses.replace(g, prompt_index=i) for i, k in enumerate(kept) for g in k[1]]
+    rewards = RewardResult(torch.tensor([s for k in kept for s in k[2]]), errors, timeouts)
+    metrics: dict[str, float] = {}
+    if fg.enable:
+        totals = all_reduce_sum(
+            {"batches": gen_batch, "kept": generated - dropped, "dropped": dropped}, device
+        )
+        world = dist.get_world_size()
+        dyn = dynamic_sampling_metrics(
+            int(totals["batches"] / world), int(totals["kept"]), int(totals["dropped"])
+        )
+        metrics.update({f"rollout/{k}": v for k, v in dyn.items()})
+    if ob.enable:
+        t = all_reduce_sum(
+            {"sum": sum(penalties), "over": sum(p < 0 for p in penalties), "n": len(penalties)}, device
+        )
+        metrics["reward/overlong_penalty_mean"] = t["sum"] / max(t["n"], 1)
+        metrics["reward/overlong_frac"] = t["over"] / max(t["n"], 1)
+    return Rollouts(out_prompts, out_gens, rewards, [r for k in kept for r in k[3]], metrics)
+
+
 def kl_in_reward(
     cfg: Config,
     batch: PolicyBatch,
@@ -559,25 +673,19 @@ def main(cfg: Config) -> None:
     for step in range(1, derived.total_steps + 1):
         timer = PhaseTimer()
 
-        # 1. Rollout: this rank's prompts, rollout.n samples each, grouped by prompt.
-        with timer("rollout"):
-            prompts = [train_ds[i] for i in sampler.next_batch()]
-            spec = SamplingSpec.for_training(
-                cfg.rollout, max_tokens, seed=cfg.rollout.seed * 1_000_003 + step
-            )
-            gens = engine.generate([p.prompt_ids for p in prompts], spec)
-            # remax: each prompt's greedy answer is its samples' baseline (one more, short, generate).
-            greedy = greedy_rollout(engine, prompts, cfg, step) if a.adv_estimator in NEEDS_BASELINE else None
-            engine.sleep(keep_weights=False)  # CUDA: the next engine call is the sync; CPU: a no-op
-
-        # 2. Reward, on this rank's own samples.
-        with timer("reward"):
-            rewards, responses = score(cfg, reward_fn, tokenizer, prompts, gens)
-            baseline_B = None
-            if greedy is not None:
+        # 1-2. Rollout and reward: this rank's prompts, rollout.n samples each, grouped by prompt (with
+        #      DAPO's dynamic sampling, more batches until every rank has enough groups with signal).
+        ro = rollout_and_score(cfg, engine, sampler, train_ds, tokenizer, reward_fn, step, timer, env.device)
+        prompts, gens, rewards, responses = ro.prompts, ro.gens, ro.rewards, ro.responses
+        baseline_B = None
+        if a.adv_estimator in NEEDS_BASELINE:  # remax: each prompt's greedy answer is its baseline
+            with timer("rollout"):
+                greedy = greedy_rollout(engine, prompts, cfg, step)
+            with timer("reward"):
                 baseline_B = score(cfg, reward_fn, tokenizer, prompts, greedy)[0].scores_B.repeat_interleave(
                     n
                 )
+        engine.sleep(keep_weights=False)  # CUDA: the next engine call is the sync; CPU: a no-op
         batch = build_policy_batch([p.prompt_ids for p in prompts], gens, pad_id=pad_id).to(env.device)
         sampled_mask_BT = batch.response_mask_BT  # before rejection masks any of it
 
@@ -626,6 +734,7 @@ def main(cfg: Config) -> None:
                 env.device,
             ),
             **update.metrics,
+            **ro.metrics,
             **extra,
             "actor/lr": scheduler.get_last_lr()[0],
         }

@@ -201,6 +201,18 @@ class RolloutCorrectionConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    """DAPO's dynamic sampling (verl: algorithm.filter_groups): drop prompts whose samples all got the
+    same ``metric`` (no learning signal) and generate more until every rank has its share."""
+
+    enable: bool = False
+    # "acc" (reward >= 1), "score" (the reward function's score) or "seq_final_reward" (after shaping).
+    metric: str = "acc"
+    # Generation batches per step before giving up with an error; 0: no limit.
+    max_num_gen_batches: int = 10
+
+
+@dataclass
 class AlgorithmConfig:
     """GRPO / PPO loss settings (defaults follow verl's GSM8K GRPO example)."""
 
@@ -244,6 +256,17 @@ class AlgorithmConfig:
     ppo_mini_batch_size: int = 0
     # Importance weights and rejection for the engine-vs-trainer mismatch (verl's rollout correction).
     rollout_correction: RolloutCorrectionConfig = field(default_factory=lambda: RolloutCorrectionConfig())
+    filter_groups: FilterGroupsConfig = field(default_factory=lambda: FilterGroupsConfig())
+
+
+@dataclass
+class OverlongBufferConfig:
+    """DAPO's overlong reward shaping (verl: reward_model.overlong_buffer): a penalty growing linearly
+    over the last ``len`` tokens before data.max_response_length, up to -penalty_factor."""
+
+    enable: bool = False
+    len: int = 4
+    penalty_factor: float = 1.0
 
 
 @dataclass
@@ -253,6 +276,7 @@ class RewardConfig:
     # Seconds a user function may run per sample; past that it scores error_score (counted in reward/errors).
     timeout_s: float = 10.0
     error_score: float = 0.0
+    overlong_buffer: OverlongBufferConfig = field(default_factory=lambda: OverlongBufferConfig())
 
 
 @dataclass
@@ -265,10 +289,12 @@ class WarmstartConfig:
 
     enabled: bool = False
     total_steps: int = 100
-    lr: float = 1e-3
     global_batch_size: int = 64
     micro_batch_size: int = 32
-    warmup_steps: int = 10
+    # The SFT stage's own optimizer and schedule (the RL stage's are optim.*).
+    optim: OptimConfig = field(
+        default_factory=lambda: OptimConfig(lr=1e-3, schedule="cosine", warmup_steps=10, min_lr_ratio=0.1)
+    )
 
 
 @dataclass
@@ -349,6 +375,17 @@ def validate(cfg: Config) -> None:
         cfg.algorithm.rollout_correction.rollout_is,
         ("", "token", "sequence"),
     )
+    _check_choice(
+        "algorithm.filter_groups.metric",
+        cfg.algorithm.filter_groups.metric,
+        ("acc", "score", "seq_final_reward"),
+    )
+    ob = cfg.reward.overlong_buffer
+    if ob.enable and not (0 < ob.len <= cfg.data.max_response_length and ob.penalty_factor >= 0):
+        raise ConfigError(
+            f"reward.overlong_buffer.len={ob.len} must be in (0, data.max_response_length="
+            f"{cfg.data.max_response_length}] and penalty_factor={ob.penalty_factor} >= 0"
+        )
     rc = cfg.algorithm.rollout_correction
     if rc.rollout_rs:
         from spmdrl.algos.correction import parse_rs_thresholds

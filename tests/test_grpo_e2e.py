@@ -191,3 +191,38 @@ def test_grpo_recipe_runs_verl_variants_by_name(tmp_path: Path) -> None:
         assert r["actor/reward_kl_penalty_coeff"] > 0
     # The adaptive controller moved the coefficient after the first step.
     assert rows[1]["actor/reward_kl_penalty_coeff"] != rows[0]["actor/reward_kl_penalty_coeff"]
+
+
+def test_dapo_tiny_dynamic_sampling_and_overlong_shaping(tmp_path: Path) -> None:
+    """recipe=dapo_tiny, shortened: groups without signal are dropped and refilled, every rank trains on
+    the same number of rows (or FSDP would hang), and the overlong shaping is applied and logged."""
+    out = tmp_path / "run"
+    res = torchrun(
+        [
+            "-m",
+            "spmdrl.train",
+            "recipe=dapo_tiny",
+            f"trainer.output_dir={out}",
+            "warmstart.total_steps=100",
+            "trainer.total_steps=3",
+            "trainer.val_every=0",
+            "trainer.save_hf=false",
+            "logging.samples_every=0",
+            # Every sample of the tiny task is short; a buffer over the whole length makes the shaping bite.
+            "reward.overlong_buffer.len=24",
+        ],
+        nproc=2,
+        cwd=tmp_path,
+        timeout_s=900,
+        env={"SPMDRL_CACHE": os.environ.get("SPMDRL_CACHE", str(Path.home() / ".cache" / "spmdrl"))},
+    )
+    assert res.returncode == 0, res.output[-5000:]
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["rollout/num_gen_batches"] >= 1
+        assert r["rollout/num_kept_groups"] >= 32  # at least the step's 32 prompts had signal
+        assert 0 < r["rollout/kept_group_fraction"] <= 1
+        assert r["reward/overlong_frac"] > 0 and r["reward/overlong_penalty_mean"] < 0
+    # Dropped groups were seen at least once (some prompts are all right or all wrong after the warm-start).
+    assert sum(r["rollout/num_dropped_groups"] for r in rows) > 0

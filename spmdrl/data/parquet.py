@@ -199,12 +199,6 @@ def to_extra_info(cell: Any, *, where: str) -> dict[str, Any]:
     return cell
 
 
-def to_str(cell: Any, *, where: str, column: str) -> str:
-    if not isinstance(cell, str):
-        raise DataError(f"{where}: column {column!r} must be a string, got {_describe(cell)}")
-    return cell
-
-
 def _describe(value: Any) -> str:
     text = repr(value)
     if len(text) > 80:

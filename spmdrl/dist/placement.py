@@ -44,10 +44,6 @@ class RoleSpec:
     dp_replicate: int = 1
 
     @property
-    def ranks(self) -> range:
-        return range(self.first_rank, self.first_rank + self.num_ranks)
-
-    @property
     def dp_shard(self) -> int:
         return self.num_ranks // self.dp_replicate
 
@@ -79,12 +75,6 @@ class Placement:
         if name not in self.roles:
             raise KeyError(f"no role '{name}' in this placement; roles: {', '.join(self.roles)}")
         return self.roles[name]
-
-    def describe(self) -> dict[str, str]:
-        return {
-            n: f"ranks {s.first_rank}..{s.first_rank + s.num_ranks - 1}, dp_replicate={s.dp_replicate} x dp_shard={s.dp_shard}"
-            for n, s in self.roles.items()
-        }
 
     def build_meshes(self, device_type: str) -> Meshes:
         return Meshes(self, device_type)

@@ -25,16 +25,15 @@ def all_reduce_sum(
     return _all_reduce(values, device, group, dist.ReduceOp.SUM)
 
 
+def all_reduce_min(
+    values: dict[str, float], device: torch.device, group: dist.ProcessGroup | None = None
+) -> dict[str, float]:
+    """The minimum of every value over the group with one all_reduce."""
+    return _all_reduce(values, device, group, dist.ReduceOp.MIN)
+
+
 def all_reduce_max(
     values: dict[str, float], device: torch.device, group: dist.ProcessGroup | None = None
 ) -> dict[str, float]:
     """The maximum of every value over the group with one all_reduce."""
     return _all_reduce(values, device, group, dist.ReduceOp.MAX)
-
-
-def dist_mean(
-    values: dict[str, float], device: torch.device, group: dist.ProcessGroup | None = None
-) -> dict[str, float]:
-    """The mean over ranks of each value (each rank weighted equally)."""
-    n = dist.get_world_size(group) if dist.is_initialized() else 1
-    return {k: v / n for k, v in all_reduce_sum(values, device, group).items()}

@@ -116,10 +116,8 @@ def build_fsdp_model(spec: ModelSpec, mesh: DeviceMesh, device: torch.device) ->
             getattr(mod, name).copy_(value)
     # 4. Load weights: each rank reads the (memory-mapped) files and keeps its own slices.
     state = read_safetensors(spec.path)
-    missing = _check_keys(model, state, spec.path)
+    _check_keys(model, state, spec.path)
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
-    if missing:
-        log.warning("not in the checkpoint (kept at their tied/initial values): %s", missing)
     # Training never decodes incrementally; HF's KV cache would only cost memory, and under
     # activation checkpointing the recomputed forward would append to it a second time.
     model.config.use_cache = False
@@ -131,7 +129,7 @@ def build_fsdp_model(spec: ModelSpec, mesh: DeviceMesh, device: torch.device) ->
     return model
 
 
-def _check_keys(model: nn.Module, state: dict[str, torch.Tensor], path: Path) -> list[str]:
+def _check_keys(model: nn.Module, state: dict[str, torch.Tensor], path: Path) -> None:
     """Fail loudly on a checkpoint that does not fit the architecture (a silent partial load trains garbage)."""
     expected = {k.replace("._checkpoint_wrapped_module", "") for k in model.state_dict()}
     unexpected = sorted(set(state) - expected)
@@ -142,4 +140,3 @@ def _check_keys(model: nn.Module, state: dict[str, torch.Tensor], path: Path) ->
     missing = [k for k in missing if not (tied and k == "lm_head.weight")]
     if missing:
         raise ValueError(f"{path}: model weights missing from the checkpoint: {missing[:8]}")
-    return missing

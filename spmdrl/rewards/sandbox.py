@@ -422,10 +422,3 @@ def _pool() -> _Pool:
         _POOL = _Pool()
         atexit.register(_POOL.shutdown)
     return _POOL
-
-
-def shutdown_workers() -> None:
-    """Stop the worker processes now (they are also stopped at exit)."""
-    with _POOL_LOCK:
-        if _POOL is not None:
-            _POOL.shutdown()

@@ -52,16 +52,14 @@ DEFAULT_BUCKET_MB = 32.0
 # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-# Module names that wrappers insert into parameter paths; the engine knows the checkpoint's names.
-_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+# Activation checkpointing (spmdrl.models.parallelize.apply_ac) inserts this module into parameter paths;
+# the engine knows the checkpoint's names. (spmdrl wraps models in nothing else.)
+_AC_PART = "_checkpoint_wrapped_module."
 
 
 def engine_name(fqn: str) -> str:
-    """The HF checkpoint name of a trainer parameter: wrapper parts (activation checkpointing,
-    torch.compile, FSDP1) removed, as is DDP's leading ``module.``. The one place names are mapped."""
-    for part in _WRAPPER_PARTS:
-        fqn = fqn.replace(part, "")
-    return fqn.removeprefix("module.")
+    """The HF checkpoint name of a trainer parameter. The one place names are mapped."""
+    return fqn.replace(_AC_PART, "")
 
 
 @dataclass(frozen=True)
