@@ -6,11 +6,18 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from spmdrl.config import OptimConfig
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    # After a forward, FSDP2's root unit (reshard_after_forward=False) exposes its unsharded parameters,
+    # which never receive gradients: an optimizer built on them would silently never train the
+    # embeddings and final norm. Resharding first makes model.parameters() the sharded DTensors.
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
     # Norms and biases are not decayed (the usual transformer recipe).
     decay, no_decay = [], []
     for p in model.parameters():
