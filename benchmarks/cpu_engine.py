@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 
 from spmdrl.config import ConfigError, RolloutConfig
-from spmdrl.dist.env import init_distributed
-from spmdrl.dist.placement import Placement
-from spmdrl.dist.reduce import all_reduce_max
+from spmdrl.distributed.env import init_distributed
+from spmdrl.distributed.placement import Placement
+from spmdrl.distributed.reduce import all_reduce_max
 from spmdrl.models.build import ModelSpec, build_fsdp_model
 from spmdrl.models.tiny import default_cache_dir, ensure_tiny_model
 from spmdrl.rollout.engine import SamplingSpec, build_engine

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from spmdrl.dist.env import init_distributed
-from spmdrl.dist.placement import Placement
+from spmdrl.distributed.env import init_distributed
+from spmdrl.distributed.placement import Placement
 from spmdrl.models.build import ModelSpec, build_fsdp_model
 
 SHAPES = {

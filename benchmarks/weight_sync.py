@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from spmdrl.dist.env import broadcast_str, init_distributed
-from spmdrl.dist.placement import Placement
+from spmdrl.distributed.env import broadcast_str, init_distributed
+from spmdrl.distributed.placement import Placement
 from spmdrl.models.build import ModelSpec, build_fsdp_model
 from spmdrl.rollout.weight_sync import (
     DEFAULT_BUCKET_MB,

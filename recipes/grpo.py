@@ -51,8 +51,8 @@ from spmdrl.config import Config, ConfigError, RLDerived, derive, derive_rl
 from spmdrl.data.prompts import PromptDataset, PromptExample
 from spmdrl.data.sampler import DistributedSampler
 from spmdrl.data.tiny_task import resolve_data_files
-from spmdrl.dist.placement import Placement
-from spmdrl.dist.reduce import all_reduce_max, all_reduce_min, all_reduce_sum
+from spmdrl.distributed.placement import Placement
+from spmdrl.distributed.reduce import all_reduce_max, all_reduce_min, all_reduce_sum
 from spmdrl.logging.plot import plot_curves
 from spmdrl.logging.samples import Sample, write_samples
 from spmdrl.logging.timer import PhaseTimer

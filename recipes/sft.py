@@ -28,8 +28,8 @@ from spmdrl.config import Config, derive
 from spmdrl.data.sampler import DistributedSampler
 from spmdrl.data.sft import SFTBatch, SFTDataset, collate_sft
 from spmdrl.data.tiny_task import resolve_data_files
-from spmdrl.dist.placement import Placement
-from spmdrl.dist.reduce import all_reduce_sum
+from spmdrl.distributed.placement import Placement
+from spmdrl.distributed.reduce import all_reduce_sum
 from spmdrl.models.build import build_fsdp_model, model_spec
 from spmdrl.models.load import load_tokenizer, resolve_model_path_all_ranks
 from spmdrl.optim import build_lr_scheduler, build_optimizer, clip_grad_norm

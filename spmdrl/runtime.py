@@ -15,7 +15,7 @@ import torch
 
 from spmdrl.config import Config, Derived
 from spmdrl.config_loader import to_yaml
-from spmdrl.dist.env import DistEnv, broadcast_str, init_distributed
+from spmdrl.distributed.env import DistEnv, broadcast_str, init_distributed
 from spmdrl.logging.metrics import MetricLogger, NullLogger
 from spmdrl.models.tiny import default_cache_dir
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from spmdrl.config import Config, ConfigError
 from spmdrl.config_loader import load_config
-from spmdrl.dist.failure import run_or_die
+from spmdrl.distributed.failure import run_or_die
 
 EXIT_CONFIG_ERROR = 2
 

@@ -37,7 +37,7 @@ def _train(model: torch.nn.Module, rows: slice, steps: int) -> list[float]:
     import torch.distributed as dist
 
     from spmdrl.algos.losses import masked_cross_entropy
-    from spmdrl.dist.reduce import all_reduce_sum
+    from spmdrl.distributed.reduce import all_reduce_sum
     from spmdrl.optim import clip_grad_norm
 
     ids, attn, lm = _data()
@@ -72,7 +72,7 @@ def _fsdp_worker(
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from spmdrl.dist.placement import Placement
+    from spmdrl.distributed.placement import Placement
     from spmdrl.models.build import ModelSpec, build_fsdp_model
 
     meshes = Placement.colocated(world_size).build_meshes("cpu")
@@ -109,7 +109,7 @@ def test_fsdp2_two_ranks_match_single_process(tmp_path: Path, ac: bool) -> None:
 
 
 def _mesh_worker(rank: int, world_size: int) -> tuple[tuple[int, ...], tuple[str, ...], bool]:
-    from spmdrl.dist.placement import Placement
+    from spmdrl.distributed.placement import Placement
 
     meshes = Placement.colocated(world_size, dp_replicate=2).build_meshes("cpu")
     mesh = meshes.fsdp("actor")
@@ -124,7 +124,7 @@ def test_hsdp_mesh_on_four_ranks() -> None:
 
 def test_placement_rejects_bad_sizes() -> None:
     from spmdrl.config import ConfigError
-    from spmdrl.dist.placement import Placement, RoleSpec
+    from spmdrl.distributed.placement import Placement, RoleSpec
 
     with pytest.raises(ConfigError, match="dp_replicate=3 must divide the 4 ranks"):
         Placement.colocated(4, dp_replicate=3)
@@ -134,7 +134,7 @@ def test_placement_rejects_bad_sizes() -> None:
 
 def test_rollout_tp_groups_are_consecutive_blocks() -> None:
     from spmdrl.config import ConfigError
-    from spmdrl.dist.placement import rollout_tp_groups
+    from spmdrl.distributed.placement import rollout_tp_groups
 
     assert rollout_tp_groups(4, 2) == [[0, 1], [2, 3]]
     assert rollout_tp_groups(4, 1) == [[0], [1], [2], [3]]

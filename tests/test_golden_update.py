@@ -112,7 +112,7 @@ def _synthetic_batch(step: int, max_response: int) -> dict[str, torch.Tensor]:
 def _worker(rank: int, world: int, model_dir: str, cfg: Any) -> list[dict[str, float]]:
     from spmdrl.algos.batch import PolicyBatch
     from spmdrl.config import derive, derive_rl
-    from spmdrl.dist.placement import Placement
+    from spmdrl.distributed.placement import Placement
     from spmdrl.models.build import build_fsdp_model, model_spec
     from spmdrl.optim import build_lr_scheduler, build_optimizer
     from spmdrl.recipes.grpo import logprobs_of, update_policy

@@ -29,7 +29,7 @@ def _worker(
         derive,
         derive_rl,
     )
-    from spmdrl.dist.placement import Placement
+    from spmdrl.distributed.placement import Placement
     from spmdrl.models.build import ModelSpec, build_fsdp_model
     from spmdrl.models.forward import policy_logprobs
     from spmdrl.optim import build_optimizer

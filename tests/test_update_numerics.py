@@ -118,7 +118,7 @@ def _worker(
 
     from spmdrl.algos.batch import PolicyBatch
     from spmdrl.config import derive, derive_rl
-    from spmdrl.dist.placement import Placement
+    from spmdrl.distributed.placement import Placement
     from spmdrl.models.build import ModelSpec, build_fsdp_model
     from spmdrl.recipes.grpo import logprobs_of, update_policy
 
@@ -251,7 +251,7 @@ def test_hsdp_two_replicas_by_two_shards_match_one_process(models: Path, one_pro
 
 def _optimizer_after_forward_worker(rank: int, world: int, model_dir: str) -> bool:
     from spmdrl.config import OptimConfig
-    from spmdrl.dist.placement import Placement
+    from spmdrl.distributed.placement import Placement
     from spmdrl.models.build import ModelSpec, build_fsdp_model
     from spmdrl.optim import build_optimizer
 

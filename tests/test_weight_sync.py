@@ -49,7 +49,7 @@ def _sync_worker(rank: int, world: int, model_dir: str) -> dict:
     import torch.distributed as dist
 
     from spmdrl.config import RolloutConfig
-    from spmdrl.dist.placement import Placement
+    from spmdrl.distributed.placement import Placement
     from spmdrl.models.build import ModelSpec, build_fsdp_model
     from spmdrl.rollout.engine import build_engine
     from spmdrl.rollout.fingerprint import WeightSyncError
@@ -183,7 +183,7 @@ def _unavailable(path: str) -> str | None:
 
 def _paths_worker(rank: int, world: int, model_dir: str, cases: list[tuple[str, str]]) -> dict:
     from spmdrl.config import RolloutConfig
-    from spmdrl.dist.placement import Placement
+    from spmdrl.distributed.placement import Placement
     from spmdrl.models.build import ModelSpec, build_fsdp_model
     from spmdrl.rollout import cpu_gemm
     from spmdrl.rollout.engine import build_engine
@@ -301,7 +301,7 @@ def _gather_worker(rank: int, world: int, model_dir: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from spmdrl.dist.placement import Placement
+    from spmdrl.distributed.placement import Placement
     from spmdrl.models.build import ModelSpec, build_fsdp_model
     from spmdrl.rollout.weight_sync import SyncCounter, iter_full_tensors, trainer_weights
 

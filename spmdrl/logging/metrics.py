@@ -1,6 +1,6 @@
 """Metric outputs: metrics.jsonl, tensorboard, console and a progress bar, written by rank 0 only.
 
-Reductions across ranks live in spmdrl.dist.reduce; by the time values reach a logger they are
+Reductions across ranks live in spmdrl.distributed.reduce; by the time values reach a logger they are
 plain floats that every rank agrees on. Other ranks get a :class:`NullLogger`, so call sites need
 no ``if rank == 0``.
 """

@@ -18,7 +18,7 @@ from typing import TypeVar
 
 import torch.distributed as dist
 
-from spmdrl.dist.placement import rollout_tp_groups
+from spmdrl.distributed.placement import rollout_tp_groups
 
 T = TypeVar("T")
 

@@ -248,7 +248,7 @@ class VLLMEngine:
     def __init__(self, model_dir: Path, cfg: RolloutConfig, *, max_model_len: int, device_type: str) -> None:
         if not dist.is_initialized():
             raise RuntimeError(
-                "VLLMEngine needs torch.distributed initialized first (spmdrl.dist.env.init_distributed): "
+                "VLLMEngine needs torch.distributed initialized first (spmdrl.distributed.env.init_distributed): "
                 "vLLM's external_launcher joins the existing process group"
             )
         if max_model_len < 2:

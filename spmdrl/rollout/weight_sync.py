@@ -38,7 +38,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from spmdrl.dist.reduce import all_reduce_max
+from spmdrl.distributed.reduce import all_reduce_max
 from spmdrl.rollout.engine import RolloutEngine
 from spmdrl.rollout.fingerprint import Fingerprint, WeightSyncError, compare, observe, sync_error
 

@@ -101,12 +101,16 @@ class Meshes:
             if spec.dp_replicate == 1:
                 return init_device_mesh(self.device_type, (spec.num_ranks,), mesh_dim_names=("dp_shard",))
             return init_device_mesh(
-                self.device_type, (spec.dp_replicate, spec.dp_shard), mesh_dim_names=("dp_replicate", "dp_shard")
+                self.device_type,
+                (spec.dp_replicate, spec.dp_shard),
+                mesh_dim_names=("dp_replicate", "dp_shard"),
             )
         # A role on a subset of ranks: an explicit rank layout (every rank must still call this).
         layout = torch.arange(spec.first_rank, spec.first_rank + spec.num_ranks)
         if spec.dp_replicate == 1:
             return DeviceMesh(self.device_type, layout, mesh_dim_names=("dp_shard",))
         return DeviceMesh(
-            self.device_type, layout.view(spec.dp_replicate, spec.dp_shard), mesh_dim_names=("dp_replicate", "dp_shard")
+            self.device_type,
+            layout.view(spec.dp_replicate, spec.dp_shard),
+            mesh_dim_names=("dp_replicate", "dp_shard"),
         )
