@@ -8,6 +8,7 @@ computed once by :func:`derive` and logged at start; no config object is mutated
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,14 +20,34 @@ class ConfigError(ValueError):
     """A configuration value is wrong. The message says which key, what is wrong and how to fix it."""
 
 
+def choice(default: str, choices: tuple[str, ...] | Callable[[], tuple[str, ...]]) -> Any:
+    """A string field with a closed set of values, declared once, here, next to the field.
+
+    ``choices`` is a tuple, or a function returning the names of a registry (``spmdrl.algos`` owns its
+    algorithms' names; importing it lazily keeps this module light). :func:`validate` checks every such
+    field. (OmegaConf has no Literal type, and its Enum fields match member names, which cannot hold
+    verl's hyphenated names such as ``token-mean``.)
+    """
+    return field(default=default, metadata={"choices": choices})
+
+
+def _registry(module: str, name: str) -> Callable[[], tuple[str, ...]]:
+    def names() -> tuple[str, ...]:
+        import importlib
+
+        return tuple(getattr(importlib.import_module(module), name))
+
+    return names
+
+
 @dataclass
 class ModelConfig:
     # A local directory with an HF causal LM (config.json + safetensors), a hub id, or "tiny": the
     # built-in deterministic tiny Qwen2 model, built on first use and cached (no network needed).
     path: str = "tiny"
     # Training dtypes (FSDP2 mixed precision). "auto": bfloat16 params on CUDA, float32 on CPU.
-    param_dtype: str = "auto"
-    reduce_dtype: str = "float32"
+    param_dtype: str = choice("auto", ("auto", "float32", "bfloat16", "float16"))
+    reduce_dtype: str = choice("float32", ("float32", "bfloat16"))
     activation_checkpointing: bool = False
     trust_remote_code: bool = False
     # Where the tiny model and generated data are cached. "": $SPMDRL_CACHE or ~/.cache/spmdrl.
@@ -47,7 +68,7 @@ class TinyTaskConfig:
     wrong_offset: int = 0
     # What the test split holds out: "problems" (operand/operation combinations never seen in train)
     # or "questions" (unseen wordings; the arithmetic facts may appear in train).
-    held_out: str = "problems"
+    held_out: str = choice("problems", ("problems", "questions"))
     seed: int = 1234
 
 
@@ -63,7 +84,7 @@ class DataConfig:
     max_prompt_length: int = 128
     max_response_length: int = 64
     # What to do with a sample longer than the limits: "filter" (drop it, count logged) or "error".
-    overlong: str = "filter"
+    overlong: str = choice("filter", ("filter", "error"))
     shuffle: bool = True
     seed: int = 0
     tiny: TinyTaskConfig = field(default_factory=TinyTaskConfig)
@@ -78,18 +99,18 @@ class OptimConfig:
     eps: float = 1e-8
     # "constant" or "cosine", after a linear warm-up of warmup_steps. The schedule advances once per
     # trainer step (an RL step, however many optimizer steps its mini-batches and epochs take).
-    schedule: str = "constant"
+    schedule: str = choice("constant", ("constant", "cosine"))
     warmup_steps: int = 0
     grad_clip: float = 1.0
     # A non-finite gradient norm: "stop" the run with an error, or "skip" that optimizer step (verl's
     # behaviour), counted in actor/skipped_updates.
-    nonfinite_grad: str = "stop"
+    nonfinite_grad: str = choice("stop", ("stop", "skip"))
 
 
 @dataclass
 class ParallelConfig:
     # "colocated": every role spans every rank and time-shares it (the hybrid engine).
-    placement: str = "colocated"
+    placement: str = choice("colocated", ("colocated",))
     # HSDP: replicate over dp_replicate groups, shard within each. 1 means plain FSDP over the world.
     dp_replicate: int = 1
 
@@ -107,7 +128,7 @@ class TrainerConfig:
     log_every: int = 1
     seed: int = 0
     # "auto" (cuda when available, else cpu), "cpu" or "cuda".
-    device: str = "auto"
+    device: str = choice("auto", ("auto", "cpu", "cuda"))
     # "" : outputs/<recipe>/<UTC timestamp>, chosen by rank 0 and broadcast to every rank.
     output_dir: str = ""
     # Minutes a collective may wait before it fails (a dead peer normally ends the job much sooner).
@@ -130,7 +151,7 @@ class LoggingConfig:
 class RolloutConfig:
     """The in-process generation engine (vLLM) and its sampling settings."""
 
-    engine: str = "vllm"
+    engine: str = choice("vllm", _registry("spmdrl.rollout.engine", "ENGINES"))
     # Tensor-parallel size: consecutive ranks form one engine (tp=2: ranks {0,1}, {2,3}, ...).
     tp: int = 1
     # CUDA: fraction of GPU memory vLLM may take (weights + KV cache). CPU: see cpu_kvcache_gib.
@@ -144,12 +165,12 @@ class RolloutConfig:
     enforce_eager: bool = False
     # The engine's weight dtype. "auto": bfloat16 on CUDA; on CPU bfloat16 where the CPU has native bf16
     # matmuls (AVX512-BF16 or AMX) and float32 elsewhere (there bf16 runs ~4-5x slower than fp32).
-    dtype: str = "auto"
+    dtype: str = choice("auto", ("auto", "bfloat16", "float16", "float32"))
     # CPU only: vLLM's GEMM path for linear layers. "auto": vLLM's choice for this CPU; "torch" (reads
     # the weights directly), "onednn", "sgl" (bf16) or "zentorch" (needs the zentorch package) force one.
     # Every path is correct after a weight sync (docs/rollout.md); forcing one is for tests and for
     # routing around a path that misbehaves on some CPU.
-    cpu_gemm: str = "auto"
+    cpu_gemm: str = choice("auto", CPU_GEMM_PATHS)
     # CUDA only: release the KV cache and weights while training (vLLM sleep mode).
     free_cache_engine: bool = True
     # Weight sync gathers the actor's shards in buckets of about this many MB (one all-gather each).
@@ -177,7 +198,7 @@ class KLCtrlConfig:
     """verl's algorithm.kl_ctrl: the coefficient of the KL penalty in the reward."""
 
     # "fixed" or "adaptive" (moves kl_coef towards target_kl over horizon samples).
-    type: str = "fixed"
+    type: str = choice("fixed", _registry("spmdrl.algos.kl_control", "KL_CTRL_TYPES"))
     kl_coef: float = 0.001
     target_kl: float = 0.1
     horizon: int = 10000
@@ -188,7 +209,7 @@ class RolloutCorrectionConfig:
     """verl's algorithm.rollout_correction (spmdrl/algos/correction.py, docs/algorithms.md)."""
 
     # "": off; "token" or "sequence": truncated importance weights exp(trainer - engine logprob).
-    rollout_is: str = ""
+    rollout_is: str = choice("", ("", "token", "sequence"))
     rollout_is_threshold: float = 2.0
     rollout_is_batch_normalize: bool = False
     # "": off; comma-joined rejection options (token_k1, seq_mean_k3, ...) and their thresholds.
@@ -207,7 +228,7 @@ class FilterGroupsConfig:
 
     enable: bool = False
     # "acc" (reward >= 1), "score" (the reward function's score) or "seq_final_reward" (after shaping).
-    metric: str = "acc"
+    metric: str = choice("acc", ("acc", "score", "seq_final_reward"))
     # Generation batches per step before giving up with an error; 0: no limit.
     max_num_gen_batches: int = 10
 
@@ -218,7 +239,7 @@ class AlgorithmConfig:
 
     # verl's name (docs/algorithms.md): grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline,
     # remax (one extra greedy rollout per prompt as the baseline), opo, grpo_passk, gpg; gae needs a critic.
-    adv_estimator: str = "grpo"
+    adv_estimator: str = choice("grpo", _registry("spmdrl.algos.advantages", "ADV_ESTIMATORS"))
     # False gives Dr. GRPO (no division by the group's reward std); verl's norm_adv_by_std_in_grpo.
     norm_adv_by_std: bool = True
     # Discount and GAE lambda (gae, reinforce_plus_plus).
@@ -227,12 +248,12 @@ class AlgorithmConfig:
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
     # "token-mean", "seq-mean-token-mean", "seq-mean-token-sum" or "seq-mean-token-sum-norm" (Dr. GRPO).
-    loss_agg_mode: str = "token-mean"
+    loss_agg_mode: str = choice("token-mean", _registry("spmdrl.algos.aggregation", "AGG_MODES"))
     # seq-mean-token-sum-norm's constant divisor per sequence; 0: data.max_response_length.
     loss_scale_factor: float = 0.0
     # verl's actor.policy_loss.loss_mode: vanilla (PPO clip + dual-clip), gspo, cispo, gpg, clip_cov,
     # kl_cov, geo_mean, sapo (docs/algorithms.md); and the parameters those read, under verl's names.
-    policy_loss: str = "vanilla"
+    policy_loss: str = choice("vanilla", _registry("spmdrl.algos.policy_losses", "POLICY_LOSSES"))
     clip_ratio_c: float = 3.0
     clip_cov_ratio: float = 0.0002
     clip_cov_lb: float = 1.0
@@ -244,11 +265,11 @@ class AlgorithmConfig:
     use_kl_loss: bool = True
     kl_loss_coef: float = 0.001
     # kl/k1, abs, mse/k2, low_var_kl/k3, and each with "+" (its value, k2's gradient).
-    kl_loss_type: str = "low_var_kl"
+    kl_loss_type: str = choice("low_var_kl", _registry("spmdrl.algos.kl", "KINDS"))
     # KL to the reference folded into the reward (verl's use_kl_in_reward), estimator kl_penalty, with a
     # fixed or adaptive coefficient (kl_ctrl).
     use_kl_in_reward: bool = False
-    kl_penalty: str = "kl"
+    kl_penalty: str = choice("kl", _registry("spmdrl.algos.kl", "KINDS"))
     kl_ctrl: KLCtrlConfig = field(default_factory=lambda: KLCtrlConfig())
     entropy_coeff: float = 0.0
     ppo_epochs: int = 1
@@ -319,15 +340,19 @@ def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
         raise ConfigError(f"{key}={value!r} is not one of {', '.join(choices)}")
 
 
+def _check_choices(node: Any, prefix: str) -> None:
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            _check_choices(value, f"{prefix}{f.name}.")
+        elif "choices" in f.metadata:
+            choices = f.metadata["choices"]
+            _check_choice(f"{prefix}{f.name}", value, choices() if callable(choices) else choices)
+
+
 def validate(cfg: Config) -> None:
     """Checks that need no world size. Raises ConfigError naming the key."""
-    _check_choice("model.param_dtype", cfg.model.param_dtype, ("auto", "float32", "bfloat16", "float16"))
-    _check_choice("model.reduce_dtype", cfg.model.reduce_dtype, ("float32", "bfloat16"))
-    _check_choice("data.overlong", cfg.data.overlong, ("filter", "error"))
-    _check_choice("optim.schedule", cfg.optim.schedule, ("constant", "cosine"))
-    _check_choice("optim.nonfinite_grad", cfg.optim.nonfinite_grad, ("stop", "skip"))
-    _check_choice("trainer.device", cfg.trainer.device, ("auto", "cpu", "cuda"))
-    _check_choice("parallel.placement", cfg.parallel.placement, ("colocated",))
+    _check_choices(cfg, "")
     positive = {
         "trainer.global_batch_size": cfg.trainer.global_batch_size,
         "trainer.micro_batch_size": cfg.trainer.micro_batch_size,
@@ -346,9 +371,8 @@ def validate(cfg: Config) -> None:
         )
     if len(cfg.optim.betas) != 2:
         raise ConfigError(f"optim.betas must have two values, got {cfg.optim.betas}")
-    from spmdrl.algos.advantages import ADV_ESTIMATORS, NEEDS_CRITIC
+    from spmdrl.algos.advantages import NEEDS_CRITIC
 
-    _check_choice("algorithm.adv_estimator", cfg.algorithm.adv_estimator, tuple(ADV_ESTIMATORS))
     if cfg.algorithm.adv_estimator in NEEDS_CRITIC:
         raise ConfigError(
             f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} needs a critic (values), which the "
@@ -359,27 +383,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"algorithm.gamma and algorithm.lam must be in [0, 1], got {cfg.algorithm.gamma}, {cfg.algorithm.lam}"
         )
-    from spmdrl.algos.aggregation import AGG_MODES
 
-    _check_choice("algorithm.loss_agg_mode", cfg.algorithm.loss_agg_mode, AGG_MODES)
     if cfg.algorithm.loss_scale_factor < 0:
         raise ConfigError(f"algorithm.loss_scale_factor must be >= 0, got {cfg.algorithm.loss_scale_factor}")
-    from spmdrl.algos import kl, kl_control, policy_losses
 
-    _check_choice("algorithm.policy_loss", cfg.algorithm.policy_loss, tuple(policy_losses.POLICY_LOSSES))
-    _check_choice("algorithm.kl_loss_type", cfg.algorithm.kl_loss_type, kl.KINDS)
-    _check_choice("algorithm.kl_penalty", cfg.algorithm.kl_penalty, kl.KINDS)
-    _check_choice("algorithm.kl_ctrl.type", cfg.algorithm.kl_ctrl.type, kl_control.KL_CTRL_TYPES)
-    _check_choice(
-        "algorithm.rollout_correction.rollout_is",
-        cfg.algorithm.rollout_correction.rollout_is,
-        ("", "token", "sequence"),
-    )
-    _check_choice(
-        "algorithm.filter_groups.metric",
-        cfg.algorithm.filter_groups.metric,
-        ("acc", "score", "seq_final_reward"),
-    )
     ob = cfg.reward.overlong_buffer
     if ob.enable and not (0 < ob.len <= cfg.data.max_response_length and ob.penalty_factor >= 0):
         raise ConfigError(
@@ -402,8 +409,6 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"algorithm.clip_ratio_c must be > 1 (dual-clip bound), got {cfg.algorithm.clip_ratio_c}"
         )
-    _check_choice("rollout.dtype", cfg.rollout.dtype, ("auto", "bfloat16", "float16", "float32"))
-    _check_choice("rollout.cpu_gemm", cfg.rollout.cpu_gemm, CPU_GEMM_PATHS)
     if not 0.0 <= cfg.rollout.weight_sync_check_tol < 1.0:
         raise ConfigError(
             f"rollout.weight_sync_check_tol must be in [0, 1), got {cfg.rollout.weight_sync_check_tol}"
@@ -423,7 +428,6 @@ def validate(cfg: Config) -> None:
             "algorithm.ppo_mini_batch_size must be >= 0 (0: the whole batch) and "
             "algorithm.rollout_correction.rollout_is_threshold > 0"
         )
-    _check_choice("data.tiny.held_out", cfg.data.tiny.held_out, ("problems", "questions"))
     if not 0.0 <= cfg.data.tiny.correct_fraction <= 1.0:
         raise ConfigError(
             f"data.tiny.correct_fraction must be in [0, 1], got {cfg.data.tiny.correct_fraction}"

@@ -91,3 +91,54 @@ def test_update_raises_positive_and_lowers_negative(tmp_path: Path, mini: int, e
         } <= set(metrics)
         if epochs > 1:
             assert metrics["actor/ppo_kl"] > 0  # later updates see a ratio != 1
+
+
+def _nonfinite_worker(rank: int, world: int, model_dir: str, mode: str) -> tuple[str, float, bool]:
+    from spmdrl.algos.batch import PolicyBatch
+    from spmdrl.config import (
+        AlgorithmConfig,
+        Config,
+        OptimConfig,
+        RolloutConfig,
+        TrainerConfig,
+        derive,
+        derive_rl,
+    )
+    from spmdrl.distributed.placement import Placement
+    from spmdrl.models.build import ModelSpec, build_fsdp_model
+    from spmdrl.optim import build_optimizer
+    from spmdrl.recipes.grpo import update_policy
+
+    cfg = Config(
+        trainer=TrainerConfig(global_batch_size=2, micro_batch_size=2),
+        rollout=RolloutConfig(n=2),
+        algorithm=AlgorithmConfig(use_kl_loss=False),
+        optim=OptimConfig(lr=1e-3, nonfinite_grad=mode),
+    )
+    rl = derive_rl(cfg, derive(cfg, world, 100, samples_per_item=2))
+    mesh = Placement.colocated(world).build_meshes("cpu").fsdp("actor")
+    actor = build_fsdp_model(
+        ModelSpec(Path(model_dir), torch.float32, torch.float32), mesh, torch.device("cpu")
+    )
+    optimizer = build_optimizer(actor, cfg.optim)
+    B, T = 4, 10
+    ids = torch.randint(0, 64, (B, T), generator=torch.Generator().manual_seed(0))
+    resp = torch.zeros(B, T, dtype=torch.bool)
+    resp[:, 4:] = True
+    adv = torch.tensor([1.0, float("nan"), 1.0, -1.0])  # a reward function that returned NaN, say
+    batch = PolicyBatch(ids, torch.ones(B, T, dtype=torch.long), resp, torch.zeros(B, T), adv[:, None] * resp)
+    before = [p.to_local().clone() for p in actor.parameters()]
+    try:
+        metrics = update_policy(cfg, rl, actor, optimizer, batch).metrics
+    except FloatingPointError as e:
+        return str(e), -1.0, True
+    unchanged = all(torch.equal(a, p.to_local()) for a, p in zip(before, actor.parameters(), strict=True))
+    return "", metrics["actor/skipped_updates"], unchanged
+
+
+def test_nonfinite_gradient_stops_or_skips(tmp_path: Path) -> None:
+    save_small_qwen2(tmp_path / "m")
+    (err, _, _) = run_distributed(_nonfinite_worker, 1, str(tmp_path / "m"), "stop")[0]
+    assert "non-finite gradient norm" in err and "optim.nonfinite_grad=skip" in err
+    (err, skipped, unchanged) = run_distributed(_nonfinite_worker, 1, str(tmp_path / "m"), "skip")[0]
+    assert err == "" and skipped == 1 and unchanged  # verl's behaviour: the update is dropped, counted
