@@ -147,6 +147,23 @@ class MicroBatchLoss:
     stats: dict[str, torch.Tensor]  # detached scalars: pg_loss, entropy, pg_clipfrac, ppo_kl (+ kl_loss)
 
 
+def build_models(
+    cfg: Config, device: torch.device, world_size: int, model_dir: Path
+) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+    """The actor (trained) and, when a KL term needs it, the frozen reference, both FSDP2 on every rank."""
+    a = cfg.algorithm
+    meshes = Placement.colocated(world_size, cfg.parallel.dp_replicate).build_meshes(device.type)
+    actor = build_fsdp_model(
+        model_spec(cfg.model, model_dir, device, train=True), meshes.fsdp("actor"), device
+    )
+    ref = None
+    if a.use_kl_loss or a.use_kl_in_reward:
+        ref = build_fsdp_model(
+            model_spec(cfg.model, model_dir, device, train=False), meshes.fsdp("ref"), device
+        )
+    return actor, ref
+
+
 def loss_params(cfg: Config) -> PolicyLossParams:
     a = cfg.algorithm
     return PolicyLossParams(
@@ -285,18 +302,21 @@ def update_policy(
 
 def step_metrics(
     cfg: Config,
-    gens: list[Generation],
-    rewards: RewardResult,
+    ro: Rollouts,
     batch: PolicyBatch,
+    sampled_mask_BT: torch.Tensor,
     old_logprobs_BT: torch.Tensor,
+    timer: PhaseTimer,
     device: torch.device,
 ) -> dict[str, float]:
-    """Rollout, reward and trainer-vs-engine metrics of the step, reduced over all ranks."""
-    n = cfg.rollout.n
+    """Rollout, reward, trainer-vs-engine, speed and timing metrics of the step, reduced over all ranks.
+
+    The mismatch is measured on every sampled token (``sampled_mask_BT``, before rejection masked any).
+    """
+    n, gens, scores_B = cfg.rollout.n, ro.gens, ro.rewards.scores_B
     mismatch = logprob_mismatch(
-        old_logprobs_BT, batch.engine_logprobs_BT, batch.response_mask_BT, group=dist.group.WORLD
+        old_logprobs_BT, batch.engine_logprobs_BT, sampled_mask_BT, group=dist.group.WORLD
     )
-    scores_B = rewards.scores_B
     sums = all_reduce_sum(
         {
             "reward": float(scores_B.sum()),
@@ -304,12 +324,14 @@ def step_metrics(
             "n": len(gens),
             "tokens": sum(len(g.token_ids) for g in gens),
             "truncated": sum(g.finish_reason == "length" for g in gens),
-            "errors": rewards.num_errors,
-            "timeouts": rewards.num_timeouts,
+            "errors": ro.rewards.num_errors,
+            "timeouts": ro.rewards.num_timeouts,
             "solved_groups": float((scores_B.view(-1, n).min(dim=1).values >= 1.0).sum()),
+            "train_tokens": float(batch.attention_mask_BT.sum()) * cfg.algorithm.ppo_epochs,
         },
         device,
     )
+    slowest = all_reduce_max(timer.seconds, device)  # a step is as slow as its slowest rank
     count = sums["n"]
     mean = sums["reward"] / count
     return {
@@ -322,8 +344,11 @@ def step_metrics(
         # Every sample that did not get a real score: raised, bad value, or past the timeout.
         "reward/errors": sums["errors"] + sums["timeouts"],
         "reward/timeouts": sums["timeouts"],
-        "rollout/tokens": sums["tokens"],
         **{f"mismatch/{k}": mismatch[k] for k in ("logprob_abs_diff_mean", "logprob_abs_diff_max", "kl_k3")},
+        **ro.metrics,
+        "perf/rollout_tokens_per_s": sums["tokens"] / max(slowest["rollout_s"], 1e-9),
+        "perf/train_tokens_per_s": sums["train_tokens"] / max(slowest["train_s"], 1e-9),
+        **{f"timing/{k}": v for k, v in slowest.items()},
     }
 
 
@@ -641,15 +666,7 @@ def main(cfg: Config) -> None:
     )
 
     # Models on their meshes (colocated: the same ranks), then the engine on every rank.
-    meshes = Placement.colocated(env.world_size, cfg.parallel.dp_replicate).build_meshes(env.device.type)
-    actor = build_fsdp_model(
-        model_spec(cfg.model, model_dir, env.device, train=True), meshes.fsdp("actor"), env.device
-    )
-    ref = None
-    if a.use_kl_loss or a.use_kl_in_reward:
-        ref = build_fsdp_model(
-            model_spec(cfg.model, model_dir, env.device, train=False), meshes.fsdp("ref"), env.device
-        )
+    actor, ref = build_models(cfg, env.device, env.world_size, model_dir)
     optimizer = build_optimizer(actor, cfg.optim)
     scheduler = build_lr_scheduler(optimizer, cfg.optim, derived.total_steps)
     engine = build_engine(model_dir, cfg.rollout, max_model_len=rl.max_model_len, device_type=env.device.type)
@@ -725,30 +742,11 @@ def main(cfg: Config) -> None:
 
         # 7. Log: metrics reduced over ranks, samples, validation, curves.
         metrics = {
-            **step_metrics(
-                cfg,
-                gens,
-                rewards,
-                batch.replace(response_mask_BT=sampled_mask_BT),
-                update.old_logprobs_BT,
-                env.device,
-            ),
+            **step_metrics(cfg, ro, batch, sampled_mask_BT, update.old_logprobs_BT, timer, env.device),
             **update.metrics,
-            **ro.metrics,
             **extra,
             "actor/lr": scheduler.get_last_lr()[0],
         }
-        if not math.isfinite(metrics["actor/pg_loss"]):
-            raise FloatingPointError(
-                f"non-finite policy loss at step {step}; try a lower optim.lr (now {cfg.optim.lr})"
-            )
-        slowest = all_reduce_max(timer.seconds, env.device)  # a step is as slow as its slowest rank
-        train_tokens = all_reduce_sum({"t": float(batch.attention_mask_BT.sum())}, env.device)["t"]
-        metrics["perf/rollout_tokens_per_s"] = metrics.pop("rollout/tokens") / max(slowest["rollout_s"], 1e-9)
-        metrics["perf/train_tokens_per_s"] = (
-            train_tokens * cfg.algorithm.ppo_epochs / max(slowest["train_s"], 1e-9)
-        )
-        metrics.update({f"timing/{k}": v for k, v in slowest.items()})
         if env.is_main and cfg.logging.samples_every > 0 and step % cfg.logging.samples_every == 0:
             write_samples(
                 samples_path, train_samples(step, tokenizer, prompts, gens, responses, rewards, cfg)
