@@ -12,7 +12,10 @@ Every rank, every step:
   6. sync       the actor's FSDP2 shards -> full tensors per bucket -> the engine, in place
   7. log        metrics (reduced over ranks), samples, validation, curves
 
-Deliberately simple: one reference model colocated with the actor, no critic, no sequence packing,
+With algorithm.adv_estimator=gae it is PPO: a critic (value head on the actor's backbone) is built, gives
+the values GAE needs in step 3 and trains towards the returns in step 5 (recipe=ppo_tiny).
+
+Deliberately simple: every role colocated on every rank, no sequence packing,
 no resume yet (the checkpoint hook point is marked).
 """
 
@@ -29,7 +32,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from spmdrl.algos.advantages import NEEDS_BASELINE, AdvantageInputs, compute_advantages, token_level_rewards
+from spmdrl.algos.advantages import (
+    NEEDS_BASELINE,
+    NEEDS_CRITIC,
+    AdvantageInputs,
+    compute_advantages,
+    token_level_rewards,
+)
 from spmdrl.algos.aggregation import Aggregation, count_units
 from spmdrl.algos.batch import PolicyBatch, build_policy_batch
 from spmdrl.algos.correction import rollout_correction
@@ -47,6 +56,7 @@ from spmdrl.algos.kl_control import (
     build_kl_controller,
 )
 from spmdrl.algos.policy_losses import PolicyLossParams, agg_mode_for, policy_loss
+from spmdrl.algos.value_loss import clipped_value_loss
 from spmdrl.config import Config, ConfigError, RLDerived, derive, derive_rl
 from spmdrl.data.prompts import PromptDataset, PromptExample
 from spmdrl.data.sampler import DistributedSampler
@@ -162,6 +172,103 @@ def build_models(
             model_spec(cfg.model, model_dir, device, train=False), meshes.fsdp("ref"), device
         )
     return actor, ref
+
+
+@dataclasses.dataclass
+class Critic:
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+
+
+def build_critic(
+    cfg: Config, device: torch.device, world_size: int, actor_dir: Path, cache_dir: Path
+) -> Critic:
+    """The value model (FSDP2 like the actor, colocated on every rank), its optimizer and schedule."""
+    path = (
+        resolve_model_path_all_ranks(cfg.critic.model_path, cache_dir) if cfg.critic.model_path else actor_dir
+    )
+    meshes = Placement.colocated(world_size, cfg.parallel.dp_replicate).build_meshes(device.type)
+    spec = model_spec(cfg.model, path, device, train=True, head="value")
+    model = build_fsdp_model(spec, meshes.fsdp("critic"), device)
+    optimizer = build_optimizer(model, cfg.critic.optim)
+    return Critic(
+        model, optimizer, build_lr_scheduler(optimizer, cfg.critic.optim, cfg.trainer.total_steps or 1)
+    )
+
+
+def values_of(critic: torch.nn.Module, batch: PolicyBatch, micro: int, *, grad: bool = False) -> torch.Tensor:
+    """The critic's value of the state each token was sampled in, at the token's own position, (B, T).
+
+    The output at position t sees tokens 0..t, the state before token t + 1 is sampled, so it is the
+    value of token t + 1: shifted by one, as the logprobs are. A no-grad pass unless ``grad``.
+    """
+    out_BT = torch.zeros_like(batch.engine_logprobs_BT)
+    with torch.set_grad_enabled(grad):
+        for start in range(0, batch.num_rows, micro):
+            mb = batch.rows(start, start + micro)
+            v_BT = (
+                critic(input_ids=mb.input_ids_BT, attention_mask=mb.attention_mask_BT).logits[..., 0].float()
+            )
+            out_BT[start : start + micro, 1 : v_BT.shape[1]] = v_BT[:, :-1]
+    return out_BT
+
+
+def update_critic(cfg: Config, rl: RLDerived, critic: Critic, batch: PolicyBatch) -> dict[str, float]:
+    """The clipped value loss towards the returns, over the same mini-batches and epochs as the actor."""
+    a, t = cfg.algorithm, cfg.trainer
+    assert batch.values_BT is not None and batch.returns_BT is not None
+    device = batch.input_ids_BT.device
+    sums: dict[str, float] = defaultdict(float)
+    grad_norms = []
+    for _ in range(a.ppo_epochs):
+        for m in range(rl.mini_batches_per_step):
+            lo = m * rl.per_rank_mini_batch_seqs
+            starts = range(lo, lo + rl.per_rank_mini_batch_seqs, t.micro_batch_size)
+            micro_batches = [batch.rows(s, s + t.micro_batch_size) for s in starts]
+            local = sum(count_units(mb.response_mask_BT, a.loss_agg_mode) for mb in micro_batches)
+            agg = Aggregation(
+                a.loss_agg_mode,
+                all_reduce_sum({"n": local}, device)["n"],
+                float(a.loss_scale_factor or cfg.data.max_response_length),
+            )
+            for mb in micro_batches:
+                v_BT = (
+                    critic.model(input_ids=mb.input_ids_BT, attention_mask=mb.attention_mask_BT)
+                    .logits[..., 0]
+                    .float()
+                )
+                values_BT = torch.zeros_like(mb.engine_logprobs_BT)
+                values_BT[:, 1:] = v_BT[:, :-1]
+                assert mb.values_BT is not None and mb.returns_BT is not None
+                loss, stats = clipped_value_loss(
+                    values_BT,
+                    mb.values_BT,
+                    mb.returns_BT,
+                    mb.response_mask_BT,
+                    agg=agg,
+                    cliprange=cfg.critic.cliprange_value,
+                )
+                loss.backward()
+                sums["vf_loss"] += float(loss.detach())
+                for k, v in stats.items():
+                    sums[k] += float(v) / len(micro_batches)
+            grad_norm = clip_grad_norm(critic.model, cfg.critic.optim.grad_clip)
+            if not math.isfinite(grad_norm):
+                raise FloatingPointError(
+                    f"non-finite critic gradient norm; try a lower critic.optim.lr (now {cfg.critic.optim.lr})"
+                )
+            grad_norms.append(grad_norm)
+            critic.optimizer.step()
+            critic.optimizer.zero_grad(set_to_none=True)
+    critic.scheduler.step()
+    updates = a.ppo_epochs * rl.mini_batches_per_step
+    reduced = all_reduce_sum(dict(sums), device)
+    world = dist.get_world_size()
+    metrics = {f"critic/{k}": v / updates / (1 if k == "vf_loss" else world) for k, v in reduced.items()}
+    metrics["critic/grad_norm"] = sum(grad_norms) / len(grad_norms)
+    metrics["critic/lr"] = critic.scheduler.get_last_lr()[0]
+    return metrics
 
 
 def loss_params(cfg: Config) -> PolicyLossParams:
@@ -353,22 +460,26 @@ def step_metrics(
 
 
 def advantage_estimator(
-    cfg: Config, num_prompts: int, baseline_B: torch.Tensor | None
-) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """algorithm.adv_estimator over this rank's rows: rollout.n consecutive samples per prompt."""
+    cfg: Config, num_prompts: int, baseline_B: torch.Tensor | None, values_BT: torch.Tensor | None = None
+) -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """algorithm.adv_estimator over this rank's rows (rollout.n consecutive samples per prompt):
+    ``(token_rewards_BT, response_mask_BT) -> (advantages_BT, returns_BT)``."""
     a = cfg.algorithm
 
-    def advantages(token_rewards_BT: torch.Tensor, response_mask_BT: torch.Tensor) -> torch.Tensor:
+    def advantages(
+        token_rewards_BT: torch.Tensor, response_mask_BT: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         inputs = AdvantageInputs(
             token_rewards_BT,
             response_mask_BT,
             group_ids_B=torch.arange(num_prompts).repeat_interleave(cfg.rollout.n),
+            values_BT=values_BT,
             baseline_B=baseline_B,
             gamma=a.gamma,
             lam=a.lam,
             norm_by_std=a.norm_adv_by_std,
         )
-        return compute_advantages(a.adv_estimator, inputs)[0]
+        return compute_advantages(a.adv_estimator, inputs)
 
     return advantages
 
@@ -667,6 +778,11 @@ def main(cfg: Config) -> None:
 
     # Models on their meshes (colocated: the same ranks), then the engine on every rank.
     actor, ref = build_models(cfg, env.device, env.world_size, model_dir)
+    critic = (
+        build_critic(cfg, env.device, env.world_size, model_dir, run.cache_dir)
+        if a.adv_estimator in NEEDS_CRITIC
+        else None
+    )
     optimizer = build_optimizer(actor, cfg.optim)
     scheduler = build_lr_scheduler(optimizer, cfg.optim, derived.total_steps)
     engine = build_engine(model_dir, cfg.rollout, max_model_len=rl.max_model_len, device_type=env.device.type)
@@ -714,6 +830,8 @@ def main(cfg: Config) -> None:
                 batch = batch.replace(old_logprobs_BT=logprobs_of(actor, batch, micro, temp))
             if ref is not None:
                 batch = batch.replace(ref_logprobs_BT=logprobs_of(ref, batch, micro, temp))
+            if critic is not None:
+                batch = batch.replace(values_BT=values_of(critic.model, batch, micro))
 
         # 4. Advantages (algorithm.adv_estimator; the rank holds whole groups, so no communication), with
         #    the KL to the reference folded into the reward if asked, and the rollout correction.
@@ -721,16 +839,31 @@ def main(cfg: Config) -> None:
         extra: dict[str, float] = {}
         if a.use_kl_in_reward:
             token_rewards_BT, extra = kl_in_reward(cfg, batch, token_rewards_BT, kl_ctrl, env.device)
-        estimate = advantage_estimator(cfg, len(prompts), baseline_B)
-        batch = batch.replace(advantages_BT=estimate(token_rewards_BT, batch.response_mask_BT))
+        estimate = advantage_estimator(cfg, len(prompts), baseline_B, batch.values_BT)
+        advantages_BT, returns_BT = estimate(token_rewards_BT, batch.response_mask_BT)
+        batch = batch.replace(advantages_BT=advantages_BT, returns_BT=returns_BT)
         if a.rollout_correction.enabled:
             batch, corr_metrics = correct_rollout(cfg, batch, env.device)
             extra.update(corr_metrics)
 
         # 5. Update the actor.
+        critic_metrics: dict[str, float] = {}
+        if critic is not None:
+            with timer("critic_update"):
+                critic_metrics = update_critic(cfg, rl, critic, batch)
         with timer("train"):
-            update = update_policy(cfg, rl, actor, optimizer, batch)
-            scheduler.step()  # once per RL step (optim.warmup_steps counts RL steps)
+            if critic is not None and step <= cfg.critic.warmup_steps:
+                # critic.warmup_steps: the actor waits for values that mean something (verl's critic_warmup);
+                # its logprobs are still computed, for the trainer-vs-engine metrics.
+                old_BT = (
+                    batch.old_logprobs_BT
+                    if batch.old_logprobs_BT is not None
+                    else logprobs_of(actor, batch, micro, temp)
+                )
+                update = UpdateResult({}, old_BT)
+            else:
+                update = update_policy(cfg, rl, actor, optimizer, batch)
+                scheduler.step()  # once per RL step (optim.warmup_steps counts RL steps)
 
         # 6. Sync the new weights into the engine; the check proves the engine now serves exactly them.
         with timer("weight_sync"):
@@ -744,6 +877,7 @@ def main(cfg: Config) -> None:
         metrics = {
             **step_metrics(cfg, ro, batch, sampled_mask_BT, update.old_logprobs_BT, timer, env.device),
             **update.metrics,
+            **critic_metrics,
             **extra,
             "actor/lr": scheduler.get_last_lr()[0],
         }

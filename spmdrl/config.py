@@ -301,6 +301,21 @@ class RewardConfig:
 
 
 @dataclass
+class CriticConfig:
+    """The value model, built and trained when algorithm.adv_estimator needs one (gae: PPO)."""
+
+    # "": the actor's starting weights (its backbone; the value head starts at 0). Or a directory with a
+    # causal-LM or critic checkpoint.
+    model_path: str = ""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    # verl's critic.cliprange_value: a value prediction moves at most this far from the old one per step.
+    cliprange_value: float = 0.5
+    # verl's trainer.critic_warmup: the first steps train only the critic (the actor waits for values
+    # that mean something).
+    warmup_steps: int = 0
+
+
+@dataclass
 class WarmstartConfig:
     """An SFT stage run inside the RL job before RL starts, on data.train_files' response column.
 
@@ -333,6 +348,7 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     warmstart: WarmstartConfig = field(default_factory=WarmstartConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
 
 
 def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
@@ -371,13 +387,10 @@ def validate(cfg: Config) -> None:
         )
     if len(cfg.optim.betas) != 2:
         raise ConfigError(f"optim.betas must have two values, got {cfg.optim.betas}")
-    from spmdrl.algos.advantages import NEEDS_CRITIC
-
-    if cfg.algorithm.adv_estimator in NEEDS_CRITIC:
+    if cfg.critic.cliprange_value <= 0 or cfg.critic.warmup_steps < 0:
         raise ConfigError(
-            f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} needs a critic (values), which the "
-            f"{cfg.entry} recipe does not train; pick a critic-free estimator (grpo, rloo, "
-            "reinforce_plus_plus, ...) or a recipe with a critic"
+            f"critic.cliprange_value must be > 0 and critic.warmup_steps >= 0, got {cfg.critic.cliprange_value}, "
+            f"{cfg.critic.warmup_steps}"
         )
     if not (0.0 <= cfg.algorithm.gamma <= 1.0 and 0.0 <= cfg.algorithm.lam <= 1.0):
         raise ConfigError(

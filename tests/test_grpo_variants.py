@@ -38,8 +38,8 @@ def _batch() -> PolicyBatch:
     return PolicyBatch(ids, attn, resp, old.clone(), adv_BT, old_logprobs_BT=old, ref_logprobs_BT=old - 0.1)
 
 
-@pytest.mark.parametrize("name", sorted(set(ADV_ESTIMATORS) - NEEDS_CRITIC))
-def test_every_critic_free_estimator_by_name(name: str) -> None:
+@pytest.mark.parametrize("name", sorted(ADV_ESTIMATORS))
+def test_every_estimator_by_name(name: str) -> None:
     cfg = _cfg(adv_estimator=name)
     validate(cfg)
     mask_BT = _batch().response_mask_BT
@@ -48,7 +48,9 @@ def test_every_critic_free_estimator_by_name(name: str) -> None:
         [1.0, 0.0, 0.0, 1.0]
     )
     baseline_B = torch.tensor([0.5, 0.5, 0.0, 0.0]) if name == "remax" else None
-    adv_BT = advantage_estimator(cfg, B // N, baseline_B)(rewards_BT, mask_BT)
+    values_BT = torch.linspace(-0.5, 0.5, T).expand(B, T) * mask_BT if name in NEEDS_CRITIC else None
+    adv_BT, returns_BT = advantage_estimator(cfg, B // N, baseline_B, values_BT)(rewards_BT, mask_BT)
+    assert returns_BT.shape == (B, T) and torch.isfinite(returns_BT).all()
     assert adv_BT.shape == (B, T) and torch.isfinite(adv_BT).all()
     assert (adv_BT[~mask_BT] == 0).all()
     assert adv_BT[mask_BT].abs().sum() > 0  # each group has a better and a worse sample
@@ -71,8 +73,9 @@ def test_every_policy_loss_by_name_trains(name: str) -> None:
 
 
 def test_bad_names_and_critic_estimators_fail_in_validation() -> None:
-    with pytest.raises(ConfigError, match="needs a critic"):
-        validate(_cfg(adv_estimator="gae"))
+    validate(_cfg(adv_estimator="gae"))  # the recipe builds a critic for it
+    with pytest.raises(ConfigError, match="algorithm.adv_estimator='ppo' is not one of"):
+        validate(_cfg(adv_estimator="ppo"))
     with pytest.raises(ConfigError, match="algorithm.policy_loss='ppo' is not one of vanilla"):
         validate(_cfg(policy_loss="ppo"))
     with pytest.raises(ConfigError, match="algorithm.kl_loss_type"):

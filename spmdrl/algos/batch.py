@@ -65,6 +65,10 @@ class PolicyBatch:
     ref_logprobs_BT: torch.Tensor | None = None
     # Rollout-correction importance weights (detached), multiplied into the per-token policy loss.
     is_weights_BT: torch.Tensor | None = None
+    # PPO with a critic: the critic's values before the update (at each token's position: the value of
+    # the state the token was sampled in) and the returns it is trained towards.
+    values_BT: torch.Tensor | None = None
+    returns_BT: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:

@@ -17,7 +17,7 @@ from safetensors import safe_open
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
 from spmdrl.config import ModelConfig
 from spmdrl.models.parallelize import apply_ac, apply_fsdp
@@ -42,9 +42,12 @@ class ModelSpec:
     activation_checkpointing: bool = False
     trust_remote_code: bool = False
     train: bool = True
+    # "lm": the causal LM (actor, reference). "value": the same backbone with a scalar value head per
+    # token instead of the LM head (the critic), built from a causal-LM checkpoint or a critic's own.
+    head: str = "lm"
 
 
-def model_spec(cfg: ModelConfig, path: Path, device: torch.device, *, train: bool) -> ModelSpec:
+def model_spec(cfg: ModelConfig, path: Path, device: torch.device, *, train: bool, head: str = "lm") -> ModelSpec:
     """The ModelSpec for ``cfg`` (dtypes resolved for ``device``); frozen models skip activation checkpointing."""
     return ModelSpec(
         path=path,
@@ -53,6 +56,7 @@ def model_spec(cfg: ModelConfig, path: Path, device: torch.device, *, train: boo
         activation_checkpointing=cfg.activation_checkpointing and train,
         trust_remote_code=cfg.trust_remote_code,
         train=train,
+        head=head,
     )
 
 
@@ -94,10 +98,15 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 def build_fsdp_model(spec: ModelSpec, mesh: DeviceMesh, device: torch.device) -> nn.Module:
     hf_config = AutoConfig.from_pretrained(spec.path, trust_remote_code=spec.trust_remote_code)
     # 1. Build on meta: the architecture without memory.
+    if spec.head not in ("lm", "value"):
+        raise ValueError(f"ModelSpec.head must be 'lm' or 'value', got {spec.head!r}")
+    auto = AutoModelForCausalLM
+    if spec.head == "value":
+        # One output per token, no dropout (values must be deterministic); verl's critic is the same class.
+        hf_config.num_labels, hf_config.classifier_dropout = 1, 0.0
+        auto = AutoModelForTokenClassification
     with _params_on_meta():
-        model = AutoModelForCausalLM.from_config(
-            hf_config, trust_remote_code=spec.trust_remote_code, dtype=torch.float32
-        )
+        model = auto.from_config(hf_config, trust_remote_code=spec.trust_remote_code, dtype=torch.float32)
     # Sharded params are the fp32 master copy; FSDP2 casts to param_dtype for compute.
     # Keep (owner module, name, value) rather than dotted names: activation checkpointing renames paths.
     buffers = [
@@ -116,8 +125,17 @@ def build_fsdp_model(spec: ModelSpec, mesh: DeviceMesh, device: torch.device) ->
             getattr(mod, name).copy_(value)
     # 4. Load weights: each rank reads the (memory-mapped) files and keeps its own slices.
     state = read_safetensors(spec.path)
+    new_head: list[str] = []
+    if spec.head == "value":
+        # From a causal-LM checkpoint: its LM head has no place here, and the value head starts at 0, so
+        # the first values are 0 (a neutral baseline) rather than random.
+        state.pop("lm_head.weight", None)
+        new_head = [k for k in VALUE_HEAD_KEYS if k not in state]
+        state.update({k: torch.zeros_like(_full_shape_tensor(model, k)) for k in new_head})
     _check_keys(model, state, spec.path)
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+    if new_head:
+        log.info("value head %s initialized to 0 (not in %s)", new_head, spec.path)
     # Training never decodes incrementally; HF's KV cache would only cost memory, and under
     # activation checkpointing the recomputed forward would append to it a second time.
     model.config.use_cache = False
@@ -127,6 +145,16 @@ def build_fsdp_model(spec: ModelSpec, mesh: DeviceMesh, device: torch.device) ->
     n_params = sum(p.numel() for p in model.parameters())
     log.info("built %s from %s: %.2fM parameters", type(model).__name__, spec.path, n_params / 1e6)
     return model
+
+
+# The critic's value head (Qwen2ForTokenClassification and its siblings call it score).
+VALUE_HEAD_KEYS = ("score.weight", "score.bias")
+
+
+def _full_shape_tensor(model: nn.Module, name: str) -> torch.Tensor:
+    """A CPU tensor of the full (unsharded) shape of parameter ``name``."""
+    p = dict(model.named_parameters())[name]
+    return torch.empty(p.shape, dtype=torch.float32)
 
 
 def _check_keys(model: nn.Module, state: dict[str, torch.Tensor], path: Path) -> None:
