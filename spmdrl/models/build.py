@@ -47,7 +47,9 @@ class ModelSpec:
     head: str = "lm"
 
 
-def model_spec(cfg: ModelConfig, path: Path, device: torch.device, *, train: bool, head: str = "lm") -> ModelSpec:
+def model_spec(
+    cfg: ModelConfig, path: Path, device: torch.device, *, train: bool, head: str = "lm"
+) -> ModelSpec:
     """The ModelSpec for ``cfg`` (dtypes resolved for ``device``); frozen models skip activation checkpointing."""
     return ModelSpec(
         path=path,
