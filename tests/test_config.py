@@ -24,7 +24,19 @@ def test_recipe_and_overrides_compose() -> None:
 def test_default_recipe_is_grpo_tiny() -> None:
     cfg = load_config([])
     assert (cfg.name, cfg.entry) == ("grpo_tiny", "grpo")
-    assert {"sft_tiny", "grpo_tiny", "grpo_gsm8k"} <= set(available_recipes())
+    assert {"sft_tiny", "grpo_tiny", "grpo_gsm8k", "dapo_tiny", "ppo_tiny", "ppo_gsm8k"} <= set(
+        available_recipes()
+    )
+
+
+@pytest.mark.parametrize(
+    "recipe", ["grpo_tiny", "grpo_gsm8k", "dapo_tiny", "ppo_tiny", "ppo_gsm8k", "sft_tiny"]
+)
+def test_every_shipped_recipe_loads_and_validates(recipe: str) -> None:
+    cfg = load_config([f"recipe={recipe}"])  # load_config validates
+    assert cfg.name == recipe
+    if recipe.startswith("ppo"):
+        assert cfg.algorithm.adv_estimator == "gae"
 
 
 @pytest.mark.parametrize(
