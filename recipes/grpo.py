@@ -26,7 +26,7 @@ import logging
 import math
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -197,70 +197,86 @@ def build_critic(
     )
 
 
-def values_of(critic: torch.nn.Module, batch: PolicyBatch, micro: int, *, grad: bool = False) -> torch.Tensor:
+def _shifted_values(critic: torch.nn.Module, mb: PolicyBatch) -> torch.Tensor:
     """The critic's value of the state each token was sampled in, at the token's own position, (B, T).
 
     The output at position t sees tokens 0..t, the state before token t + 1 is sampled, so it is the
-    value of token t + 1: shifted by one, as the logprobs are. A no-grad pass unless ``grad``.
+    value of token t + 1: shifted by one, as the logprobs are.
     """
-    out_BT = torch.zeros_like(batch.engine_logprobs_BT)
-    with torch.set_grad_enabled(grad):
-        for start in range(0, batch.num_rows, micro):
-            mb = batch.rows(start, start + micro)
-            v_BT = (
-                critic(input_ids=mb.input_ids_BT, attention_mask=mb.attention_mask_BT).logits[..., 0].float()
-            )
-            out_BT[start : start + micro, 1 : v_BT.shape[1]] = v_BT[:, :-1]
+    v_BT = critic(input_ids=mb.input_ids_BT, attention_mask=mb.attention_mask_BT).logits[..., 0].float()
+    out_BT = torch.zeros_like(mb.engine_logprobs_BT)
+    out_BT[:, 1:] = v_BT[:, :-1]
     return out_BT
+
+
+@torch.no_grad()
+def values_of(critic: torch.nn.Module, batch: PolicyBatch, micro: int) -> torch.Tensor:
+    """A no-grad pass over the rank's batch: the critic's values (see _shifted_values), (B, T)."""
+    out_BT = torch.zeros_like(batch.engine_logprobs_BT)
+    for start in range(0, batch.num_rows, micro):
+        v_BT = _shifted_values(critic, batch.rows(start, start + micro))
+        out_BT[start : start + micro, : v_BT.shape[1]] = v_BT
+    return out_BT
+
+
+def mini_batches(
+    cfg: Config, rl: RLDerived, batch: PolicyBatch, mode: str
+) -> Iterator[tuple[int, int, list[int], list[PolicyBatch], Aggregation]]:
+    """``(epoch, mini-batch, row starts, micro-batches, aggregation)`` for each optimizer step of an update.
+
+    Each mini-batch's units (tokens or sequences, per ``mode``) are counted on all ranks with one
+    all_reduce before its micro-batches run: every loss term is its sum / that count
+    (spmdrl/algos/aggregation.py). The actor's and the critic's updates walk the same schedule.
+    """
+    a, micro = cfg.algorithm, cfg.trainer.micro_batch_size
+    norm_length = float(a.loss_scale_factor or cfg.data.max_response_length)
+    device = batch.input_ids_BT.device
+    for epoch in range(a.ppo_epochs):
+        for m in range(rl.mini_batches_per_step):
+            lo = m * rl.per_rank_mini_batch_seqs
+            starts = list(range(lo, lo + rl.per_rank_mini_batch_seqs, micro))
+            micro_batches = [batch.rows(s, s + micro) for s in starts]
+            local = sum(count_units(mb.response_mask_BT, mode) for mb in micro_batches)
+            yield (
+                epoch,
+                m,
+                starts,
+                micro_batches,
+                Aggregation(mode, all_reduce_sum({"n": local}, device)["n"], norm_length),
+            )
 
 
 def update_critic(cfg: Config, rl: RLDerived, critic: Critic, batch: PolicyBatch) -> dict[str, float]:
     """The clipped value loss towards the returns, over the same mini-batches and epochs as the actor."""
-    a, t = cfg.algorithm, cfg.trainer
+    a = cfg.algorithm
     assert batch.values_BT is not None and batch.returns_BT is not None
     device = batch.input_ids_BT.device
     sums: dict[str, float] = defaultdict(float)
     grad_norms = []
-    for _ in range(a.ppo_epochs):
-        for m in range(rl.mini_batches_per_step):
-            lo = m * rl.per_rank_mini_batch_seqs
-            starts = range(lo, lo + rl.per_rank_mini_batch_seqs, t.micro_batch_size)
-            micro_batches = [batch.rows(s, s + t.micro_batch_size) for s in starts]
-            local = sum(count_units(mb.response_mask_BT, a.loss_agg_mode) for mb in micro_batches)
-            agg = Aggregation(
-                a.loss_agg_mode,
-                all_reduce_sum({"n": local}, device)["n"],
-                float(a.loss_scale_factor or cfg.data.max_response_length),
+    for _, _, _, micro_batches, agg in mini_batches(cfg, rl, batch, a.loss_agg_mode):
+        for mb in micro_batches:
+            values_BT = _shifted_values(critic.model, mb)
+            assert mb.values_BT is not None and mb.returns_BT is not None
+            loss, stats = clipped_value_loss(
+                values_BT,
+                mb.values_BT,
+                mb.returns_BT,
+                mb.response_mask_BT,
+                agg=agg,
+                cliprange=cfg.critic.cliprange_value,
             )
-            for mb in micro_batches:
-                v_BT = (
-                    critic.model(input_ids=mb.input_ids_BT, attention_mask=mb.attention_mask_BT)
-                    .logits[..., 0]
-                    .float()
-                )
-                values_BT = torch.zeros_like(mb.engine_logprobs_BT)
-                values_BT[:, 1:] = v_BT[:, :-1]
-                assert mb.values_BT is not None and mb.returns_BT is not None
-                loss, stats = clipped_value_loss(
-                    values_BT,
-                    mb.values_BT,
-                    mb.returns_BT,
-                    mb.response_mask_BT,
-                    agg=agg,
-                    cliprange=cfg.critic.cliprange_value,
-                )
-                loss.backward()
-                sums["vf_loss"] += float(loss.detach())
-                for k, v in stats.items():
-                    sums[k] += float(v) / len(micro_batches)
-            grad_norm = clip_grad_norm(critic.model, cfg.critic.optim.grad_clip)
-            if not math.isfinite(grad_norm):
-                raise FloatingPointError(
-                    f"non-finite critic gradient norm; try a lower critic.optim.lr (now {cfg.critic.optim.lr})"
-                )
-            grad_norms.append(grad_norm)
-            critic.optimizer.step()
-            critic.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            sums["vf_loss"] += float(loss.detach())
+            for k, v in stats.items():
+                sums[k] += float(v) / len(micro_batches)
+        grad_norm = clip_grad_norm(critic.model, cfg.critic.optim.grad_clip)
+        if not math.isfinite(grad_norm):
+            raise FloatingPointError(
+                f"non-finite critic gradient norm; try a lower critic.optim.lr (now {cfg.critic.optim.lr})"
+            )
+        grad_norms.append(grad_norm)
+        critic.optimizer.step()
+        critic.optimizer.zero_grad(set_to_none=True)
     critic.scheduler.step()
     updates = a.ppo_epochs * rl.mini_batches_per_step
     reduced = all_reduce_sum(dict(sums), device)
@@ -272,18 +288,9 @@ def update_critic(cfg: Config, rl: RLDerived, critic: Critic, batch: PolicyBatch
 
 
 def loss_params(cfg: Config) -> PolicyLossParams:
-    a = cfg.algorithm
+    """The policy loss's parameters: the algorithm config's fields of the same (verl's) names."""
     return PolicyLossParams(
-        clip_ratio_low=a.clip_ratio_low,
-        clip_ratio_high=a.clip_ratio_high,
-        clip_ratio_c=a.clip_ratio_c,
-        clip_cov_ratio=a.clip_cov_ratio,
-        clip_cov_lb=a.clip_cov_lb,
-        clip_cov_ub=a.clip_cov_ub,
-        kl_cov_ratio=a.kl_cov_ratio,
-        ppo_kl_coef=a.ppo_kl_coef,
-        tau_pos=a.tau_pos,
-        tau_neg=a.tau_neg,
+        **{f.name: getattr(cfg.algorithm, f.name) for f in dataclasses.fields(PolicyLossParams)}
     )
 
 
@@ -358,46 +365,38 @@ def update_policy(
     ranks), counted once per mini-batch with one all_reduce, and FSDP sums the gradients over ranks:
     the gradient of the whole mini-batch's loss, however it is split (spmdrl/algos/aggregation.py).
     """
-    a, t = cfg.algorithm, cfg.trainer
+    a = cfg.algorithm
     device = batch.input_ids_BT.device
-    norm_length = float(a.loss_scale_factor or cfg.data.max_response_length)
-    mode = agg_mode_for(
-        a.policy_loss, a.loss_agg_mode
-    )  # gspo, sapo, geo_mean reduce per sequence, as in verl
+    # gspo, sapo, geo_mean reduce per sequence, as in verl.
+    mode = agg_mode_for(a.policy_loss, a.loss_agg_mode)
     old_BT = batch.old_logprobs_BT.clone() if batch.old_logprobs_BT is not None else None
     captured_BT = torch.zeros_like(batch.engine_logprobs_BT)
     sums: dict[str, float] = defaultdict(float)
     grad_norms, skipped = [], 0
-    for epoch in range(a.ppo_epochs):
-        for m in range(rl.mini_batches_per_step):
-            lo = m * rl.per_rank_mini_batch_seqs
-            starts = range(lo, lo + rl.per_rank_mini_batch_seqs, t.micro_batch_size)
-            micro_batches = [batch.rows(s, s + t.micro_batch_size) for s in starts]
-            local = sum(count_units(mb.response_mask_BT, mode) for mb in micro_batches)
-            agg = Aggregation(mode, all_reduce_sum({"n": local}, device)["n"], norm_length)
-            for start, mb in zip(starts, micro_batches, strict=True):
-                out = micro_batch_loss(cfg, actor, mb, agg)
-                if old_BT is None and epoch == 0:  # on-policy: this forward is the old policy
-                    captured_BT[start : start + mb.num_rows, : out.logprobs_BT.shape[1]] = out.logprobs_BT
-                out.loss.backward()
-                for k, v in out.stats.items():
-                    sums[k] += float(v) if k in _SUMMED else float(v) / len(micro_batches)
-                # The last reference to this micro-batch's graph: dropped before the next forward, not
-                # when `out` is reassigned after it, so no part of it can add to the next one's peak.
-                del out
-            grad_norm = clip_grad_norm(actor, cfg.optim.grad_clip)
-            if not math.isfinite(grad_norm):
-                if cfg.optim.nonfinite_grad == "stop":
-                    raise FloatingPointError(
-                        f"non-finite gradient norm in PPO epoch {epoch} mini-batch {m}; try a lower "
-                        f"optim.lr (now {cfg.optim.lr}), check the rewards, or set optim.nonfinite_grad=skip"
-                    )
-                skipped += 1  # verl's behaviour: drop this update, keep training
-                optimizer.zero_grad(set_to_none=True)
-                continue
-            grad_norms.append(grad_norm)
-            optimizer.step()
+    for epoch, m, starts, micro_batches, agg in mini_batches(cfg, rl, batch, mode):
+        for start, mb in zip(starts, micro_batches, strict=True):
+            out = micro_batch_loss(cfg, actor, mb, agg)
+            if old_BT is None and epoch == 0:  # on-policy: this forward is the old policy
+                captured_BT[start : start + mb.num_rows, : out.logprobs_BT.shape[1]] = out.logprobs_BT
+            out.loss.backward()
+            for k, v in out.stats.items():
+                sums[k] += float(v) if k in _SUMMED else float(v) / len(micro_batches)
+            # The last reference to this micro-batch's graph: dropped before the next forward, not
+            # when `out` is reassigned after it, so no part of it can add to the next one's peak.
+            del out
+        grad_norm = clip_grad_norm(actor, cfg.optim.grad_clip)
+        if not math.isfinite(grad_norm):
+            if cfg.optim.nonfinite_grad == "stop":
+                raise FloatingPointError(
+                    f"non-finite gradient norm in PPO epoch {epoch} mini-batch {m}; try a lower "
+                    f"optim.lr (now {cfg.optim.lr}), check the rewards, or set optim.nonfinite_grad=skip"
+                )
+            skipped += 1  # verl's behaviour: drop this update, keep training
             optimizer.zero_grad(set_to_none=True)
+            continue
+        grad_norms.append(grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     updates = a.ppo_epochs * rl.mini_batches_per_step
     reduced = all_reduce_sum(dict(sums), device)
     world = dist.get_world_size()

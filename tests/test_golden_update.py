@@ -48,7 +48,7 @@ from typing import Any
 import pytest
 import torch
 
-from spmdrl.testing.models import save_small_qwen2
+from spmdrl.testing.models import padded_rows, save_small_qwen2
 from spmdrl.testing.spawn import run_distributed
 
 pytestmark = pytest.mark.slow
@@ -95,15 +95,8 @@ def _synthetic_batch(step: int, max_response: int) -> dict[str, torch.Tensor]:
     B = PROMPTS * N
     prompt_len = torch.randint(4, 13, (B,), generator=g)
     resp_len = torch.randint(1, max_response + 1, (B,), generator=g)
-    T = int((prompt_len + resp_len).max())
-    ids = torch.randint(0, VOCAB, (B, T), generator=g)
-    attn = torch.zeros(B, T, dtype=torch.long)
-    resp = torch.zeros(B, T, dtype=torch.bool)
-    for i in range(B):
-        p, r = int(prompt_len[i]), int(resp_len[i])
-        attn[i, : p + r] = 1
-        resp[i, p : p + r] = True
-    ids = torch.where(attn.bool(), ids, 0)
+    ids, attn, resp = padded_rows(prompt_len, resp_len, VOCAB, g)
+    T = ids.shape[1]
     adv = torch.randn(B, 1, generator=g) * resp
     noise = 0.05 * torch.randn(B, T, generator=g)
     return dict(ids=ids, attn=attn, resp=resp, adv=adv, noise=noise)

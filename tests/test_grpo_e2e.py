@@ -35,41 +35,46 @@ REWARD = textwrap.dedent(
 )
 
 
-def test_grpo_tiny_short_run(tmp_path: Path) -> None:
-    (tmp_path / "my_reward.py").write_text(REWARD)
+def _train(tmp_path: Path, recipe: str, *overrides: str) -> Path:
+    """``torchrun --nproc_per_node=2 -m spmdrl.train recipe=<recipe> ...`` in ``tmp_path``; must exit 0.
+    Returns the run's output directory."""
     out = tmp_path / "run"
     res = torchrun(
-        [
-            "-m",
-            "spmdrl.train",
-            "recipe=grpo_tiny",
-            f"trainer.output_dir={out}",
-            "warmstart.total_steps=8",
-            "trainer.total_steps=3",
-            "trainer.val_every=3",
-            "data.tiny.num_train=256",
-            "data.tiny.num_test=32",
-            "trainer.global_batch_size=8",
-            "rollout.n=4",
-            "trainer.micro_batch_size=8",
-            "algorithm.use_kl_loss=true",
-            "algorithm.ppo_mini_batch_size=4",
-            "algorithm.rollout_correction.rollout_is=token",
-            "algorithm.rollout_correction.rollout_rs=token_k1",
-            "algorithm.rollout_correction.rollout_rs_threshold='0.1_10'",
-            "logging.samples_every=1",
-            # The 8-step warm-start model rarely earns a reward, so advantages may all be 0; the
-            # entropy bonus keeps a gradient in every step so the update path is exercised.
-            "algorithm.entropy_coeff=0.01",
-            f"reward.fn={tmp_path / 'my_reward.py'}:score",
-            "reward.timeout_s=20",
-        ],
+        ["-m", "spmdrl.train", f"recipe={recipe}", f"trainer.output_dir={out}", *overrides],
         nproc=2,
         cwd=tmp_path,
         timeout_s=900,
         env={"SPMDRL_CACHE": os.environ.get("SPMDRL_CACHE", str(Path.home() / ".cache" / "spmdrl"))},
     )
     assert res.returncode == 0, res.output[-5000:]
+    return out
+
+
+def test_grpo_tiny_short_run(tmp_path: Path) -> None:
+    (tmp_path / "my_reward.py").write_text(REWARD)
+    out = _train(
+        tmp_path,
+        "grpo_tiny",
+        "warmstart.total_steps=8",
+        "trainer.total_steps=3",
+        "trainer.val_every=3",
+        "data.tiny.num_train=256",
+        "data.tiny.num_test=32",
+        "trainer.global_batch_size=8",
+        "rollout.n=4",
+        "trainer.micro_batch_size=8",
+        "algorithm.use_kl_loss=true",
+        "algorithm.ppo_mini_batch_size=4",
+        "algorithm.rollout_correction.rollout_is=token",
+        "algorithm.rollout_correction.rollout_rs=token_k1",
+        "algorithm.rollout_correction.rollout_rs_threshold='0.1_10'",
+        "logging.samples_every=1",
+        # The 8-step warm-start model rarely earns a reward, so advantages may all be 0; the
+        # entropy bonus keeps a gradient in every step so the update path is exercised.
+        "algorithm.entropy_coeff=0.01",
+        f"reward.fn={tmp_path / 'my_reward.py'}:score",
+        "reward.timeout_s=20",
+    )
 
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
@@ -124,25 +129,15 @@ def test_grpo_tiny_mismatch_stays_flat(tmp_path: Path) -> None:
     left on its packed initial weights made it climb ~2.5x over grpo_tiny's 40 steps); the per-step
     weight-sync check would stop such a run, so finishing is part of the assertion.
     """
-    out = tmp_path / "run"
-    res = torchrun(
-        [
-            "-m",
-            "spmdrl.train",
-            "recipe=grpo_tiny",
-            f"trainer.output_dir={out}",
-            "warmstart.total_steps=120",
-            "trainer.total_steps=14",
-            "trainer.val_every=0",
-            "trainer.save_hf=false",
-            "logging.samples_every=0",
-        ],
-        nproc=2,
-        cwd=tmp_path,
-        timeout_s=900,
-        env={"SPMDRL_CACHE": os.environ.get("SPMDRL_CACHE", str(Path.home() / ".cache" / "spmdrl"))},
+    out = _train(
+        tmp_path,
+        "grpo_tiny",
+        "warmstart.total_steps=120",
+        "trainer.total_steps=14",
+        "trainer.val_every=0",
+        "trainer.save_hf=false",
+        "logging.samples_every=0",
     )
-    assert res.returncode == 0, res.output[-5000:]
     diffs = [r["mismatch/logprob_abs_diff_mean"] for r in read_metrics(out / "metrics.jsonl")[-14:]]
     assert len(diffs) == 14
     first, last = sum(diffs[:5]) / 5, sum(diffs[-5:]) / 5
@@ -155,35 +150,25 @@ def test_grpo_tiny_mismatch_stays_flat(tmp_path: Path) -> None:
 def test_grpo_recipe_runs_verl_variants_by_name(tmp_path: Path) -> None:
     """Other estimators and losses by their verl names alone: remax (an extra greedy rollout as the
     baseline), GSPO's sequence-level loss, the KL folded into the reward with the adaptive controller."""
-    out = tmp_path / "run"
-    res = torchrun(
-        [
-            "-m",
-            "spmdrl.train",
-            "recipe=grpo_tiny",
-            f"trainer.output_dir={out}",
-            "warmstart.total_steps=8",
-            "trainer.total_steps=2",
-            "trainer.val_every=0",
-            "trainer.save_hf=false",
-            "data.tiny.num_train=256",
-            "trainer.global_batch_size=8",
-            "rollout.n=4",
-            "trainer.micro_batch_size=8",
-            "algorithm.adv_estimator=remax",
-            "algorithm.policy_loss=gspo",
-            "algorithm.clip_ratio_low=0.0003",
-            "algorithm.clip_ratio_high=0.0004",
-            "algorithm.use_kl_in_reward=true",
-            "algorithm.kl_ctrl.type=adaptive",
-            "algorithm.kl_ctrl.target_kl=0.01",
-        ],
-        nproc=2,
-        cwd=tmp_path,
-        timeout_s=900,
-        env={"SPMDRL_CACHE": os.environ.get("SPMDRL_CACHE", str(Path.home() / ".cache" / "spmdrl"))},
+    out = _train(
+        tmp_path,
+        "grpo_tiny",
+        "warmstart.total_steps=8",
+        "trainer.total_steps=2",
+        "trainer.val_every=0",
+        "trainer.save_hf=false",
+        "data.tiny.num_train=256",
+        "trainer.global_batch_size=8",
+        "rollout.n=4",
+        "trainer.micro_batch_size=8",
+        "algorithm.adv_estimator=remax",
+        "algorithm.policy_loss=gspo",
+        "algorithm.clip_ratio_low=0.0003",
+        "algorithm.clip_ratio_high=0.0004",
+        "algorithm.use_kl_in_reward=true",
+        "algorithm.kl_ctrl.type=adaptive",
+        "algorithm.kl_ctrl.target_kl=0.01",
     )
-    assert res.returncode == 0, res.output[-5000:]
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
@@ -196,27 +181,17 @@ def test_grpo_recipe_runs_verl_variants_by_name(tmp_path: Path) -> None:
 def test_dapo_tiny_dynamic_sampling_and_overlong_shaping(tmp_path: Path) -> None:
     """recipe=dapo_tiny, shortened: groups without signal are dropped and refilled, every rank trains on
     the same number of rows (or FSDP would hang), and the overlong shaping is applied and logged."""
-    out = tmp_path / "run"
-    res = torchrun(
-        [
-            "-m",
-            "spmdrl.train",
-            "recipe=dapo_tiny",
-            f"trainer.output_dir={out}",
-            "warmstart.total_steps=100",
-            "trainer.total_steps=3",
-            "trainer.val_every=0",
-            "trainer.save_hf=false",
-            "logging.samples_every=0",
-            # Every sample of the tiny task is short; a buffer over the whole length makes the shaping bite.
-            "reward.overlong_buffer.len=24",
-        ],
-        nproc=2,
-        cwd=tmp_path,
-        timeout_s=900,
-        env={"SPMDRL_CACHE": os.environ.get("SPMDRL_CACHE", str(Path.home() / ".cache" / "spmdrl"))},
+    out = _train(
+        tmp_path,
+        "dapo_tiny",
+        "warmstart.total_steps=100",
+        "trainer.total_steps=3",
+        "trainer.val_every=0",
+        "trainer.save_hf=false",
+        "logging.samples_every=0",
+        # Every sample of the tiny task is short; a buffer over the whole length makes the shaping bite.
+        "reward.overlong_buffer.len=24",
     )
-    assert res.returncode == 0, res.output[-5000:]
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
@@ -231,30 +206,20 @@ def test_dapo_tiny_dynamic_sampling_and_overlong_shaping(tmp_path: Path) -> None
 def test_ppo_tiny_with_critic(tmp_path: Path) -> None:
     """recipe=ppo_tiny, shortened: the critic (value head on the actor's backbone) trains from step 1, the
     actor from the step after critic.warmup_steps, and GAE's advantages reach the policy loss."""
-    out = tmp_path / "run"
-    res = torchrun(
-        [
-            "-m",
-            "spmdrl.train",
-            "recipe=ppo_tiny",
-            f"trainer.output_dir={out}",
-            "warmstart.total_steps=100",  # rewards that are not all 0, so the critic has something to fit
-            "trainer.total_steps=3",
-            "critic.warmup_steps=1",
-            "trainer.val_every=0",
-            "trainer.save_hf=false",
-            "data.tiny.num_train=256",
-            "trainer.global_batch_size=8",
-            "rollout.n=4",
-            "trainer.micro_batch_size=8",
-            "algorithm.ppo_mini_batch_size=4",
-        ],
-        nproc=2,
-        cwd=tmp_path,
-        timeout_s=900,
-        env={"SPMDRL_CACHE": os.environ.get("SPMDRL_CACHE", str(Path.home() / ".cache" / "spmdrl"))},
+    out = _train(
+        tmp_path,
+        "ppo_tiny",
+        "warmstart.total_steps=100",  # rewards that are not all 0, so the critic has something to fit
+        "trainer.total_steps=3",
+        "critic.warmup_steps=1",
+        "trainer.val_every=0",
+        "trainer.save_hf=false",
+        "data.tiny.num_train=256",
+        "trainer.global_batch_size=8",
+        "rollout.n=4",
+        "trainer.micro_batch_size=8",
+        "algorithm.ppo_mini_batch_size=4",
     )
-    assert res.returncode == 0, res.output[-5000:]
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:

@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 import torch
 
-from spmdrl.testing.models import save_small_qwen2
+from spmdrl.testing.models import padded_rows, save_small_qwen2
 from spmdrl.testing.spawn import run_distributed
 
 pytestmark = pytest.mark.slow
@@ -59,15 +59,8 @@ def _global_batch() -> dict[str, torch.Tensor]:
     B = PROMPTS * N
     prompt_len = torch.randint(2, 6, (B,), generator=g)
     resp_len = torch.randint(1, 9, (B,), generator=g)
-    T = int((prompt_len + resp_len).max())
-    ids = torch.randint(0, VOCAB, (B, T), generator=g)
-    attn = torch.zeros(B, T, dtype=torch.long)
-    resp = torch.zeros(B, T, dtype=torch.bool)
-    for i in range(B):
-        p, r = int(prompt_len[i]), int(resp_len[i])
-        attn[i, : p + r] = 1
-        resp[i, p : p + r] = True
-    ids = torch.where(attn.bool(), ids, 0)
+    ids, attn, resp = padded_rows(prompt_len, resp_len, VOCAB, g)
+    T = ids.shape[1]
     engine_lp = -torch.rand(B, T, generator=g) * resp
     adv = torch.randn(B, T, generator=g) * resp
     return dict(ids=ids, attn=attn, resp=resp, engine_lp=engine_lp, adv=adv)

@@ -101,6 +101,15 @@ def seq_masked_mean(x_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
     return masked_mean(x_BT, mask_BT, dim=-1)
 
 
+def _clamped_ratio(
+    logprobs_BT: torch.Tensor, old_logprobs_BT: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log r, r)`` with ``log r`` clamped to +-20, so a token whose probability moved by e^20 cannot
+    overflow ``exp`` into inf / NaN (verl's clamp for vanilla, sapo and cispo)."""
+    log_ratio_BT = (logprobs_BT - old_logprobs_BT).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    return log_ratio_BT, torch.exp(log_ratio_BT)
+
+
 def _weighted(loss_BT: torch.Tensor, is_weights_BT: torch.Tensor | None) -> torch.Tensor:
     # Importance weights change the measure the expectation is taken under, not the objective: no
     # gradient flows into them.
@@ -143,8 +152,7 @@ def vanilla_policy_loss(
     ``ppo_kl`` = mean of ``old - logp`` (k1 of KL(old || new)).
     """
     advantages_BT = as_token_advantages(advantages_BT, logprobs_BT)
-    log_ratio_BT = (logprobs_BT - old_logprobs_BT).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-    ratio_BT = torch.exp(log_ratio_BT)
+    log_ratio_BT, ratio_BT = _clamped_ratio(logprobs_BT, old_logprobs_BT)
     unclipped_BT = -advantages_BT * ratio_BT
     clipped_BT = -advantages_BT * ratio_BT.clamp(1.0 - params.clip_ratio_low, 1.0 + params.clip_ratio_high)
     clip1_BT = torch.maximum(unclipped_BT, clipped_BT)
@@ -228,8 +236,7 @@ def sapo_policy_loss(
     ``ppo_kl``; ``pg_clipfrac`` and ``pg_clipfrac_lower`` are 0 (nothing is clipped).
     """
     advantages_BT = as_token_advantages(advantages_BT, logprobs_BT)
-    log_ratio_BT = (logprobs_BT - old_logprobs_BT).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-    ratio_BT = torch.exp(log_ratio_BT)
+    log_ratio_BT, ratio_BT = _clamped_ratio(logprobs_BT, old_logprobs_BT)
     tau_BT = torch.where(
         advantages_BT > 0,
         torch.tensor(params.tau_pos, dtype=ratio_BT.dtype, device=ratio_BT.device),
@@ -439,8 +446,7 @@ def cispo_policy_loss(
     clipped, ``ppo_kl`` = mean of ``old - logp``, ``pg_clipfrac_lower`` = 0.
     """
     advantages_BT = as_token_advantages(advantages_BT, logprobs_BT)
-    log_ratio_BT = (logprobs_BT - old_logprobs_BT).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-    ratio_BT = torch.exp(log_ratio_BT)
+    log_ratio_BT, ratio_BT = _clamped_ratio(logprobs_BT, old_logprobs_BT)
     clipped_ratio_BT = ratio_BT.clamp(1.0 - params.clip_ratio_low, 1.0 + params.clip_ratio_high).detach()
     loss_BT = -clipped_ratio_BT * advantages_BT * logprobs_BT
     loss = agg(_weighted(loss_BT, is_weights_BT), mask_BT)

@@ -26,3 +26,22 @@ def save_small_qwen2(path: Path, *, seed: int = 0, **overrides: Any) -> None:
     """Saves a deterministic random Qwen2 (``SMALL_QWEN2`` with ``overrides``) as safetensors in ``path``."""
     torch.manual_seed(seed)
     Qwen2ForCausalLM(Qwen2Config(**{**SMALL_QWEN2, **overrides})).save_pretrained(path)
+
+
+def padded_rows(
+    prompt_len_B: torch.Tensor, resp_len_B: torch.Tensor, vocab: int, g: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random right-padded prompt + response rows for update tests: ``(ids_BT, attention_BT, response_BT)``.
+
+    Token ids are drawn from ``g`` (pad positions are 0); the response mask marks each row's response.
+    """
+    B = prompt_len_B.shape[0]
+    T = int((prompt_len_B + resp_len_B).max())
+    ids = torch.randint(0, vocab, (B, T), generator=g)
+    attn = torch.zeros(B, T, dtype=torch.long)
+    resp = torch.zeros(B, T, dtype=torch.bool)
+    for i in range(B):
+        p, r = int(prompt_len_B[i]), int(resp_len_B[i])
+        attn[i, : p + r] = 1
+        resp[i, p : p + r] = True
+    return torch.where(attn.bool(), ids, 0), attn, resp
