@@ -151,6 +151,84 @@ def test_sync_fsdp2_to_vllm_tp1_and_tp2(tmp_path: Path) -> None:
             assert nbytes == res["param_bytes_bf16"] and num_tensors > num_buckets
 
 
+# ---- split placement: ranks without the actor receive its weights (weight_sync.Fanout) --------------
+
+
+def _fanout_worker(rank: int, world: int, model_dir: str) -> dict:
+    from spmdrl.config import ParallelConfig, RolloutConfig
+    from spmdrl.distributed.placement import plan_placement
+    from spmdrl.models.build import ModelSpec, build_fsdp_model, build_meta_model
+    from spmdrl.rollout.engine import SamplingSpec, build_engine
+    from spmdrl.rollout.fingerprint import WeightSyncError
+    from spmdrl.rollout.weight_sync import Fanout, SyncCheck, sync_weights, trainer_weights
+
+    # Actor on ranks 0-1, critic on rank 2 (no critic model is needed to test the weights' route).
+    placement = plan_placement(ParallelConfig(placement="split", critic_ranks=1), world, needs_critic=True)
+    meshes = placement.build_meshes("cpu")
+    spec = ModelSpec(Path(model_dir), torch.float32, torch.float32, train=False)
+    holds = meshes.holds("actor")
+    model = (
+        build_fsdp_model(spec, meshes.fsdp("actor"), torch.device("cpu")) if holds else build_meta_model(spec)
+    )
+    fanout = Fanout(meshes.fanout_group, placement.fanout_ranks()[0], receiving=not holds)
+    engine = build_engine(
+        Path(model_dir),
+        RolloutConfig(cpu_kvcache_gib=0.25, max_num_seqs=16, seed=0),
+        max_model_len=MAX_LEN,
+        device_type="cpu",
+    )
+    prompts = _prompts(0)  # the same prompts on every rank: identical engines must answer identically
+    greedy = SamplingSpec(n=1, temperature=0.0, max_tokens=12, seed=0)
+
+    def answers() -> list:
+        return [(g.token_ids, g.logprobs) for g in engine.generate(prompts, greedy)]
+
+    out: dict = {"before": answers()}
+    if holds:
+        originals = [p.to_local().clone() for p in model.parameters()]
+        _perturb(model, originals, seed=5, scale=0.05)  # the same noise on both actor ranks' shards
+    stats = sync_weights(
+        model, engine, bucket_mb=0.2, check=SyncCheck(seed=1), fanout=fanout, device=torch.device("cpu")
+    )
+    out["stats"] = (stats.num_buckets, stats.num_tensors, stats.bytes, stats.checked_groups)
+    out["param_bytes_bf16"] = sum(p.numel() * 2 for _, p in trainer_weights(model))
+    out["after"] = answers()
+    if holds:  # the actor's ranks (an FSDP forward runs over their group only)
+        out["mismatch"] = _mismatch(model, engine, prompts, seed=3)
+    # The receiving rank's copy is altered on its way in: every rank stops, the receiver names the layer.
+    if not holds:
+        load = engine.load_weights
+        target = "model.layers.1.mlp.down_proj.weight"
+        engine.load_weights = lambda ws, load=load: load((n, t + 0.01 if n == target else t) for n, t in ws)
+    try:
+        sync_weights(model, engine, check=SyncCheck(seed=2), fanout=fanout, device=torch.device("cpu"))
+        out["broken"] = "no error"
+    except WeightSyncError as e:
+        out["broken"] = str(e)
+    engine.close()
+    return out
+
+
+@pytest.mark.slow
+def test_split_placement_engines_without_the_actor_get_its_weights(tmp_path: Path) -> None:
+    from spmdrl.models.tiny import ensure_tiny_model
+
+    model_dir = ensure_tiny_model(tmp_path)
+    res = run_distributed(_fanout_worker, 3, str(model_dir), timeout_s=600, env=VLLM_ENV)
+    # Before the sync every engine serves the checkpoint; after it, the actor's new weights: the critic
+    # rank's engine answers exactly as the actor ranks' engines do, and differently from before.
+    assert res[0]["before"] == res[2]["before"]
+    assert res[0]["after"] == res[1]["after"] == res[2]["after"]
+    assert res[2]["after"] != res[2]["before"]
+    assert res[0]["mismatch"]["logprob_abs_diff_mean"] < 0.02, res[0]["mismatch"]
+    for r in res:
+        num_buckets, num_tensors, nbytes, checked = r["stats"]
+        assert nbytes == r["param_bytes_bf16"] and checked >= 4 * 3 + 2, r["stats"]
+    assert res[2]["stats"][0] == 0  # the receiver gathers nothing itself
+    assert "model.layers.1.mlp.down_proj" in res[2]["broken"], res[2]["broken"]
+    assert all("failed on another rank's engine" in r["broken"] for r in res[:2]), [r["broken"] for r in res]
+
+
 # ---- every CPU GEMM path vLLM can pick, forced, in bf16 and fp32 engines ----------------------------
 
 # (rollout.cpu_gemm, rollout.dtype): each path vLLM 0.32 can give a linear layer on CPU, for both engine

@@ -69,6 +69,8 @@ class PolicyBatch:
     # the state the token was sampled in) and the returns it is trained towards.
     values_BT: torch.Tensor | None = None
     returns_BT: torch.Tensor | None = None
+    # The reward of each sequence at its last sampled token, 0 elsewhere (before any KL penalty).
+    token_rewards_BT: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -84,6 +86,49 @@ class PolicyBatch:
 
     def replace(self, **tensors: torch.Tensor | None) -> PolicyBatch:
         return dataclasses.replace(self, **tensors)
+
+    def select(self, index_B: torch.Tensor) -> PolicyBatch:
+        """The rows at ``index_B`` (in that order), full width."""
+        return self._map(lambda t: t.index_select(0, index_B.to(t.device)))
+
+    def split(self, sizes: Sequence[int]) -> list[PolicyBatch]:
+        """Consecutive row blocks of ``sizes`` (they must add up to num_rows), full width."""
+        if sum(sizes) != self.num_rows:
+            raise ValueError(f"split sizes {list(sizes)} do not add up to {self.num_rows} rows")
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        return [self._map(lambda t, a=a, n=n: t[a : a + n]) for a, n in zip(starts, sizes, strict=True)]
+
+    @staticmethod
+    def concat(batches: Sequence[PolicyBatch]) -> PolicyBatch:
+        """Rows of ``batches`` in order, right-padded (0) to the widest; the same fields must be set in all."""
+        if not batches:
+            raise ValueError("concat of no batches")
+        width = max(b.input_ids_BT.shape[1] for b in batches)
+        out: dict[str, torch.Tensor | None] = {}
+        for f in dataclasses.fields(PolicyBatch):
+            parts = [getattr(b, f.name) for b in batches]
+            if all(p is None for p in parts):
+                out[f.name] = None
+                continue
+            if any(p is None for p in parts):
+                raise ValueError(f"concat: {f.name} is set in some batches and not in others")
+            out[f.name] = torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
+        return PolicyBatch(**out)  # type: ignore[arg-type]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The fields that are set, by name (what spmdrl.distributed.exchange moves)."""
+        return {f.name: t for f in dataclasses.fields(self) if (t := getattr(self, f.name)) is not None}
+
+    @staticmethod
+    def from_tensors(tensors: dict[str, torch.Tensor]) -> PolicyBatch:
+        """The inverse of :meth:`tensors`; a missing ``advantages_BT`` starts at 0."""
+        tensors = dict(tensors)
+        tensors.setdefault("advantages_BT", torch.zeros_like(tensors["engine_logprobs_BT"]))
+        return PolicyBatch(**tensors)
+
+    def field_spec(self) -> dict[str, torch.dtype]:
+        """name -> dtype of the fields that are set (an exchange's FieldSpec)."""
+        return {name: t.dtype for name, t in self.tensors().items()}
 
     def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> PolicyBatch:
         return PolicyBatch(

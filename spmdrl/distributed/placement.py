@@ -1,12 +1,17 @@
-"""Placement: which ranks each role runs on, and the DeviceMeshes built from that.
+"""Placement: which ranks each role runs on, and the DeviceMeshes and process groups built from that.
 
-This is the only module that does rank arithmetic. Every other module asks for a mesh by role
-(``meshes.fsdp("actor")``) and gets a DeviceMesh over that role's ranks with named axes.
+This is the only module that does rank arithmetic. Every other module asks for a mesh or a group by
+role (``meshes.fsdp("actor")``, ``meshes.group("critic")``) and gets one over that role's ranks.
 
-Today's placement is "colocated" (the hybrid engine): actor, ref, critic and rollout all span
-every rank and time-share each device. :class:`RoleSpec` carries an explicit rank range so that a
-split placement (for example actor on ranks 0-5, critic and ref on 6-7) is a new constructor, not
-a new type.
+Two placements (docs/architecture.md has the picture):
+
+- ``colocated`` (the hybrid engine, verl's default): actor, ref, critic and rollout all span every rank
+  and time-share each device.
+- ``split``: the actor and its reference train on ranks ``0 .. A-1``, the critic on ``A .. W-1``; each
+  role has its own DeviceMesh and FSDP2 group, so their updates run at the same time. The rollout
+  engine still spans every rank (an engine on a subset of ranks hangs in its init, docs/rollout.md),
+  so the whole world generates, and the actor's weights reach the critic ranks' engines by a
+  broadcast over the *fanout* group (the first actor rank and the critic ranks).
 """
 
 from __future__ import annotations
@@ -14,9 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from spmdrl.config import ConfigError
+from spmdrl.config import ConfigError, ParallelConfig
 
 ROLES = ("actor", "ref", "critic", "rollout")
 
@@ -47,14 +53,32 @@ class RoleSpec:
     def dp_shard(self) -> int:
         return self.num_ranks // self.dp_replicate
 
+    @property
+    def ranks(self) -> list[int]:
+        return list(range(self.first_rank, self.first_rank + self.num_ranks))
+
+    def has(self, rank: int) -> bool:
+        return self.first_rank <= rank < self.first_rank + self.num_ranks
+
+    def describe(self) -> str:
+        last = self.first_rank + self.num_ranks - 1
+        where = f"rank {last}" if self.num_ranks == 1 else f"ranks {self.first_rank}-{last}"
+        mesh = (
+            f"HSDP {self.dp_replicate}x{self.dp_shard}" if self.dp_replicate > 1 else f"FSDP {self.num_ranks}"
+        )
+        return f"{self.name}: {where} ({mesh})"
+
 
 @dataclass(frozen=True)
 class Placement:
     world_size: int
     roles: dict[str, RoleSpec] = field(default_factory=dict)
+    kind: str = "colocated"
 
     def __post_init__(self) -> None:
         for spec in self.roles.values():
+            if spec.num_ranks < 1:
+                raise ConfigError(f"role '{spec.name}' has no ranks (world size {self.world_size})")
             if spec.first_rank < 0 or spec.first_rank + spec.num_ranks > self.world_size:
                 raise ConfigError(
                     f"role '{spec.name}' wants ranks {spec.first_rank}..{spec.first_rank + spec.num_ranks - 1} "
@@ -65,36 +89,124 @@ class Placement:
                     f"parallel.dp_replicate={spec.dp_replicate} must divide the {spec.num_ranks} ranks of role "
                     f"'{spec.name}' (world size {self.world_size}); choose a divisor of {spec.num_ranks}"
                 )
+        trained = [self.roles[r] for r in ("actor", "critic") if r in self.roles]
+        if len(trained) == 2 and trained[0].ranks != trained[1].ranks:
+            a, c = trained
+            if set(a.ranks) & set(c.ranks):
+                raise ConfigError(
+                    f"the actor's ranks {a.ranks} and the critic's {c.ranks} overlap without being the same; "
+                    "a rank holds either both roles (colocated) or one"
+                )
 
     @classmethod
     def colocated(cls, world_size: int, dp_replicate: int = 1) -> Placement:
         roles = {r: RoleSpec(r, 0, world_size, dp_replicate) for r in ROLES}
-        return cls(world_size=world_size, roles=roles)
+        return cls(world_size=world_size, roles=roles, kind="colocated")
+
+    @classmethod
+    def split(cls, world_size: int, critic_ranks: int, dp_replicate: int = 1) -> Placement:
+        """Actor and ref on the first ``world_size - critic_ranks`` ranks, the critic on the rest."""
+        actor_ranks = world_size - critic_ranks
+        return cls(
+            world_size=world_size,
+            roles={
+                "actor": RoleSpec("actor", 0, actor_ranks, dp_replicate),
+                "ref": RoleSpec("ref", 0, actor_ranks, dp_replicate),
+                "critic": RoleSpec("critic", actor_ranks, critic_ranks, dp_replicate),
+                "rollout": RoleSpec("rollout", 0, world_size),
+            },
+            kind="split",
+        )
+
+    @property
+    def is_split(self) -> bool:
+        return self.kind == "split"
 
     def role(self, name: str) -> RoleSpec:
         if name not in self.roles:
             raise KeyError(f"no role '{name}' in this placement; roles: {', '.join(self.roles)}")
         return self.roles[name]
 
+    def fanout_ranks(self) -> list[int]:
+        """split: the first actor rank, which forwards each full weight, and the ranks that receive them."""
+        return [self.role("actor").first_rank, *self.role("critic").ranks] if self.is_split else []
+
+    def describe(self) -> str:
+        parts = [self.roles[r].describe() for r in ("actor", "ref", "critic") if r in self.roles]
+        return f"{self.kind}: " + ", ".join(parts) + f"; rollout on all {self.world_size} ranks"
+
     def build_meshes(self, device_type: str) -> Meshes:
         return Meshes(self, device_type)
 
 
+def plan_placement(p: ParallelConfig, world_size: int, *, needs_critic: bool) -> Placement:
+    """The placement ``parallel.*`` asks for on ``world_size`` ranks, or a ConfigError naming the fix.
+
+    Runs before any model or engine is built.
+    """
+    if p.placement == "colocated":
+        return Placement.colocated(world_size, p.dp_replicate)
+    if not needs_critic:
+        raise ConfigError(
+            "parallel.placement=split puts the critic on ranks of its own, but this algorithm trains no "
+            "critic (set algorithm.adv_estimator=gae for PPO, or use parallel.placement=colocated)"
+        )
+    if world_size < 2:
+        raise ConfigError(
+            f"parallel.placement=split needs at least 2 ranks (one actor, one critic); the world has "
+            f"{world_size}: start more processes (torchrun --nproc_per_node) or use parallel.placement=colocated"
+        )
+    critic = p.critic_ranks or world_size // 2
+    if not 1 <= critic < world_size:
+        raise ConfigError(
+            f"parallel.critic_ranks={p.critic_ranks} must leave at least one rank to each role of the "
+            f"{world_size}-rank world: pick 1..{world_size - 1} (0 = half)"
+        )
+    return Placement.split(world_size, critic, p.dp_replicate)
+
+
 class Meshes:
-    """DeviceMeshes per role, built once and cached. Roles on the same ranks share one mesh."""
+    """DeviceMeshes and process groups per role, all built here at once.
+
+    torch requires every rank to take part in creating every group, including the groups of roles it
+    does not hold, so everything is created eagerly, in one fixed order. Roles on the same ranks share
+    one mesh and one group.
+    """
 
     def __init__(self, placement: Placement, device_type: str) -> None:
         self.placement = placement
         self.device_type = device_type
-        self._cache: dict[tuple[int, int, int], DeviceMesh] = {}
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self._meshes: dict[tuple[int, int, int], DeviceMesh] = {}
+        self._groups: dict[tuple[int, int], dist.ProcessGroup | None] = {}
+        for name in ROLES:
+            if name not in placement.roles:
+                continue
+            spec = placement.roles[name]
+            if name != "rollout":
+                key = (spec.first_rank, spec.num_ranks, spec.dp_replicate)
+                if key not in self._meshes:
+                    self._meshes[key] = self._build(spec)
+            gkey = (spec.first_rank, spec.num_ranks)
+            if gkey not in self._groups:
+                whole = spec.num_ranks == placement.world_size
+                self._groups[gkey] = None if whole else dist.new_group(spec.ranks)
+        fan = placement.fanout_ranks()
+        self.fanout_group = dist.new_group(fan) if fan else None
 
     def fsdp(self, role: str) -> DeviceMesh:
         """The mesh FSDP2 shards a role's module over: 1-D ("dp_shard",) or 2-D HSDP ("dp_replicate", "dp_shard")."""
         spec = self.placement.role(role)
-        key = (spec.first_rank, spec.num_ranks, spec.dp_replicate)
-        if key not in self._cache:
-            self._cache[key] = self._build(spec)
-        return self._cache[key]
+        return self._meshes[(spec.first_rank, spec.num_ranks, spec.dp_replicate)]
+
+    def group(self, role: str) -> dist.ProcessGroup | None:
+        """The process group over all of a role's ranks (None: the default group, the whole world)."""
+        spec = self.placement.role(role)
+        return self._groups[(spec.first_rank, spec.num_ranks)]
+
+    def holds(self, role: str) -> bool:
+        """Whether this rank runs ``role``."""
+        return self.placement.role(role).has(self.rank)
 
     def _build(self, spec: RoleSpec) -> DeviceMesh:
         if spec.first_rank == 0 and spec.num_ranks == self.placement.world_size:

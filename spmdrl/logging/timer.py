@@ -23,6 +23,10 @@ class PhaseTimer:
             key = f"{name}_s"
             self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - t0
 
+    def maybe(self, name: str, timed: bool) -> contextlib.AbstractContextManager[None]:
+        """``self(name)`` when ``timed``, else nothing (a phase that only sometimes does work)."""
+        return self(name) if timed else contextlib.nullcontext()
+
     def add(self, name: str, seconds: float) -> None:
         """A phase timed elsewhere (a part of another phase, say)."""
         self.seconds[f"{name}_s"] = self.seconds.get(f"{name}_s", 0.0) + seconds

@@ -149,6 +149,16 @@ def build_fsdp_model(spec: ModelSpec, mesh: DeviceMesh, device: torch.device) ->
     return model
 
 
+def build_meta_model(spec: ModelSpec) -> nn.Module:
+    """The architecture on the meta device: names, shapes and tied weights, no memory. Under a split
+    placement the critic ranks hold this copy of the actor to receive its weights (weight_sync.Fanout)."""
+    hf_config = AutoConfig.from_pretrained(spec.path, trust_remote_code=spec.trust_remote_code)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(
+            hf_config, trust_remote_code=spec.trust_remote_code, dtype=torch.float32
+        )
+
+
 # The critic's value head (Qwen2ForTokenClassification and its siblings call it score).
 VALUE_HEAD_KEYS = ("score.weight", "score.bias")
 

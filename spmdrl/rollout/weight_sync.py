@@ -72,6 +72,17 @@ class SyncCheck:
 
 
 @dataclass(frozen=True)
+class Fanout:
+    """``parallel.placement=split``: ranks that hold no actor shards still run an engine that must serve
+    the actor's weights. The first actor rank forwards each bucket of full tensors it gathered to them
+    with one broadcast over ``group`` (itself and those ranks); they never hold a second copy either."""
+
+    group: dist.ProcessGroup
+    src: int  # the forwarding rank (global rank)
+    receiving: bool  # this rank holds no shards: it receives
+
+
+@dataclass(frozen=True)
 class SyncStats:
     seconds: float
     # Bytes of full tensors handed to the engine (engine dtype).
@@ -231,18 +242,71 @@ def _tied_uses(model: nn.Module) -> dict[str, int]:
     return {engine_name(n): 2 for n, p in model.named_parameters() if p is emb}
 
 
+def _forward(
+    stream: Iterator[tuple[str, torch.Tensor]] | None,
+    shapes: list[tuple[str, torch.Size]],
+    dtype: torch.dtype,
+    fanout: Fanout,
+    bucket_bytes: int,
+    device: torch.device,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The full tensors of ``shapes`` (module order) on every rank of the fanout group, bucket by bucket:
+    the source packs ``stream``'s tensors and broadcasts them; the receivers cut them out of the buffer.
+
+    Buckets are decided from names and shapes alone, which both sides know (the receivers from a
+    meta-device copy of the actor), so they agree without exchanging anything.
+    """
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    bucket: list[tuple[str, torch.Size]] = []
+    size = 0
+    for i, (name, shape) in enumerate(shapes):
+        bucket.append((name, shape))
+        size += math.prod(shape) * itemsize
+        if size < bucket_bytes and i + 1 < len(shapes):
+            continue
+        numels = [math.prod(s) for _, s in bucket]
+        flat = torch.empty(sum(numels), dtype=dtype, device=device)
+        offsets = [sum(numels[:j]) for j in range(len(numels))]
+        if not fanout.receiving:
+            assert stream is not None
+            for (want, _), off, n in zip(bucket, offsets, numels, strict=True):
+                got, full = next(stream)
+                if got != want:
+                    raise RuntimeError(f"weight fanout out of order: expected {want}, got {got}")
+                flat[off : off + n].copy_(full.reshape(-1))
+        dist.broadcast(flat, src=fanout.src, group=fanout.group)
+        for (name, shp), off, n in zip(bucket, offsets, numels, strict=True):
+            yield name, flat[off : off + n].view(shp)
+        bucket, size = [], 0
+        del flat
+
+
+def _count(
+    weights: Iterator[tuple[str, torch.Tensor]], counter: SyncCounter
+) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, t in weights:
+        counter.bytes += t.numel() * t.element_size()
+        counter.num_tensors += 1
+        yield name, t
+
+
 def sync_weights(
     model: nn.Module,
     engine: RolloutEngine,
     *,
     bucket_mb: float = DEFAULT_BUCKET_MB,
     check: SyncCheck | None = None,
+    fanout: Fanout | None = None,
+    device: torch.device | None = None,
 ) -> SyncStats:
     """Load the trainer's current weights into the engine, in place; with ``check``, prove they arrived.
 
     Every rank calls it. The check fingerprints the full tensors as they stream past (no second
     gather), asks the engine for the same fingerprint through its kernels, and raises WeightSyncError
     on every rank together if any rank's engine differs.
+
+    With ``fanout`` (split placement), ranks that hold no shards pass a meta-device copy of the actor
+    as ``model`` (names and shapes only) and ``device``, and receive the weights from ``fanout.src``.
     """
     t0 = time.perf_counter()
     # FSDP2 keeps the root unit's parameters unsharded after a forward (reshard_after_forward=False):
@@ -251,12 +315,21 @@ def sync_weights(
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
+    device = device or next(model.parameters()).device
     counter = SyncCounter()
     sent = Fingerprint()
     with torch.no_grad():
-        weights = iter_full_tensors(
-            trainer_weights(model), dtype=engine.dtype, bucket_mb=bucket_mb, counter=counter
-        )
+        weights: Iterator[tuple[str, torch.Tensor]] | None = None
+        if fanout is None or not fanout.receiving:
+            weights = iter_full_tensors(
+                trainer_weights(model), dtype=engine.dtype, bucket_mb=bucket_mb, counter=counter
+            )
+        if fanout is not None and (fanout.receiving or dist.get_rank() == fanout.src):
+            shapes = [(name, p.shape) for name, p in trainer_weights(model)]
+            weights = _forward(weights, shapes, engine.dtype, fanout, int(bucket_mb * 1e6), device)
+            if fanout.receiving:
+                weights = _count(weights, counter)
+        assert weights is not None
         if check is not None:
             weights = observe(weights, sent, check.seed, _tied_uses(model))
         engine.load_weights(weights)
@@ -265,7 +338,6 @@ def sync_weights(
     if check is not None:
         divergences = compare(engine.weight_fingerprint(check.seed), sent, check.tol)
         groups = len(sent.values)
-        device = next(model.parameters()).device
         # Every rank stops together, also those whose own engine is fine (another engine may not be).
         failed = all_reduce_max({"failed": float(bool(divergences))}, device)["failed"]
         if failed:

@@ -1,0 +1,159 @@
+"""Rows moving between role groups: typed batch split / concat / select, row layouts, and the moves
+themselves on 4 gloo processes (bit-exact round trips, checksums that match on the other mesh)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spmdrl.algos.batch import PolicyBatch
+from spmdrl.distributed.exchange import RowLayout
+from spmdrl.testing.spawn import run_distributed
+
+
+def _batch(rows: int, width: int, seed: int) -> PolicyBatch:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(2, width + 1, (rows,), generator=g)
+    attn = (torch.arange(width) < lengths[:, None]).long()
+    resp = attn.bool() & (torch.arange(width) >= 1)
+    return PolicyBatch(
+        input_ids_BT=torch.randint(0, 150_000, (rows, width), generator=g) * attn,
+        attention_mask_BT=attn,
+        response_mask_BT=resp,
+        engine_logprobs_BT=-torch.rand(rows, width, generator=g) * resp,
+        advantages_BT=torch.randn(rows, width, generator=g),
+        token_rewards_BT=torch.randn(rows, width, generator=g),
+    )
+
+
+def _equal(a: PolicyBatch, b: PolicyBatch) -> bool:
+    ta, tb = a.tensors(), b.tensors()
+    return ta.keys() == tb.keys() and all(
+        ta[k].dtype == tb[k].dtype and torch.equal(ta[k], tb[k]) for k in ta
+    )
+
+
+def test_split_concat_select_round_trip() -> None:
+    b = _batch(7, 9, seed=0)
+    parts = b.split([2, 0, 5])
+    assert [p.num_rows for p in parts] == [2, 0, 5]
+    assert _equal(PolicyBatch.concat(parts), b)
+    perm = torch.randperm(7, generator=torch.Generator().manual_seed(1))
+    assert _equal(b.select(perm).select(torch.argsort(perm)), b)
+    # Narrower batches are right-padded with 0 to the widest.
+    narrow = _batch(3, 4, seed=2)
+    both = PolicyBatch.concat([narrow, b])
+    assert both.input_ids_BT.shape == (10, 9)
+    assert (
+        torch.equal(both.input_ids_BT[:3, :4], narrow.input_ids_BT)
+        and int(both.input_ids_BT[:3, 4:].abs().sum()) == 0
+    )
+    with pytest.raises(ValueError, match="add up to 7"):
+        b.split([3, 3])
+    with pytest.raises(ValueError, match="values_BT is set in some"):
+        PolicyBatch.concat([b, b.replace(values_BT=torch.zeros(7, 9))])
+    assert _equal(PolicyBatch.from_tensors(b.tensors()), b)
+
+
+def test_balanced_layout_even_counts_and_tokens() -> None:
+    g = torch.Generator().manual_seed(0)
+    # Long rows all at the start: the contiguous layout gives one rank most of the tokens.
+    lengths = torch.cat(
+        [torch.randint(200, 300, (16,), generator=g), torch.randint(5, 20, (16,), generator=g)]
+    )
+    ranks = [2, 3, 5, 7]
+    plain = RowLayout.contiguous(32, ranks)
+    bal = RowLayout.balanced(lengths, ranks, chunks=2)
+    for r in ranks:
+        rows = bal.rows_of(r)
+        assert rows.numel() == 8
+        # Per chunk (mini-batch) too: 4 rows from each half.
+        assert int((rows < 16).sum()) == 4
+    assert plain.imbalance(lengths, ranks) > 1.8
+    assert bal.imbalance(lengths, ranks) < 1.03
+    # Deterministic: every rank computes the same layout.
+    assert torch.equal(bal.owner_N, RowLayout.balanced(lengths.clone(), ranks, chunks=2).owner_N)
+    with pytest.raises(ValueError, match="do not split evenly"):
+        RowLayout.balanced(lengths, [0, 1, 2], chunks=1)
+
+
+def _move_worker(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from spmdrl.distributed.exchange import gather_lengths, move_rows
+
+    counts = [3, 5, 4, 4]  # unequal on purpose
+    local = _batch(counts[rank], 6 + rank, seed=10 + rank)
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, local)
+    width = max(b.input_ids_BT.shape[1] for b in everyone)
+    full = PolicyBatch.concat(everyone)  # what the global row order means
+    sizes, lengths = gather_lengths(local.attention_mask_BT.sum(dim=1), torch.device("cpu"))
+    spec = local.field_spec()
+    world_layout = RowLayout.from_counts(sizes)
+    actor = RowLayout.contiguous(16, [0, 1])
+    critic = RowLayout.balanced(lengths, [2, 3], chunks=2)
+    out: dict = {"sizes": sizes, "lengths_ok": torch.equal(lengths, full.attention_mask_BT.sum(dim=1))}
+
+    def move(batch: PolicyBatch | None, src: RowLayout, dst: RowLayout) -> PolicyBatch | None:
+        moved = move_rows(
+            None if batch is None else batch.tensors(),
+            spec,
+            src,
+            dst,
+            width=width,
+            device=torch.device("cpu"),
+        )
+        return None if moved is None else PolicyBatch.from_tensors(moved)
+
+    a = move(local, world_layout, actor)
+    c = move(local, world_layout, critic)
+    # Each rank holds exactly the global rows its layout gives it, in global order.
+    out["actor_ok"] = a is None if rank >= 2 else _equal(a, full.select(actor.rows_of(rank)))
+    out["critic_ok"] = c is None if rank < 2 else _equal(c, full.select(critic.rows_of(rank)))
+    # critic -> actor (different layouts of the same rows), then back to where they were generated.
+    a2 = move(c, critic, actor)
+    out["critic_to_actor_ok"] = a2 is None if rank >= 2 else _equal(a2, a)  # type: ignore[arg-type]
+    back = move(a2, actor, world_layout)
+    assert back is not None
+    own_width = local.input_ids_BT.shape[1]
+    out["round_trip_ok"] = _equal(
+        PolicyBatch.from_tensors({k: v[:, :own_width] for k, v in back.tensors().items()}), local
+    ) and all(not v[:, own_width:].any() for v in back.tensors().values())
+    # Checksums: the token ids and logprobs that arrived on the critic mesh add up to what was sent.
+    sent = torch.tensor(
+        [float(local.input_ids_BT.sum()), float(local.engine_logprobs_BT.double().sum())], dtype=torch.float64
+    )
+    got = torch.tensor(
+        [float(c.input_ids_BT.sum()), float(c.engine_logprobs_BT.double().sum())]
+        if c is not None
+        else [0.0, 0.0],
+        dtype=torch.float64,
+    )
+    dist.all_reduce(sent)
+    dist.all_reduce(got)
+    out["checksums"] = (sent.tolist(), got.tolist())
+    # A source rank that passes the wrong fields is told which.
+    try:
+        move_rows(
+            {"input_ids_BT": local.input_ids_BT},
+            spec,
+            world_layout,
+            actor,
+            width=width,
+            device=torch.device("cpu"),
+        )
+        out["bad_fields"] = "no error"
+    except ValueError as e:
+        out["bad_fields"] = str(e)
+    return out
+
+
+def test_rows_move_between_meshes_bit_exact() -> None:
+    results = run_distributed(_move_worker, 4, timeout_s=120)
+    for rank, r in enumerate(results):
+        assert r["sizes"] == [3, 5, 4, 4] and r["lengths_ok"], rank
+        assert r["actor_ok"] and r["critic_ok"] and r["critic_to_actor_ok"] and r["round_trip_ok"], (rank, r)
+        sent, got = r["checksums"]
+        assert sent == got, (rank, sent, got)
+        assert "fields" in r["bad_fields"] and "input_ids_BT" in r["bad_fields"], r["bad_fields"]
