@@ -13,10 +13,15 @@ Every rank, every step:
   7. log        metrics (reduced over ranks), samples, validation, curves
 
 With algorithm.adv_estimator=gae it is PPO: a critic (value head on the actor's backbone) is built, gives
-the values GAE needs in step 3 and trains towards the returns in step 5 (recipe=ppo_tiny).
+the values GAE needs in step 3 and trains towards the returns in step 5 (recipe=ppo_tiny). With
+parallel.placement=split the actor and the critic live on different ranks: the rows move to each role's
+ranks (plan_rows), the values to the actor, the returns to the critic, the two updates run at the same
+time, and the critic's ranks receive the actor's weights for their engines (docs/architecture.md).
 
-Deliberately simple: every role colocated on every rank, no sequence packing,
-no resume yet (the checkpoint hook point is marked).
+Checkpoints (spmdrl/checkpoint/checkpointer.py) every trainer.save_every steps and after the last; a run
+resumes from the newest complete one in its output directory (trainer.resume=auto), exactly.
+
+Deliberately simple: no sequence packing.
 """
 
 from __future__ import annotations
@@ -57,20 +62,31 @@ from spmdrl.algos.kl_control import (
 )
 from spmdrl.algos.policy_losses import PolicyLossParams, agg_mode_for, policy_loss
 from spmdrl.algos.value_loss import clipped_value_loss
+from spmdrl.checkpoint.checkpointer import (
+    RoleState,
+    checkpoint_root,
+    load_checkpoint,
+    plan_resume,
+    save_checkpoint,
+)
+from spmdrl.checkpoint.export import write_hf_metadata
 from spmdrl.config import Config, ConfigError, RLDerived, derive, derive_rl
 from spmdrl.data.prompts import PromptDataset, PromptExample
 from spmdrl.data.sampler import DistributedSampler
 from spmdrl.data.tiny_task import resolve_data_files
-from spmdrl.distributed.placement import Placement
+from spmdrl.distributed.env import broadcast_str
+from spmdrl.distributed.placement import Meshes, plan_placement
 from spmdrl.distributed.reduce import all_reduce_max, all_reduce_min, all_reduce_sum
+from spmdrl.distributed.role_rows import broadcast_object, plan_rows
+from spmdrl.logging.metrics import truncate_after
 from spmdrl.logging.plot import plot_curves
 from spmdrl.logging.samples import Sample, write_samples
 from spmdrl.logging.timer import PhaseTimer
-from spmdrl.models.build import build_fsdp_model, model_spec
+from spmdrl.models.build import build_fsdp_model, build_meta_model, model_spec
 from spmdrl.models.forward import policy_logprobs
 from spmdrl.models.load import load_tokenizer, resolve_model_path_all_ranks
 from spmdrl.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
-from spmdrl.rewards.registry import RewardInput, load_reward_fn
+from spmdrl.rewards.registry import RewardInput, check_data_sources, load_reward_fn
 from spmdrl.rewards.sandbox import RewardResult, score_batch
 from spmdrl.rollout.engine import (
     Generation,
@@ -80,8 +96,8 @@ from spmdrl.rollout.engine import (
     check_engine_config,
 )
 from spmdrl.rollout.mismatch import logprob_mismatch
-from spmdrl.rollout.weight_sync import SyncCheck, sync_weights
-from spmdrl.runtime import Run, start_run
+from spmdrl.rollout.weight_sync import Fanout, SyncCheck, sync_weights
+from spmdrl.runtime import Run, restart_count, start_run
 
 log = logging.getLogger("spmdrl")
 
@@ -131,9 +147,16 @@ def score(
         )
         for r, g in zip(responses, gens, strict=True)
     ]
+    rc = cfg.reward
     result = score_batch(
-        reward_fn, inputs, timeout_s=cfg.reward.timeout_s, error_score=cfg.reward.error_score
-    )  # type: ignore[arg-type]
+        reward_fn,  # type: ignore[arg-type]
+        inputs,
+        timeout_s=rc.timeout_s,
+        error_score=rc.error_score,
+        batch_timeout_s=rc.batch_timeout_s,
+        memory_mb=rc.worker_memory_mb,
+        file_size_mb=rc.worker_file_size_mb,
+    )
     return result, responses
 
 
@@ -158,11 +181,16 @@ class MicroBatchLoss:
 
 
 def build_models(
-    cfg: Config, device: torch.device, world_size: int, model_dir: Path
+    cfg: Config, device: torch.device, meshes: Meshes, model_dir: Path
 ) -> tuple[torch.nn.Module, torch.nn.Module | None]:
-    """The actor (trained) and, when a KL term needs it, the frozen reference, both FSDP2 on every rank."""
+    """The actor (trained) and, when a KL term needs it, the frozen reference, FSDP2 on the actor's ranks.
+
+    A rank that does not hold the actor (split placement) gets a meta-device copy of it instead: the
+    names and shapes it receives the actor's weights by (weight_sync.Fanout), no memory, no reference.
+    """
     a = cfg.algorithm
-    meshes = Placement.colocated(world_size, cfg.parallel.dp_replicate).build_meshes(device.type)
+    if not meshes.holds("actor"):
+        return build_meta_model(model_spec(cfg.model, model_dir, device, train=False)), None
     actor = build_fsdp_model(
         model_spec(cfg.model, model_dir, device, train=True), meshes.fsdp("actor"), device
     )
@@ -182,13 +210,12 @@ class Critic:
 
 
 def build_critic(
-    cfg: Config, device: torch.device, world_size: int, actor_dir: Path, cache_dir: Path
+    cfg: Config, device: torch.device, meshes: Meshes, actor_dir: Path, cache_dir: Path
 ) -> Critic:
-    """The value model (FSDP2 like the actor, colocated on every rank), its optimizer and schedule."""
+    """The value model (FSDP2 like the actor, on the critic's ranks), its optimizer and schedule."""
     path = (
         resolve_model_path_all_ranks(cfg.critic.model_path, cache_dir) if cfg.critic.model_path else actor_dir
     )
-    meshes = Placement.colocated(world_size, cfg.parallel.dp_replicate).build_meshes(device.type)
     spec = model_spec(cfg.model, path, device, train=True, head="value")
     model = build_fsdp_model(spec, meshes.fsdp("critic"), device)
     optimizer = build_optimizer(model, cfg.critic.optim)
@@ -220,15 +247,15 @@ def values_of(critic: torch.nn.Module, batch: PolicyBatch, micro: int) -> torch.
 
 
 def mini_batches(
-    cfg: Config, rl: RLDerived, batch: PolicyBatch, mode: str
+    cfg: Config, rl: RLDerived, batch: PolicyBatch, mode: str, group: dist.ProcessGroup | None = None
 ) -> Iterator[tuple[int, int, list[int], list[PolicyBatch], Aggregation]]:
     """``(epoch, mini-batch, row starts, micro-batches, aggregation)`` for each optimizer step of an update.
 
     Each mini-batch's units (tokens or sequences, per ``mode``) are counted on all ranks with one
-    all_reduce before its micro-batches run: every loss term is its sum / that count
-    (spmdrl/algos/aggregation.py). The actor's and the critic's updates walk the same schedule.
+    all_reduce over the role's ``group`` before its micro-batches run: every loss term is its sum / that
+    count (spmdrl/algos/aggregation.py). The actor's and the critic's updates walk the same schedule.
     """
-    a, micro = cfg.algorithm, cfg.trainer.micro_batch_size
+    a, micro = cfg.algorithm, rl.micro_batch_size
     norm_length = float(a.loss_scale_factor or cfg.data.max_response_length)
     device = batch.input_ids_BT.device
     for epoch in range(a.ppo_epochs):
@@ -242,18 +269,20 @@ def mini_batches(
                 m,
                 starts,
                 micro_batches,
-                Aggregation(mode, all_reduce_sum({"n": local}, device)["n"], norm_length),
+                Aggregation(mode, all_reduce_sum({"n": local}, device, group)["n"], norm_length),
             )
 
 
-def update_critic(cfg: Config, rl: RLDerived, critic: Critic, batch: PolicyBatch) -> dict[str, float]:
+def update_critic(
+    cfg: Config, rl: RLDerived, critic: Critic, batch: PolicyBatch, group: dist.ProcessGroup | None = None
+) -> dict[str, float]:
     """The clipped value loss towards the returns, over the same mini-batches and epochs as the actor."""
     a = cfg.algorithm
     assert batch.values_BT is not None and batch.returns_BT is not None
     device = batch.input_ids_BT.device
     sums: dict[str, float] = defaultdict(float)
     grad_norms = []
-    for _, _, _, micro_batches, agg in mini_batches(cfg, rl, batch, a.loss_agg_mode):
+    for _, _, _, micro_batches, agg in mini_batches(cfg, rl, batch, a.loss_agg_mode, group):
         for mb in micro_batches:
             values_BT = _shifted_values(critic.model, mb)
             assert mb.values_BT is not None and mb.returns_BT is not None
@@ -279,8 +308,8 @@ def update_critic(cfg: Config, rl: RLDerived, critic: Critic, batch: PolicyBatch
         critic.optimizer.zero_grad(set_to_none=True)
     critic.scheduler.step()
     updates = a.ppo_epochs * rl.mini_batches_per_step
-    reduced = all_reduce_sum(dict(sums), device)
-    world = dist.get_world_size()
+    reduced = all_reduce_sum(dict(sums), device, group)
+    world = dist.get_world_size(group)
     metrics = {f"critic/{k}": v / updates / (1 if k == "vf_loss" else world) for k, v in reduced.items()}
     metrics["critic/grad_norm"] = sum(grad_norms) / len(grad_norms)
     metrics["critic/lr"] = critic.scheduler.get_last_lr()[0]
@@ -358,6 +387,7 @@ def update_policy(
     actor: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     batch: PolicyBatch,
+    group: dist.ProcessGroup | None = None,
 ) -> UpdateResult:
     """PPO epochs x mini-batches; each mini-batch is one optimizer step over its micro-batches.
 
@@ -373,7 +403,7 @@ def update_policy(
     captured_BT = torch.zeros_like(batch.engine_logprobs_BT)
     sums: dict[str, float] = defaultdict(float)
     grad_norms, skipped = [], 0
-    for epoch, m, starts, micro_batches, agg in mini_batches(cfg, rl, batch, mode):
+    for epoch, m, starts, micro_batches, agg in mini_batches(cfg, rl, batch, mode, group):
         for start, mb in zip(starts, micro_batches, strict=True):
             out = micro_batch_loss(cfg, actor, mb, agg)
             if old_BT is None and epoch == 0:  # on-policy: this forward is the old policy
@@ -398,31 +428,45 @@ def update_policy(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     updates = a.ppo_epochs * rl.mini_batches_per_step
-    reduced = all_reduce_sum(dict(sums), device)
-    world = dist.get_world_size()
+    reduced = all_reduce_sum(dict(sums), device, group)
+    world = dist.get_world_size(group)
     metrics = {f"actor/{k}": v / updates / (1 if k in _SUMMED else world) for k, v in reduced.items()}
     metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
     metrics["actor/skipped_updates"] = skipped
     return UpdateResult(metrics, old_BT if old_BT is not None else captured_BT)
 
 
+# Every phase a step may time. Ranks report the same keys (0 where a phase did not run on them: under a
+# split placement the actor's and the critic's ranks run different phases).
+PHASES = (
+    "rollout",
+    "reward",
+    "exchange",
+    "old_ref",
+    "values",
+    "critic_update",
+    "actor_update",
+    "update",
+    "weight_sync",
+    "weight_sync_check",
+)
+
+
 def step_metrics(
     cfg: Config,
     ro: Rollouts,
-    batch: PolicyBatch,
-    sampled_mask_BT: torch.Tensor,
-    old_logprobs_BT: torch.Tensor,
     timer: PhaseTimer,
     device: torch.device,
+    actor_part: tuple[PolicyBatch, torch.Tensor, torch.Tensor] | None,
+    actor_group: dist.ProcessGroup | None = None,
 ) -> dict[str, float]:
-    """Rollout, reward, trainer-vs-engine, speed and timing metrics of the step, reduced over all ranks.
+    """Rollout, reward and timing metrics of the step reduced over all ranks, and, on the actor's ranks
+    (``actor_part``: its batch, the sampled mask and the old logprobs), the trainer-vs-engine mismatch
+    and training speed reduced over the actor's group.
 
-    The mismatch is measured on every sampled token (``sampled_mask_BT``, before rejection masked any).
+    The mismatch is measured on every sampled token (the sampled mask, before rejection masked any).
     """
     n, gens, scores_B = cfg.rollout.n, ro.gens, ro.rewards.scores_B
-    mismatch = logprob_mismatch(
-        old_logprobs_BT, batch.engine_logprobs_BT, sampled_mask_BT, group=dist.group.WORLD
-    )
     sums = all_reduce_sum(
         {
             "reward": float(scores_B.sum()),
@@ -433,14 +477,15 @@ def step_metrics(
             "errors": ro.rewards.num_errors,
             "timeouts": ro.rewards.num_timeouts,
             "solved_groups": float((scores_B.view(-1, n).min(dim=1).values >= 1.0).sum()),
-            "train_tokens": float(batch.attention_mask_BT.sum()) * cfg.algorithm.ppo_epochs,
         },
         device,
     )
-    slowest = all_reduce_max(timer.seconds, device)  # a step is as slow as its slowest rank
+    # A step is as slow as its slowest rank; phases no rank ran are left out.
+    seconds = {f"{p}_s": timer.seconds.get(f"{p}_s", 0.0) for p in PHASES}
+    slowest = {k: v for k, v in all_reduce_max(seconds, device).items() if v > 0}
     count = sums["n"]
     mean = sums["reward"] / count
-    return {
+    metrics = {
         "rollout/reward_mean": mean,
         "rollout/reward_std": math.sqrt(max(sums["reward_sq"] / count - mean**2, 0.0)),
         "rollout/response_len_mean": sums["tokens"] / count,
@@ -450,12 +495,27 @@ def step_metrics(
         # Every sample that did not get a real score: raised, bad value, or past the timeout.
         "reward/errors": sums["errors"] + sums["timeouts"],
         "reward/timeouts": sums["timeouts"],
-        **{f"mismatch/{k}": mismatch[k] for k in ("logprob_abs_diff_mean", "logprob_abs_diff_max", "kl_k3")},
         **ro.metrics,
-        "perf/rollout_tokens_per_s": sums["tokens"] / max(slowest["rollout_s"], 1e-9),
-        "perf/train_tokens_per_s": sums["train_tokens"] / max(slowest["train_s"], 1e-9),
+        "perf/rollout_tokens_per_s": sums["tokens"] / max(slowest.get("rollout_s", 0.0), 1e-9),
         **{f"timing/{k}": v for k, v in slowest.items()},
     }
+    if "critic_update_s" in slowest and "actor_update_s" in slowest:
+        # 1.0 when the two updates run one after the other (colocated), up to 2.0 fully side by side.
+        metrics["perf/update_overlap"] = (slowest["actor_update_s"] + slowest["critic_update_s"]) / max(
+            slowest.get("update_s", 0.0), 1e-9
+        )
+    if actor_part is not None:
+        batch, sampled_mask_BT, old_logprobs_BT = actor_part
+        mismatch = logprob_mismatch(
+            old_logprobs_BT, batch.engine_logprobs_BT, sampled_mask_BT, group=actor_group or dist.group.WORLD
+        )
+        tokens = float(batch.attention_mask_BT.sum()) * cfg.algorithm.ppo_epochs
+        train_tokens = all_reduce_sum({"t": tokens}, device, actor_group)["t"]
+        metrics.update(
+            {f"mismatch/{k}": mismatch[k] for k in ("logprob_abs_diff_mean", "logprob_abs_diff_max", "kl_k3")}
+        )
+        metrics["perf/train_tokens_per_s"] = train_tokens / max(slowest.get("actor_update_s", 0.0), 1e-9)
+    return metrics
 
 
 def advantage_estimator(
@@ -597,6 +657,7 @@ def kl_in_reward(
     token_rewards_BT: torch.Tensor,
     kl_ctrl: FixedKLController | AdaptiveKLController,
     device: torch.device,
+    group: dist.ProcessGroup | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """verl's use_kl_in_reward: rewards minus coef x KL(rollout policy || reference) per token; the
     adaptive controller moves coef with the KL of the whole batch (all ranks), so every rank agrees."""
@@ -610,7 +671,7 @@ def kl_in_reward(
         kl_ctrl.value,
         cfg.algorithm.kl_penalty,
     )
-    total = all_reduce_sum({"kl": float(mean_kl) * batch.num_rows, "n": batch.num_rows}, device)
+    total = all_reduce_sum({"kl": float(mean_kl) * batch.num_rows, "n": batch.num_rows}, device, group)
     coef = kl_ctrl.value
     kl_ctrl.update(total["kl"] / total["n"], int(total["n"]))
     return rewards_BT, {
@@ -620,7 +681,7 @@ def kl_in_reward(
 
 
 def correct_rollout(
-    cfg: Config, batch: PolicyBatch, device: torch.device
+    cfg: Config, batch: PolicyBatch, device: torch.device, group: dist.ProcessGroup | None = None
 ) -> tuple[PolicyBatch, dict[str, float]]:
     """verl's rollout correction: importance weights and rejection of the tokens or sequences whose
     engine logprobs stray too far from the trainer's (spmdrl/algos/correction.py)."""
@@ -638,8 +699,8 @@ def correct_rollout(
     )
     # Means over ranks (each rank's metric is over its own tokens).
     metrics = {
-        f"rollout_corr/{k}": v / dist.get_world_size()
-        for k, v in all_reduce_sum({k: float(v) for k, v in corr.metrics.items()}, device).items()
+        f"rollout_corr/{k}": v / dist.get_world_size(group)
+        for k, v in all_reduce_sum({k: float(v) for k, v in corr.metrics.items()}, device, group).items()
     }
     return batch.replace(response_mask_BT=corr.mask_BT, is_weights_BT=corr.is_weights_BT), metrics
 
@@ -741,26 +802,54 @@ def main(cfg: Config) -> None:
     t_start = time.perf_counter()
     # An engine this machine cannot run (vLLM release, forced CPU GEMM path) fails now, not after the SFT.
     check_engine_config(cfg.rollout, env.device.type)
+    # Which ranks run which role (a placement that cannot fit this world fails here, before any model).
+    a, n = cfg.algorithm, cfg.rollout.n
+    placement = plan_placement(cfg.parallel, env.world_size, needs_critic=a.adv_estimator in NEEDS_CRITIC)
+    log.info("placement %s", placement.describe())
 
-    # Model files; optionally an SFT stage first (in this same job), whose export RL starts from.
-    model_dir = resolve_model_path_all_ranks(cfg.model.path, run.cache_dir)
-    if cfg.warmstart.enabled:
-        model_dir = _train_sft(run, warmstart_config(cfg))
-    tokenizer = load_tokenizer(model_dir, cfg.model.trust_remote_code)
+    # Resume: the newest complete checkpoint of this output directory (trainer.resume=auto), a path, or
+    # none. Rank 0 decides for everyone (every rank must agree on it).
+    restarted = restart_count() > 0
+    found = plan_resume(cfg.trainer.resume, run.output_dir, restarted=restarted) if env.is_main else None
+    resume_from = Path(p) if (p := broadcast_str(str(found or ""))) else None
 
-    # Data, rewards and batch arithmetic: every check that can fail does so before the engine is built.
+    # Data, rewards and batch arithmetic: every check that can fail does so before the warm-start and the
+    # engine (the tokenizer is the base model's; the warm-start's export keeps it).
+    base_dir = resolve_model_path_all_ranks(cfg.model.path, run.cache_dir)
+    tokenizer = load_tokenizer(base_dir, cfg.model.trust_remote_code)
     train_ds = load_prompts(run, tokenizer, cfg.data.train_files)
     val_ds = load_prompts(run, tokenizer, cfg.data.val_files) if cfg.data.val_files else None
     derived = derive(cfg, env.world_size, len(train_ds), samples_per_item=cfg.rollout.n)
-    rl = derive_rl(cfg, derived)
+    if placement.is_split:
+        rl = derive_rl(cfg, derived, train_ranks=placement.role("actor").num_ranks, role="actor")
+        rl_critic = derive_rl(cfg, derived, train_ranks=placement.role("critic").num_ranks, role="critic")
+    else:
+        rl = rl_critic = derive_rl(cfg, derived)
+    check_model_length(base_dir, rl.max_model_len, cfg.model.trust_remote_code)
     reward_fn = load_reward_fn(cfg.reward.fn)
-    a, n = cfg.algorithm, cfg.rollout.n
+    check_data_sources(cfg.reward.fn, _data_sources(train_ds, val_ds))
+
+    # Model files; optionally an SFT stage first (in this same job), whose export RL starts from.
+    model_dir = base_dir
+    if cfg.warmstart.enabled:
+        # A resumed run's warm-start is done: its export sits next to the checkpoints.
+        done = resume_from.parent.parent / "sft" / "hf_model" if resume_from else None
+        if done is not None and (done / "config.json").is_file():
+            log.info("warm-start done earlier: %s", done)
+            model_dir = done
+        else:
+            if env.is_main and restarted:  # an attempt that died before its first checkpoint: start over
+                truncate_after(run.output_dir / "sft" / "metrics.jsonl", -1)
+            model_dir = _train_sft(run, warmstart_config(cfg))
+
     # verl always recomputes them; here only when the update's first forward is not the old policy, or
     # when the rollout correction needs them before the update.
     recompute_old = a.ppo_epochs > 1 or rl.mini_batches_per_step > 1 or a.rollout_correction.enabled
     run.log_derived(
         derived,
         **rl.as_dict(),
+        placement=placement.describe(),
+        critic_per_rank_mini_batch_seqs=rl_critic.per_rank_mini_batch_seqs,
         recompute_old_logprobs=recompute_old,
         train_prompts=len(train_ds),
         train_filtered_overlong=train_ds.num_filtered,
@@ -776,17 +865,70 @@ def main(cfg: Config) -> None:
     )
 
     # Models on their meshes (colocated: the same ranks), then the engine on every rank.
-    actor, ref = build_models(cfg, env.device, env.world_size, model_dir)
-    critic = (
-        build_critic(cfg, env.device, env.world_size, model_dir, run.cache_dir)
-        if a.adv_estimator in NEEDS_CRITIC
+    meshes = placement.build_meshes(env.device.type)
+    is_actor, is_critic = meshes.holds("actor"), a.adv_estimator in NEEDS_CRITIC and meshes.holds("critic")
+    actor_group, critic_group = meshes.group("actor"), meshes.group("critic")
+    actor, ref = build_models(cfg, env.device, meshes, model_dir)
+    critic = build_critic(cfg, env.device, meshes, model_dir, run.cache_dir) if is_critic else None
+    optimizer = build_optimizer(actor, cfg.optim) if is_actor else None
+    scheduler = build_lr_scheduler(optimizer, cfg.optim, derived.total_steps) if optimizer else None
+    fanout = (
+        Fanout(meshes.fanout_group, placement.fanout_ranks()[0], receiving=not is_actor)
+        if meshes.fanout_group is not None
         else None
     )
-    optimizer = build_optimizer(actor, cfg.optim)
-    scheduler = build_lr_scheduler(optimizer, cfg.optim, derived.total_steps)
     engine = build_engine(model_dir, cfg.rollout, max_model_len=rl.max_model_len, device_type=env.device.type)
-    logger = run.metric_logger(derived.total_steps)
     metrics_path, samples_path = run.output_dir / "metrics.jsonl", run.output_dir / "samples.jsonl"
+    kl_ctrl = build_kl_controller(
+        a.kl_ctrl.type, a.kl_ctrl.kl_coef, target_kl=a.kl_ctrl.target_kl, horizon=a.kl_ctrl.horizon
+    )
+
+    # The state a checkpoint holds: each trained role (model, optimizer, schedule) on its own ranks, and
+    # the loop's position (step, sampler, KL coefficient); RNG states are saved per rank.
+    roles = [
+        RoleState("actor", is_actor, actor, optimizer, scheduler, actor_group, _hf_writer(actor, tokenizer)),
+    ]
+    if a.adv_estimator in NEEDS_CRITIC:
+        roles.append(
+            RoleState(
+                "critic",
+                is_critic,
+                *((critic.model, critic.optimizer, critic.scheduler) if critic else (None, None, None)),
+                critic_group,
+                _hf_writer(critic.model, tokenizer) if critic else None,
+            )
+        )
+    start_step = 0
+    if resume_from is not None:
+        state = load_checkpoint(resume_from, roles)
+        start_step = int(state["step"])
+        sampler.load_state_dict(state["sampler"])
+        kl_ctrl.value = float(state["kl_coef"])
+        # The engine was built from the starting weights: load the checkpoint's, with the usual check.
+        sync_weights(
+            actor,
+            engine,
+            bucket_mb=cfg.rollout.weight_sync_bucket_mb,
+            fanout=fanout,
+            device=env.device,
+            check=SyncCheck(0, cfg.rollout.weight_sync_check_tol) if cfg.rollout.weight_sync_check else None,
+        )
+        if env.is_main:  # the steps after the checkpoint are logged again
+            dropped = truncate_after(metrics_path, start_step) + truncate_after(samples_path, start_step)
+            log.info(
+                "resumed from %s: step %d of %d (%d later log rows dropped)",
+                resume_from,
+                start_step,
+                derived.total_steps,
+                dropped,
+            )
+    elif restarted and env.is_main:
+        truncate_after(metrics_path, -1)
+        truncate_after(samples_path, -1)
+    if start_step >= derived.total_steps:
+        log.info("the checkpoint is at the last step (%d): nothing left to train", start_step)
+    logger = run.metric_logger(derived.total_steps, resume_step=start_step)
+    ckpt_root = checkpoint_root(run.output_dir)
     max_tokens = cfg.data.max_response_length
     pad_id = tokenizer.pad_token_id
 
@@ -796,18 +938,17 @@ def main(cfg: Config) -> None:
             write_samples(samples_path, [dataclasses.replace(s, step=step) for s in samples])
         return metrics
 
-    if val_ds is not None and cfg.trainer.val_every > 0:
+    if val_ds is not None and cfg.trainer.val_every > 0 and start_step == 0:
         logger.log(0, run_validation(0))
 
-    kl_ctrl = build_kl_controller(
-        a.kl_ctrl.type, a.kl_ctrl.kl_coef, target_kl=a.kl_ctrl.target_kl, horizon=a.kl_ctrl.horizon
-    )
-    for step in range(1, derived.total_steps + 1):
+    for step in range(start_step + 1, derived.total_steps + 1):
         timer = PhaseTimer()
 
-        # 1-2. Rollout and reward: this rank's prompts, rollout.n samples each, grouped by prompt (with
-        #      DAPO's dynamic sampling, more batches until every rank has enough groups with signal).
+        # 1-2. Rollout and reward on every rank: this rank's prompts, rollout.n samples each, grouped by
+        #      prompt (with DAPO's dynamic sampling, more batches until every rank has enough groups
+        #      with signal).
         ro = rollout_and_score(cfg, engine, sampler, train_ds, tokenizer, reward_fn, step, timer, env.device)
+        check_reward_errors(cfg, ro.rewards, step, env.device)
         prompts, gens, rewards, responses = ro.prompts, ro.gens, ro.rewards, ro.responses
         baseline_B = None
         if a.adv_estimator in NEEDS_BASELINE:  # remax: each prompt's greedy answer is its baseline
@@ -818,68 +959,117 @@ def main(cfg: Config) -> None:
                     n
                 )
         engine.sleep(keep_weights=False)  # CUDA: the next engine call is the sync; CPU: a no-op
-        batch = build_policy_batch([p.prompt_ids for p in prompts], gens, pad_id=pad_id).to(env.device)
-        sampled_mask_BT = batch.response_mask_BT  # before rejection masks any of it
+        local = build_policy_batch([p.prompt_ids for p in prompts], gens, pad_id=pad_id).to(env.device)
+        local = local.replace(
+            token_rewards_BT=token_level_rewards(rewards.scores_B.to(env.device), local.response_mask_BT)
+        )
+
+        # Split placement: the rows go to the actor's ranks and to the critic's (tensor point-to-point).
+        rows = plan_rows(cfg, placement, rl, rl_critic, local, env.device)
+        with timer.maybe("exchange", rows.moves):
+            batch = rows.to_actor(local)
+            critic_batch = rows.to_critic(local) if critic is not None or placement.is_split else None
+        sampled_mask_BT = batch.response_mask_BT if batch is not None else None  # before any rejection
 
         # 3. Old (a separate pass when the update takes several optimizer steps or corrects the rollout)
-        #    and reference logprobs.
-        with timer("old_ref"):
-            micro, temp = cfg.trainer.micro_batch_size, cfg.rollout.temperature
-            if recompute_old:
-                batch = batch.replace(old_logprobs_BT=logprobs_of(actor, batch, micro, temp))
-            if ref is not None:
-                batch = batch.replace(ref_logprobs_BT=logprobs_of(ref, batch, micro, temp))
-            if critic is not None:
-                batch = batch.replace(values_BT=values_of(critic.model, batch, micro))
-
-        # 4. Advantages (algorithm.adv_estimator; the rank holds whole groups, so no communication), with
-        #    the KL to the reference folded into the reward if asked, and the rollout correction.
-        token_rewards_BT = token_level_rewards(rewards.scores_B.to(env.device), batch.response_mask_BT)
-        extra: dict[str, float] = {}
-        if a.use_kl_in_reward:
-            token_rewards_BT, extra = kl_in_reward(cfg, batch, token_rewards_BT, kl_ctrl, env.device)
-        estimate = advantage_estimator(cfg, len(prompts), baseline_B, batch.values_BT)
-        advantages_BT, returns_BT = estimate(token_rewards_BT, batch.response_mask_BT)
-        batch = batch.replace(advantages_BT=advantages_BT, returns_BT=returns_BT)
-        if a.rollout_correction.enabled:
-            batch, corr_metrics = correct_rollout(cfg, batch, env.device)
-            extra.update(corr_metrics)
-
-        # 5. Update the actor.
-        critic_metrics: dict[str, float] = {}
+        #    and reference logprobs on the actor's ranks; values on the critic's (at once, when split).
+        micro, temp = rl.micro_batch_size, cfg.rollout.temperature
+        if batch is not None:
+            with timer("old_ref"):
+                if recompute_old:
+                    batch = batch.replace(old_logprobs_BT=logprobs_of(actor, batch, micro, temp))
+                if ref is not None:
+                    batch = batch.replace(ref_logprobs_BT=logprobs_of(ref, batch, micro, temp))
         if critic is not None:
-            with timer("critic_update"):
-                critic_metrics = update_critic(cfg, rl, critic, batch)
-        with timer("train"):
-            if critic is not None and step <= cfg.critic.warmup_steps:
-                # critic.warmup_steps: the actor waits for values that mean something (verl's critic_warmup);
-                # its logprobs are still computed, for the trainer-vs-engine metrics.
-                old_BT = (
-                    batch.old_logprobs_BT
-                    if batch.old_logprobs_BT is not None
-                    else logprobs_of(actor, batch, micro, temp)
-                )
-                update = UpdateResult({}, old_BT)
-            else:
-                update = update_policy(cfg, rl, actor, optimizer, batch)
-                scheduler.step()  # once per RL step (optim.warmup_steps counts RL steps)
+            assert critic_batch is not None
+            with timer("values"):
+                critic_batch = critic_batch.replace(values_BT=values_of(critic.model, critic_batch, micro))
+        if a.adv_estimator in NEEDS_CRITIC:
+            with timer.maybe("exchange", rows.moves):
+                batch = rows.values_to_actor(critic_batch, batch)
 
-        # 6. Sync the new weights into the engine; the check proves the engine now serves exactly them.
+        # 4. Advantages on the actor's ranks (algorithm.adv_estimator; colocated, a rank holds whole groups,
+        #    so no communication), with the KL to the reference folded into the reward if asked, and the
+        #    rollout correction.
+        extra: dict[str, float] = {}
+        if batch is not None:
+            assert batch.token_rewards_BT is not None
+            token_rewards_BT = batch.token_rewards_BT
+            if a.use_kl_in_reward:
+                token_rewards_BT, extra = kl_in_reward(
+                    cfg, batch, token_rewards_BT, kl_ctrl, env.device, actor_group
+                )
+            estimate = advantage_estimator(cfg, batch.num_rows // n, baseline_B, batch.values_BT)
+            advantages_BT, returns_BT = estimate(token_rewards_BT, batch.response_mask_BT)
+            batch = batch.replace(advantages_BT=advantages_BT, returns_BT=returns_BT)
+            if a.rollout_correction.enabled:
+                batch, corr_metrics = correct_rollout(cfg, batch, env.device, actor_group)
+                extra.update(corr_metrics)
+        with timer.maybe("exchange", rows.moves):
+            if a.adv_estimator in NEEDS_CRITIC:
+                critic_batch = rows.returns_to_critic(batch, critic_batch)
+            # parallel.balance_tokens, colocated: rows move only now, once the group advantages are known.
+            batch, sampled_mask_BT = rows.balance_colocated(batch, sampled_mask_BT)
+        if critic is not None and not placement.is_split:
+            critic_batch = batch
+
+        # 5. Update the critic and the actor: one after the other when colocated, at the same time on
+        #    their own ranks when split.
+        critic_metrics: dict[str, float] = {}
+        update: UpdateResult | None = None
+        with timer("update"):
+            if critic is not None:
+                assert critic_batch is not None
+                with timer("critic_update"):
+                    critic_metrics = update_critic(cfg, rl_critic, critic, critic_batch, critic_group)
+            if batch is not None:
+                assert optimizer is not None and scheduler is not None
+                with timer("actor_update"):
+                    if a.adv_estimator in NEEDS_CRITIC and step <= cfg.critic.warmup_steps:
+                        # critic.warmup_steps: the actor waits for values that mean something (verl's
+                        # critic_warmup); its logprobs are still computed, for the trainer-vs-engine metrics.
+                        old_BT = (
+                            batch.old_logprobs_BT
+                            if batch.old_logprobs_BT is not None
+                            else logprobs_of(actor, batch, micro, temp)
+                        )
+                        update = UpdateResult({}, old_BT)
+                    else:
+                        update = update_policy(cfg, rl, actor, optimizer, batch, actor_group)
+                        scheduler.step()  # once per RL step (optim.warmup_steps counts RL steps)
+
+        # 6. Sync the new weights into every rank's engine; the check proves each engine now serves exactly
+        #    them (split: the critic's ranks receive them from the first actor rank).
         with timer("weight_sync"):
             check = (
                 SyncCheck(step, cfg.rollout.weight_sync_check_tol) if cfg.rollout.weight_sync_check else None
             )
-            sync = sync_weights(actor, engine, bucket_mb=cfg.rollout.weight_sync_bucket_mb, check=check)
+            sync = sync_weights(
+                actor,
+                engine,
+                bucket_mb=cfg.rollout.weight_sync_bucket_mb,
+                check=check,
+                fanout=fanout,
+                device=env.device,
+            )
         timer.add("weight_sync_check", sync.check_seconds)
 
-        # 7. Log: metrics reduced over ranks, samples, validation, curves.
+        # 7. Log: metrics reduced over ranks (each role's over its own), samples, validation, curves.
+        actor_part = None
+        if batch is not None:
+            assert update is not None and sampled_mask_BT is not None
+            actor_part = (batch, sampled_mask_BT, update.old_logprobs_BT)
+        if placement.is_split:  # the first critic rank tells rank 0, which logs
+            critic_metrics = broadcast_object(critic_metrics, src=placement.role("critic").first_rank)
         metrics = {
-            **step_metrics(cfg, ro, batch, sampled_mask_BT, update.old_logprobs_BT, timer, env.device),
-            **update.metrics,
+            **step_metrics(cfg, ro, timer, env.device, actor_part, actor_group),
+            **(update.metrics if update is not None else {}),
             **critic_metrics,
             **extra,
-            "actor/lr": scheduler.get_last_lr()[0],
+            **rows.metrics,
         }
+        if scheduler is not None:
+            metrics["actor/lr"] = scheduler.get_last_lr()[0]
         if env.is_main and cfg.logging.samples_every > 0 and step % cfg.logging.samples_every == 0:
             write_samples(
                 samples_path, train_samples(step, tokenizer, prompts, gens, responses, rewards, cfg)
@@ -895,12 +1085,25 @@ def main(cfg: Config) -> None:
         logger.log(step, metrics)
         if env.is_main and "val/accuracy" in metrics:
             plot_curves(metrics_path, run.output_dir / "curves.png", CURVE_KEYS, title=cfg.name)
-        # Checkpoint hook point: actor, optimizer, scheduler, sampler and step are the state to save.
+        # Logged first, saved second: a kill between them loses no row (the resumed run logs it again).
+        if is_last or (cfg.trainer.save_every > 0 and step % cfg.trainer.save_every == 0):
+            saved = save_checkpoint(
+                ckpt_root,
+                step,
+                roles,
+                {"sampler": sampler.state_dict(), "kl_coef": kl_ctrl.value},
+                keep=cfg.trainer.keep_checkpoints,
+                meta={"placement": placement.describe(), "total_steps": derived.total_steps},
+            )
+            log.info("checkpoint %s: %.1f MB in %.2f s", saved.path, saved.bytes / 1e6, saved.seconds)
 
     if cfg.trainer.save_hf:
         from spmdrl.checkpoint.export import export_hf
 
-        export_hf(actor, tokenizer, run.output_dir / "hf_model")
+        if is_actor:
+            export_hf(actor, tokenizer, run.output_dir / "hf_model", group=actor_group)
+        if critic is not None:
+            export_hf(critic.model, tokenizer, run.output_dir / "critic_hf_model", group=critic_group)
     engine.close()
     logger.close()
     if env.is_main and metrics_path.exists():
@@ -912,6 +1115,51 @@ def main(cfg: Config) -> None:
         time.perf_counter() - t_start,
         run.output_dir,
     )
+
+
+def check_reward_errors(cfg: Config, rewards: RewardResult, step: int, device: torch.device) -> None:
+    """Stop the run, on every rank at once, when more than reward.max_error_frac of the step's samples
+    failed to score: a reward function that always raises would otherwise train on zeros to the end."""
+    t = all_reduce_sum(
+        {
+            "bad": rewards.num_errors + rewards.num_timeouts,
+            "timeouts": rewards.num_timeouts,
+            "n": len(rewards.scores_B),
+        },
+        device,
+    )
+    frac = t["bad"] / max(t["n"], 1)
+    if frac > cfg.reward.max_error_frac:
+        raise RuntimeError(
+            f"step {step}: {int(t['bad'])} of {int(t['n'])} samples ({frac:.0%}) got no score from reward.fn="
+            f"{cfg.reward.fn} ({int(t['timeouts'])} timed out, the rest raised or returned something that is not "
+            f"a finite number), above reward.max_error_frac={cfg.reward.max_error_frac}. The first error of each "
+            "rank is logged above with its traceback; fix the function (or raise reward.max_error_frac)"
+        )
+
+
+def _data_sources(*datasets: PromptDataset | None) -> set[str]:
+    return {ds[i].data_source for ds in datasets if ds is not None for i in range(len(ds))}
+
+
+def check_model_length(model_dir: Path, max_model_len: int, trust_remote_code: bool) -> None:
+    """Prompt + response must fit the model's positions; vLLM would refuse only once the engine is built."""
+    from transformers import AutoConfig
+
+    limit = getattr(
+        AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code),
+        "max_position_embeddings",
+        None,
+    )
+    if limit is not None and max_model_len > limit:
+        raise ConfigError(
+            f"data.max_prompt_length + data.max_response_length (or rollout.max_model_len) = {max_model_len} "
+            f"exceeds the model's max_position_embeddings={limit} ({model_dir}); shorten them"
+        )
+
+
+def _hf_writer(model: torch.nn.Module, tokenizer: object) -> Callable[[Path], None]:
+    return lambda d: write_hf_metadata(model, tokenizer, d)
 
 
 def _train_sft(run: Run, sft_cfg: Config) -> Path:

@@ -157,7 +157,7 @@ def train_sft(run: Run, cfg: Config, stage: str = "") -> Path:
     for step in range(1, derived.total_steps + 1):
         t0 = time.perf_counter()
         examples = [train_ds[i] for i in sampler.next_batch()]
-        batches = micro_batches(examples, cfg.trainer.micro_batch_size, pad_id, env.device)
+        batches = micro_batches(examples, derived.micro_batch_size, pad_id, env.device)
 
         # Count the valid target tokens of the whole global batch once. Each micro-batch's summed
         # loss is divided by that count, and gradients add up over micro-batches and (FSDP sums them)
@@ -196,7 +196,7 @@ def train_sft(run: Run, cfg: Config, stage: str = "") -> Path:
             and cfg.trainer.val_every > 0
             and (step % cfg.trainer.val_every == 0 or step == derived.total_steps)
         ):
-            metrics["val/loss"] = validation_loss(run, model, val_ds, cfg.trainer.micro_batch_size, pad_id)
+            metrics["val/loss"] = validation_loss(run, model, val_ds, derived.micro_batch_size, pad_id)
         if step % cfg.trainer.log_every == 0 or "val/loss" in metrics:
             logger.log(step, metrics)
 

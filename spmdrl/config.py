@@ -110,8 +110,17 @@ class OptimConfig:
 @dataclass
 class ParallelConfig:
     # "colocated": every role spans every rank and time-shares it (the hybrid engine).
-    placement: str = choice("colocated", ("colocated",))
-    # HSDP: replicate over dp_replicate groups, shard within each. 1 means plain FSDP over the world.
+    # "split": the actor (and its reference) trains on the first ranks, the critic on the last
+    # critic_ranks ranks, each with its own mesh; every rank still generates (docs/architecture.md).
+    placement: str = choice("colocated", ("colocated", "split"))
+    # split: how many ranks (the last ones) hold the critic; 0 = half the world.
+    critic_ranks: int = 0
+    # Before each update, give every rank of a role the same number of rows and about the same number of
+    # tokens (greedy longest-first per mini-batch; spmdrl/distributed/exchange.py). Logged as
+    # balance/<role>_token_imbalance (max / mean tokens per rank) with its value before balancing.
+    balance_tokens: bool = False
+    # HSDP: replicate over dp_replicate groups, shard within each (within each role's ranks).
+    # 1 means plain FSDP over the role's ranks.
     dp_replicate: int = 1
 
 
@@ -129,11 +138,19 @@ class TrainerConfig:
     seed: int = 0
     # "auto" (cuda when available, else cpu), "cpu" or "cuda".
     device: str = choice("auto", ("auto", "cpu", "cuda"))
-    # "" : outputs/<recipe>/<UTC timestamp>, chosen by rank 0 and broadcast to every rank.
+    # "" : outputs/<recipe>/<UTC timestamp>, chosen by rank 0 and broadcast to every rank (a restart under
+    # torchrun --max-restarts finds the same directory again).
     output_dir: str = ""
     # Minutes a collective may wait before it fails (a dead peer normally ends the job much sooner).
     collective_timeout_min: float = 10.0
     save_hf: bool = True
+    # Save a checkpoint (output_dir/checkpoints/step-<N>) every save_every steps and after the last one;
+    # 0: only after the last. keep_checkpoints: how many complete ones to keep (the newest).
+    save_every: int = 0
+    keep_checkpoints: int = 2
+    # "auto": continue from the newest complete checkpoint in output_dir, if there is one; "off": start
+    # over (refused when output_dir already holds a run); or the path of a checkpoint to start from.
+    resume: str = "auto"
 
 
 @dataclass
@@ -296,7 +313,17 @@ class RewardConfig:
     fn: str = "auto"
     # Seconds a user function may run per sample; past that it scores error_score (counted in reward/errors).
     timeout_s: float = 10.0
+    # Seconds one rank's whole batch may take: samples not scored by then score error_score (counted as
+    # timeouts). Must stay below trainer.collective_timeout_min, so a slow reward is named as such
+    # instead of surfacing as another rank's collective timeout.
+    batch_timeout_s: float = 120.0
     error_score: float = 0.0
+    # Stop the run (every rank at once, non-zero exit) when more than this fraction of a step's samples
+    # failed to score (raised, returned a bad value, timed out). 1.0: never stop.
+    max_error_frac: float = 0.5
+    # Limits of each reward worker process (0: unlimited): address space and largest file it may write.
+    worker_memory_mb: int = 4096
+    worker_file_size_mb: int = 64
     overlong_buffer: OverlongBufferConfig = field(default_factory=lambda: OverlongBufferConfig())
 
 
@@ -381,6 +408,23 @@ def validate(cfg: Config) -> None:
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{key} must be > 0, got {value}")
+    if cfg.trainer.save_every < 0 or cfg.trainer.keep_checkpoints < 1:
+        raise ConfigError(
+            f"trainer.save_every must be >= 0 and trainer.keep_checkpoints >= 1, got {cfg.trainer.save_every}, "
+            f"{cfg.trainer.keep_checkpoints}"
+        )
+    if cfg.reward.batch_timeout_s >= cfg.trainer.collective_timeout_min * 60:
+        raise ConfigError(
+            f"reward.batch_timeout_s={cfg.reward.batch_timeout_s} must stay below trainer.collective_timeout_min="
+            f"{cfg.trainer.collective_timeout_min} minutes: the other ranks wait in a collective while a rank "
+            "scores, and a slow reward must be named as such, not as a collective timeout"
+        )
+    if not 0.0 <= cfg.reward.max_error_frac <= 1.0:
+        raise ConfigError(f"reward.max_error_frac must be in [0, 1], got {cfg.reward.max_error_frac}")
+    if cfg.parallel.critic_ranks < 0:
+        raise ConfigError(
+            f"parallel.critic_ranks must be >= 0 (0 = half the world), got {cfg.parallel.critic_ranks}"
+        )
     if cfg.trainer.total_steps < 0:
         raise ConfigError(
             f"trainer.total_steps must be >= 0 (0 derives it from epochs), got {cfg.trainer.total_steps}"
@@ -454,6 +498,8 @@ class Derived:
     world_size: int
     dp_size: int
     per_rank_batch_size: int
+    # trainer.micro_batch_size, or the whole per-rank batch when that is smaller.
+    micro_batch_size: int
     grad_accum_steps: int
     steps_per_epoch: int
     total_steps: int
@@ -477,7 +523,10 @@ def derive(cfg: Config, world_size: int, num_train_samples: int, *, samples_per_
         )
     per_rank = t.global_batch_size // dp_size
     per_rank_seqs = per_rank * samples_per_item
-    if per_rank_seqs % t.micro_batch_size:
+    # A micro-batch larger than a rank's batch means the whole batch (the same setting then works on
+    # more ranks).
+    micro = min(t.micro_batch_size, per_rank_seqs)
+    if per_rank_seqs % micro:
         raise ConfigError(
             f"trainer.micro_batch_size={t.micro_batch_size} must divide the per-rank batch of {per_rank_seqs} "
             f"sequences (global_batch_size {t.global_batch_size} / {dp_size} ranks"
@@ -495,7 +544,8 @@ def derive(cfg: Config, world_size: int, num_train_samples: int, *, samples_per_
         world_size=world_size,
         dp_size=dp_size,
         per_rank_batch_size=per_rank,
-        grad_accum_steps=per_rank_seqs // t.micro_batch_size,
+        micro_batch_size=micro,
+        grad_accum_steps=per_rank_seqs // micro,
         steps_per_epoch=steps_per_epoch,
         total_steps=total,
     )
@@ -506,8 +556,12 @@ class RLDerived:
     """GRPO's batch arithmetic on top of :class:`Derived` (counts in sequences unless named prompts)."""
 
     samples_per_prompt: int
+    # Ranks the role trains on (its data-parallel size).
+    train_ranks: int
     mini_batches_per_step: int
     per_rank_mini_batch_seqs: int
+    # trainer.micro_batch_size, or the whole per-rank mini-batch when that is smaller.
+    micro_batch_size: int
     micro_batches_per_mini_batch: int
     # Micro-batches accumulated per optimizer step (overrides Derived's count, which assumes one
     # optimizer step per trainer step), and optimizer steps per RL step (mini-batches x PPO epochs).
@@ -519,7 +573,10 @@ class RLDerived:
         return dataclasses.asdict(self)
 
 
-def derive_rl(cfg: Config, derived: Derived) -> RLDerived:
+def derive_rl(cfg: Config, derived: Derived, *, train_ranks: int = 0, role: str = "actor") -> RLDerived:
+    """The update's batch arithmetic for a role trained on ``train_ranks`` ranks (0: every rank, each
+    training on the rollouts it generated; under a split placement rows move, so only sequence counts
+    must divide)."""
     n = cfg.rollout.n
     mini_prompts = cfg.algorithm.ppo_mini_batch_size or cfg.trainer.global_batch_size
     if cfg.trainer.global_batch_size % mini_prompts:
@@ -527,15 +584,23 @@ def derive_rl(cfg: Config, derived: Derived) -> RLDerived:
             f"algorithm.ppo_mini_batch_size={mini_prompts} must divide trainer.global_batch_size="
             f"{cfg.trainer.global_batch_size} (both count prompts)"
         )
-    if mini_prompts % derived.dp_size:
+    ranks = train_ranks or derived.dp_size
+    if not train_ranks and mini_prompts % ranks:
         raise ConfigError(
-            f"algorithm.ppo_mini_batch_size={mini_prompts} is not divisible by the data-parallel size {derived.dp_size}"
+            f"algorithm.ppo_mini_batch_size={mini_prompts} is not divisible by the data-parallel size {ranks}"
         )
-    per_rank_mini = mini_prompts // derived.dp_size * n
-    if per_rank_mini % cfg.trainer.micro_batch_size:
+    if train_ranks and (mini_prompts * n) % ranks:
         raise ConfigError(
-            f"trainer.micro_batch_size={cfg.trainer.micro_batch_size} must divide the per-rank mini-batch of "
-            f"{per_rank_mini} sequences ({mini_prompts} prompts / {derived.dp_size} ranks x rollout.n={n})"
+            f"the {role}'s mini-batch of {mini_prompts * n} sequences (algorithm.ppo_mini_batch_size="
+            f"{mini_prompts} x rollout.n={n}) does not split evenly over its {ranks} ranks "
+            f"(parallel.placement=split); change the batch size or parallel.critic_ranks"
+        )
+    per_rank_mini = mini_prompts * n // ranks
+    micro = min(cfg.trainer.micro_batch_size, per_rank_mini)  # larger: the whole mini-batch
+    if per_rank_mini % micro:
+        raise ConfigError(
+            f"trainer.micro_batch_size={cfg.trainer.micro_batch_size} must divide the {role}'s per-rank "
+            f"mini-batch of {per_rank_mini} sequences ({mini_prompts} prompts x rollout.n={n} / {ranks} ranks)"
         )
     if derived.world_size % cfg.rollout.tp:
         raise ConfigError(f"rollout.tp={cfg.rollout.tp} must divide the world size {derived.world_size}")
@@ -546,10 +611,12 @@ def derive_rl(cfg: Config, derived: Derived) -> RLDerived:
         )
     return RLDerived(
         samples_per_prompt=n,
+        train_ranks=ranks,
         mini_batches_per_step=cfg.trainer.global_batch_size // mini_prompts,
         per_rank_mini_batch_seqs=per_rank_mini,
-        micro_batches_per_mini_batch=per_rank_mini // cfg.trainer.micro_batch_size,
-        grad_accum_steps=per_rank_mini // cfg.trainer.micro_batch_size,
+        micro_batch_size=micro,
+        micro_batches_per_mini_batch=per_rank_mini // micro,
+        grad_accum_steps=per_rank_mini // micro,
         optimizer_steps_per_step=cfg.trainer.global_batch_size // mini_prompts * cfg.algorithm.ppo_epochs,
         max_model_len=max_len,
     )

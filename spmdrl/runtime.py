@@ -29,7 +29,7 @@ class Run:
     output_dir: Path
     cache_dir: Path
 
-    def metric_logger(self, total_steps: int, subdir: str = "") -> NullLogger:
+    def metric_logger(self, total_steps: int, subdir: str = "", resume_step: int = 0) -> NullLogger:
         """Rank 0's logger into output_dir (or output_dir/subdir, for a stage such as the SFT warm-start)."""
         if not self.env.is_main:
             return NullLogger()
@@ -42,6 +42,7 @@ class Run:
             tensorboard=lc.tensorboard,
             progress_bar=lc.progress_bar,
             console_every=lc.console_every,
+            resume_step=resume_step,
         )
 
     def log_derived(self, derived: Derived, stage: str = "", **extra: object) -> None:
@@ -74,14 +75,39 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def restart_count() -> int:
+    """How many times torchrun (--max-restarts) has restarted this job's workers; 0 on the first attempt."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def _launch_key() -> str:
+    """What stays the same across torchrun's restarts of one job: its rendezvous id (set it under Slurm:
+    --rdzv-id=$SLURM_JOB_ID), else the agent's process id (standalone torchrun on one machine)."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return run_id if run_id not in ("", "none") else f"agent-{os.getppid()}"
+
+
+def choose_output_dir(cfg: Config) -> str:
+    """trainer.output_dir, or outputs/<recipe>/<UTC timestamp>; a restarted job finds the directory its
+    first attempt chose (recorded under outputs/<recipe>/.launches/), so it resumes its own run."""
+    if cfg.trainer.output_dir:
+        return str(Path(cfg.trainer.output_dir).resolve())
+    base = Path("outputs") / cfg.name
+    pointer = base / ".launches" / _launch_key()
+    if restart_count() > 0 and pointer.is_file():
+        return pointer.read_text().strip()
+    chosen = str((base / datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")).resolve())
+    pointer.parent.mkdir(parents=True, exist_ok=True)
+    pointer.write_text(chosen + "\n")
+    return chosen
+
+
 def start_run(cfg: Config) -> Run:
     env = init_distributed(cfg.trainer.device, cfg.trainer.collective_timeout_min)
     setup_logging(env.rank)
     # Rank 0 chooses the directory (timestamps differ between processes) and tells the others.
-    chosen = cfg.trainer.output_dir or os.path.join(
-        "outputs", cfg.name, datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
-    )
-    output_dir = Path(broadcast_str(str(Path(chosen).resolve()) if env.is_main else "")).resolve()
+    chosen = choose_output_dir(cfg) if env.is_main else ""
+    output_dir = Path(broadcast_str(chosen)).resolve()
     if env.is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "config.yaml").write_text(to_yaml(cfg))

@@ -7,6 +7,7 @@ by the config's ``entry`` (spmdrl.recipes.<entry>.main). Any rank's failure ends
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import os
 import sys
@@ -19,6 +20,11 @@ from spmdrl.config_loader import load_config
 from spmdrl.distributed.failure import run_or_die
 
 EXIT_CONFIG_ERROR = 2
+
+
+# A segfault in an extension (a kernel, the engine) would otherwise show only "exit -11": print every
+# thread's Python stack on SIGSEGV / SIGFPE / SIGABRT / SIGBUS / SIGILL first.
+faulthandler.enable(all_threads=True)
 
 
 def parse_config(argv: list[str]) -> Config:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from spmdrl.config import Config, ConfigError, TrainerConfig, derive
+from spmdrl.config import Config, ConfigError, TrainerConfig, derive, derive_rl
 from spmdrl.config_loader import available_recipes, load_config
 
 
@@ -117,6 +117,17 @@ def test_derive_counts_samples_per_item() -> None:
     d = derive(_cfg(16, 8), world_size=2, num_train_samples=100, samples_per_item=5)
     assert d.per_rank_batch_size == 8
     assert d.grad_accum_steps == 5
+
+
+def test_micro_batch_larger_than_a_ranks_batch_means_the_whole_batch() -> None:
+    # 64 sequences on 4 ranks: 16 each; a micro-batch of 32 becomes 16 (one micro-batch), not an error.
+    d = derive(_cfg(64, 32), world_size=4, num_train_samples=1000)
+    assert (d.micro_batch_size, d.grad_accum_steps) == (16, 1)
+    assert derive(_cfg(64, 32), world_size=2, num_train_samples=1000).micro_batch_size == 32
+    cfg = _cfg(8, 64)
+    cfg.rollout.n = 4
+    rl = derive_rl(cfg, derive(cfg, world_size=2, num_train_samples=100, samples_per_item=4))
+    assert (rl.micro_batch_size, rl.micro_batches_per_mini_batch) == (16, 1)
 
 
 def test_derive_rejects_indivisible_batch() -> None:

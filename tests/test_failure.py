@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from spmdrl.testing.launch import torchrun
+from spmdrl.testing.spawn import run_distributed
 
 pytestmark = pytest.mark.slow
 
@@ -53,3 +54,40 @@ def test_config_error_exits_2_before_any_work(tmp_path: Path) -> None:
     assert "config error: unknown config key 'optim.lrr'. Did you mean 'optim.lr'?" in res.output
     # printed once (rank 0), not once per rank
     assert res.output.count("Did you mean 'optim.lr'") == 1
+
+
+def _slow_writer_worker(rank: int, world: int) -> dict:
+    import datetime
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from spmdrl.distributed.env import wait_for
+
+    # A group whose collectives time out after 1 s stands for trainer.collective_timeout_min.
+    short = dist.new_group(timeout=datetime.timedelta(seconds=1))
+    out = {}
+    if rank == 0:
+        time.sleep(3)  # an export to slow storage
+    try:
+        dist.barrier(group=short)
+        out["barrier"] = "ok"
+    except Exception as e:  # noqa: BLE001 - the failure being demonstrated
+        out["barrier"] = type(e).__name__
+    t0 = time.time()
+    if rank == 0:
+        time.sleep(3)
+    wait_for("slow-export", writer=rank == 0)
+    out["waited_s"] = time.time() - t0
+    x = torch.ones(1)
+    dist.all_reduce(x)
+    out["after"] = float(x)
+    return out
+
+
+def test_work_one_rank_does_is_waited_for_outside_collectives() -> None:
+    """A 3 s export on rank 0 breaks a barrier whose timeout is 1 s; ``wait_for`` waits it out."""
+    res = run_distributed(_slow_writer_worker, 2, timeout_s=120)
+    assert res[1]["barrier"] != "ok"  # the collective timed out while rank 0 worked alone
+    assert res[1]["waited_s"] >= 2.5 and all(r["after"] == 2.0 for r in res)

@@ -8,6 +8,7 @@ metrics, samples, curves and export.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import textwrap
@@ -35,13 +36,13 @@ REWARD = textwrap.dedent(
 )
 
 
-def _train(tmp_path: Path, recipe: str, *overrides: str) -> Path:
-    """``torchrun --nproc_per_node=2 -m spmdrl.train recipe=<recipe> ...`` in ``tmp_path``; must exit 0.
-    Returns the run's output directory."""
+def _train(tmp_path: Path, recipe: str, *overrides: str, nproc: int = 2) -> Path:
+    """``torchrun --nproc_per_node=<nproc> -m spmdrl.train recipe=<recipe> ...`` in ``tmp_path``; must
+    exit 0. Returns the run's output directory."""
     out = tmp_path / "run"
     res = torchrun(
         ["-m", "spmdrl.train", f"recipe={recipe}", f"trainer.output_dir={out}", *overrides],
-        nproc=2,
+        nproc=nproc,
         cwd=tmp_path,
         timeout_s=900,
         env={"SPMDRL_CACHE": os.environ.get("SPMDRL_CACHE", str(Path.home() / ".cache" / "spmdrl"))},
@@ -92,7 +93,7 @@ def test_grpo_tiny_short_run(tmp_path: Path) -> None:
         "perf/rollout_tokens_per_s",
         "perf/train_tokens_per_s",
         "timing/rollout_s",
-        "timing/train_s",
+        "timing/actor_update_s",
         "timing/weight_sync_s",
         "mismatch/logprob_abs_diff_mean",
         "mismatch/kl_k3",
@@ -229,3 +230,129 @@ def test_ppo_tiny_with_critic(tmp_path: Path) -> None:
     assert all("actor/pg_loss" in r for r in rows[1:])
     # The value head starts at 0 and learns: its predictions move off 0.
     assert any(r["critic/grad_norm"] > 0 for r in rows) and rows[-1]["critic/vpred_mean"] != 0.0
+
+
+def test_ppo_split_placement_actor_and_critic_on_their_own_ranks(tmp_path: Path) -> None:
+    """recipe=ppo_tiny with parallel.placement=split on 3 processes: the actor on ranks 0-1, the critic on
+    rank 2, every rank generating. The rows reach each mesh by point-to-point moves (balanced by
+    tokens), the values reach the actor and the returns the critic, both updates run, and the critic
+    rank's engine passes the weight-sync check every step (a failed check ends the run)."""
+    out = _train(
+        tmp_path,
+        "ppo_tiny",
+        "parallel.placement=split",
+        "parallel.critic_ranks=1",
+        "parallel.balance_tokens=true",
+        "warmstart.total_steps=100",
+        "warmstart.global_batch_size=12",
+        "warmstart.micro_batch_size=4",
+        "trainer.total_steps=3",
+        "critic.warmup_steps=1",
+        "trainer.val_every=3",
+        "data.tiny.num_train=240",
+        "data.tiny.num_test=30",
+        "trainer.global_batch_size=6",
+        "rollout.n=4",
+        "trainer.micro_batch_size=4",
+        nproc=3,
+    )
+    derived = json.loads((out / "derived.json").read_text())
+    assert (
+        derived["placement"].startswith("split: actor: ranks 0-1 (FSDP 2)")
+        and "critic: rank 2" in derived["placement"]
+    )
+    assert derived["per_rank_mini_batch_seqs"] == 12 and derived["critic_per_rank_mini_batch_seqs"] == 24
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if r["step"] > 0]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert math.isfinite(r["critic/vf_loss"]) and r["timing/critic_update_s"] > 0
+        assert r["timing/actor_update_s"] > 0 and r["perf/update_overlap"] > 0
+        # Balanced: no actor rank has more than a few percent above the mean token count.
+        assert r["balance/actor_token_imbalance"] <= r["balance/actor_token_imbalance_before"] + 1e-9
+        assert r["balance/actor_token_imbalance"] < 1.1 and "balance/critic_token_imbalance" in r
+        assert r["mismatch/logprob_abs_diff_mean"] < 0.05
+    assert "actor/pg_loss" not in rows[0] and all("actor/pg_loss" in r for r in rows[1:])
+    assert "val/accuracy" in rows[-1]
+    # The critic trained on its own rank and was exported from there.
+    critic = load_file(out / "critic_hf_model" / "model.safetensors")
+    assert float(critic["score.weight"].abs().sum()) > 0  # the value head starts at 0
+    assert (out / "hf_model" / "model.safetensors").exists()
+
+
+def test_split_placement_rejected_before_models_are_built(tmp_path: Path) -> None:
+    """A placement that cannot work fails at start, naming the fix, before the warm-start or any model."""
+    res = torchrun(
+        [
+            "-m",
+            "spmdrl.train",
+            "recipe=grpo_tiny",
+            "parallel.placement=split",
+            f"trainer.output_dir={tmp_path / 'run'}",
+        ],
+        nproc=2,
+        cwd=tmp_path,
+        timeout_s=300,
+    )
+    assert res.returncode != 0
+    assert "parallel.placement=split puts the critic on ranks of its own" in res.output
+    assert "algorithm.adv_estimator=gae" in res.output
+    assert "built " not in res.output and "SFT" not in res.output
+
+
+ALWAYS_RAISES = textwrap.dedent(
+    """
+    def score(response, ground_truth, *, data_source, extra_info):
+        raise ValueError("reward service is down")
+    """
+)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expect"),
+    [
+        # Each fails at start, before the warm-start (the log never shows it) or an engine.
+        (["reward.fn=no_such_module:score"], "reward.fn='no_such_module:score'"),
+        (["data.max_prompt_length=30000"], "exceeds the model's max_position_embeddings"),
+        (["reward.fn=gsm8k", "reward.batch_timeout_s=700"], "reward.batch_timeout_s=700.0 must stay below"),
+    ],
+)
+def test_bad_settings_fail_before_the_warm_start(tmp_path: Path, overrides: list[str], expect: str) -> None:
+    res = torchrun(
+        ["-m", "spmdrl.train", "recipe=grpo_tiny", f"trainer.output_dir={tmp_path / 'run'}", *overrides],
+        nproc=2,
+        cwd=tmp_path,
+        timeout_s=300,
+    )
+    assert res.returncode != 0 and expect in res.output, res.output[-3000:]
+    assert "SFT" not in res.output and "building vLLM" not in res.output
+
+
+def test_reward_that_always_fails_stops_the_run(tmp_path: Path) -> None:
+    """A reward function that raises on every sample ends the job at its first step, on every rank, with
+    the cause named; it does not train on zeros to the end and exit 0."""
+    (tmp_path / "down.py").write_text(ALWAYS_RAISES)
+    res = torchrun(
+        [
+            "-m",
+            "spmdrl.train",
+            "recipe=grpo_tiny",
+            f"trainer.output_dir={tmp_path / 'run'}",
+            "warmstart.enabled=false",
+            "trainer.total_steps=3",
+            "trainer.val_every=0",
+            "data.tiny.num_train=64",
+            "trainer.global_batch_size=8",
+            "rollout.n=2",
+            f"reward.fn={tmp_path / 'down.py'}:score",
+        ],
+        nproc=2,
+        cwd=tmp_path,
+        timeout_s=600,
+    )
+    assert res.returncode != 0
+    assert "step 1: 16 of 16 samples (100%) got no score" in res.output, res.output[-3000:]
+    assert "reward service is down" in res.output  # the first error, with its traceback
+    assert (
+        not (tmp_path / "run" / "metrics.jsonl").exists()
+        or "step" not in (tmp_path / "run" / "metrics.jsonl").read_text()
+    )

@@ -68,7 +68,7 @@ def test_derive_rl_mini_and_micro_batches() -> None:
     [
         (_cfg(32, 12, 5, 5), 4, "ppo_mini_batch_size=12 must divide"),
         (_cfg(32, 2, 5, 5), 4, "not divisible by the data-parallel size 4"),
-        (_cfg(32, 8, 5, 4), 4, "micro_batch_size=4 must divide the per-rank mini-batch of 10"),
+        (_cfg(32, 8, 5, 4), 4, "micro_batch_size=4 must divide the actor.s per-rank mini-batch of 10"),
         (_cfg(32, 8, 5, 5, tp=3), 4, "rollout.tp=3 must divide the world size 4"),
     ],
 )

@@ -1,4 +1,10 @@
-"""Model-only export in Hugging Face format (safetensors + config + tokenizer) that transformers loads back.
+"""Model-only export in Hugging Face format (safetensors + config + tokenizer + generation config).
+
+Two ways in, one writer (:func:`write_hf_dir`):
+
+- :func:`export_hf`: the live FSDP2 model at the end of a run (every rank of its group calls it);
+- :func:`export_checkpoint` (``python -m spmdrl.export <checkpoint> <out_dir>``): a sharded DCP
+  checkpoint, on one process, no process group, whatever world size saved it.
 
 Written into a temporary sibling directory and renamed into place, so a crash mid-export never
 leaves a half-written model where a user (or vLLM) would load it.
@@ -17,33 +23,125 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from spmdrl.distributed.env import wait_for
+
 log = logging.getLogger(__name__)
 
 
-def export_hf(
-    model: nn.Module, tokenizer: object, out_dir: Path, *, dtype: torch.dtype | None = None
+def write_hf_dir(
+    tensors: dict[str, torch.Tensor],
+    config: object,
+    out_dir: Path,
+    *,
+    tokenizer: object | None = None,
+    generation_config: object | None = None,
+    dtype: torch.dtype | None = None,
 ) -> None:
-    """Gathers the full weights to rank 0 (CPU) and writes an HF model directory. Every rank must call it."""
-    # Collective: every rank takes part in gathering the shards; only rank 0 receives them.
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist.get_rank() == 0:
-        config = model.config  # type: ignore[attr-defined]
-        if getattr(config, "tie_word_embeddings", False):
-            state.pop("lm_head.weight", None)  # stored once, as transformers does for tied weights
-        tensors = {k: (v.to(dtype) if dtype is not None else v).contiguous() for k, v in state.items()}
-        tmp = out_dir.with_name(out_dir.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        if dtype is not None:
-            config.dtype = dtype
-        config.save_pretrained(tmp)
-        gen = getattr(model, "generation_config", None)
-        if gen is not None:
-            gen.save_pretrained(tmp)
+    """An HF model directory from full tensors, atomically (temporary sibling, then one rename)."""
+    if getattr(config, "tie_word_embeddings", False):
+        tensors = {
+            k: v for k, v in tensors.items() if k != "lm_head.weight"
+        }  # stored once, as transformers does
+    tensors = {
+        k: (v.to(dtype) if dtype is not None else v).detach().cpu().contiguous() for k, v in tensors.items()
+    }
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    if dtype is not None:
+        config.dtype = dtype  # type: ignore[attr-defined]
+    config.save_pretrained(tmp)  # type: ignore[attr-defined]
+    if generation_config is not None:
+        generation_config.save_pretrained(tmp)  # type: ignore[attr-defined]
+    if tokenizer is not None:
         tokenizer.save_pretrained(tmp)  # type: ignore[attr-defined]
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-        log.info("exported HF model to %s", out_dir)
-    dist.barrier()
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+    log.info("exported HF model to %s", out_dir)
+
+
+def write_hf_metadata(model: nn.Module, tokenizer: object, out_dir: Path) -> None:
+    """Config, generation config and tokenizer, without weights: what a checkpoint keeps for export."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(out_dir)  # type: ignore[attr-defined]
+    gen = getattr(model, "generation_config", None)
+    if gen is not None:
+        gen.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)  # type: ignore[attr-defined]
+
+
+def export_hf(
+    model: nn.Module,
+    tokenizer: object,
+    out_dir: Path,
+    *,
+    dtype: torch.dtype | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> None:
+    """Gathers the full weights to the group's first rank (CPU) and writes an HF model directory.
+
+    Every rank of ``group`` (the ranks the model is sharded over; None: the world) must call it.
+    """
+    # Collective: every rank takes part in gathering the shards. With cpu_offload only *global* rank 0
+    # receives them (torch's rule); a group without it (the critic's ranks under a split placement)
+    # gathers to every member instead and the first one writes.
+    offload = group is None or dist.get_global_rank(group, 0) == 0
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=offload))
+    writer = dist.get_rank(group) == 0
+    if writer:
+        write_hf_dir(
+            state,
+            model.config,  # type: ignore[attr-defined]
+            out_dir,
+            tokenizer=tokenizer,
+            generation_config=getattr(model, "generation_config", None),
+            dtype=dtype,
+        )
+    # Writing a large model to slow storage must not count against the collective timeout.
+    wait_for(f"export:{out_dir}", writer=writer)
+
+
+def export_checkpoint(
+    checkpoint: Path, out_dir: Path, *, role: str = "actor", dtype: torch.dtype | None = None
+) -> None:
+    """A sharded checkpoint's ``role`` model as an HF directory, on one process (no process group)."""
+    import torch.distributed.checkpoint as dcp
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForTokenClassification,
+        AutoTokenizer,
+        GenerationConfig,
+    )
+
+    meta_dir = checkpoint / "hf" / role
+    if not (checkpoint / role).is_dir() or not meta_dir.is_dir():
+        have = sorted(p.name for p in (checkpoint / "hf").iterdir()) if (checkpoint / "hf").is_dir() else []
+        raise FileNotFoundError(
+            f"{checkpoint} has no '{role}' model to export (it has: {have or 'none'}); pass a step-<N> "
+            "directory of a run's checkpoints/ and --role actor or critic"
+        )
+    config = AutoConfig.from_pretrained(meta_dir)
+    auto = AutoModelForTokenClassification if role == "critic" else AutoModelForCausalLM
+    with torch.device("meta"):
+        model = auto.from_config(config, dtype=torch.float32)
+    # The checkpoint's keys are the model's own (get_state_dict strips the FSDP / checkpointing wrappers).
+    state = {k: torch.empty(v.shape, dtype=torch.float32) for k, v in model.state_dict().items()}
+    if getattr(config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    dcp.load({"model": state}, checkpoint_id=str(checkpoint / role), no_dist=True)
+    gen = (
+        GenerationConfig.from_pretrained(meta_dir)
+        if (meta_dir / "generation_config.json").is_file()
+        else None
+    )
+    write_hf_dir(
+        state,
+        config,
+        out_dir,
+        tokenizer=AutoTokenizer.from_pretrained(meta_dir),
+        generation_config=gen,
+        dtype=dtype,
+    )

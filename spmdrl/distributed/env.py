@@ -47,12 +47,39 @@ def init_distributed(device: str = "auto", timeout_min: float = 10.0) -> DistEnv
     if not dist.is_initialized():
         # "cpu:gloo,cuda:nccl" lets CPU-side collectives (object broadcasts) work next to NCCL.
         backend = "cpu:gloo,cuda:nccl" if dev.type == "cuda" else "gloo"
+        timeout = datetime.timedelta(minutes=timeout_min)
         dist.init_process_group(
             backend=backend,
-            timeout=datetime.timedelta(minutes=timeout_min),
+            timeout=timeout,
             device_id=dev if dev.type == "cuda" else None,
+            **_attempt_store(rank, world_size, timeout),
         )
     return DistEnv(rank=rank, local_rank=local_rank, world_size=world_size, device=dev)
+
+
+def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dict:
+    """Under torchrun, the agent's store with a prefix per restart attempt.
+
+    torchrun keeps one store for all attempts of a job; workers restarted by --max-restarts would read
+    the gloo addresses their dead predecessors published there and fail to connect ("Gloo
+    connectFullMesh failed ... Connection refused"). Keys under a per-attempt prefix cannot collide.
+    Started any other way, the default env:// rendezvous is used.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    base = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=False,
+        timeout=timeout,
+    )
+    return {
+        "store": dist.PrefixStore(f"spmdrl/attempt-{attempt}", base),
+        "rank": rank,
+        "world_size": world_size,
+    }
 
 
 def _free_port() -> int:
@@ -61,6 +88,28 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+_WAIT_COUNTS: dict[str, int] = {}
+
+
+def wait_for(name: str, *, writer: bool, timeout_min: float = 120.0) -> None:
+    """The ranks that wait for work only one rank does (an export, a download) wait here, not in a
+    collective: a barrier would count that work against trainer.collective_timeout_min and kill a job
+    writing a large model to slow storage. The writer calls it with ``writer=True`` when done.
+
+    Every rank taking part calls it with the same ``name``, the same number of times.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    count = _WAIT_COUNTS.get(name, 0)
+    _WAIT_COUNTS[name] = count + 1
+    key = f"spmdrl/done/{name}/{count}"
+    store = dist.distributed_c10d._get_default_store()
+    if writer:
+        store.set(key, b"1")
+    else:
+        store.wait([key], datetime.timedelta(minutes=timeout_min))
 
 
 def broadcast_str(value: str, src: int = 0) -> str:

@@ -37,6 +37,7 @@ class MetricLogger(NullLogger):
         tensorboard: bool = True,
         progress_bar: bool = True,
         console_every: int = 10,
+        resume_step: int = 0,
     ) -> None:
         self.output_dir = output_dir
         self.console_every = max(console_every, 1)
@@ -46,7 +47,9 @@ class MetricLogger(NullLogger):
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(output_dir / "tensorboard"))
+            # A resumed run rewrites the steps after its checkpoint: tensorboard drops its old events.
+            purge = resume_step + 1 if resume_step else None
+            self._tb = SummaryWriter(log_dir=str(output_dir / "tensorboard"), purge_step=purge)
         self._bar: Any = None
         if progress_bar and sys.stderr.isatty():
             from tqdm import tqdm
@@ -88,6 +91,36 @@ def _short(metrics: dict[str, float]) -> dict[str, str]:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The rows of a metrics.jsonl (for plots, tests and users' notebooks)."""
+    """The rows of a metrics.jsonl (for plots, tests and users' notebooks). A line that is not JSON (the
+    last one, cut short by a kill mid-write) is skipped."""
+    rows = []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for line in f:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict):
+                rows.append(row)
+    return rows
+
+
+def truncate_after(path: Path, step: int) -> int:
+    """Keep the rows of a JSON-lines file (metrics.jsonl, samples.jsonl) up to ``step``; drop later ones and
+    broken lines. A run resuming from the checkpoint of ``step`` logs the later steps again. Returns the
+    number of rows dropped."""
+    if not path.exists():
+        return 0
+    lines = path.read_text().splitlines()
+    kept = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and int(row.get("step", 0)) <= step:
+            kept.append(line)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(k + "\n" for k in kept))
+    tmp.replace(path)
+    return len(lines) - len(kept)

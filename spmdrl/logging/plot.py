@@ -2,13 +2,27 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from spmdrl.logging.metrics import read_metrics
 
+log = logging.getLogger(__name__)
 
-def plot_curves(metrics_path: Path, out_png: Path, keys: list[str], title: str = "") -> None:
-    """One line per key (those present) against step, on one axis; values such as reward and accuracy share [0, 1]."""
+
+def plot_curves(metrics_path: Path, out_png: Path, keys: list[str], title: str = "") -> bool:
+    """One line per key (those present) against step, on one axis; values such as reward and accuracy share
+    [0, 1]. Best effort: a plot is a convenience, so any failure is logged and training goes on.
+    Returns whether the PNG was written."""
+    try:
+        _plot(metrics_path, out_png, keys, title)
+        return True
+    except Exception as e:  # noqa: BLE001 - a missing font, a full disk, a broken matplotlib: never fatal
+        log.warning("could not plot %s: %s: %s", out_png, type(e).__name__, e)
+        return False
+
+
+def _plot(metrics_path: Path, out_png: Path, keys: list[str], title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")  # no display on training nodes

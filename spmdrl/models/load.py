@@ -49,15 +49,18 @@ def resolve_model_path(path: str, cache_dir: Path) -> Path:
 
 
 def resolve_model_path_all_ranks(path: str, cache_dir: Path) -> Path:
-    """resolve_model_path with rank 0 going first (one download / one build), the others after a barrier."""
+    """resolve_model_path with rank 0 going first (one download / one build), the others after it (waiting
+    outside any collective, so a long download does not count against the collective timeout)."""
     import torch.distributed as dist
 
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    from spmdrl.distributed.env import wait_for
+
+    main = not dist.is_initialized() or dist.get_rank() == 0
+    if main:
         resolved = resolve_model_path(path, cache_dir)
-    if dist.is_initialized():
-        dist.barrier()
-        if dist.get_rank() != 0:
-            resolved = resolve_model_path(path, cache_dir)
+    wait_for("model-files", writer=main)
+    if not main:
+        resolved = resolve_model_path(path, cache_dir)
     return resolved
 
 

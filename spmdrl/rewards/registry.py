@@ -99,6 +99,20 @@ def auto_score(response: str, ground_truth: str, *, data_source: str, extra_info
 BUILTINS: dict[str, Callable[..., float]] = {"gsm8k": gsm8k_score, "tiny": tiny_score, "auto": auto_score}
 
 
+def check_data_sources(spec: str, data_sources: set[str]) -> None:
+    """``reward.fn=auto`` must know every data_source in the data: checked at start, not at the first
+    sample (after a warm-start and an engine build)."""
+    if spec.strip() != "auto":
+        return
+    unknown = sorted(data_sources - set(DATA_SOURCE_FNS))
+    if unknown:
+        raise UnknownDataSourceError(
+            f"reward.fn=auto has no built-in reward for data_source {', '.join(map(repr, unknown))} in the data "
+            f"(known: {', '.join(sorted(DATA_SOURCE_FNS))}); set reward.fn to a built-in "
+            f"({', '.join(BUILTINS)}) or to your own function, e.g. reward.fn=my_pkg.my_mod:score"
+        )
+
+
 def load_reward_fn(spec: str) -> RewardFn:
     """The reward function that ``spec`` names; raises ConfigError saying what is wrong with it."""
     spec = spec.strip()

@@ -1,0 +1,42 @@
+"""``python -m spmdrl.export <checkpoint> <out_dir>``: a Hugging Face model directory from a checkpoint.
+
+<checkpoint> is a ``step-<N>`` directory under a run's ``checkpoints/`` (or the run's output directory:
+its newest complete checkpoint). Runs on one process, whatever world size saved it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from spmdrl.checkpoint.checkpointer import resolve_resume
+from spmdrl.checkpoint.export import export_checkpoint
+from spmdrl.config import ConfigError
+from spmdrl.models.build import DTYPES
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m spmdrl.export", description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "checkpoint", type=Path, help="a step-<N> checkpoint directory, or a run's output directory"
+    )
+    ap.add_argument("out_dir", type=Path, help="where to write the HF model directory")
+    ap.add_argument("--role", default="actor", choices=("actor", "critic"))
+    ap.add_argument(
+        "--dtype", default="", choices=("", *DTYPES), help="cast the weights (default: as saved, fp32)"
+    )
+    args = ap.parse_args(argv)
+    try:
+        path = resolve_resume(str(args.checkpoint), args.checkpoint)
+    except ConfigError as e:
+        print(f"error: {str(e).replace('trainer.resume=', '')}", file=sys.stderr)
+        return 2
+    assert path is not None
+    export_checkpoint(path, args.out_dir, role=args.role, dtype=DTYPES[args.dtype] if args.dtype else None)
+    print(f"exported {path} ({args.role}) to {args.out_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
