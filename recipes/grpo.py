@@ -60,6 +60,7 @@ from spmdrl.algos.kl_control import (
     apply_kl_penalty,
     build_kl_controller,
 )
+from spmdrl.algos.micro_batches import micro_batch_rows
 from spmdrl.algos.policy_losses import PolicyLossParams, agg_mode_for, policy_loss
 from spmdrl.algos.value_loss import clipped_value_loss
 from spmdrl.checkpoint.checkpointer import (
@@ -78,10 +79,12 @@ from spmdrl.distributed.env import broadcast_str
 from spmdrl.distributed.placement import Meshes, plan_placement
 from spmdrl.distributed.reduce import all_reduce_max, all_reduce_min, all_reduce_sum
 from spmdrl.distributed.role_rows import broadcast_object, plan_rows
+from spmdrl.distributed.topology import check_tp_within_nodes, node_layout_from_env
 from spmdrl.logging.metrics import truncate_after
 from spmdrl.logging.plot import plot_curves
 from spmdrl.logging.samples import Sample, write_samples
 from spmdrl.logging.timer import PhaseTimer
+from spmdrl.models import packing
 from spmdrl.models.build import build_fsdp_model, build_meta_model, model_spec
 from spmdrl.models.forward import policy_logprobs
 from spmdrl.models.load import load_tokenizer, resolve_model_path_all_ranks
@@ -160,14 +163,36 @@ def score(
     return result, responses
 
 
+def micro_rows(
+    cfg: Config, rl: RLDerived, batch: PolicyBatch, group: dist.ProcessGroup | None = None
+) -> list[torch.Tensor]:
+    """This rank's rows of ``batch`` per micro-batch: rl.micro_batch_size sequences, or up to
+    trainer.micro_batch_tokens tokens (the same number of micro-batches on every rank of ``group``)."""
+    return micro_batch_rows(
+        batch.attention_mask_BT.sum(dim=1).cpu(),
+        micro_batch_size=rl.micro_batch_size,
+        token_budget=cfg.trainer.micro_batch_tokens,
+        group=group,
+    )
+
+
 @torch.no_grad()
-def logprobs_of(model: torch.nn.Module, batch: PolicyBatch, micro: int, temperature: float) -> torch.Tensor:
-    """A no-grad pass over the rank's batch: each token's logprob under ``model``, shape (B, T)."""
+def logprobs_of(
+    model: torch.nn.Module,
+    batch: PolicyBatch,
+    parts: list[torch.Tensor],
+    temperature: float,
+    pack: bool = False,
+) -> torch.Tensor:
+    """A no-grad pass over the rank's batch, micro-batch by micro-batch (``parts``, see micro_rows):
+    each token's logprob under ``model``, shape (B, T)."""
     out_BT = torch.zeros_like(batch.engine_logprobs_BT)
-    for start in range(0, batch.num_rows, micro):
-        mb = batch.rows(start, start + micro)
-        lp_BT, _ = policy_logprobs(model, mb.input_ids_BT, mb.attention_mask_BT, temperature=temperature)
-        out_BT[start : start + micro, : lp_BT.shape[1]] = lp_BT
+    for idx in parts:
+        mb = batch.take(idx)
+        lp_BT, _ = policy_logprobs(
+            model, mb.input_ids_BT, mb.attention_mask_BT, temperature=temperature, pack_sequences=pack
+        )
+        out_BT[idx.to(out_BT.device), : lp_BT.shape[1]] = lp_BT
     return out_BT
 
 
@@ -224,50 +249,62 @@ def build_critic(
     )
 
 
-def _shifted_values(critic: torch.nn.Module, mb: PolicyBatch) -> torch.Tensor:
+def _shifted_values(critic: torch.nn.Module, mb: PolicyBatch, pack: bool = False) -> torch.Tensor:
     """The critic's value of the state each token was sampled in, at the token's own position, (B, T).
 
     The output at position t sees tokens 0..t, the state before token t + 1 is sampled, so it is the
     value of token t + 1: shifted by one, as the logprobs are.
     """
-    v_BT = critic(input_ids=mb.input_ids_BT, attention_mask=mb.attention_mask_BT).logits[..., 0].float()
+    if pack:
+        p = packing.pack(mb.input_ids_BT, mb.attention_mask_BT)
+        v_RC = critic(input_ids=p.input_ids_RC, position_ids=p.position_ids_RC, use_cache=False).logits[
+            ..., 0
+        ]
+        v_BT = p.unpack(v_RC.float())
+    else:
+        v_BT = critic(input_ids=mb.input_ids_BT, attention_mask=mb.attention_mask_BT).logits[..., 0].float()
     out_BT = torch.zeros_like(mb.engine_logprobs_BT)
     out_BT[:, 1:] = v_BT[:, :-1]
     return out_BT
 
 
 @torch.no_grad()
-def values_of(critic: torch.nn.Module, batch: PolicyBatch, micro: int) -> torch.Tensor:
+def values_of(
+    critic: torch.nn.Module, batch: PolicyBatch, parts: list[torch.Tensor], pack: bool = False
+) -> torch.Tensor:
     """A no-grad pass over the rank's batch: the critic's values (see _shifted_values), (B, T)."""
     out_BT = torch.zeros_like(batch.engine_logprobs_BT)
-    for start in range(0, batch.num_rows, micro):
-        v_BT = _shifted_values(critic, batch.rows(start, start + micro))
-        out_BT[start : start + micro, : v_BT.shape[1]] = v_BT
+    for idx in parts:
+        v_BT = _shifted_values(critic, batch.take(idx), pack)
+        out_BT[idx.to(out_BT.device), : v_BT.shape[1]] = v_BT
     return out_BT
 
 
 def mini_batches(
     cfg: Config, rl: RLDerived, batch: PolicyBatch, mode: str, group: dist.ProcessGroup | None = None
-) -> Iterator[tuple[int, int, list[int], list[PolicyBatch], Aggregation]]:
-    """``(epoch, mini-batch, row starts, micro-batches, aggregation)`` for each optimizer step of an update.
+) -> Iterator[tuple[int, int, list[torch.Tensor], list[PolicyBatch], Aggregation]]:
+    """``(epoch, mini-batch, rows of each micro-batch, micro-batches, aggregation)`` for each optimizer step.
 
     Each mini-batch's units (tokens or sequences, per ``mode``) are counted on all ranks with one
     all_reduce over the role's ``group`` before its micro-batches run: every loss term is its sum / that
     count (spmdrl/algos/aggregation.py). The actor's and the critic's updates walk the same schedule.
     """
-    a, micro = cfg.algorithm, rl.micro_batch_size
+    a = cfg.algorithm
     norm_length = float(a.loss_scale_factor or cfg.data.max_response_length)
     device = batch.input_ids_BT.device
     for epoch in range(a.ppo_epochs):
         for m in range(rl.mini_batches_per_step):
             lo = m * rl.per_rank_mini_batch_seqs
-            starts = list(range(lo, lo + rl.per_rank_mini_batch_seqs, micro))
-            micro_batches = [batch.rows(s, s + micro) for s in starts]
+            rows = [
+                lo + idx
+                for idx in micro_rows(cfg, rl, batch.rows(lo, lo + rl.per_rank_mini_batch_seqs), group)
+            ]
+            micro_batches = [batch.take(idx) for idx in rows]
             local = sum(count_units(mb.response_mask_BT, mode) for mb in micro_batches)
             yield (
                 epoch,
                 m,
-                starts,
+                rows,
                 micro_batches,
                 Aggregation(mode, all_reduce_sum({"n": local}, device, group)["n"], norm_length),
             )
@@ -284,7 +321,7 @@ def update_critic(
     grad_norms = []
     for _, _, _, micro_batches, agg in mini_batches(cfg, rl, batch, a.loss_agg_mode, group):
         for mb in micro_batches:
-            values_BT = _shifted_values(critic.model, mb)
+            values_BT = _shifted_values(critic.model, mb, cfg.trainer.pack_sequences)
             assert mb.values_BT is not None and mb.returns_BT is not None
             loss, stats = clipped_value_loss(
                 values_BT,
@@ -342,6 +379,7 @@ def micro_batch_loss(
         temperature=cfg.rollout.temperature,
         with_entropy=True,
         entropy_grad=entropy_in_loss,
+        pack_sequences=cfg.trainer.pack_sequences,
     )
     assert ent_BT is not None
     mask_BT = mb.response_mask_BT
@@ -403,11 +441,11 @@ def update_policy(
     captured_BT = torch.zeros_like(batch.engine_logprobs_BT)
     sums: dict[str, float] = defaultdict(float)
     grad_norms, skipped = [], 0
-    for epoch, m, starts, micro_batches, agg in mini_batches(cfg, rl, batch, mode, group):
-        for start, mb in zip(starts, micro_batches, strict=True):
+    for epoch, m, rows, micro_batches, agg in mini_batches(cfg, rl, batch, mode, group):
+        for idx, mb in zip(rows, micro_batches, strict=True):
             out = micro_batch_loss(cfg, actor, mb, agg)
             if old_BT is None and epoch == 0:  # on-policy: this forward is the old policy
-                captured_BT[start : start + mb.num_rows, : out.logprobs_BT.shape[1]] = out.logprobs_BT
+                captured_BT[idx.to(captured_BT.device), : out.logprobs_BT.shape[1]] = out.logprobs_BT
             out.loss.backward()
             for k, v in out.stats.items():
                 sums[k] += float(v) if k in _SUMMED else float(v) / len(micro_batches)
@@ -452,6 +490,16 @@ PHASES = (
 )
 
 
+def peak_memory_gb(device: torch.device) -> float:
+    """This rank's peak memory since it started, in GiB: the CUDA allocator's peak on a GPU, the
+    process's peak resident set on CPU (model, optimizer, engine and its KV cache together)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
 def step_metrics(
     cfg: Config,
     ro: Rollouts,
@@ -482,7 +530,9 @@ def step_metrics(
     )
     # A step is as slow as its slowest rank; phases no rank ran are left out.
     seconds = {f"{p}_s": timer.seconds.get(f"{p}_s", 0.0) for p in PHASES}
-    slowest = {k: v for k, v in all_reduce_max(seconds, device).items() if v > 0}
+    peaks = all_reduce_max({**seconds, "memory_gb": peak_memory_gb(device)}, device)
+    memory_gb = peaks.pop("memory_gb")
+    slowest = {k: v for k, v in peaks.items() if v > 0}
     count = sums["n"]
     mean = sums["reward"] / count
     metrics = {
@@ -497,6 +547,8 @@ def step_metrics(
         "reward/timeouts": sums["timeouts"],
         **ro.metrics,
         "perf/rollout_tokens_per_s": sums["tokens"] / max(slowest.get("rollout_s", 0.0), 1e-9),
+        # The largest rank's peak so far: resident memory on CPU, the allocator's peak on GPU.
+        "perf/max_memory_gb": memory_gb,
         **{f"timing/{k}": v for k, v in slowest.items()},
     }
     if "critic_update_s" in slowest and "actor_update_s" in slowest:
@@ -805,6 +857,7 @@ def main(cfg: Config) -> None:
     # Which ranks run which role (a placement that cannot fit this world fails here, before any model).
     a, n = cfg.algorithm, cfg.rollout.n
     placement = plan_placement(cfg.parallel, env.world_size, needs_critic=a.adv_estimator in NEEDS_CRITIC)
+    check_tp_within_nodes(cfg.rollout.tp, *node_layout_from_env())  # an engine never spans two nodes
     log.info("placement %s", placement.describe())
 
     # Resume: the newest complete checkpoint of this output directory (trainer.resume=auto), a path, or
@@ -973,17 +1026,22 @@ def main(cfg: Config) -> None:
 
         # 3. Old (a separate pass when the update takes several optimizer steps or corrects the rollout)
         #    and reference logprobs on the actor's ranks; values on the critic's (at once, when split).
-        micro, temp = rl.micro_batch_size, cfg.rollout.temperature
+        temp, pack = cfg.rollout.temperature, cfg.trainer.pack_sequences
         if batch is not None:
             with timer("old_ref"):
                 if recompute_old:
-                    batch = batch.replace(old_logprobs_BT=logprobs_of(actor, batch, micro, temp))
+                    parts = micro_rows(cfg, rl, batch, actor_group)
+                    batch = batch.replace(old_logprobs_BT=logprobs_of(actor, batch, parts, temp, pack))
                 if ref is not None:
-                    batch = batch.replace(ref_logprobs_BT=logprobs_of(ref, batch, micro, temp))
+                    parts = micro_rows(cfg, rl, batch, actor_group)
+                    batch = batch.replace(ref_logprobs_BT=logprobs_of(ref, batch, parts, temp, pack))
         if critic is not None:
             assert critic_batch is not None
             with timer("values"):
-                critic_batch = critic_batch.replace(values_BT=values_of(critic.model, critic_batch, micro))
+                parts = micro_rows(cfg, rl_critic, critic_batch, critic_group)
+                critic_batch = critic_batch.replace(
+                    values_BT=values_of(critic.model, critic_batch, parts, pack)
+                )
         if a.adv_estimator in NEEDS_CRITIC:
             with timer.maybe("exchange", rows.moves):
                 batch = rows.values_to_actor(critic_batch, batch)
@@ -1031,7 +1089,9 @@ def main(cfg: Config) -> None:
                         old_BT = (
                             batch.old_logprobs_BT
                             if batch.old_logprobs_BT is not None
-                            else logprobs_of(actor, batch, micro, temp)
+                            else logprobs_of(
+                                actor, batch, micro_rows(cfg, rl, batch, actor_group), temp, pack
+                            )
                         )
                         update = UpdateResult({}, old_BT)
                     else:

@@ -133,6 +133,11 @@ class TrainerConfig:
     global_batch_size: int = 32
     # Sequences per forward/backward on one rank.
     micro_batch_size: int = 8
+    # RL: > 0 bounds each micro-batch by tokens instead (sequences of any count up to this many tokens;
+    # every rank of a role runs the same number of micro-batches). 0: micro_batch_size sequences.
+    micro_batch_tokens: int = 0
+    # RL: pack each micro-batch's sequences end to end (padding removed; spmdrl/models/packing.py).
+    pack_sequences: bool = False
     val_every: int = 0
     log_every: int = 1
     seed: int = 0
@@ -421,6 +426,10 @@ def validate(cfg: Config) -> None:
         )
     if not 0.0 <= cfg.reward.max_error_frac <= 1.0:
         raise ConfigError(f"reward.max_error_frac must be in [0, 1], got {cfg.reward.max_error_frac}")
+    if cfg.trainer.micro_batch_tokens < 0:
+        raise ConfigError(
+            f"trainer.micro_batch_tokens must be >= 0 (0: micro_batch_size sequences), got {cfg.trainer.micro_batch_tokens}"
+        )
     if cfg.parallel.critic_ranks < 0:
         raise ConfigError(
             f"parallel.critic_ranks must be >= 0 (0 = half the world), got {cfg.parallel.critic_ranks}"

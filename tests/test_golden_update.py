@@ -104,6 +104,7 @@ def _synthetic_batch(step: int, max_response: int) -> dict[str, torch.Tensor]:
 
 def _worker(rank: int, world: int, model_dir: str, cfg: Any) -> list[dict[str, float]]:
     from spmdrl.algos.batch import PolicyBatch
+    from spmdrl.algos.micro_batches import micro_batch_rows
     from spmdrl.config import derive, derive_rl
     from spmdrl.distributed.placement import Placement
     from spmdrl.models.build import build_fsdp_model, model_spec
@@ -132,13 +133,29 @@ def _worker(rank: int, world: int, model_dir: str, cfg: Any) -> list[dict[str, f
         d = _synthetic_batch(step, cfg.data.max_response_length)
         batch = PolicyBatch(d["ids"], d["attn"], d["resp"], torch.zeros(d["ids"].shape), d["adv"])
         # The "engine" sampled from (nearly) the same policy: the trainer's logprobs plus seeded noise.
-        engine_lp = (logprobs_of(actor, batch, micro, temp) + d["noise"]) * d["resp"]
+        engine_lp = (
+            logprobs_of(
+                actor, batch, micro_batch_rows(batch.attention_mask_BT.sum(1), micro_batch_size=micro), temp
+            )
+            + d["noise"]
+        ) * d["resp"]
         batch = batch.replace(engine_logprobs_BT=engine_lp)
         # As the recipe's step 4 does.
         if recompute_old:
-            batch = batch.replace(old_logprobs_BT=logprobs_of(actor, batch, micro, temp))
+            batch = batch.replace(
+                old_logprobs_BT=logprobs_of(
+                    actor,
+                    batch,
+                    micro_batch_rows(batch.attention_mask_BT.sum(1), micro_batch_size=micro),
+                    temp,
+                )
+            )
         if ref is not None:
-            batch = batch.replace(ref_logprobs_BT=logprobs_of(ref, batch, micro, temp))
+            batch = batch.replace(
+                ref_logprobs_BT=logprobs_of(
+                    ref, batch, micro_batch_rows(batch.attention_mask_BT.sum(1), micro_batch_size=micro), temp
+                )
+            )
         metrics = update_policy(cfg, rl, actor, optimizer, batch).metrics
         scheduler.step()
         with torch.no_grad():

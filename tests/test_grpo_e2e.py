@@ -206,7 +206,8 @@ def test_dapo_tiny_dynamic_sampling_and_overlong_shaping(tmp_path: Path) -> None
 
 def test_ppo_tiny_with_critic(tmp_path: Path) -> None:
     """recipe=ppo_tiny, shortened: the critic (value head on the actor's backbone) trains from step 1, the
-    actor from the step after critic.warmup_steps, and GAE's advantages reach the policy loss."""
+    actor from the step after critic.warmup_steps, and GAE's advantages reach the policy loss; with packed
+    sequences and token-budget micro-batches throughout."""
     out = _train(
         tmp_path,
         "ppo_tiny",
@@ -220,6 +221,9 @@ def test_ppo_tiny_with_critic(tmp_path: Path) -> None:
         "rollout.n=4",
         "trainer.micro_batch_size=8",
         "algorithm.ppo_mini_batch_size=4",
+        # Padding removed and micro-batches by tokens, for the actor's and the critic's passes.
+        "trainer.pack_sequences=true",
+        "trainer.micro_batch_tokens=300",
     )
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]

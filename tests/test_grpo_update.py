@@ -20,6 +20,7 @@ def _worker(
     rank: int, world: int, model_dir: str, mini: int, epochs: int
 ) -> tuple[float, float, dict[str, float]]:
     from spmdrl.algos.batch import PolicyBatch
+    from spmdrl.algos.micro_batches import micro_batch_rows
     from spmdrl.config import (
         AlgorithmConfig,
         Config,
@@ -60,10 +61,18 @@ def _worker(
     resp[:, 4:] = True
     adv = torch.tensor([1.0, -1.0, 1.0, -1.0])
     batch = PolicyBatch(ids, attn, resp, torch.zeros(B, T), adv[:, None] * resp)
-    batch = batch.replace(ref_logprobs_BT=logprobs_of(ref, batch, 2, 1.0))
+    batch = batch.replace(
+        ref_logprobs_BT=logprobs_of(
+            ref, batch, micro_batch_rows(batch.attention_mask_BT.sum(1), micro_batch_size=2), 1.0
+        )
+    )
     recompute = epochs > 1 or rl.mini_batches_per_step > 1
     if recompute:
-        batch = batch.replace(old_logprobs_BT=logprobs_of(actor, batch, 2, 1.0))
+        batch = batch.replace(
+            old_logprobs_BT=logprobs_of(
+                actor, batch, micro_batch_rows(batch.attention_mask_BT.sum(1), micro_batch_size=2), 1.0
+            )
+        )
     with torch.no_grad():
         before, _ = policy_logprobs(actor, ids, attn)
     result = update_policy(cfg, rl, actor, build_optimizer(actor, cfg.optim), batch)

@@ -43,6 +43,8 @@ MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-to
 # (ppo_mini_batch_size in prompts, ppo_epochs): one on-policy mini-batch; 2 mini-batches x 2 epochs.
 SCHEDULES = {"1x1": (PROMPTS, 1), "2x2": (PROMPTS // 2, 2)}
 HSDP_CASE = ("seq-mean-token-mean", "2x2")
+# Rows hold 3..13 tokens: a budget of 20 gives micro-batches of 1..4 rows of uneven sizes.
+TOKEN_BUDGET = 20
 
 WEIGHT_TOL = dict(rtol=1e-5, atol=1e-6)
 METRIC_TOL = dict(rel=1e-5, abs=1e-7)
@@ -78,16 +80,23 @@ def _one_process_order(world: int, mini_batches: int) -> list[int]:
     ]
 
 
-def _config(mode: str, schedule: str, world: int, split_world: int) -> Any:
+def _config(mode: str, schedule: str, world: int, split_world: int, variant: str = "") -> Any:
     """The config for a run on ``world`` ranks. ``split_world`` is the world the case is split over: on it
-    each rank runs micro-batches of 2 rows (1 on 4 ranks); on 1 process one micro-batch is a mini-batch."""
+    each rank runs micro-batches of 2 rows (1 on 4 ranks); on 1 process one micro-batch is a mini-batch.
+    ``variant`` "tokens": on the split world, micro-batches of up to TOKEN_BUDGET tokens (of any number of
+    rows) with their sequences packed end to end instead."""
     from spmdrl.config import AlgorithmConfig, Config, DataConfig, OptimConfig, RolloutConfig, TrainerConfig
 
     mini, epochs = SCHEDULES[schedule]
     micro = mini * N if world == 1 else (2 if split_world == 2 else 1)
     return Config(
         data=DataConfig(max_prompt_length=8, max_response_length=8),
-        trainer=TrainerConfig(global_batch_size=PROMPTS, micro_batch_size=micro),
+        trainer=TrainerConfig(
+            global_batch_size=PROMPTS,
+            micro_batch_size=micro,
+            micro_batch_tokens=TOKEN_BUDGET if variant == "tokens" and world > 1 else 0,
+            pack_sequences=variant == "tokens" and world > 1,
+        ),
         rollout=RolloutConfig(n=N),
         # No clipping: a clipped gradient has norm 1 whatever its scale, which would hide a wrong
         # normalization (a world-size factor, a per-micro-batch mean) from the weight comparison.
@@ -103,13 +112,14 @@ def _config(mode: str, schedule: str, world: int, split_world: int) -> Any:
 
 
 def _worker(
-    rank: int, world: int, model_dir: str, ref_dir: str, dp_replicate: int, cases: list[tuple[str, str, int]]
+    rank: int, world: int, model_dir: str, ref_dir: str, dp_replicate: int, cases: list[tuple]
 ) -> list[tuple[dict[str, torch.Tensor] | None, dict[str, float]]]:
     """Runs update_policy for each (mode, schedule, split_world) case from fresh models; returns rank 0's
     full state dict (None elsewhere) and the metrics."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from spmdrl.algos.batch import PolicyBatch
+    from spmdrl.algos.micro_batches import micro_batch_rows
     from spmdrl.config import derive, derive_rl
     from spmdrl.distributed.placement import Placement
     from spmdrl.models.build import ModelSpec, build_fsdp_model
@@ -119,8 +129,8 @@ def _worker(
     meshes = Placement.colocated(world, dp_replicate=dp_replicate).build_meshes("cpu")
     data = _global_batch()
     results = []
-    for mode, schedule, split_world in cases:
-        cfg = _config(mode, schedule, world, split_world)
+    for mode, schedule, split_world, *variant in cases:
+        cfg = _config(mode, schedule, world, split_world, *variant)
         rl = derive_rl(cfg, derive(cfg, world, 100, samples_per_item=N))
         if world == 1:
             rows = _one_process_order(split_world, rl.mini_batches_per_step)
@@ -135,10 +145,15 @@ def _worker(
         # hold those unsharded tensors, which never get a gradient: the root would silently not train.
         optimizer = torch.optim.SGD(actor.parameters(), lr=LR)
         ref = build_fsdp_model(ModelSpec(Path(ref_dir), f32, f32, train=False), meshes.fsdp("ref"), cpu)
-        micro, temp = cfg.trainer.micro_batch_size, cfg.rollout.temperature
-        batch = batch.replace(ref_logprobs_BT=logprobs_of(ref, batch, micro, temp))
+        temp, t = cfg.rollout.temperature, cfg.trainer
+        parts = micro_batch_rows(
+            batch.attention_mask_BT.sum(1),
+            micro_batch_size=t.micro_batch_size,
+            token_budget=t.micro_batch_tokens,
+        )
+        batch = batch.replace(ref_logprobs_BT=logprobs_of(ref, batch, parts, temp, t.pack_sequences))
         if cfg.algorithm.ppo_epochs > 1 or rl.mini_batches_per_step > 1:  # as the recipe does
-            batch = batch.replace(old_logprobs_BT=logprobs_of(actor, batch, micro, temp))
+            batch = batch.replace(old_logprobs_BT=logprobs_of(actor, batch, parts, temp, t.pack_sequences))
         metrics = update_policy(cfg, rl, actor, optimizer, batch).metrics
         state = get_model_state_dict(actor, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         results.append((state if rank == 0 else None, metrics))
@@ -147,8 +162,8 @@ def _worker(
 
 
 def _run(
-    tmp: Path, world: int, cases: list[tuple[str, str, int]], dp_replicate: int = 1
-) -> dict[tuple[str, str, int], tuple[dict[str, torch.Tensor], dict[str, float]]]:
+    tmp: Path, world: int, cases: list[tuple], dp_replicate: int = 1
+) -> dict[tuple, tuple[dict[str, torch.Tensor], dict[str, float]]]:
     model_dir, ref_dir = tmp / "actor", tmp / "ref"
     out = run_distributed(_worker, world, str(model_dir), str(ref_dir), dp_replicate, cases, timeout_s=600)
     for r in range(1, world):
@@ -267,3 +282,14 @@ def test_optimizer_built_after_a_forward_still_trains_the_root(tmp_path: Path) -
     norm would never get a gradient and never train (found while writing the numerics tests above)."""
     save_small_qwen2(tmp_path / "m")
     assert all(run_distributed(_optimizer_after_forward_worker, 2, str(tmp_path / "m")))
+
+
+TOKEN_CASES = [("token-mean", "2x2", 2, "tokens"), ("seq-mean-token-sum-norm", "1x1", 2, "tokens")]
+
+
+def test_token_budget_micro_batches_and_packing_match_one_process(models: Path, one_process: dict) -> None:
+    """Micro-batches by token budget (uneven row counts per micro-batch) with the sequences packed end to
+    end: the normalization does not change, so the update is still the one-device update."""
+    split = _run(models, 2, TOKEN_CASES)
+    for case in TOKEN_CASES:
+        _assert_same_update(split[case], one_process[case[:3]], _initial_state(models / "actor"))

@@ -87,6 +87,12 @@ class PolicyBatch:
     def replace(self, **tensors: torch.Tensor | None) -> PolicyBatch:
         return dataclasses.replace(self, **tensors)
 
+    def take(self, index_B: torch.Tensor) -> PolicyBatch:
+        """The rows at ``index_B``, trimmed to their longest sequence (a micro-batch)."""
+        index_B = index_B.to(self.input_ids_BT.device)
+        width = int(self.attention_mask_BT.index_select(0, index_B).sum(dim=1).max())
+        return self._map(lambda t: t.index_select(0, index_B)[:, :width])
+
     def select(self, index_B: torch.Tensor) -> PolicyBatch:
         """The rows at ``index_B`` (in that order), full width."""
         return self._map(lambda t: t.index_select(0, index_B.to(t.device)))

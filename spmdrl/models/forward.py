@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from spmdrl.algos.losses import entropy_from_logits, token_logprobs
+from spmdrl.models.packing import pack
 
 
 def policy_logprobs(
@@ -16,6 +17,7 @@ def policy_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     entropy_grad: bool = True,
+    pack_sequences: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprob of each token given the ones before it, at the token's own position (column 0 is 0).
 
@@ -28,7 +30,27 @@ def policy_logprobs(
     B x T x V float32 tensors (the softmax, plus a float32 copy of bf16 logits; about 15 GB at
     8 x 1536 x 151,936) until the entropy is backpropagated, or for as long as the entropy is
     referenced if it never is. The value is the same either way.
+
+    ``pack_sequences``: the rows are packed end to end first (spmdrl.models.packing), and the results
+    come back in the padded layout.
     """
+    if pack_sequences:
+        p = pack(input_ids_BT, attention_mask_BT)
+        lp_RC, ent_RC = policy_logprobs(
+            _Positions(model, p.position_ids_RC),
+            p.input_ids_RC,
+            None,  # type: ignore[arg-type]
+            temperature=temperature,
+            with_entropy=with_entropy,
+            entropy_grad=entropy_grad,
+        )
+        lp_BT = p.unpack(lp_RC)
+        lp_BT[:, 0] = 0.0  # a sequence's first token has no logprob (packed, it reads the previous one's)
+        ent_BT = None
+        if ent_RC is not None:
+            ent_BT = p.unpack(ent_RC)
+            ent_BT[:, 0] = 0.0
+        return lp_BT, ent_BT
     logits_BTV = model(input_ids=input_ids_BT, attention_mask=attention_mask_BT).logits
     if temperature > 0 and temperature != 1.0:
         logits_BTV = logits_BTV / temperature
@@ -44,3 +66,15 @@ def policy_logprobs(
             with torch.no_grad():
                 ent_BT[:, 1:] = entropy_from_logits(logits_BTV[:, :-1].detach())
     return lp_BT, ent_BT
+
+
+class _Positions:
+    """``model`` called with the packed rows' position ids and no attention mask (transformers then
+    attends within each sequence of a row)."""
+
+    def __init__(self, model: nn.Module, position_ids_RC: torch.Tensor) -> None:
+        self.model, self.position_ids_RC = model, position_ids_RC
+
+    def __call__(self, *, input_ids: torch.Tensor, attention_mask: None) -> object:
+        # No KV cache: transformers reads position-id restarts as sequence boundaries only without one.
+        return self.model(input_ids=input_ids, position_ids=self.position_ids_RC, use_cache=False)

@@ -1,0 +1,58 @@
+"""How a rank's rows split into micro-batches: a fixed number of sequences, or a token budget.
+
+``trainer.micro_batch_tokens`` > 0 bounds the tokens of a micro-batch instead of its sequence count, so
+long and short responses cost about the same per forward. FSDP runs collectives in every forward, so
+every rank of a role must run the same number of micro-batches: each rank counts how many it needs at
+the budget, the group takes the largest count (one all_reduce), and each rank splits its rows into
+exactly that many micro-batches with the tokens evened out (longest first onto the lightest). The
+loss normalization does not change: every term is divided by the mini-batch's global count
+(spmdrl/algos/aggregation.py), however the rows are split.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from spmdrl.distributed.reduce import all_reduce_max
+
+
+def balanced_split(lengths: list[int], parts: int) -> list[list[int]]:
+    """Row indices in ``parts`` groups with even token sums (longest first onto the lightest), each
+    group in row order. Deterministic."""
+    loads = [0] * parts
+    groups: list[list[int]] = [[] for _ in range(parts)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        g = min(range(parts), key=lambda j: (loads[j], j))
+        groups[g].append(i)
+        loads[g] += lengths[i]
+    return [sorted(g) for g in groups]
+
+
+def needed_parts(lengths: list[int], token_budget: int) -> int:
+    """Micro-batches this rank needs so that none holds more than ``token_budget`` tokens (a sequence
+    longer than the budget gets one to itself)."""
+    return max(1, math.ceil(sum(lengths) / token_budget), sum(n > token_budget for n in lengths))
+
+
+def micro_batch_rows(
+    lengths_B: torch.Tensor,
+    *,
+    micro_batch_size: int,
+    token_budget: int = 0,
+    group: dist.ProcessGroup | None = None,
+) -> list[torch.Tensor]:
+    """Row indices of each micro-batch of these rows. Every rank of ``group`` calls it (with a budget)."""
+    n = int(lengths_B.numel())
+    if token_budget <= 0:
+        return [torch.arange(s, min(s + micro_batch_size, n)) for s in range(0, n, micro_batch_size)]
+    lengths = [int(x) for x in lengths_B.tolist()]
+    local = min(needed_parts(lengths, token_budget), max(n, 1))
+    parts = (
+        int(all_reduce_max({"k": local}, lengths_B.device, group)["k"]) if dist.is_initialized() else local
+    )
+    # Never more micro-batches than rows (ranks hold equal row counts, so all agree on this clamp).
+    parts = max(1, min(parts, n))
+    return [torch.tensor(g, dtype=torch.long) for g in balanced_split(lengths, parts)]

@@ -1,0 +1,86 @@
+"""Padding removed: a micro-batch's sequences packed end to end into a few rows, with position ids.
+
+Right-padded rows spend the trainer's compute on pad tokens (the MLP and LM head work per position).
+Packed, the sequences of a micro-batch go end to end into rows of ``capacity`` tokens (first-fit
+decreasing), each sequence's position ids restarting at 0. With no attention mask, transformers reads
+the restarts as sequence boundaries and attends only within each sequence (a block-diagonal causal
+mask; varlen kernels where the attention backend has them, flash-attention on GPUs). Rotary positions
+are the same as in the padded row, so the logprobs equal the padded computation's up to float
+rounding (tests/test_packing.py).
+
+The capacity defaults to the micro-batch's longest sequence: on backends without varlen attention
+(CPU's SDPA) the attention still costs capacity^2 per row, which then stays what a padded row costs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Packed:
+    input_ids_RC: torch.Tensor
+    position_ids_RC: torch.Tensor
+    # Every real token: its flat index in the padded (B, T) batch and in the packed (R, C) rows.
+    padded_idx_N: torch.Tensor
+    packed_idx_N: torch.Tensor
+    shape_BT: tuple[int, int]
+
+    def unpack(self, t_RC: torch.Tensor) -> torch.Tensor:
+        """A per-token (R, C) tensor back to the padded (B, T) layout, 0 at padding (differentiable)."""
+        B, T = self.shape_BT
+        flat = t_RC.new_zeros(B * T)
+        flat = flat.index_put((self.padded_idx_N,), t_RC.reshape(-1)[self.packed_idx_N])
+        return flat.view(B, T)
+
+
+def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Row indices per bin: longest first, each into the first bin with room (deterministic)."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        for b, free in enumerate(room):
+            if lengths[i] <= free:
+                bins[b].append(i)
+                room[b] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            room.append(capacity - lengths[i])
+    return bins
+
+
+def pack(
+    input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor, *, pad_id: int = 0, capacity: int = 0
+) -> Packed:
+    """Pack right-padded rows; ``capacity`` 0 means the longest sequence."""
+    B, T = input_ids_BT.shape
+    lengths = attention_mask_BT.sum(dim=1).tolist()
+    C = capacity or max(lengths, default=1) or 1
+    if max(lengths, default=0) > C:
+        raise ValueError(f"a sequence of {max(lengths)} tokens does not fit a packed row of {C}")
+    bins = first_fit_decreasing([int(n) for n in lengths], C)
+    R = len(bins)
+    ids_RC = torch.full((R, C), pad_id, dtype=input_ids_BT.dtype, device=input_ids_BT.device)
+    pos_RC = torch.zeros((R, C), dtype=torch.long, device=input_ids_BT.device)
+    padded, packed = [], []
+    for r, rows in enumerate(bins):
+        off = 0
+        for b in rows:
+            n = int(lengths[b])
+            ids_RC[r, off : off + n] = input_ids_BT[b, :n]
+            pos_RC[r, off : off + n] = torch.arange(n)
+            padded.append(torch.arange(b * T, b * T + n))
+            packed.append(torch.arange(r * C + off, r * C + off + n))
+            off += n
+        # The tail restarts its positions too: a segment of its own, attended by no real token.
+        pos_RC[r, off:] = torch.arange(C - off)
+    device = input_ids_BT.device
+    cat = (
+        (lambda xs: torch.cat(xs).to(device))
+        if padded
+        else (lambda xs: torch.zeros(0, dtype=torch.long, device=device))
+    )
+    return Packed(ids_RC, pos_RC, cat(padded), cat(packed), (B, T))
