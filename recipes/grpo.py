@@ -953,7 +953,9 @@ def main(cfg: Config) -> None:
         )
     start_step = 0
     if resume_from is not None:
+        t_load = time.perf_counter()
         state = load_checkpoint(resume_from, roles)
+        log.info("loaded %s in %.2f s", resume_from, time.perf_counter() - t_load)
         start_step = int(state["step"])
         sampler.load_state_dict(state["sampler"])
         kl_ctrl.value = float(state["kl_coef"])

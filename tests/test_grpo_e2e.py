@@ -236,30 +236,30 @@ def test_ppo_tiny_with_critic(tmp_path: Path) -> None:
     assert any(r["critic/grad_norm"] > 0 for r in rows) and rows[-1]["critic/vpred_mean"] != 0.0
 
 
+SPLIT_ARGS = (
+    "parallel.placement=split",
+    "parallel.critic_ranks=1",
+    "parallel.balance_tokens=true",
+    "warmstart.total_steps=100",
+    "warmstart.global_batch_size=12",
+    "warmstart.micro_batch_size=4",
+    "critic.warmup_steps=1",
+    "trainer.val_every=3",
+    "data.tiny.num_train=240",
+    "data.tiny.num_test=30",
+    "trainer.global_batch_size=6",
+    "rollout.n=4",
+    "trainer.micro_batch_size=4",
+    "trainer.total_steps=3",
+)
+
+
 def test_ppo_split_placement_actor_and_critic_on_their_own_ranks(tmp_path: Path) -> None:
     """recipe=ppo_tiny with parallel.placement=split on 3 processes: the actor on ranks 0-1, the critic on
     rank 2, every rank generating. The rows reach each mesh by point-to-point moves (balanced by
     tokens), the values reach the actor and the returns the critic, both updates run, and the critic
     rank's engine passes the weight-sync check every step (a failed check ends the run)."""
-    out = _train(
-        tmp_path,
-        "ppo_tiny",
-        "parallel.placement=split",
-        "parallel.critic_ranks=1",
-        "parallel.balance_tokens=true",
-        "warmstart.total_steps=100",
-        "warmstart.global_batch_size=12",
-        "warmstart.micro_batch_size=4",
-        "trainer.total_steps=3",
-        "critic.warmup_steps=1",
-        "trainer.val_every=3",
-        "data.tiny.num_train=240",
-        "data.tiny.num_test=30",
-        "trainer.global_batch_size=6",
-        "rollout.n=4",
-        "trainer.micro_batch_size=4",
-        nproc=3,
-    )
+    out = _train(tmp_path, "ppo_tiny", *SPLIT_ARGS, nproc=3)
     derived = json.loads((out / "derived.json").read_text())
     assert (
         derived["placement"].startswith("split: actor: ranks 0-1 (FSDP 2)")
@@ -281,6 +281,14 @@ def test_ppo_split_placement_actor_and_critic_on_their_own_ranks(tmp_path: Path)
     critic = load_file(out / "critic_hf_model" / "model.safetensors")
     assert float(critic["score.weight"].abs().sum()) > 0  # the value head starts at 0
     assert (out / "hf_model" / "model.safetensors").exists()
+
+    # Both roles were checkpointed from their own ranks; the same command with one more step resumes
+    # from it (each role loads on its ranks, the critic rank's engine gets the actor's weights again).
+    ckpt = out / "checkpoints" / "step-3"
+    assert (ckpt / "actor").is_dir() and (ckpt / "critic").is_dir() and (ckpt / "hf" / "critic").is_dir()
+    _train(tmp_path, "ppo_tiny", *SPLIT_ARGS[:-1], "trainer.total_steps=4", nproc=3)
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if r["step"] > 0]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and "critic/vf_loss" in rows[-1]
 
 
 def test_split_placement_rejected_before_models_are_built(tmp_path: Path) -> None:

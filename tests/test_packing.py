@@ -77,6 +77,10 @@ def test_token_budget_split_is_balanced_and_covers_every_row() -> None:
     loads = [int(lengths[p].sum()) for p in parts]
     assert max(loads) - min(loads) <= 12, loads
     # Without a budget: fixed-size consecutive micro-batches (the default path, unchanged).
-    assert [p.tolist() for p in micro_batch_rows(lengths, micro_batch_size=3)] == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    assert [p.tolist() for p in micro_batch_rows(lengths, micro_batch_size=3)] == [
+        [0, 1, 2],
+        [3, 4, 5],
+        [6, 7],
+    ]
     # A sequence longer than the budget gets a micro-batch to itself.
     assert needed_parts([100, 2, 2], 50) == 3 and len(balanced_split([100, 2, 2], 2)) == 2
