@@ -8,14 +8,14 @@ What ``rollout.dtype=auto`` should pick, measured on this machine in one run: fo
 generates the same requests as a grpo_tiny rollout (``--prompts`` prompts per rank x ``--n`` samples,
 up to ``--max-tokens`` tokens, temperature 1, per-request seeds), then takes a checked weight sync from
 an FSDP2 trainer. Each figure is the median of ``--repeats`` after one warm-up, the slowest rank's.
-Prints generated tokens/s and sync time, and both as ratios to the first configuration. Configurations
-the CPU cannot run (sgl without native bf16, zentorch not installed) are listed as skipped.
+Prints generated tokens/s and sync time, and both as ratios to the first configuration (the baseline of
+the ``--json`` figures, benchmarks/bench_report.py). Configurations the CPU cannot run (sgl without
+native bf16, zentorch not installed) are listed as skipped.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from bench_report import Figure, write_json
 
 from spmdrl.config import ConfigError, RolloutConfig
 from spmdrl.distributed.env import init_distributed
@@ -45,8 +46,26 @@ def _args() -> argparse.Namespace:
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--json", default="", help="also write the rows to this JSON file")
+    p.add_argument("--json", default="", help="also write the figures to this JSON file")
     return p.parse_args()
+
+
+def figures(ran: list[dict]) -> list[Figure]:
+    """Tokens/s and the checked sync's time of each configuration; the baseline is the first one's."""
+    if not ran:
+        return []
+    ref = ran[0]
+    out = []
+    for r in ran:
+        out.append(
+            Figure(
+                f"cpu_engine/{r['config']}/tokens_per_s", r["tokens_per_s"], "tokens/s", ref["tokens_per_s"]
+            )
+        )
+        out.append(
+            Figure(f"cpu_engine/{r['config']}/sync_check_s", r["sync_check_s"], "s", ref["sync_check_s"])
+        )
+    return out
 
 
 def main() -> None:
@@ -124,7 +143,16 @@ def main() -> None:
                 f"{r['sync_check_s'] / ref['sync_check_s']:>6.2f}"
             )
         if a.json:
-            Path(a.json).write_text(json.dumps({"world_size": env.world_size, "rows": rows}, indent=2))
+            write_json(
+                a.json,
+                "cpu_engine",
+                figures(ran),
+                world_size=env.world_size,
+                configs=[
+                    {k: v for k, v in r.items() if k in ("config", "dtype", "gemm_paths", "skipped")}
+                    for r in rows
+                ],
+            )
     dist.barrier()
     dist.destroy_process_group()
 

@@ -5,7 +5,8 @@ and entropy from the logits (spmdrl.models.forward.policy_logprobs) and the clip
 
 Builds a randomly initialized Qwen2 of a named shape (no download), shards it with spmdrl's own
 build path (meta -> fully_shard -> load), and times forward+backward+AdamW steps on synthetic
-batches, in each variant, in one run. Prints a table with ratios to the first variant.
+batches, in each variant, in one run. Prints a table with ratios to the first variant; ``--json FILE``
+writes them as figures (benchmarks/bench_report.py) with the first variant as the baseline.
 
     torchrun --nproc_per_node=1 benchmarks/train_step.py --shape qwen2.5-0.5b --seq 1024 --batch 8   # one GPU
     torchrun --nproc_per_node=2 benchmarks/train_step.py --shape tiny --seq 128 --batch 8             # CPU, gloo
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from bench_report import Figure, write_json
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from spmdrl.distributed.env import init_distributed
@@ -127,6 +129,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--loss", default="ce", choices=["ce", "grpo"])
+    p.add_argument("--json", default="", help="also write the figures (baseline: fp32) to this JSON file")
     args = p.parse_args()
     env = init_distributed("auto")
     mesh = Placement.colocated(env.world_size).build_meshes(env.device.type).fsdp("actor")
@@ -158,7 +161,32 @@ def main() -> None:
         print(f"{'variant':<18}{'tokens/s':>12}{'x fp32':>9}{'peak GiB':>10}{'x fp32':>9}")
         for name, tps, peak in rows:
             print(f"{name:<18}{tps:>12.0f}{tps / rows[0][1]:>9.2f}{peak:>10.2f}{peak / rows[0][2]:>9.2f}")
+        if args.json:
+            write_json(
+                args.json,
+                "train_step",
+                figures(rows, with_memory=env.device.type == "cuda"),
+                shape=args.shape,
+                loss=args.loss,
+                world_size=env.world_size,
+                device=dev,
+                seq=args.seq,
+                batch=args.batch,
+                steps=args.steps,
+            )
     dist.destroy_process_group()
+
+
+def figures(rows: list[tuple[str, float, float]], with_memory: bool) -> list[Figure]:
+    """Tokens/s (and peak GiB on CUDA) of each variant; the baseline is the first variant (fp32)."""
+    _, base_tps, base_peak = rows[0]
+    out = []
+    for name, tps, peak in rows:
+        key = name.replace(" + ", "_").replace(" ", "_")
+        out.append(Figure(f"train_step/{key}/tokens_per_s", tps, "tokens/s", base_tps))
+        if with_memory:
+            out.append(Figure(f"train_step/{key}/peak_gib", peak, "GiB", base_peak))
+    return out
 
 
 def _bcast(s: str) -> str:

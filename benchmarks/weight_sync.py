@@ -16,13 +16,15 @@ Measured in one run, on the same ranks and the same model (a random Qwen2 of the
   return exactly the synced weights (what the recipes run every step; spmdrl/rollout/fingerprint.py).
 
 Prints ratios to the bucketed gather and to the one all-gather; absolute times depend on the machine.
+With ``--json FILE`` writes every row as a figure (benchmarks/bench_report.py) whose baseline is the one
+all-gather: ``ratio`` is how many times the communication floor of the same bytes each method takes.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import re
 import statistics
 import tempfile
 import time
@@ -31,6 +33,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from bench_report import Figure, write_json
 
 from spmdrl.distributed.env import broadcast_str, init_distributed
 from spmdrl.distributed.placement import Placement
@@ -59,7 +62,9 @@ def _args() -> argparse.Namespace:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--no-engine", action="store_true", help="skip vLLM; time the gathers only")
     p.add_argument("--cpu-gemm", default="auto", help="rollout.cpu_gemm for the engine (CPU)")
-    p.add_argument("--json", default="", help="also write the rows (seconds and ratios) to this JSON file")
+    p.add_argument(
+        "--json", default="", help="also write the figures (seconds, x one all-gather) to this file"
+    )
     return p.parse_args()
 
 
@@ -86,6 +91,11 @@ def _random_qwen2(out: Path, a: argparse.Namespace) -> None:
     Qwen2ForCausalLM(cfg).save_pretrained(out)
     # vLLM loads a tokenizer with the model; the tiny model's (512 ids, all below --vocab) serves.
     build_tokenizer().save_pretrained(out)
+
+
+def _slug(label: str) -> str:
+    """A row's label as a figure name: "bucketed sync -> vLLM, 32 MB" -> "bucketed_sync_vllm_32_mb"."""
+    return re.sub(r"[^a-z0-9.]+", "_", label.lower()).strip("_")
 
 
 def _median_s(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
@@ -205,19 +215,17 @@ def main() -> None:
         for name, t in rows:
             print(f"{name:<36} {t * 1e3:>9.1f} {t / floor:>17.2f} {t / ref:>19.2f}")
         if a.json:
-            Path(a.json).write_text(
-                json.dumps(
-                    {
-                        "world_size": env.world_size,
-                        "device": device.type,
-                        "bytes": total_bytes,
-                        "rows": [
-                            {"method": n, "seconds": t, "x_one_all_gather": t / floor, "x_bucketed": t / ref}
-                            for n, t in rows
-                        ],
-                    },
-                    indent=2,
-                )
+            write_json(
+                a.json,
+                "weight_sync",
+                [Figure(f"weight_sync/{_slug(n)}", t, "s", floor) for n, t in rows],
+                world_size=env.world_size,
+                device=device.type,
+                bytes=total_bytes,
+                tensors=len(weights),
+                dtype=str(dtype).removeprefix("torch."),
+                repeats=a.repeats,
+                baseline="one all_gather of the whole model's bytes",
             )
     dist.barrier()
     if tmp is not None:

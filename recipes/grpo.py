@@ -190,7 +190,12 @@ def logprobs_of(
     for idx in parts:
         mb = batch.take(idx)
         lp_BT, _ = policy_logprobs(
-            model, mb.input_ids_BT, mb.attention_mask_BT, temperature=temperature, pack_sequences=pack
+            model,
+            mb.input_ids_BT,
+            mb.attention_mask_BT,
+            temperature=temperature,
+            pack_sequences=pack,
+            first_column=mb.first_response_column(),
         )
         out_BT[idx.to(out_BT.device), : lp_BT.shape[1]] = lp_BT
     return out_BT
@@ -380,6 +385,7 @@ def micro_batch_loss(
         with_entropy=True,
         entropy_grad=entropy_in_loss,
         pack_sequences=cfg.trainer.pack_sequences,
+        first_column=mb.first_response_column(),
     )
     assert ent_BT is not None
     mask_BT = mb.response_mask_BT

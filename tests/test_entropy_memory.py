@@ -26,7 +26,9 @@ from spmdrl.testing.models import SMALL_QWEN2
 
 B, T, V = 2, 48, 4096
 # The entropy's graph: the float32 softmax of the T - 1 predicting positions.
-ENTROPY_GRAPH_BYTES = B * (T - 1) * V * 4
+# The entropy's graph covers the positions that predict response tokens (the prompt's logits are never
+# computed): columns T // 4 .. T - 1 of _batch().
+ENTROPY_GRAPH_BYTES = B * (T - T // 4) * V * 4
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +101,10 @@ def test_entropy_metric_keeps_no_graph(model: torch.nn.Module, temperature: floa
     assert float(out0.stats["entropy"]) == float(out1.stats["entropy"])
     assert float(out0.stats["pg_loss"]) == float(out1.stats["pg_loss"])
     assert 0 < float(out0.stats["entropy"]) < torch.log(torch.tensor(float(V)))
-    torch.testing.assert_close(out0.logprobs_BT, lp_BT.detach(), rtol=0, atol=0)
+    # On the sampled tokens, the same logprobs as the full forward (the prompt's columns are not computed).
+    resp = mb.response_mask_BT
+    torch.testing.assert_close(out0.logprobs_BT * resp, lp_BT.detach() * resp, rtol=0, atol=0)
+    assert not out0.logprobs_BT[:, : T // 4].any()
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -132,7 +137,10 @@ def test_entropy_bonus_gets_its_gradient(model: torch.nn.Module, temperature: fl
     ent = _agg(mb)(ent_BT, mb.response_mask_BT)
     (d_ent,) = torch.autograd.grad(ent, z_BTV)
     assert d_ent.abs().max() > 0
-    torch.testing.assert_close(grads[1] - grads[0], -coeff * d_ent, rtol=1e-4, atol=1e-7)
+    # The loss's logits start at the position that predicts the first response token.
+    kept = grads[0].shape[1]
+    assert not d_ent[:, : T - kept].any()  # the prompt's positions: no entropy gradient either way
+    torch.testing.assert_close(grads[1] - grads[0], -coeff * d_ent[:, T - kept :], rtol=1e-4, atol=1e-7)
 
 
 def test_graph_is_freed_by_backward(model: torch.nn.Module) -> None:

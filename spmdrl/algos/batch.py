@@ -87,6 +87,11 @@ class PolicyBatch:
     def replace(self, **tensors: torch.Tensor | None) -> PolicyBatch:
         return dataclasses.replace(self, **tensors)
 
+    def first_response_column(self) -> int:
+        """The first column any row samples a token in (logprobs before it are never needed)."""
+        cols = torch.nonzero(self.response_mask_BT.any(dim=0)).flatten()
+        return int(cols[0]) if cols.numel() else self.input_ids_BT.shape[1]
+
     def take(self, index_B: torch.Tensor) -> PolicyBatch:
         """The rows at ``index_B``, trimmed to their longest sequence (a micro-batch)."""
         index_B = index_B.to(self.input_ids_BT.device)

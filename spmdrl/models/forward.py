@@ -18,6 +18,7 @@ def policy_logprobs(
     with_entropy: bool = False,
     entropy_grad: bool = True,
     pack_sequences: bool = False,
+    first_column: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprob of each token given the ones before it, at the token's own position (column 0 is 0).
 
@@ -30,6 +31,9 @@ def policy_logprobs(
     B x T x V float32 tensors (the softmax, plus a float32 copy of bf16 logits; about 15 GB at
     8 x 1536 x 151,936) until the entropy is backpropagated, or for as long as the entropy is
     referenced if it never is. The value is the same either way.
+
+    ``first_column``: columns before it (the prompt, where nothing is trained) are left at 0 and their
+    logits never computed.
 
     ``pack_sequences``: the rows are packed end to end first (spmdrl.models.packing), and the results
     come back in the padded layout.
@@ -51,20 +55,24 @@ def policy_logprobs(
             ent_BT = p.unpack(ent_RC)
             ent_BT[:, 0] = 0.0
         return lp_BT, ent_BT
-    logits_BTV = model(input_ids=input_ids_BT, attention_mask=attention_mask_BT).logits
-    if temperature > 0 and temperature != 1.0:
-        logits_BTV = logits_BTV / temperature
     B, T = input_ids_BT.shape
+    # Only columns >= first_column are needed: the LM head (and the log-softmax over the vocabulary) runs
+    # on the positions that predict them, not on the prompt (transformers' logits_to_keep, as TRL does).
+    first = max(1, min(first_column, T))
+    out = model(input_ids=input_ids_BT, attention_mask=attention_mask_BT, logits_to_keep=T - first + 1)
+    logits_BKV = out.logits  # positions first-1 .. T-1
+    if temperature > 0 and temperature != 1.0:
+        logits_BKV = logits_BKV / temperature
     lp_BT = torch.zeros((B, T), dtype=torch.float32, device=input_ids_BT.device)
-    lp_BT[:, 1:] = token_logprobs(logits_BTV[:, :-1], input_ids_BT[:, 1:])
+    lp_BT[:, first:] = token_logprobs(logits_BKV[:, :-1], input_ids_BT[:, first:])
     ent_BT = None
     if with_entropy:
         ent_BT = torch.zeros((B, T), dtype=torch.float32, device=input_ids_BT.device)
         if entropy_grad:
-            ent_BT[:, 1:] = entropy_from_logits(logits_BTV[:, :-1])
+            ent_BT[:, first:] = entropy_from_logits(logits_BKV[:, :-1])
         else:
             with torch.no_grad():
-                ent_BT[:, 1:] = entropy_from_logits(logits_BTV[:, :-1].detach())
+                ent_BT[:, first:] = entropy_from_logits(logits_BKV[:, :-1].detach())
     return lp_BT, ent_BT
 
 
@@ -75,6 +83,11 @@ class _Positions:
     def __init__(self, model: nn.Module, position_ids_RC: torch.Tensor) -> None:
         self.model, self.position_ids_RC = model, position_ids_RC
 
-    def __call__(self, *, input_ids: torch.Tensor, attention_mask: None) -> object:
+    def __call__(self, *, input_ids: torch.Tensor, attention_mask: None, logits_to_keep: int = 0) -> object:
         # No KV cache: transformers reads position-id restarts as sequence boundaries only without one.
-        return self.model(input_ids=input_ids, position_ids=self.position_ids_RC, use_cache=False)
+        return self.model(
+            input_ids=input_ids,
+            position_ids=self.position_ids_RC,
+            use_cache=False,
+            logits_to_keep=logits_to_keep,
+        )
