@@ -884,7 +884,7 @@ def main(cfg: Config) -> None:
         rl_critic = derive_rl(cfg, derived, train_ranks=placement.role("critic").num_ranks, role="critic")
     else:
         rl = rl_critic = derive_rl(cfg, derived)
-    check_model_length(base_dir, rl.max_model_len, cfg.model.trust_remote_code)
+    check_model_fits(base_dir, rl.max_model_len, cfg.rollout.tp, cfg.model.trust_remote_code)
     reward_fn = load_reward_fn(cfg.reward.fn)
     check_data_sources(cfg.reward.fn, _data_sources(train_ds, val_ds))
 
@@ -1210,19 +1210,25 @@ def _data_sources(*datasets: PromptDataset | None) -> set[str]:
     return {ds[i].data_source for ds in datasets if ds is not None for i in range(len(ds))}
 
 
-def check_model_length(model_dir: Path, max_model_len: int, trust_remote_code: bool) -> None:
-    """Prompt + response must fit the model's positions; vLLM would refuse only once the engine is built."""
+def check_model_fits(model_dir: Path, max_model_len: int, tp: int, trust_remote_code: bool) -> None:
+    """Prompt + response must fit the model's positions, and rollout.tp must split its attention heads:
+    vLLM would refuse either only once the engine is built, after the warm-start."""
     from transformers import AutoConfig
 
-    limit = getattr(
-        AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code),
-        "max_position_embeddings",
-        None,
-    )
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    limit = getattr(config, "max_position_embeddings", None)
     if limit is not None and max_model_len > limit:
         raise ConfigError(
             f"data.max_prompt_length + data.max_response_length (or rollout.max_model_len) = {max_model_len} "
             f"exceeds the model's max_position_embeddings={limit} ({model_dir}); shorten them"
+        )
+    heads = getattr(config, "num_attention_heads", None)
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    if heads and (heads % tp or (kv and kv % tp and tp % kv)):
+        fits = [t for t in range(1, heads + 1) if heads % t == 0 and (not kv or kv % t == 0 or t % kv == 0)]
+        raise ConfigError(
+            f"rollout.tp={tp} does not split the model's {heads} attention heads ({kv} key/value heads; "
+            f"{model_dir}); use one of {fits}"
         )
 
 

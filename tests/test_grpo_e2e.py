@@ -325,10 +325,26 @@ ALWAYS_RAISES = textwrap.dedent(
         # Each fails at start, before the warm-start (the log never shows it) or an engine.
         (["reward.fn=no_such_module:score"], "reward.fn='no_such_module:score'"),
         (["data.max_prompt_length=30000"], "exceeds the model's max_position_embeddings"),
+        (
+            ["rollout.tp=2", "model.path=MODEL_WITH_3_HEADS"],
+            "rollout.tp=2 does not split the model's 3 attention heads",
+        ),
         (["reward.fn=gsm8k", "reward.batch_timeout_s=700"], "reward.batch_timeout_s=700.0 must stay below"),
     ],
 )
 def test_bad_settings_fail_before_the_warm_start(tmp_path: Path, overrides: list[str], expect: str) -> None:
+    if "model.path=MODEL_WITH_3_HEADS" in overrides:  # the tiny model's files, its config saying 3 heads
+        import json
+        import shutil
+
+        from spmdrl.models.tiny import ensure_tiny_model
+
+        odd = tmp_path / "odd_heads"
+        shutil.copytree(ensure_tiny_model(tmp_path / "cache"), odd)
+        config = json.loads((odd / "config.json").read_text())
+        config.update(num_attention_heads=3, num_key_value_heads=3)
+        (odd / "config.json").write_text(json.dumps(config))
+        overrides = [f"model.path={odd}" if o.startswith("model.path=") else o for o in overrides]
     res = torchrun(
         ["-m", "spmdrl.train", "recipe=grpo_tiny", f"trainer.output_dir={tmp_path / 'run'}", *overrides],
         nproc=2,
