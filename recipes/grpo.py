@@ -64,11 +64,11 @@ from spmdrl.algos.micro_batches import micro_batch_rows
 from spmdrl.algos.policy_losses import PolicyLossParams, agg_mode_for, policy_loss
 from spmdrl.algos.value_loss import clipped_value_loss
 from spmdrl.checkpoint.checkpointer import (
+    Checkpointer,
     RoleState,
     checkpoint_root,
     load_checkpoint,
     plan_resume,
-    save_checkpoint,
 )
 from spmdrl.checkpoint.export import write_hf_metadata
 from spmdrl.config import Config, ConfigError, RLDerived, derive, derive_rl
@@ -945,7 +945,16 @@ def main(cfg: Config) -> None:
     # The state a checkpoint holds: each trained role (model, optimizer, schedule) on its own ranks, and
     # the loop's position (step, sampler, KL coefficient); RNG states are saved per rank.
     roles = [
-        RoleState("actor", is_actor, actor, optimizer, scheduler, actor_group, _hf_writer(actor, tokenizer)),
+        RoleState(
+            "actor",
+            is_actor,
+            actor,
+            optimizer,
+            scheduler,
+            actor_group,
+            _hf_writer(actor, tokenizer),
+            placement.role("actor").ranks,
+        ),
     ]
     if a.adv_estimator in NEEDS_CRITIC:
         roles.append(
@@ -955,6 +964,7 @@ def main(cfg: Config) -> None:
                 *((critic.model, critic.optimizer, critic.scheduler) if critic else (None, None, None)),
                 critic_group,
                 _hf_writer(critic.model, tokenizer) if critic else None,
+                placement.role("critic").ranks,
             )
         )
     start_step = 0
@@ -989,7 +999,12 @@ def main(cfg: Config) -> None:
     if start_step >= derived.total_steps:
         log.info("the checkpoint is at the last step (%d): nothing left to train", start_step)
     logger = run.metric_logger(derived.total_steps, resume_step=start_step)
-    ckpt_root = checkpoint_root(run.output_dir)
+    checkpointer = Checkpointer(
+        checkpoint_root(run.output_dir),
+        roles,
+        keep=cfg.trainer.keep_checkpoints,
+        async_save=cfg.trainer.async_save,
+    )
     max_tokens = cfg.data.max_response_length
     pad_id = tokenizer.pad_token_id
 
@@ -1155,16 +1170,17 @@ def main(cfg: Config) -> None:
             plot_curves(metrics_path, run.output_dir / "curves.png", CURVE_KEYS, title=cfg.name)
         # Logged first, saved second: a kill between them loses no row (the resumed run logs it again).
         if is_last or (cfg.trainer.save_every > 0 and step % cfg.trainer.save_every == 0):
-            saved = save_checkpoint(
-                ckpt_root,
+            saved = checkpointer.save(
                 step,
-                roles,
                 {"sampler": sampler.state_dict(), "kl_coef": kl_ctrl.value},
-                keep=cfg.trainer.keep_checkpoints,
                 meta={"placement": placement.describe(), "total_steps": derived.total_steps},
             )
-            log.info("checkpoint %s: %.1f MB in %.2f s", saved.path, saved.bytes / 1e6, saved.seconds)
+            if saved is not None:
+                log.info("checkpoint %s: %.1f MB in %.2f s", saved.path, saved.bytes / 1e6, saved.seconds)
 
+    saved = checkpointer.finish()  # an asynchronous save still in flight
+    if saved is not None:
+        log.info("checkpoint %s: %.1f MB in %.2f s", saved.path, saved.bytes / 1e6, saved.seconds)
     if cfg.trainer.save_hf:
         from spmdrl.checkpoint.export import export_hf
 

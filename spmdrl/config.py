@@ -153,6 +153,9 @@ class TrainerConfig:
     # 0: only after the last. keep_checkpoints: how many complete ones to keep (the newest).
     save_every: int = 0
     keep_checkpoints: int = 2
+    # Write checkpoints in the background: a save only copies the state to memory, and is published at the
+    # next save or at the end (docs/checkpointing.md).
+    async_save: bool = False
     # "auto": continue from the newest complete checkpoint in output_dir, if there is one; "off": start
     # over (refused when output_dir already holds a run); or the path of a checkpoint to start from.
     resume: str = "auto"

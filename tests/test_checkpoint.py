@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -248,3 +249,47 @@ def test_export_from_a_sharded_checkpoint(saved: tuple[Path, Path, list[dict]], 
     hf_lp = torch.log_softmax(logits, -1)[len(prompt) - 1 : -1].gather(1, torch.tensor(tokens)[:, None])[:, 0]
     assert tokens == torch.argmax(logits[len(prompt) - 1 : -1], -1).tolist()
     torch.testing.assert_close(torch.tensor(engine_lp), hf_lp, atol=2e-3, rtol=0)
+
+
+def _async_worker(rank: int, world: int, model_dir: str, root: str) -> dict:
+    import torch.distributed as dist
+
+    from spmdrl.checkpoint.checkpointer import Checkpointer, latest_checkpoint, load_checkpoint
+
+    model, opt, sched, role = _build(model_dir)
+    ckpt = Checkpointer(Path(root), [role], keep=2, async_save=True)
+    for s in range(STEPS_BEFORE):
+        _train_step(model, opt, sched, s)
+    t0 = time.perf_counter()
+    first = ckpt.save(STEPS_BEFORE, {"sampler": {}})
+    blocking = time.perf_counter() - t0
+    at_save = _full(model, opt)
+    # Training goes on (and changes every weight) while the checkpoint is written in the background.
+    for s in range(STEPS_BEFORE, STEPS_BEFORE + 2):
+        _train_step(model, opt, sched, s)
+    dist.barrier()
+    unpublished = latest_checkpoint(Path(root))
+    done = ckpt.finish()
+    model2, opt2, sched2, role2 = _build(model_dir)
+    trainer = load_checkpoint(Path(root) / f"step-{STEPS_BEFORE}", [role2])
+    return {
+        "first": first,
+        "unpublished": unpublished,
+        "published": done.path.name if done else None,
+        "blocking_s": blocking,
+        "same": not _same(_full(model2, opt2), at_save),
+        "moved": bool(_same(_full(model, opt), at_save)),
+        "step": trainer["step"],
+    }
+
+
+@pytest.mark.slow
+def test_async_save_publishes_the_state_it_was_given(tmp_path: Path) -> None:
+    from spmdrl.models.tiny import ensure_tiny_model
+
+    model_dir = ensure_tiny_model(tmp_path)
+    for r in run_distributed(_async_worker, 2, str(model_dir), str(tmp_path / "checkpoints"), timeout_s=300):
+        assert r["first"] is None and r["unpublished"] is None  # not complete until published
+        assert r["published"] == f"step-{STEPS_BEFORE}" and r["step"] == STEPS_BEFORE
+        # The checkpoint holds the weights of the moment of the save, not the later ones.
+        assert r["moved"] and r["same"]

@@ -68,6 +68,8 @@ class RoleState:
     group: dist.ProcessGroup | None = None
     # Writes the files export needs (config, tokenizer) into a directory; run on the role's first rank.
     write_hf: Callable[[Path], None] | None = None
+    # The role's ranks (None: every rank); an asynchronous save makes a process group of its own over them.
+    ranks: list[int] | None = None
 
     def _state(self) -> dict[str, Any]:
         assert self.model is not None and self.optimizer is not None and self.scheduler is not None
@@ -166,10 +168,67 @@ def save_checkpoint(
     meta: dict[str, Any] | None = None,
 ) -> SaveStats:
     """Save everything a run needs to continue at ``step + 1``. Every rank calls it."""
+    pending = _start_save(root, step, roles, trainer_state, keep=keep, meta=meta, async_groups=None)
+    return pending.publish()
+
+
+@dataclass
+class PendingSave:
+    """A save whose files are written (or being written, asynchronously) but not yet published."""
+
+    root: Path
+    step: int
+    keep: int
+    meta: dict[str, Any]
+    t0: float
+    futures: list[Any]
+    blocking_s: float = 0.0
+
+    @property
+    def partial(self) -> Path:
+        return self.root / f"{PARTIAL}{PREFIX}{self.step}"
+
+    def publish(self) -> SaveStats:
+        """Wait for this rank's writes, then (all ranks done) publish with one rename. Every rank calls it."""
+        final = self.root / f"{PREFIX}{self.step}"
+        rank = dist.get_rank()
+        nbytes = 0
+        try:
+            for fut in self.futures:
+                fut.result()
+            dist.barrier()
+            if rank == 0:
+                nbytes = _dir_bytes(self.partial)
+                info = {"step": self.step, "world_size": dist.get_world_size(), "bytes": nbytes, **self.meta}
+                info["seconds"] = round(time.perf_counter() - self.t0, 3)
+                info["blocking_seconds"] = round(self.blocking_s, 3)
+                (self.partial / "meta.json").write_text(json.dumps(info, indent=2) + "\n")
+                os.replace(self.partial, final)  # the moment the checkpoint starts to count
+                _fsync_dir(self.root)
+                for _, old in complete_checkpoints(self.root)[: -self.keep]:
+                    shutil.rmtree(old, ignore_errors=True)
+            dist.barrier()
+        except (OSError, CheckpointException) as e:
+            cause = e if isinstance(e, OSError) else _first_failure(e)
+            raise CheckpointError(_save_error(cause, self.partial, self.root)) from e
+        return SaveStats(final, time.perf_counter() - self.t0, nbytes)
+
+
+def _start_save(
+    root: Path,
+    step: int,
+    roles: list[RoleState],
+    trainer_state: dict[str, Any],
+    *,
+    keep: int,
+    meta: dict[str, Any] | None,
+    async_groups: dict[str, dist.ProcessGroup] | None,
+) -> PendingSave:
     t0 = time.perf_counter()
     rank = dist.get_rank()
     final = root / f"{PREFIX}{step}"
     partial = root / f"{PARTIAL}{PREFIX}{step}"
+    futures: list[Any] = []
     try:
         if rank == 0:
             root.mkdir(parents=True, exist_ok=True)
@@ -183,35 +242,66 @@ def save_checkpoint(
         for role in roles:
             if not role.holds:
                 continue
-            dcp.save(role._state(), checkpoint_id=str(partial / role.name), process_group=role.group)
+            where = str(partial / role.name)
+            if async_groups is None:
+                dcp.save(role._state(), checkpoint_id=where, process_group=role.group)
+            else:
+                # Staged (copied) now, written by a background thread over a gloo group of its own, so its
+                # collectives never interleave with training's.
+                futures.append(
+                    dcp.async_save(role._state(), checkpoint_id=where, process_group=async_groups[role.name])
+                )
             if role.write_hf is not None and dist.get_rank(role.group) == 0:
                 role.write_hf(partial / "hf" / role.name)
         _save_small(_rng_state(), partial / "rng" / f"rank-{rank}.pt")
         if rank == 0:
             _save_small({"step": step, **trainer_state}, partial / "trainer.pt")
-        dist.barrier()
-        nbytes = 0
-        if rank == 0:
-            nbytes = _dir_bytes(partial)
-            info = {
-                "step": step,
-                "world_size": dist.get_world_size(),
-                "bytes": nbytes,
-                "roles": [r.name for r in roles],
-            }
-            info.update(meta or {})
-            info["seconds"] = round(time.perf_counter() - t0, 3)
-            (partial / "meta.json").write_text(json.dumps(info, indent=2) + "\n")
-            os.replace(partial, final)  # the moment the checkpoint starts to count
-            _fsync_dir(root)
-            for _, old in complete_checkpoints(root)[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
-        dist.barrier()
     except (OSError, CheckpointException) as e:
         # DCP gathers every rank's write failure and raises them together, on every rank.
         cause = e if isinstance(e, OSError) else _first_failure(e)
         raise CheckpointError(_save_error(cause, partial, root)) from e
-    return SaveStats(final, time.perf_counter() - t0, nbytes)
+    info = {"roles": [r.name for r in roles], **(meta or {})}
+    return PendingSave(root, step, keep, info, t0, futures, blocking_s=time.perf_counter() - t0)
+
+
+class Checkpointer:
+    """Saves on a schedule, synchronously or (``async_save``) in the background.
+
+    Asynchronous: a save copies the state to memory and returns; a background thread writes it while
+    training goes on, and the checkpoint is published (meta.json, the rename) at the next save or at
+    :meth:`finish`, once every rank's writes are done. Until then the previous checkpoint is the newest
+    complete one, so a kill in between loses nothing already published. Every rank constructs it
+    (it creates process groups) and calls its methods.
+    """
+
+    def __init__(self, root: Path, roles: list[RoleState], *, keep: int, async_save: bool = False) -> None:
+        self.root, self.roles, self.keep = root, roles, keep
+        self._pending: PendingSave | None = None
+        self._groups: dict[str, dist.ProcessGroup] | None = None
+        if async_save:
+            self._groups = {r.name: dist.new_group(r.ranks, backend="gloo") for r in roles}
+
+    def save(
+        self, step: int, trainer_state: dict[str, Any], meta: dict[str, Any] | None = None
+    ) -> SaveStats | None:
+        """Sync: the published checkpoint's stats. Async: the previous save's, published now (or None)."""
+        if self._groups is None:
+            return save_checkpoint(self.root, step, self.roles, trainer_state, keep=self.keep, meta=meta)
+        done = self.finish()
+        self._pending = _start_save(
+            self.root, step, self.roles, trainer_state, keep=self.keep, meta=meta, async_groups=self._groups
+        )
+        log.info(
+            "checkpoint step-%d staged in %.2f s; writing in the background", step, self._pending.blocking_s
+        )
+        return done
+
+    def finish(self) -> SaveStats | None:
+        """Publish the save in flight, if any (waits for its writes)."""
+        if self._pending is None:
+            return None
+        pending, self._pending = self._pending, None
+        return pending.publish()
 
 
 def _save_small(obj: object, path: Path) -> None:
