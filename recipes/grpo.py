@@ -75,10 +75,10 @@ from spmdrl.config import Config, ConfigError, RLDerived, derive, derive_rl
 from spmdrl.data.prompts import PromptDataset, PromptExample
 from spmdrl.data.sampler import DistributedSampler
 from spmdrl.data.tiny_task import resolve_data_files
-from spmdrl.distributed.env import broadcast_str
+from spmdrl.distributed.env import broadcast_object, broadcast_str
 from spmdrl.distributed.placement import Meshes, plan_placement
 from spmdrl.distributed.reduce import all_reduce_max, all_reduce_min, all_reduce_sum
-from spmdrl.distributed.role_rows import broadcast_object, plan_rows
+from spmdrl.distributed.role_rows import plan_rows
 from spmdrl.distributed.topology import check_tp_within_nodes, node_layout_from_env
 from spmdrl.logging.metrics import truncate_after
 from spmdrl.logging.plot import plot_curves

@@ -5,9 +5,12 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -112,8 +115,14 @@ def wait_for(name: str, *, writer: bool, timeout_min: float = 120.0) -> None:
         store.wait([key], datetime.timedelta(minutes=timeout_min))
 
 
-def broadcast_str(value: str, src: int = 0) -> str:
-    """Rank ``src``'s string on every rank (for example the output directory)."""
+def broadcast_object(value: T, src: int = 0) -> T:
+    """Rank ``src``'s Python object on every rank (small things off the hot path: a directory, a role's
+    metrics)."""
     box = [value]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def broadcast_str(value: str, src: int = 0) -> str:
+    """Rank ``src``'s string on every rank (for example the output directory)."""
+    return broadcast_object(value, src)

@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from spmdrl.algos.batch import PolicyBatch
 from spmdrl.config import Config, RLDerived
@@ -138,10 +137,3 @@ def plan_rows(
     plan.actor = layout("actor", rl_actor)
     plan.critic = layout("critic", rl_critic) if placement.is_split else plan.actor
     return plan
-
-
-def broadcast_object(value: object, src: int) -> object:
-    """``src``'s Python object on every rank (small things off the hot path, such as a role's metrics)."""
-    box = [value]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]

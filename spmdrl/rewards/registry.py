@@ -17,18 +17,14 @@ string into such a function:
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
 import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from spmdrl.config import ConfigError
+from spmdrl.imports import import_file, import_module_named
 from spmdrl.rewards import gsm8k, tiny
 
 
@@ -126,10 +122,10 @@ def load_reward_fn(spec: str) -> RewardFn:
         )
     if target.endswith(".py") or "/" in target or os.sep in target:
         path = Path(target).expanduser().resolve()
-        module = _import_file(spec, path)
+        module = import_file(path, label=f"reward.fn={spec!r}")
         spec = f"{path}:{attr}"  # absolute, so a worker process with another cwd finds it too
     else:
-        module = _import_module(spec, target, attr)
+        module = import_module_named(target, label=f"reward.fn={spec!r}", attr=attr)
     fn = getattr(module, attr, None)
     if fn is None:
         defined = sorted(
@@ -142,42 +138,3 @@ def load_reward_fn(spec: str) -> RewardFn:
     if not callable(fn):
         raise ConfigError(f"reward.fn={spec!r}: {attr!r} is a {type(fn).__name__}, not a function")
     return RewardFn(spec=spec, fn=fn, trusted=False)
-
-
-def _import_module(spec: str, name: str, attr: str) -> ModuleType:
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as e:
-        if e.name is not None and (name == e.name or name.startswith(e.name + ".")):
-            raise ConfigError(
-                f"reward.fn={spec!r}: no module named {e.name!r}; put the directory that holds it on "
-                f"PYTHONPATH (or install it), or give the file instead: 'path/to/file.py:{attr}'"
-            ) from e
-        raise ConfigError(f"reward.fn={spec!r}: importing {name!r} failed: {e}") from e
-    except Exception as e:
-        raise ConfigError(f"reward.fn={spec!r}: importing {name!r} raised {type(e).__name__}: {e}") from e
-
-
-def _import_file(spec: str, path: Path) -> ModuleType:
-    if not path.is_file():
-        raise ConfigError(
-            f"reward.fn={spec!r}: no such file {str(path)!r} (relative paths start at the working directory)"
-        )
-    # One module per file path, loaded once per process: a worker process re-loads the function
-    # for every batch, and running the file's top level again each time would be slow and surprising.
-    digest = hashlib.sha1(str(path).encode()).hexdigest()[:10]
-    mod_name = f"_spmdrl_reward_{path.stem}_{digest}"
-    if mod_name in sys.modules:
-        return sys.modules[mod_name]
-    module_spec = importlib.util.spec_from_file_location(mod_name, path)
-    if module_spec is None or module_spec.loader is None:
-        raise ConfigError(f"reward.fn={spec!r}: {str(path)!r} cannot be loaded as a Python module")
-    module = importlib.util.module_from_spec(module_spec)
-    # Registered before running it: dataclasses and pickle look a module up in sys.modules.
-    sys.modules[mod_name] = module
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as e:
-        del sys.modules[mod_name]
-        raise ConfigError(f"reward.fn={spec!r}: running {str(path)!r} raised {type(e).__name__}: {e}") from e
-    return module
