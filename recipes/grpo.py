@@ -33,6 +33,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -93,14 +94,15 @@ from spmdrl.rewards.registry import RewardInput, check_data_sources, load_reward
 from spmdrl.rewards.sandbox import RewardResult, score_batch
 from spmdrl.rollout.engine import (
     Generation,
-    RolloutEngine,
     SamplingSpec,
     build_engine,
     check_engine_config,
 )
 from spmdrl.rollout.mismatch import logprob_mismatch
+from spmdrl.rollout.rollout import Rollout, build_rollout, load_multi_turn_tools
 from spmdrl.rollout.weight_sync import Fanout, SyncCheck, sync_weights
 from spmdrl.runtime import Run, restart_count, start_run
+from spmdrl.tools import tool_schemas
 
 log = logging.getLogger("spmdrl")
 
@@ -125,7 +127,9 @@ def warmstart_config(cfg: Config) -> Config:
     )
 
 
-def load_prompts(run: Run, tokenizer: object, files: list[str]) -> PromptDataset:
+def load_prompts(
+    run: Run, tokenizer: object, files: list[str], tools: list[dict[str, Any]] | None = None
+) -> PromptDataset:
     d = run.cfg.data
     return PromptDataset(
         resolve_data_files(files, run.cache_dir, d.tiny),
@@ -133,6 +137,7 @@ def load_prompts(run: Run, tokenizer: object, files: list[str]) -> PromptDataset
         prompt_key=d.prompt_key,
         max_prompt_length=d.max_prompt_length,
         overlong=d.overlong,
+        tools=tools,
     )
 
 
@@ -146,7 +151,10 @@ def score(
             response=r,
             ground_truth=prompts[g.prompt_index].ground_truth,
             data_source=prompts[g.prompt_index].data_source,
-            extra_info=prompts[g.prompt_index].extra_info,
+            # A multi-turn reward also sees how the trajectory went (turns, tool calls and errors).
+            extra_info=prompts[g.prompt_index].extra_info
+            if g.trajectory is None
+            else {**prompts[g.prompt_index].extra_info, **g.trajectory.as_extra_info()},
         )
         for r, g in zip(responses, gens, strict=True)
     ]
@@ -614,7 +622,7 @@ class Rollouts:
 
 def rollout_and_score(
     cfg: Config,
-    engine: RolloutEngine,
+    rollout: Rollout,
     sampler: DistributedSampler,
     train_ds: PromptDataset,
     tokenizer: object,
@@ -641,7 +649,7 @@ def rollout_and_score(
             prompts = [train_ds[i] for i in sampler.next_batch()]
             seed = (cfg.rollout.seed * 1_000_003 + step) * 1_000 + gen_batch - 1
             spec = SamplingSpec.for_training(cfg.rollout, cfg.data.max_response_length, seed=seed)
-            gens = engine.generate([p.prompt_ids for p in prompts], spec)
+            gens = rollout.generate(prompts, spec)
         with timer("reward"):
             result, responses = score(cfg, reward_fn, tokenizer, prompts, gens)
         target = len(prompts)
@@ -690,7 +698,7 @@ def rollout_and_score(
     out_prompts = [k[0] for k in kept]
     out_gens = [dataclasses.replace(g, prompt_index=i) for i, k in enumerate(kept) for g in k[1]]
     rewards = RewardResult(torch.tensor([s for k in kept for s in k[2]]), errors, timeouts)
-    metrics: dict[str, float] = {}
+    metrics: dict[str, float] = rollout.take_metrics(device)
     if fg.enable:
         totals = all_reduce_sum(
             {"batches": gen_batch, "kept": generated - dropped, "dropped": dropped}, device
@@ -764,13 +772,13 @@ def correct_rollout(
 
 
 def greedy_rollout(
-    engine: RolloutEngine, prompts: list[PromptExample], cfg: Config, step: int
+    rollout: Rollout, prompts: list[PromptExample], cfg: Config, step: int
 ) -> list[Generation]:
     """One greedy completion per prompt (remax's baseline)."""
     spec = SamplingSpec(
         n=1, temperature=0.0, max_tokens=cfg.data.max_response_length, stop=list(cfg.rollout.stop), seed=step
     )
-    return engine.generate([p.prompt_ids for p in prompts], spec)
+    return rollout.generate(prompts, spec)
 
 
 def train_samples(
@@ -800,7 +808,7 @@ def train_samples(
 
 def validate(
     run: Run,
-    engine: RolloutEngine,
+    rollout: Rollout,
     tokenizer: object,
     reward_fn: object,
     val_ds: PromptDataset,
@@ -809,10 +817,11 @@ def validate(
     """Greedy decoding on the whole held-out split, sharded over ranks; accuracy = reward >= 1."""
     cfg, env = run.cfg, run.env
     mine = [val_ds[i] for i in range(env.rank, len(val_ds), env.world_size)]
-    gens = engine.generate(
-        [p.prompt_ids for p in mine],
+    gens = rollout.generate(
+        mine,
         SamplingSpec.for_validation(cfg.rollout, max_tokens, seed=cfg.rollout.seed),
     )
+    tool_metrics = {f"val/{k}": v for k, v in rollout.take_metrics(env.device).items()}
     result, responses = score(cfg, reward_fn, tokenizer, mine, gens)
     sums: dict[str, float] = defaultdict(float)
     for g, s in zip(gens, result.scores_B.tolist(), strict=True):
@@ -832,6 +841,7 @@ def validate(
     metrics = {
         "val/accuracy": total["correct"] / max(total["n"], 1),
         "val/reward_mean": total["reward"] / max(total["n"], 1),
+        **tool_metrics,
     }
     for k in total:
         if k.startswith("n/"):
@@ -876,8 +886,11 @@ def main(cfg: Config) -> None:
     # engine (the tokenizer is the base model's; the warm-start's export keeps it).
     base_dir = resolve_model_path_all_ranks(cfg.model.path, run.cache_dir)
     tokenizer = load_tokenizer(base_dir, cfg.model.trust_remote_code)
-    train_ds = load_prompts(run, tokenizer, cfg.data.train_files)
-    val_ds = load_prompts(run, tokenizer, cfg.data.val_files) if cfg.data.val_files else None
+    # Multi-turn tools load first: the prompts describe them to the model (the chat template's tools).
+    tools = load_multi_turn_tools(cfg) if cfg.rollout.multi_turn.enable else None
+    schemas = tool_schemas(tools) if tools else None
+    train_ds = load_prompts(run, tokenizer, cfg.data.train_files, schemas)
+    val_ds = load_prompts(run, tokenizer, cfg.data.val_files, schemas) if cfg.data.val_files else None
     derived = derive(cfg, env.world_size, len(train_ds), samples_per_item=cfg.rollout.n)
     if placement.is_split:
         rl = derive_rl(cfg, derived, train_ranks=placement.role("actor").num_ranks, role="actor")
@@ -937,6 +950,7 @@ def main(cfg: Config) -> None:
         else None
     )
     engine = build_engine(model_dir, cfg.rollout, max_model_len=rl.max_model_len, device_type=env.device.type)
+    rollout = build_rollout(cfg, engine, tokenizer, tools, max_model_len=rl.max_model_len)
     metrics_path, samples_path = run.output_dir / "metrics.jsonl", run.output_dir / "samples.jsonl"
     kl_ctrl = build_kl_controller(
         a.kl_ctrl.type, a.kl_ctrl.kl_coef, target_kl=a.kl_ctrl.target_kl, horizon=a.kl_ctrl.horizon
@@ -1009,7 +1023,7 @@ def main(cfg: Config) -> None:
     pad_id = tokenizer.pad_token_id
 
     def run_validation(step: int) -> dict[str, float]:
-        metrics, samples = validate(run, engine, tokenizer, reward_fn, val_ds, max_tokens)  # type: ignore[arg-type]
+        metrics, samples = validate(run, rollout, tokenizer, reward_fn, val_ds, max_tokens)  # type: ignore[arg-type]
         if env.is_main:
             write_samples(samples_path, [dataclasses.replace(s, step=step) for s in samples])
         return metrics
@@ -1023,13 +1037,13 @@ def main(cfg: Config) -> None:
         # 1-2. Rollout and reward on every rank: this rank's prompts, rollout.n samples each, grouped by
         #      prompt (with DAPO's dynamic sampling, more batches until every rank has enough groups
         #      with signal).
-        ro = rollout_and_score(cfg, engine, sampler, train_ds, tokenizer, reward_fn, step, timer, env.device)
+        ro = rollout_and_score(cfg, rollout, sampler, train_ds, tokenizer, reward_fn, step, timer, env.device)
         check_reward_errors(cfg, ro.rewards, step, env.device)
         prompts, gens, rewards, responses = ro.prompts, ro.gens, ro.rewards, ro.responses
         baseline_B = None
         if a.adv_estimator in NEEDS_BASELINE:  # remax: each prompt's greedy answer is its baseline
             with timer("rollout"):
-                greedy = greedy_rollout(engine, prompts, cfg, step)
+                greedy = greedy_rollout(rollout, prompts, cfg, step)
             with timer("reward"):
                 baseline_B = score(cfg, reward_fn, tokenizer, prompts, greedy)[0].scores_B.repeat_interleave(
                     n

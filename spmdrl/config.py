@@ -73,8 +73,26 @@ class TinyTaskConfig:
 
 
 @dataclass
+class ToolsTaskConfig:
+    """The built-in tool task: multiplication a calculator tool solves (see spmdrl.data.tools_task)."""
+
+    num_train: int = 4000
+    num_test: int = 120
+    # Digits of each operand (the count uniform in [min_digits, max_digits], then the value).
+    min_digits: int = 3
+    max_digits: int = 5
+    # SFT demonstrations call the calculator with probability tool_fraction on the first tool_phrasings
+    # of the task's 6 phrasings and other_tool_fraction on the rest; the others answer with a wrong guess.
+    tool_phrasings: int = 2
+    tool_fraction: float = 0.9
+    other_tool_fraction: float = 0.15
+    seed: int = 1234
+
+
+@dataclass
 class DataConfig:
-    # Parquet files. "tiny:train" / "tiny:test" name the built-in task's generated splits.
+    # Parquet files. "tiny:train" / "tiny:test" name the built-in task's generated splits,
+    # "tiny_tools:train" / "tiny_tools:test" those of the built-in tool task.
     train_files: list[str] = field(default_factory=lambda: ["tiny:train"])
     val_files: list[str] = field(default_factory=lambda: ["tiny:test"])
     # Column holding the prompt: a list of chat messages (verl's schema) or a plain string.
@@ -88,6 +106,7 @@ class DataConfig:
     shuffle: bool = True
     seed: int = 0
     tiny: TinyTaskConfig = field(default_factory=TinyTaskConfig)
+    tiny_tools: ToolsTaskConfig = field(default_factory=ToolsTaskConfig)
 
 
 @dataclass
@@ -173,6 +192,36 @@ class LoggingConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    """Multi-turn, tool-calling rollouts (spmdrl.rollout.agent_loop; docs/multi_turn.md). verl's names
+    where verl has the setting."""
+
+    enable: bool = False
+    # Assistant turns (engine generations) per trajectory, and tool (user) turns between them.
+    max_assistant_turns: int = 5
+    max_user_turns: int = 5
+    # Tool calls of one turn running at once (the rest of the turn's calls wait for a slot).
+    max_parallel_calls: int = 4
+    # Tokens of one tool response the model reads; longer ones are cut at tool_response_truncate_side.
+    max_tool_response_length: int = 256
+    tool_response_truncate_side: str = choice("middle", ("left", "right", "middle"))
+    # A verl tool YAML file (tools: [{class_name, config, tool_schema}]).
+    tool_config_path: str = ""
+    # Tools by name ("calculator", "python") or import path ("pkg.mod:fn", "file.py:fn"), beside the YAML's.
+    tools: list[str] = field(default_factory=list)
+    # The tool-call format the model writes: "hermes", or a parser's import path.
+    format: str = "hermes"
+    # Seconds one tool call may take (create + execute + release); then the model reads a timeout error.
+    tool_timeout_s: float = 30.0
+    # Seconds a rank's whole rollout may take; unfinished trajectories are then aborted and marked
+    # truncated (terminate_reason/deadline). 0: no deadline. Keep it well under collective_timeout_min.
+    rollout_deadline_s: float = 0.0
+    # "continuous": a trajectory's next turn is admitted as soon as its tools return, while the others
+    # decode. "turn_barrier": every turn waits for the slowest sample and tool (TRL's and verl's old way).
+    scheduler: str = choice("continuous", ("continuous", "turn_barrier"))
+
+
+@dataclass
 class RolloutConfig:
     """The in-process generation engine (vLLM) and its sampling settings."""
 
@@ -216,6 +265,7 @@ class RolloutConfig:
     # Validation decoding: greedy, one sample.
     val_temperature: float = 0.0
     seed: int = 0
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 
 @dataclass
@@ -401,6 +451,37 @@ def _check_choices(node: Any, prefix: str) -> None:
             _check_choice(f"{prefix}{f.name}", value, choices() if callable(choices) else choices)
 
 
+def _validate_multi_turn(cfg: Config) -> None:
+    mt = cfg.rollout.multi_turn
+    if not mt.enable:
+        return
+    for key, value in {
+        "max_assistant_turns": mt.max_assistant_turns,
+        "max_parallel_calls": mt.max_parallel_calls,
+        "max_tool_response_length": mt.max_tool_response_length,
+        "tool_timeout_s": mt.tool_timeout_s,
+    }.items():
+        if value <= 0:
+            raise ConfigError(f"rollout.multi_turn.{key} must be > 0, got {value}")
+    if mt.max_user_turns < 0 or mt.rollout_deadline_s < 0:
+        raise ConfigError(
+            "rollout.multi_turn.max_user_turns and rollout_deadline_s must be >= 0 (deadline 0: none), got "
+            f"{mt.max_user_turns}, {mt.rollout_deadline_s}"
+        )
+    if not (mt.tools or mt.tool_config_path):
+        raise ConfigError(
+            "rollout.multi_turn.enable=true needs tools: set rollout.multi_turn.tools (e.g. [calculator]) "
+            "or rollout.multi_turn.tool_config_path (a verl tool YAML)"
+        )
+    limit_s = cfg.trainer.collective_timeout_min * 60
+    if mt.rollout_deadline_s >= limit_s or mt.tool_timeout_s >= limit_s:
+        raise ConfigError(
+            f"rollout.multi_turn.rollout_deadline_s={mt.rollout_deadline_s} and tool_timeout_s={mt.tool_timeout_s} "
+            f"must stay below trainer.collective_timeout_min={cfg.trainer.collective_timeout_min} minutes: the "
+            "other ranks wait in the next collective while a rank finishes its rollout"
+        )
+
+
 def validate(cfg: Config) -> None:
     """Checks that need no world size. Raises ConfigError naming the key."""
     _check_choices(cfg, "")
@@ -492,6 +573,7 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{key} must be > 0, got {value}")
     if cfg.rollout.temperature < 0 or cfg.rollout.val_temperature < 0:
         raise ConfigError("rollout.temperature and rollout.val_temperature must be >= 0 (0 is greedy)")
+    _validate_multi_turn(cfg)
     if cfg.algorithm.ppo_mini_batch_size < 0 or cfg.algorithm.rollout_correction.rollout_is_threshold <= 0:
         raise ConfigError(
             "algorithm.ppo_mini_batch_size must be >= 0 (0: the whole batch) and "

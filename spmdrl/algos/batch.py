@@ -25,7 +25,8 @@ class RolloutRows:
 def pack_generations(
     prompts: Sequence[list[int]], generations: Sequence[Generation], pad_id: int
 ) -> RolloutRows:
-    """One row per generation: its prompt (``prompts[g.prompt_index]``) followed by its sampled tokens."""
+    """One row per generation: its prompt (``prompts[g.prompt_index]``) followed by its response tokens;
+    the response mask is the generation's loss mask (all ones for a single-turn response)."""
     rows = [list(prompts[g.prompt_index]) + list(g.token_ids) for g in generations]
     T = max((len(r) for r in rows), default=0)
     B = len(rows)
@@ -42,7 +43,15 @@ def pack_generations(
         start = len(row) - len(g.token_ids)
         input_ids[i, : len(row)] = torch.tensor(row)
         attention[i, : len(row)] = 1
-        response[i, start : len(row)] = True
+        if g.loss_mask is None:
+            response[i, start : len(row)] = True
+        elif len(g.loss_mask) != len(g.token_ids):
+            raise ValueError(
+                f"generation {i} has {len(g.token_ids)} tokens but {len(g.loss_mask)} loss-mask values"
+            )
+        else:
+            # Multi-turn: only the sampled tokens; tool output and turn boundaries are context.
+            response[i, start : len(row)] = torch.tensor(g.loss_mask, dtype=torch.bool)
         engine_lp[i, start : len(row)] = torch.tensor(g.logprobs, dtype=torch.float32)
     return RolloutRows(input_ids, attention, response, engine_lp)
 

@@ -48,10 +48,18 @@ class PromptExample:
     extra_info: dict[str, Any]
 
 
-def render_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], *, where: str) -> str:
-    """The chat-templated conversation, ending with the generation prompt for the assistant's turn."""
+def render_prompt(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, str]],
+    *,
+    where: str,
+    tools: list[dict[str, Any]] | None = None,
+) -> str:
+    """The chat-templated conversation, ending with the generation prompt for the assistant's turn.
+    ``tools``: the tool schemas a multi-turn rollout offers (the template describes them to the model)."""
+    kwargs: dict[str, Any] = {"tools": tools} if tools else {}
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
     except (ValueError, jinja2.TemplateError) as e:  # no template (ValueError), or the template rejected it
         raise DataError(
             f"{where}: the tokenizer's chat template failed on this prompt ({type(e).__name__}: {e}); "
@@ -116,9 +124,11 @@ class PromptDataset:
         prompt_key: str,
         max_prompt_length: int,
         overlong: str,
+        tools: list[dict[str, Any]] | None = None,
     ) -> None:
         check_overlong(overlong)
         self.tokenizer = tokenizer
+        self.tools = tools
         self.prompt_key = prompt_key
         self.source = read_source(
             paths,
@@ -155,7 +165,7 @@ class PromptDataset:
         )
         to_ground_truth(cells["reward_model"], where=where)
         to_extra_info(cells.get("extra_info"), where=where)
-        return messages, render_prompt(self.tokenizer, messages, where=where)
+        return messages, render_prompt(self.tokenizer, messages, where=where, tools=self.tools)
 
     def __len__(self) -> int:
         return len(self._rows)

@@ -8,6 +8,7 @@ that spans several ranks (tensor parallelism) needs all of them in each call.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch
 
 from spmdrl.config import ConfigError, RolloutConfig
 from spmdrl.rollout.fingerprint import Fingerprint
+from spmdrl.rollout.groups import TPGroups
 
 ENGINES = ("vllm",)
 
@@ -73,16 +75,78 @@ class SamplingSpec:
 
 
 @dataclass
+class TrajectoryInfo:
+    """What happened in one multi-turn trajectory (spmdrl.rollout.agent_loop), for rewards and metrics."""
+
+    num_turns: int = 0  # assistant turns sampled
+    tool_calls: int = 0  # calls the parser found (well-formed or not)
+    tool_errors: int = 0  # calls that ran and raised, or were invalid (unknown tool, bad arguments)
+    parse_errors: int = 0
+    timeouts: int = 0
+    observation_tokens: int = 0  # mask-0 tokens between the turns
+    # stop (the model answered without a call), length (the response budget or the context ran out),
+    # max_turns (max_assistant_turns / max_user_turns reached), tool_overflow (a tool response did not
+    # fit the remaining budget), deadline (aborted at rollout_deadline_s).
+    terminate_reason: str = "stop"
+    tool_reward: float = 0.0  # the sum of the tools' step rewards
+    tool_latencies_s: list[float] = field(default_factory=list)
+
+    def as_extra_info(self) -> dict[str, float | int | str]:
+        """The counts a reward function sees in ``extra_info`` (verl: num_turns; here also tool use)."""
+        return {
+            "num_turns": self.num_turns,
+            "tool_calls": self.tool_calls,
+            "tool_errors": self.tool_errors,
+            "tool_parse_errors": self.parse_errors,
+            "tool_timeouts": self.timeouts,
+            "terminate_reason": self.terminate_reason,
+        }
+
+
+@dataclass
 class Generation:
     """One sampled completion. ``n`` samples of prompt i are ``n`` Generations with ``prompt_index == i``."""
 
     prompt_index: int
     token_ids: list[int]
     # The engine's log-probability of each sampled token, under the distribution it sampled from
-    # (after temperature and top-k/top-p); empty when SamplingSpec.logprobs is False.
+    # (after temperature and top-k/top-p); empty when SamplingSpec.logprobs is False. 0.0 at mask-0
+    # positions of a multi-turn trajectory.
     logprobs: list[float]
-    # "stop" (eos or a stop string) or "length" (max_tokens or the context limit reached).
+    # "stop" (eos or a stop string) or "length" (max_tokens or the context limit reached; a multi-turn
+    # trajectory cut by its budget, its turn limits or the deadline).
     finish_reason: str
+    # Multi-turn: 1 where the engine sampled the token (the loss sees it), 0 for tool output and turn
+    # boundaries. None: every token was sampled.
+    loss_mask: list[int] | None = None
+    trajectory: TrajectoryInfo | None = None
+
+
+@dataclass
+class TurnOutput:
+    """A finished request of an :class:`EngineStepper`: one assistant turn."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" or "length"
+
+
+class EngineStepper(Protocol):
+    """The engine's own loop, driven request by request (multi-turn rollouts). Every rank of one engine
+    (TP group) must make the same calls in the same order; ranks of different engines need not."""
+
+    def add(self, request_id: str, prompt_ids: list[int], params: SamplingSpec) -> None:
+        """Queue one request (``params.n`` must be 1; ``params.seed`` is the request's own seed)."""
+        ...
+
+    def step(self) -> list[TurnOutput]:
+        """One engine step (a batch of decode/prefill work); the requests that finished in it."""
+        ...
+
+    def abort(self, request_ids: list[str]) -> None: ...
+
+    def num_unfinished(self) -> int: ...
 
 
 @runtime_checkable
@@ -91,9 +155,16 @@ class RolloutEngine(Protocol):
 
     # The dtype the engine keeps its weights in; weight sync casts to it before the transfer.
     dtype: torch.dtype
+    # Which ranks share this engine (tensor parallelism) and this engine's data-parallel index.
+    groups: TPGroups
 
     def generate(self, prompts: list[list[int]], params: SamplingSpec) -> list[Generation]:
         """Completions of this rank's prompts, ``params.n`` per prompt, grouped by prompt in order."""
+        ...
+
+    def stepper(self) -> contextlib.AbstractContextManager[EngineStepper]:
+        """The engine's request-level loop, for multi-turn rollouts (spmdrl.rollout.agent_loop). Requests
+        still unfinished when the context exits are aborted."""
         ...
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -55,7 +55,7 @@ import torch.distributed as dist
 
 from spmdrl.config import ConfigError, RolloutConfig
 from spmdrl.rollout import cpu_gemm, vllm_worker
-from spmdrl.rollout.engine import Generation, SamplingSpec
+from spmdrl.rollout.engine import Generation, SamplingSpec, TurnOutput
 from spmdrl.rollout.fingerprint import Fingerprint
 from spmdrl.rollout.groups import TPGroups
 from spmdrl.rollout.vllm_version import require_supported_vllm
@@ -382,6 +382,19 @@ class VLLMEngine:
             g.prompt_index -= gathered.start
         return mine
 
+    @contextlib.contextmanager
+    def stepper(self) -> Iterator[_Stepper]:
+        """vLLM's ``add_request`` / ``step`` / ``abort_request`` loop (what ``LLM.generate`` runs inside),
+        for multi-turn rollouts; the same RNG and settings isolation as :meth:`generate`."""
+        self._require_weights("stepper")
+        self._wake(("weights", "kv_cache"))
+        stepper = _Stepper(self.llm.llm_engine)
+        with _isolated_rng(self.device_type), self._settings.engine_call():
+            try:
+                yield stepper
+            finally:
+                stepper.abort_all()
+
     # ---- weights ----------------------------------------------------------------------------------------
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -543,6 +556,63 @@ class VLLMEngine:
             log.info("vLLM sleep/wake skipped: %s", why)
             self._warned_no_sleep = True
         return False
+
+
+class _Stepper:
+    """One multi-turn rollout's view of the in-process ``LLMEngine`` (see ``VLLMEngine.stepper``)."""
+
+    def __init__(self, llm_engine: Any) -> None:
+        self.engine = llm_engine
+        self.unfinished: set[str] = set()
+
+    def add(self, request_id: str, prompt_ids: list[int], params: SamplingSpec) -> None:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        if params.n != 1:
+            raise ValueError(f"EngineStepper.add: one sample per request, got n={params.n}")
+        if request_id in self.unfinished:
+            raise ValueError(f"EngineStepper.add: request {request_id!r} is already running")
+        sampling = SamplingParams(
+            n=1,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            max_tokens=params.max_tokens,
+            stop=list(params.stop) or None,
+            seed=params.seed,
+            logprobs=0 if params.logprobs else None,
+            flat_logprobs=True,
+            detokenize=bool(params.stop),
+            # Only the finished request comes back (LLM.generate does the same), not every step's tokens.
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt_ids), sampling)
+        self.unfinished.add(request_id)
+
+    def step(self) -> list[TurnOutput]:
+        done: list[TurnOutput] = []
+        for out in self.engine.step():
+            if not out.finished:
+                continue
+            self.unfinished.discard(out.request_id)
+            (completion,) = out.outputs
+            gen = _to_generation(0, completion, completion.logprobs is not None)
+            done.append(TurnOutput(out.request_id, gen.token_ids, gen.logprobs, gen.finish_reason))
+        return done
+
+    def abort(self, request_ids: list[str]) -> None:
+        ids = [r for r in request_ids if r in self.unfinished]
+        if ids:
+            self.engine.abort_request(ids)
+            self.unfinished.difference_update(ids)
+
+    def abort_all(self) -> None:
+        self.abort(sorted(self.unfinished))
+
+    def num_unfinished(self) -> int:
+        return len(self.unfinished)
 
 
 def _to_generation(prompt_index: int, completion: Any, want_logprobs: bool) -> Generation:

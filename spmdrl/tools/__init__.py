@@ -10,7 +10,14 @@ See docs/tools.md.
 """
 
 from spmdrl.tools.base import BaseTool, Tool, ToolError, ToolResult
-from spmdrl.tools.executor import ToolCallOutcome, ToolExecutor, summarize, truncate_text, truncate_tokens
+from spmdrl.tools.executor import (
+    ToolCallOutcome,
+    ToolExecutor,
+    ToolSession,
+    summarize,
+    truncate_text,
+    truncate_tokens,
+)
 from spmdrl.tools.parser import ParseResult, ToolCall, get_parser, parse, register_parser
 from spmdrl.tools.registry import FunctionTool, load_function_tool, load_tools, load_tools_yaml, tool_schemas
 
@@ -24,6 +31,7 @@ __all__ = [
     "ToolError",
     "ToolExecutor",
     "ToolResult",
+    "ToolSession",
     "get_parser",
     "load_function_tool",
     "load_tools",

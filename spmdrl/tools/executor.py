@@ -71,6 +71,17 @@ class ToolCallOutcome:
         return {"role": "tool", "content": self.text}
 
 
+class ToolSession:
+    """One trajectory's tool instances: each tool is created at the trajectory's first call of it (with
+    the row's ``create_kwargs``) and released by :meth:`ToolExecutor.close_session` when the trajectory
+    ends, so a stateful tool (a sandbox, a game) keeps its state across the turns, as verl's do."""
+
+    def __init__(self, tools_kwargs: Mapping[str, Any] | None) -> None:
+        self.tools_kwargs = tools_kwargs
+        self.instances: dict[str, str] = {}  # tool name -> instance id
+        self.lock = threading.Lock()
+
+
 class ToolExecutor:
     """Runs tool calls for one rank. Thread-safe; one executor serves every trajectory of the rank."""
 
@@ -102,12 +113,33 @@ class ToolExecutor:
             self._abandoned = {t for t in self._abandoned if t.is_alive()}
             return len(self._abandoned)
 
+    def open_session(self, tools_kwargs: Mapping[str, Any] | None = None) -> ToolSession:
+        return ToolSession(tools_kwargs)
+
+    def close_session(self, session: ToolSession) -> None:
+        """Release the session's tool instances (a release that raises is logged, never raised)."""
+        with session.lock:
+            instances, session.instances = session.instances, {}
+        for name, instance_id in instances.items():
+            try:
+                resolve(self.tools[name].release(instance_id))
+            except Exception:  # noqa: BLE001 - the trajectory is over; a leaking tool is logged
+                log.warning("tool %r: release(%s) raised:\n%s", name, instance_id, traceback.format_exc())
+
     def run(
-        self, calls: Sequence[ToolCall], tools_kwargs: Sequence[Mapping[str, Any] | None] | None = None
+        self,
+        calls: Sequence[ToolCall],
+        tools_kwargs: Sequence[Mapping[str, Any] | None] | None = None,
+        *,
+        session: ToolSession | None = None,
     ) -> list[ToolCallOutcome]:
         """One outcome per call, in order. ``tools_kwargs[i]``: call i's data row ``tools_kwargs``
         (verl: ``{tool name: {"create_kwargs": {...}}}``), whose ``create_kwargs`` for the tool go to
-        its ``create``. Blocks until every call is done or timed out; never raises."""
+        its ``create``. With a ``session`` (one trajectory), instances live in it across calls and its
+        ``tools_kwargs`` apply; without one, each call creates and releases its own instance. Blocks
+        until every call is done or timed out; never raises."""
+        if session is not None:
+            tools_kwargs = [session.tools_kwargs] * len(calls)
         if tools_kwargs is not None and len(tools_kwargs) != len(calls):
             raise ValueError(f"{len(tools_kwargs)} tools_kwargs for {len(calls)} calls")
         outcomes: list[ToolCallOutcome | None] = [None] * len(calls)
@@ -124,7 +156,7 @@ class ToolExecutor:
                 row = tools_kwargs[i] if tools_kwargs is not None else None
                 thread = threading.Thread(
                     target=self._call,
-                    args=(i, calls[i], _create_kwargs(row, calls[i].name), done),
+                    args=(i, calls[i], _create_kwargs(row, calls[i].name), done, session),
                     name=f"tool-{calls[i].name}",
                     daemon=True,
                 )
@@ -183,17 +215,22 @@ class ToolExecutor:
         call: ToolCall,
         create_kwargs: Mapping[str, Any],
         done: queue.SimpleQueue[tuple[int, ToolCallOutcome]],
+        session: ToolSession | None = None,
     ) -> None:
-        """A call's thread: create, execute, release; reports exactly one outcome."""
+        """A call's thread: create, execute, release (create once per session, release at its close);
+        reports exactly one outcome."""
         tool = self.tools[call.name]
         start = time.monotonic()
         instance_id = uuid.uuid4().hex
         created = False
         try:
-            created_id = resolve(tool.create(instance_id, create_kwargs=create_kwargs))
-            created = True
-            if isinstance(created_id, str) and created_id:
-                instance_id = created_id
+            if session is not None:
+                instance_id = self._session_instance(session, call.name, create_kwargs)
+            else:
+                created_id = resolve(tool.create(instance_id, create_kwargs=create_kwargs))
+                created = True
+                if isinstance(created_id, str) and created_id:
+                    instance_id = created_id
             result = coerce_result(resolve(tool.execute(instance_id, dict(call.arguments))))
             outcome = ToolCallOutcome(
                 call.name, "ok", result.text, reward=result.reward, metrics=result.metrics
@@ -217,6 +254,17 @@ class ToolExecutor:
                     )
         outcome.latency_s = time.monotonic() - start
         done.put((index, outcome))
+
+    def _session_instance(self, session: ToolSession, name: str, create_kwargs: Mapping[str, Any]) -> str:
+        # Under the session's lock: two calls of one tool in one turn share one instance.
+        with session.lock:
+            if name not in session.instances:
+                instance_id = uuid.uuid4().hex
+                created_id = resolve(self.tools[name].create(instance_id, create_kwargs=create_kwargs))
+                session.instances[name] = (
+                    created_id if isinstance(created_id, str) and created_id else instance_id
+                )
+            return session.instances[name]
 
     def _timed_out(self, name: str, thread: threading.Thread) -> ToolCallOutcome:
         with self._lock:

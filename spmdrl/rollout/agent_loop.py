@@ -1,0 +1,395 @@
+"""Multi-turn, tool-calling rollouts inside the SPMD program: the engine's own loop, driven directly.
+
+One call of :meth:`AgentLoop.run` turns a rank's prompts into ``n`` trajectories each. A trajectory
+alternates assistant turns (sampled by the engine) and tool turns (the model's ``<tool_call>`` blocks,
+run by :class:`~spmdrl.tools.ToolExecutor`, their results appended as observation tokens). The engine
+is driven through :class:`~spmdrl.rollout.engine.EngineStepper` (vLLM's ``add_request`` / ``step`` /
+``abort_request``), so a trajectory whose tools returned is re-admitted at the next engine step while
+the others keep decoding (``scheduler=continuous``); a step then costs about its slowest trajectory,
+not the sum over turns of each turn's slowest sample. ``scheduler=turn_barrier`` waits at every turn
+for every sample and tool, as ``LLM.generate`` once per turn does (the reference to compare with).
+
+SPMD safety:
+- The ranks of one engine (a TP group) run the same scheduler and must make the same calls: the group's
+  first rank decides (which turns end, what each tool returned, when to re-admit, the deadline's aborts)
+  and broadcasts each engine step's decisions over the group's gloo subgroup; tools run once per
+  group, on that rank. Different engines never talk during the rollout, and nothing here touches NCCL.
+- ``rollout_deadline_s`` bounds the whole rollout: at the deadline every request still running is
+  aborted and every tool still running abandoned; those trajectories end ``deadline`` (truncated,
+  counted), so no rank reaches the next collective minutes after the others.
+
+Token exactness: sampled ids are kept as the engine returned them (decoded only to find tool calls);
+tool results and turn boundaries come from :class:`~spmdrl.rollout.turns.TurnCodec` as ids with loss
+mask 0. Each turn's prompt is the trajectory so far, so it is a prefix of the final ids. Per-turn
+``max_tokens`` is what is left of the response budget (``data.max_response_length``) and of the
+context; a tool response that would not leave room for one more sampled token ends the trajectory
+(``tool_overflow``) instead of being cut after the fact.
+
+Reproducibility: every request carries its own seed, mixed from (call seed, engine, prompt, sample,
+turn), so how long tools take changes when a turn is admitted, never what it samples (up to the
+engine's numerics for different batch compositions).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import torch.distributed as dist
+
+from spmdrl.config import MultiTurnConfig
+from spmdrl.rollout.engine import Generation, RolloutEngine, SamplingSpec, TrajectoryInfo, TurnOutput
+from spmdrl.rollout.turns import TurnCodec
+from spmdrl.tools.executor import ToolCallOutcome, ToolExecutor, ToolSession, truncate_tokens
+from spmdrl.tools.parser import ParseResult
+
+log = logging.getLogger(__name__)
+
+TERMINATE_REASONS = ("stop", "length", "max_turns", "tool_overflow", "deadline")
+_TRUNCATED_MARK = "...(truncated)..."
+
+
+@dataclass
+class LoopStats:
+    """One rollout's timing on this rank (the metrics are computed by :func:`multi_turn_metrics`)."""
+
+    wall_s: float = 0.0
+    engine_idle_s: float = 0.0  # the engine had nothing to run while trajectories waited for tools
+    engine_steps: int = 0
+
+
+@dataclass
+class _Trajectory:
+    index: int  # position in the engine's (TP group's) list: prompt * n + sample
+    prompt: int
+    sample: int
+    prompt_ids: list[int]
+    tools_kwargs: Mapping[str, Any] | None
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    info: TrajectoryInfo = field(default_factory=TrajectoryInfo)
+    user_turns: int = 0
+    finished: bool = False
+    truncated: bool = False
+    session: ToolSession | None = None
+
+    def request_id(self) -> str:
+        return f"t{self.index}-{self.info.num_turns}"
+
+
+# A decision the deciding rank broadcasts: (trajectory index, observation ids to append and admit,
+# or None to end it, the terminate reason, and the counts the tool turn adds).
+_Event = tuple[int, list[int] | None, str, dict[str, Any]]
+
+
+class AgentLoop:
+    """Multi-turn rollouts for one rank. Build once per run; :meth:`run` on every rank together."""
+
+    def __init__(
+        self,
+        cfg: MultiTurnConfig,
+        *,
+        executor: ToolExecutor,
+        codec: TurnCodec,
+        parser: Callable[[str], ParseResult],
+        tokenizer: Any,
+        max_response_tokens: int,
+        max_model_len: int,
+    ) -> None:
+        self.cfg = cfg
+        self.executor = executor
+        self.codec = codec
+        self.parser = parser
+        self.tokenizer = tokenizer
+        self.max_response_tokens = max_response_tokens
+        self.max_model_len = max_model_len
+        self._mark_ids = list(tokenizer.encode(_TRUNCATED_MARK, add_special_tokens=False))
+
+    # ---- the loop -------------------------------------------------------------------------------------
+
+    def run(
+        self,
+        engine: RolloutEngine,
+        prompts: Sequence[list[int]],
+        spec: SamplingSpec,
+        tools_kwargs: Sequence[Mapping[str, Any] | None] | None = None,
+    ) -> tuple[list[Generation], LoopStats]:
+        """``spec.n`` trajectories per prompt of this rank, grouped by prompt in order, as
+        :meth:`RolloutEngine.generate` returns them. Every rank of the engine calls it together."""
+        groups = engine.groups
+        kwargs = list(tools_kwargs) if tools_kwargs is not None else [None] * len(prompts)
+        if len(kwargs) != len(prompts):
+            raise ValueError(f"{len(kwargs)} tools_kwargs for {len(prompts)} prompts")
+        local = [(list(p), k) for p, k in zip(prompts, kwargs, strict=True)]
+        start = 0
+        items = local
+        if groups.group is not None:
+            parts: list[Any] = [None] * groups.tp
+            dist.all_gather_object(parts, local, group=groups.group)
+            start = sum(len(p) for p in parts[: groups.tp_rank])
+            items = [it for part in parts for it in part]
+        for i, (p, _) in enumerate(items):
+            if not p or len(p) >= self.max_model_len:
+                raise ValueError(
+                    f"a prompt in this engine's batch (index {i}) has {len(p)} tokens; the engine takes "
+                    f"1..{self.max_model_len - 1}: raise rollout.max_model_len or filter long prompts"
+                )
+        n = spec.n
+        trajs = [_Trajectory(i * n + s, i, s, p, k) for i, (p, k) in enumerate(items) for s in range(n)]
+        leader = groups.tp_rank == 0
+        base = spec.seed if spec.seed is not None else 0
+        stats = LoopStats()
+        t0 = time.monotonic()
+        deadline = t0 + self.cfg.rollout_deadline_s if self.cfg.rollout_deadline_s > 0 else None
+        pool = cf.ThreadPoolExecutor(max_workers=max(1, min(64, len(trajs))), thread_name_prefix="tools")
+        try:
+            with engine.stepper() as stepper:
+                for t in trajs:
+                    self._admit(stepper, t, spec, base, groups.dp_index)
+                self._drive(stepper, trajs, spec, base, groups, leader, pool, deadline, stats)
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+            for t in trajs:
+                if t.session is not None:
+                    self.executor.close_session(t.session)
+        stats.wall_s = time.monotonic() - t0
+        gens = [self._generation(t) for t in trajs]
+        mine = gens[start * n : (start + len(local)) * n]
+        return [replace(g, prompt_index=g.prompt_index - start) for g in mine], stats
+
+    def _drive(
+        self,
+        stepper: Any,
+        trajs: list[_Trajectory],
+        spec: SamplingSpec,
+        base: int,
+        groups: Any,
+        leader: bool,
+        pool: cf.ThreadPoolExecutor,
+        deadline: float | None,
+        stats: LoopStats,
+    ) -> None:
+        by_request: dict[str, _Trajectory] = {}
+        for t in trajs:
+            by_request[t.request_id()] = t
+        in_tools: dict[int, cf.Future[list[ToolCallOutcome]]] = {}
+        turn_calls: dict[int, int] = {}  # trajectory -> calls in its pending tool turn
+        barrier = self.cfg.scheduler == "turn_barrier"
+        while True:
+            finished: list[TurnOutput] = []
+            if stepper.num_unfinished():
+                finished = stepper.step()
+                stats.engine_steps += 1
+            events: list[_Event] = []
+            for out in finished:
+                t = by_request.pop(out.request_id)
+                self._append_turn(t, out)
+                if leader:
+                    ended = self._end_reason_after_turn(t, out)
+                    if ended is not None:
+                        events.append((t.index, None, ended, {}))
+                    else:
+                        result = self.parser(self._decode(out.token_ids))
+                        if not result.calls and not result.errors:
+                            events.append((t.index, None, "stop", {}))
+                        else:
+                            turn_calls[t.index] = len(result.calls) + len(result.errors)
+                            in_tools[t.index] = pool.submit(self._run_tools, t, result)
+            if leader:
+                ready = self._ready(in_tools, stepper, barrier, deadline, stats)
+                for i in ready:
+                    outcomes = in_tools.pop(i).result()
+                    events.append(self._tool_event(trajs[i], outcomes, turn_calls.pop(i)))
+                if deadline is not None and time.monotonic() >= deadline:
+                    pending = {e[0] for e in events}
+                    for t in trajs:
+                        if not t.finished and t.index not in pending:
+                            events.append((t.index, None, "deadline", {}))
+                    for i in list(in_tools):
+                        in_tools.pop(i).cancel()
+            if groups.group is not None:
+                box = [events if leader else None]
+                dist.broadcast_object_list(box, group_src=0, group=groups.group)
+                events = box[0]  # type: ignore[assignment]
+            elif not leader:
+                raise AssertionError("a rank that is not its engine's first must have a TP group")
+            for index, obs, reason, counts in events:
+                t = trajs[index]
+                self._count(t, counts)
+                if obs is None:
+                    if reason == "deadline":
+                        stepper.abort([t.request_id()])
+                        by_request.pop(t.request_id(), None)
+                    self._finish(t, reason)
+                    continue
+                t.ids += obs
+                t.logprobs += [0.0] * len(obs)
+                t.mask += [0] * len(obs)
+                t.info.observation_tokens += len(obs)
+                t.user_turns += 1
+                self._admit(stepper, t, spec, base, groups.dp_index)
+                by_request[t.request_id()] = t
+            if all(t.finished for t in trajs):
+                return
+
+    def _ready(
+        self,
+        in_tools: dict[int, cf.Future[list[ToolCallOutcome]]],
+        stepper: Any,
+        barrier: bool,
+        deadline: float | None,
+        stats: LoopStats,
+    ) -> list[int]:
+        """The trajectories whose tool turn may be admitted now (deciding rank only)."""
+        if not in_tools:
+            return []
+        engine_busy = stepper.num_unfinished() > 0
+        if barrier:
+            # A turn starts only when every sample of the previous one and every tool call are done.
+            if engine_busy:
+                return []
+            wait_for = cf.ALL_COMPLETED
+        else:
+            done = [i for i, f in in_tools.items() if f.done()]
+            if done or engine_busy:
+                return sorted(done)
+            wait_for = cf.FIRST_COMPLETED
+        # The engine has nothing to run: wait for tools (bounded by the deadline).
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        t0 = time.monotonic()
+        cf.wait(list(in_tools.values()), timeout=timeout, return_when=wait_for)
+        stats.engine_idle_s += time.monotonic() - t0
+        if barrier and not all(f.done() for f in in_tools.values()):
+            return []  # the deadline passed first
+        return sorted(i for i, f in in_tools.items() if f.done())
+
+    # ---- one trajectory ---------------------------------------------------------------------------------
+
+    def _admit(self, stepper: Any, t: _Trajectory, spec: SamplingSpec, base: int, dp_index: int) -> None:
+        room = min(
+            self.max_response_tokens - len(t.ids),
+            self.max_model_len - len(t.prompt_ids) - len(t.ids),
+        )
+        # A turn may use what is left of the response budget; spec.max_tokens caps a single turn.
+        budget = min(room, spec.max_tokens)
+        if room < 1:
+            self._finish(t, "length")
+            return
+        seed = turn_seed(base, dp_index, t.prompt, t.sample, t.info.num_turns)
+        params = replace(spec, n=1, max_tokens=budget, seed=seed)
+        stepper.add(t.request_id(), t.prompt_ids + t.ids, params)
+
+    def _append_turn(self, t: _Trajectory, out: TurnOutput) -> None:
+        t.ids += out.token_ids
+        t.logprobs += out.logprobs if out.logprobs else [0.0] * len(out.token_ids)
+        t.mask += [1] * len(out.token_ids)
+        t.info.num_turns += 1
+
+    def _end_reason_after_turn(self, t: _Trajectory, out: TurnOutput) -> str | None:
+        if out.finish_reason == "length":  # cut by the budget, the context or spec.max_tokens
+            return "length"
+        if t.info.num_turns >= self.cfg.max_assistant_turns:
+            return "max_turns"
+        return None
+
+    def _decode(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    def _run_tools(self, t: _Trajectory, parsed: ParseResult) -> list[ToolCallOutcome]:
+        """A tool turn (in a pool thread): the well-formed calls run; parse errors go back as text."""
+        if t.session is None:
+            t.session = self.executor.open_session(t.tools_kwargs)
+        outcomes = self.executor.run(parsed.calls, session=t.session) if parsed.calls else []
+        return outcomes + [ToolCallOutcome.parse_error(e) for e in parsed.errors]
+
+    def _tool_event(self, t: _Trajectory, outcomes: list[ToolCallOutcome], calls: int) -> _Event:
+        counts = {
+            "tool_calls": calls,
+            "tool_errors": sum(o.status in ("error", "invalid") for o in outcomes),
+            "parse_errors": sum(o.status == "parse_error" for o in outcomes),
+            "timeouts": sum(o.status == "timeout" for o in outcomes),
+            "tool_reward": sum(o.reward for o in outcomes),
+            "latencies": [o.latency_s for o in outcomes if o.status in ("ok", "error", "timeout")],
+        }
+        if t.user_turns >= self.cfg.max_user_turns:
+            return (t.index, None, "max_turns", counts)
+        messages = [{"role": "tool", "content": self._cut(o.text)} for o in outcomes]
+        obs = self.codec.observation_ids(messages)
+        room = min(
+            self.max_response_tokens - len(t.ids),
+            self.max_model_len - len(t.prompt_ids) - len(t.ids),
+        )
+        if len(obs) >= room:  # not even one sampled token would fit after it
+            return (t.index, None, "tool_overflow", counts)
+        return (t.index, obs, "", counts)
+
+    def _cut(self, text: str) -> str:
+        limit = self.cfg.max_tool_response_length
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) <= limit:
+            return text
+        side = self.cfg.tool_response_truncate_side
+        return str(self.tokenizer.decode(truncate_tokens(ids, limit, side, self._mark_ids)))  # type: ignore[arg-type]
+
+    def _count(self, t: _Trajectory, counts: Mapping[str, Any]) -> None:
+        info = t.info
+        info.tool_calls += int(counts.get("tool_calls", 0))
+        info.tool_errors += int(counts.get("tool_errors", 0))
+        info.parse_errors += int(counts.get("parse_errors", 0))
+        info.timeouts += int(counts.get("timeouts", 0))
+        info.tool_reward += float(counts.get("tool_reward", 0.0))
+        info.tool_latencies_s += list(counts.get("latencies", []))
+
+    def _finish(self, t: _Trajectory, reason: str) -> None:
+        t.finished = True
+        t.info.terminate_reason = reason
+        t.truncated = reason in ("length", "deadline", "tool_overflow", "max_turns")
+
+    def _generation(self, t: _Trajectory) -> Generation:
+        # A trajectory cut by its budget, its turn limits or the deadline did not end by the model's own
+        # choice: "length", as a single-turn response cut at max_tokens (overlong filters treat it so).
+        return Generation(
+            prompt_index=t.prompt,
+            token_ids=list(t.ids),
+            logprobs=list(t.logprobs),
+            finish_reason="length" if t.truncated else "stop",
+            loss_mask=list(t.mask),
+            trajectory=t.info,
+        )
+
+
+def turn_seed(base: int, dp_index: int, prompt: int, sample: int, turn: int) -> int:
+    """A well-mixed 31-bit seed per (call seed, engine, prompt, sample, turn)."""
+    state = np.random.SeedSequence((base & 0xFFFFFFFF, dp_index, prompt, sample, turn)).generate_state(1)[0]
+    return int(state) & 0x3FFFFFFF
+
+
+def multi_turn_metrics(gens: Sequence[Generation], stats: LoopStats) -> dict[str, float]:
+    """This rank's multi-turn sums and maxima (prefixed ``multi_turn/``); reduce over ranks with
+    :func:`reduce_multi_turn_metrics`."""
+    infos = [g.trajectory for g in gens if g.trajectory is not None]
+    out: dict[str, float] = {
+        "n": float(len(infos)),
+        "num_turns": float(sum(i.num_turns for i in infos)),
+        "tool_calls": float(sum(i.tool_calls for i in infos)),
+        "tool_parse_errors": float(sum(i.parse_errors for i in infos)),
+        "tool_timeouts": float(sum(i.timeouts for i in infos)),
+        "tool_errors": float(sum(i.tool_errors for i in infos)),
+        "observation_tokens": float(sum(i.observation_tokens for i in infos)),
+        "wall_s": stats.wall_s,
+        "engine_idle_s": stats.engine_idle_s,
+    }
+    for r in TERMINATE_REASONS:
+        out[f"terminate_reason/{r}"] = float(sum(i.terminate_reason == r for i in infos))
+    return out
+
+
+def tool_latency_p99(gens: Sequence[Generation]) -> float:
+    lat = [x for g in gens if g.trajectory is not None for x in g.trajectory.tool_latencies_s]
+    return float(np.percentile(lat, 99)) if lat else 0.0

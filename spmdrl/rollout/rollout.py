@@ -1,0 +1,143 @@
+"""What a recipe calls to sample responses: the engine's single-turn ``generate``, or, with
+``rollout.multi_turn.enable``, the tool-calling agent loop (:mod:`spmdrl.rollout.agent_loop`).
+
+Both return :class:`~spmdrl.rollout.engine.Generation` lists in the same layout, so the rest of a step
+(rewards, advantages, the update) does not care which ran; a multi-turn generation carries its loss mask
+(0 on tool output) and what happened in it (:class:`~spmdrl.rollout.engine.TrajectoryInfo`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from spmdrl.config import Config, ConfigError
+from spmdrl.data.prompts import PromptExample
+from spmdrl.distributed.reduce import all_reduce_max, all_reduce_min, all_reduce_sum
+from spmdrl.rollout.agent_loop import (
+    TERMINATE_REASONS,
+    AgentLoop,
+    LoopStats,
+    multi_turn_metrics,
+    tool_latency_p99,
+)
+from spmdrl.rollout.engine import Generation, RolloutEngine, SamplingSpec
+
+log = logging.getLogger(__name__)
+
+
+def load_multi_turn_tools(cfg: Config) -> dict[str, Any]:
+    """The tools ``rollout.multi_turn`` names (built-ins, functions, a verl YAML), loaded once at start
+    so a bad name or file fails before any model is built."""
+    from spmdrl.tools import load_tools
+
+    mt = cfg.rollout.multi_turn
+    specs: list[Any] = list(mt.tools)
+    if mt.tool_config_path:
+        specs.append(mt.tool_config_path)
+    tools = load_tools(specs)
+    if not tools:
+        raise ConfigError("rollout.multi_turn.enable=true but rollout.multi_turn names no tools")
+    return tools
+
+
+class Rollout:
+    """Samples a step's responses on this rank (every rank calls :meth:`generate` together)."""
+
+    def __init__(self, engine: RolloutEngine, agent: AgentLoop | None = None) -> None:
+        self.engine = engine
+        self.agent = agent
+        self._gens: list[Generation] = []
+        self._stats: list[LoopStats] = []
+
+    @property
+    def multi_turn(self) -> bool:
+        return self.agent is not None
+
+    def generate(self, prompts: Sequence[PromptExample], spec: SamplingSpec) -> list[Generation]:
+        ids = [p.prompt_ids for p in prompts]
+        if self.agent is None:
+            return self.engine.generate(ids, spec)
+        kwargs = [_tools_kwargs(p) for p in prompts]
+        gens, stats = self.agent.run(self.engine, ids, spec, kwargs)
+        self._gens += gens
+        self._stats.append(stats)
+        return gens
+
+    def take_metrics(self, device: torch.device) -> dict[str, float]:
+        """``multi_turn/*`` over every rank's trajectories since the last call (a collective: every rank
+        calls it; empty for single-turn rollouts)."""
+        if self.agent is None:
+            return {}
+        gens, stats = self._gens, self._stats
+        self._gens, self._stats = [], []
+        wall = LoopStats(
+            wall_s=sum(s.wall_s for s in stats),
+            engine_idle_s=sum(s.engine_idle_s for s in stats),
+            engine_steps=sum(s.engine_steps for s in stats),
+        )
+        sums = all_reduce_sum(multi_turn_metrics(gens, wall), device)
+        hi = all_reduce_max({"wall_s": wall.wall_s, "p99": tool_latency_p99(gens)}, device)
+        lo = all_reduce_min({"wall_s": wall.wall_s}, device)
+        n = max(sums["n"], 1.0)
+        calls = max(sums["tool_calls"], 1.0)
+        out = {
+            "multi_turn/num_turns": sums["num_turns"] / n,
+            "multi_turn/tool_calls": sums["tool_calls"] / n,
+            "multi_turn/tool_parse_error_rate": sums["tool_parse_errors"] / calls,
+            "multi_turn/tool_timeout_rate": sums["tool_timeouts"] / calls,
+            "multi_turn/tool_error_rate": sums["tool_errors"] / calls,
+            "multi_turn/tool_latency_p99_s": hi["p99"],
+            "multi_turn/observation_tokens": sums["observation_tokens"] / n,
+            "multi_turn/engine_idle_frac": sums["engine_idle_s"] / max(sums["wall_s"], 1e-9),
+            "multi_turn/rank_finish_skew_s": hi["wall_s"] - lo["wall_s"],
+            "multi_turn/rollout_s": hi["wall_s"],
+        }
+        for r in TERMINATE_REASONS:
+            out[f"multi_turn/terminate_reason/{r}"] = sums[f"terminate_reason/{r}"] / n
+        return out
+
+
+def _tools_kwargs(p: PromptExample) -> dict[str, Any] | None:
+    """verl's ``extra_info.tools_kwargs`` (``{tool: {"create_kwargs": {...}}}``), if the row has one."""
+    kwargs = p.extra_info.get("tools_kwargs") if isinstance(p.extra_info, dict) else None
+    return kwargs if isinstance(kwargs, dict) else None
+
+
+def build_rollout(
+    cfg: Config,
+    engine: RolloutEngine,
+    tokenizer: Any,
+    tools: dict[str, Any] | None,
+    *,
+    max_model_len: int,
+) -> Rollout:
+    """The recipe's :class:`Rollout`: single-turn, or the agent loop over ``tools``."""
+    mt = cfg.rollout.multi_turn
+    if not mt.enable:
+        return Rollout(engine)
+    from spmdrl.rollout.turns import TurnCodec
+    from spmdrl.tools import ToolExecutor, get_parser, tool_schemas
+
+    assert tools is not None
+    executor = ToolExecutor(tools, max_parallel_calls=mt.max_parallel_calls, tool_timeout_s=mt.tool_timeout_s)
+    agent = AgentLoop(
+        mt,
+        executor=executor,
+        codec=TurnCodec(tokenizer, tools=tool_schemas(tools)),
+        parser=get_parser(mt.format),
+        tokenizer=tokenizer,
+        max_response_tokens=cfg.data.max_response_length,
+        max_model_len=max_model_len,
+    )
+    log.info(
+        "multi-turn rollouts: tools %s, scheduler %s, up to %d assistant turns, deadline %s",
+        ", ".join(tools),
+        mt.scheduler,
+        mt.max_assistant_turns,
+        f"{mt.rollout_deadline_s:g} s" if mt.rollout_deadline_s > 0 else "none",
+    )
+    return Rollout(engine, agent)

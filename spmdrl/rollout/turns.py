@@ -1,0 +1,130 @@
+"""Turn boundaries as token ids: what goes between the model's sampled turns in a multi-turn rollout.
+
+A multi-turn trajectory is ``prompt ids + sampled ids + observation ids + sampled ids + ...``. The
+sampled ids are the engine's, never decoded and re-encoded (re-encoding can merge or split tokens
+differently, and the trainer would then score tokens the engine never sampled). Everything else, the
+tool results and the chat template's turn boundaries around them, is *observation*: tokens with loss
+mask 0, written here, in one place for every model family.
+
+How the observation ids are found: the tokenizer's own chat template renders a reference conversation
+twice, ``[user, assistant]`` and ``[user, assistant, *tool messages]`` with the generation prompt, and
+the observation is the text the second adds after the assistant's end-of-turn token:
+
+- ChatML (Qwen2.5, Qwen3; the built-in tiny model): the assistant's turn ends with ``<|im_end|>``
+  (sampled, mask 1); the observation is ``"\\n<|im_start|>user\\n<tool_response>\\n...``
+  ``</tool_response><|im_end|>\\n<|im_start|>assistant\\n"`` (Qwen's templates put tool results in a
+  user turn; consecutive tool messages share it).
+- Llama 3.1: the turn ends with ``<|eot_id|>`` (or ``<|eom_id|>`` after a tool call); the observation
+  is ``"<|start_header_id|>ipython<|end_header_id|>\\n\\n...<|eot_id|><|start_header_id|>assistant"``
+  ``"<|end_header_id|>\\n\\n"``.
+
+The end-of-turn tokens a family uses are listed in :data:`END_OF_TURN_TOKENS`; the text around them
+comes from the template, so a model with its own template needs no code here. A template whose earlier
+turns render differently once later turns exist (the check in :meth:`TurnCodec.observation_ids`) is
+refused with an error, since the trajectory the trainer sees would not be the one the engine saw.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+# Tokens that end an assistant turn, by family: the engine stops on them (they are the tokenizer's
+# eos or listed in generation_config.eos_token_id) and the observation starts right after them.
+END_OF_TURN_TOKENS = (
+    "<|im_end|>",  # ChatML: Qwen2.5, Qwen3
+    "<|eot_id|>",  # Llama 3.x
+    "<|eom_id|>",  # Llama 3.1, after a built-in tool call
+    "<|end|>",  # Phi-3
+    "<end_of_turn>",  # Gemma
+)
+
+# The reference conversation rendered to find the boundaries; its text never reaches a trajectory.
+_PROBE_USER = "Q"
+_PROBE_ASSISTANT = "A"
+
+
+class TemplateError(ValueError):
+    """The tokenizer's chat template cannot be used for token-exact multi-turn rollouts."""
+
+
+class TurnCodec:
+    """Observation ids for one tokenizer (and its chat template), and which ids end a turn."""
+
+    def __init__(self, tokenizer: Any, *, tools: Sequence[Mapping[str, Any]] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.tools = list(tools) if tools else None
+        vocab = tokenizer.get_vocab()
+        self.end_ids: set[int] = {vocab[t] for t in END_OF_TURN_TOKENS if t in vocab}
+        if tokenizer.eos_token_id is not None:
+            self.end_ids.add(int(tokenizer.eos_token_id))
+        self._end_texts = [t for t in END_OF_TURN_TOKENS if t in vocab]
+        if tokenizer.eos_token and tokenizer.eos_token not in self._end_texts:
+            self._end_texts.append(tokenizer.eos_token)
+        if not self._end_texts:
+            raise TemplateError(
+                "the tokenizer has no eos token and none of the known end-of-turn tokens "
+                f"({', '.join(END_OF_TURN_TOKENS)}): a multi-turn rollout cannot tell where a turn ends"
+            )
+        base = self._render(self._probe(), generation_prompt=False)
+        self._prefix = base[: self._cut(base)]
+        self._cache: dict[tuple[tuple[str, str], ...], list[int]] = {}
+
+    def _probe(self) -> list[dict[str, str]]:
+        return [
+            {"role": "user", "content": _PROBE_USER},
+            {"role": "assistant", "content": _PROBE_ASSISTANT},
+        ]
+
+    def _render(self, messages: list[dict[str, str]], *, generation_prompt: bool) -> str:
+        kwargs: dict[str, Any] = {"tools": self.tools} if self.tools else {}
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=generation_prompt, tokenize=False, **kwargs
+            )
+        except Exception as e:  # no template, or a template that rejects the probe
+            raise TemplateError(
+                f"the tokenizer's chat template could not render a tool turn ({type(e).__name__}: {e}); "
+                "multi-turn rollouts need a chat template that renders role 'tool' messages"
+            ) from e
+        return str(text)
+
+    def _cut(self, base: str) -> int:
+        """Where the probe's assistant turn ends in ``base``: just after its end-of-turn token."""
+        start = base.rfind(_PROBE_ASSISTANT)
+        ends = [(base.find(t, start), t) for t in self._end_texts]
+        ends = [(i, t) for i, t in ends if i >= 0]
+        if start < 0 or not ends:
+            raise TemplateError(
+                "the chat template does not end an assistant turn with an end-of-turn token "
+                f"({', '.join(self._end_texts)}); rendered: {base[-200:]!r}"
+            )
+        i, t = min(ends)
+        return i + len(t)
+
+    def observation_ids(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        """The ids between an assistant turn's end-of-turn token and the next assistant turn's first
+        sampled token, for these messages (``{"role": "tool", "content": ...}``, or a user turn)."""
+        key = tuple((str(m["role"]), str(m["content"])) for m in messages)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return list(hit)
+        full = self._render(self._probe() + [dict(m) for m in messages], generation_prompt=True)
+        prefix = self._prefix
+        if not full.startswith(prefix):
+            raise TemplateError(
+                "the chat template renders earlier turns differently once a tool turn follows, so a "
+                "trajectory's ids would not be a prefix of the next turn's prompt; rendered "
+                f"{prefix[-120:]!r} then {full[: len(prefix)][-120:]!r}"
+            )
+        ids = list(self.tokenizer.encode(full[len(prefix) :], add_special_tokens=False))
+        if len(self._cache) < 4096:  # tool outputs repeat (errors, small results); bounded anyway
+            self._cache[key] = ids
+        return list(ids)
+
+    def generation_prompt_ids(self) -> list[int]:
+        """The ids an assistant turn starts with (``<|im_start|>assistant\\n``), for checks and tests."""
+        probe = self._probe()[:1]
+        without = self._render(probe, generation_prompt=False)
+        with_prompt = self._render(probe, generation_prompt=True)
+        return list(self.tokenizer.encode(with_prompt[len(without) :], add_special_tokens=False))
