@@ -137,7 +137,8 @@ def _tp1_worker(rank: int, world: int, model_dir: str) -> dict:
     tok = AutoTokenizer.from_pretrained(model_dir)
     engine = build_engine(
         Path(model_dir),
-        RolloutConfig(tp=1, cpu_kvcache_gib=0.25, seed=3),
+        # float32 and vLLM's plain torch GEMM: the parity check does not depend on the host's kernels.
+        RolloutConfig(tp=1, cpu_kvcache_gib=0.25, seed=3, dtype="float32", cpu_gemm="torch"),
         max_model_len=MAX_LEN,
         device_type="cpu",
     )
@@ -149,6 +150,7 @@ def _tp1_worker(rank: int, world: int, model_dir: str) -> dict:
     agent = _agent(tok, _tools(rank), always=rank == 1, max_assistant_turns=8, max_user_turns=8)
     gens, _ = agent.run(rec, prompts, _spec())
     out["identity"] = (rec.adds, rec.outputs, _summary(gens), [list(p) for p in prompts])
+    out["parity"] = _logprob_parity(model_dir, prompts, gens)
 
     # One rank done in 1 turn, the other needing 8, random tool delays, one trajectory whose tool hangs
     # (tool_timeout_s=1): the rollout still ends, the timeout is counted and the model reads an error.
@@ -200,6 +202,20 @@ def _tp1_worker(rank: int, world: int, model_dir: str) -> dict:
     out["jitter"] = runs
     engine.close()
     return out
+
+
+def _logprob_parity(model_dir: str, prompts: list[list[int]], gens: list[Generation]) -> float:
+    """The largest |trainer - engine| logprob over mask-1 positions (float32 on both sides)."""
+    from transformers import AutoModelForCausalLM
+
+    from spmdrl.models.forward import policy_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    rows = pack_generations(prompts, gens, pad_id=0)
+    with torch.no_grad():
+        lp_BT, _ = policy_logprobs(model, rows.input_ids_BT, rows.attention_mask_BT, temperature=1.0)
+    mask = rows.response_mask_BT
+    return float((lp_BT - rows.engine_logprobs_BT).abs()[mask].max())
 
 
 def _tp2_worker(rank: int, world: int, model_dir: str) -> dict:
@@ -260,6 +276,9 @@ def test_multi_turn_on_two_engines(model_dir: str) -> None:
         assert all(lp == 0.0 for lp, m in zip(lps, mask, strict=True) if m == 0)
         assert all(lp <= 0.0 for lp in lps)
     assert any(0 in s[2] for s in summary)  # observations were appended
+
+    # Trainer and engine agree on the sampled tokens' logprobs (float32 both; kernels differ).
+    assert results[1]["parity"] < 1e-3
 
     # A rank done after 1 turn, the other after 8, a hanging tool: the rollout ended within its bounds.
     for rank, turns in ((0, {"stop"}), (1, {"max_turns", "length", "tool_overflow"})):
