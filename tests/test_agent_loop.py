@@ -487,3 +487,26 @@ def test_tool_instance_lives_for_the_trajectory() -> None:
     assert texts == ["1", "2", "3"] and events == ["create"]
     ex.close_session(session)
     assert events == ["create", "release"]
+
+
+def test_multi_turn_config_is_checked_at_start() -> None:
+    from spmdrl.config import ConfigError
+    from spmdrl.config_loader import load_config
+
+    cfg = load_config(
+        ["recipe=grpo_tiny", "rollout.multi_turn.enable=true", "rollout.multi_turn.tools=[calculator]"]
+    )
+    assert cfg.rollout.multi_turn.tools == ["calculator"]
+    with pytest.raises(ConfigError, match="needs tools"):
+        load_config(["recipe=grpo_tiny", "rollout.multi_turn.enable=true"])
+    with pytest.raises(ConfigError, match="collective_timeout_min"):
+        load_config(
+            [
+                "recipe=grpo_tiny",
+                "rollout.multi_turn.enable=true",
+                "rollout.multi_turn.tools=[calculator]",
+                "rollout.multi_turn.rollout_deadline_s=100000",
+            ]
+        )
+    with pytest.raises(ConfigError, match="scheduler"):
+        load_config(["recipe=grpo_tiny", "rollout.multi_turn.scheduler=barrier"])
