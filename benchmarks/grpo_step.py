@@ -3,13 +3,16 @@
     python benchmarks/grpo_step.py                                      # CPU: spmdrl on 2 ranks, TRL on 1
     python benchmarks/grpo_step.py --json grpo_step.json
     python benchmarks/grpo_step.py --model /path/to/hf/model --nproc 1  # one GPU, both sides
+    python benchmarks/grpo_step.py --shape qwen2.5-0.5b --nproc 1       # one GPU, a random 0.36B Qwen2
 
 The work of one step, the same on both sides: 16 prompts x 4 samples (the tiny arithmetic task's
 prompts, chat-templated), up to 128 new tokens at temperature 1, the rule reward, group-normalized
 advantages, one optimizer step (AdamW, lr 2e-4, clip 0.2/0.28, token-mean loss, no KL term, no
-activation checkpointing). The model is a random ~6M-parameter Qwen2 with the tiny tokenizer (made in a
-temporary folder; random weights rarely sample the end token, so nearly every response is 128 tokens on
-both sides), or ``--model``.
+activation checkpointing). The model is a random Qwen2 with the tiny tokenizer, made in a temporary folder:
+``--shape tiny`` (the default, ~6M parameters) or ``--shape qwen2.5-0.5b`` (Qwen2.5-0.5B's layers, 24 x
+896, with the tiny tokenizer's 512-token vocabulary: ~0.36B parameters, for GPUs); random weights rarely
+sample the end token, so most responses run to 128 tokens on both sides. Or ``--model``, any HF model
+directory. ``--save-model DIR`` only writes the random model (to reuse it with the other benchmarks).
 
 - spmdrl: the real recipe, ``torchrun --nproc_per_node=<nproc> -m spmdrl.train recipe=grpo_tiny`` with
   the overrides above; the step time and its phases are its own ``timing/*`` metrics (metrics.jsonl),
@@ -30,11 +33,13 @@ import argparse
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,6 +55,18 @@ MODEL_SHAPE = dict(
     num_key_value_heads=4,
     max_position_embeddings=512,
 )
+SHAPES = {
+    "tiny": MODEL_SHAPE,
+    # Qwen2.5-0.5B's decoder (head_dim 64, GQA 14/2); the vocabulary is the tiny tokenizer's.
+    "qwen2.5-0.5b": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    ),
+}
 LR = 2e-4
 CLIP_LOW, CLIP_HIGH = 0.2, 0.28
 # Phases timed inside another one: left out of the sum that gives "other".
@@ -61,7 +78,9 @@ TRL_PREPARE = "GRPOTrainer._prepare_inputs"
 
 def _args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="", help="an HF model directory; default: a random ~6M Qwen2")
+    p.add_argument("--model", default="", help="an HF model directory; default: a random Qwen2 of --shape")
+    p.add_argument("--shape", default="tiny", choices=sorted(SHAPES), help="the random model's shape")
+    p.add_argument("--save-model", default="", help="write the random model of --shape here and exit")
     p.add_argument("--nproc", type=int, default=0, help="spmdrl's ranks; default: 1 with CUDA, else 2")
     p.add_argument("--prompts", type=int, default=16, help="prompts per step (global)")
     p.add_argument("--n", type=int, default=4, help="samples per prompt")
@@ -70,6 +89,7 @@ def _args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--no-trl", action="store_true", help="measure spmdrl only")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds for the spmdrl job")
+    p.add_argument("--spmdrl-log", default="", help="also keep the spmdrl job's log in this file")
     p.add_argument("--json", default="", help="also write the figures to this JSON file")
     return p.parse_args()
 
@@ -81,8 +101,8 @@ def cuda_available() -> bool:
 
 
 # ---------------------------------------------------------------------------------------- the model
-def save_random_qwen2(out: Path) -> int:
-    """A random Qwen2 of MODEL_SHAPE with the tiny model's tokenizer, saved to ``out``; its parameter count."""
+def save_random_qwen2(out: Path, shape: str = "tiny") -> int:
+    """A random Qwen2 of ``SHAPES[shape]`` with the tiny model's tokenizer, saved to ``out``; its parameter count."""
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
@@ -92,7 +112,7 @@ def save_random_qwen2(out: Path) -> int:
     pad_id, eos_id = tok.convert_tokens_to_ids([PAD_TOKEN, EOS_TOKEN])
     cfg = Qwen2Config(
         vocab_size=len(tok),
-        **MODEL_SHAPE,
+        **SHAPES[shape],
         tie_word_embeddings=True,
         bos_token_id=pad_id,
         eos_token_id=eos_id,
@@ -167,6 +187,8 @@ def run_spmdrl(a: argparse.Namespace, model_dir: Path, work: Path) -> SideResult
     with open(log_path, "w") as log:
         proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=a.timeout, check=False)
     wall = time.perf_counter() - t0
+    if a.spmdrl_log:
+        shutil.copyfile(log_path, a.spmdrl_log)
     if proc.returncode != 0:
         tail = "\n".join(log_path.read_text().splitlines()[-40:])
         raise SystemExit(f"the spmdrl job failed (exit {proc.returncode}); its last lines:\n{tail}")
@@ -255,6 +277,20 @@ def trl_version() -> str | None:
     except ImportError:
         return None
     return str(trl.__version__)
+
+
+def trl_status(no_trl: bool) -> tuple[str | None, str]:
+    """TRL's version (None: not measured) and why: skipped, not installed, or failing at import."""
+    if no_trl:
+        return None, "TRL skipped (--no-trl)"
+    try:
+        version = trl_version()
+    except Exception as e:  # a TRL that does not import against this transformers / torch
+        traceback.print_exc()
+        return None, f"TRL failed to import ({type(e).__name__}: {e}): skipped"
+    if version is None:
+        return None, "TRL not installed (pip install trl): skipped"
+    return version, f"TRL {version} on 1 process"
 
 
 def run_trl(a: argparse.Namespace, model_dir: Path, work: Path, cuda: bool) -> SideResult:
@@ -379,11 +415,47 @@ def print_table(a: argparse.Namespace, ours: SideResult, trl: SideResult | None,
         print(f"TRL steps:    {', '.join(f'{s:.2f}' for s in trl.steps)} s")
 
 
+def save_json(
+    a: argparse.Namespace,
+    ours: SideResult,
+    trl: SideResult | None,
+    version: str | None,
+    note: str,
+    params: int | None,
+    cuda: bool,
+) -> None:
+    write_json(
+        a.json,
+        "grpo_step",
+        figures(ours, trl),
+        device="cuda" if cuda else "cpu",
+        spmdrl_ranks=a.nproc,
+        trl_version=version,
+        model=a.model or f"random-qwen2 ({a.shape})",
+        model_params=params,
+        prompts=a.prompts,
+        n=a.n,
+        max_tokens=a.max_tokens,
+        steps=a.steps,
+        warmup=a.warmup,
+        spmdrl_steps_s=ours.steps,
+        trl_steps_s=trl.steps if trl else None,
+        trl_note=note,
+    )
+
+
 def main() -> None:
     a = _args()
+    if a.save_model:
+        params = save_random_qwen2(Path(a.save_model), a.shape)
+        print(
+            f"random Qwen2 ({a.shape}) with the tiny tokenizer: {params / 1e6:.2f}M parameters -> {a.save_model}"
+        )
+        return
     cuda = cuda_available()
     a.nproc = a.nproc or (1 if cuda else 2)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    trl_failed = False
     with tempfile.TemporaryDirectory(prefix="spmdrl-grpo-step-") as tmp:
         work = Path(tmp)
         if a.model:
@@ -391,36 +463,34 @@ def main() -> None:
             params = None
         else:
             model_dir = work / "model"
-            params = save_random_qwen2(model_dir)
-            print(f"random Qwen2 with the tiny tokenizer: {params / 1e6:.2f}M parameters", flush=True)
+            params = save_random_qwen2(model_dir, a.shape)
+            print(
+                f"random Qwen2 ({a.shape}) with the tiny tokenizer: {params / 1e6:.2f}M parameters",
+                flush=True,
+            )
         ours = run_spmdrl(a, model_dir, work)
-        version = None if a.no_trl else trl_version()
+        print(
+            f"spmdrl: step {ours.step_s:.3f} s (median), job wall {ours.extra['job_wall_s']:.0f} s",
+            flush=True,
+        )
+        version, note = trl_status(a.no_trl)
+        if a.json:  # spmdrl's figures now, in case the TRL side never ends
+            save_json(a, ours, None, version, "TRL not measured (yet)", params, cuda)
+        trl = None
         if version is None:
-            note = "TRL skipped (--no-trl)" if a.no_trl else "TRL not installed (pip install trl): skipped"
             print(note)
-            trl = None
         else:
-            trl = run_trl(a, model_dir, work, cuda)
-            note = f"TRL {version} on 1 process"
+            try:
+                trl = run_trl(a, model_dir, work, cuda)
+            except Exception as e:  # spmdrl's figures are still reported
+                traceback.print_exc()
+                note = f"TRL {version} failed ({type(e).__name__}: {e}); spmdrl alone"
+                trl_failed = True
     print_table(a, ours, trl, note)
     if a.json:
-        write_json(
-            a.json,
-            "grpo_step",
-            figures(ours, trl),
-            device="cuda" if cuda else "cpu",
-            spmdrl_ranks=a.nproc,
-            trl_version=version,
-            model=a.model or "random-qwen2",
-            model_params=params,
-            prompts=a.prompts,
-            n=a.n,
-            max_tokens=a.max_tokens,
-            steps=a.steps,
-            warmup=a.warmup,
-            spmdrl_steps_s=ours.steps,
-            trl_steps_s=trl.steps if trl else None,
-        )
+        save_json(a, ours, trl, version, note, params, cuda)
+    if trl_failed:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

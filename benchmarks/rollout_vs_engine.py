@@ -215,7 +215,16 @@ def main() -> None:
         tp=a.tp, cpu_kvcache_gib=1.0, max_num_seqs=256, dtype=a.dtype, cpu_gemm=a.cpu_gemm, seed=0
     )
     engine = build_engine(model_dir, cfg, max_model_len=max_len, device_type=env.device.type)
-    results = [run_case(engine, c, prompts[: c.prompts], a.repeats) for c in cases]
+    results = []
+    for c in cases:
+        results.append(run_case(engine, c, prompts[: c.prompts], a.repeats))
+        if env.is_main:
+            r = results[-1]
+            print(
+                f"{c.name}: spmdrl {r.spmdrl_s * 1e3:.1f} ms, bare {r.bare_s * 1e3:.1f} ms, "
+                f"same tokens: {'yes' if r.identical else 'NO'}",
+                flush=True,
+            )
     if env.is_main:
         print_table(results, env.world_size, env.device.type, engine, a.repeats)
         if a.json:

