@@ -22,7 +22,8 @@
 # part reports spmdrl alone without them); hydra-core and omegaconf. Python wheels in .whl/ at the
 # repository's root, if any, are installed first into a private folder put on PYTHONPATH (for a
 # machine without network). spmdrl itself runs from this working tree; it need not be installed.
-# Environment: PYTHON (default python3), SUITE_SCALE (multiplies every time limit; default 1). A dry run
+# Environment: PYTHON (default python3), SUITE_SCALE (multiplies every time limit; default 1), SUITE_PARTS
+# (the parts to run, by name; default all three), SUITE_GRPO_STEPS (grpo_step's measured steps). A dry run
 # of the suite's plumbing on a CPU machine (small model, slow, same steps):
 #   SUITE_DEVICE=cpu SUITE_SHAPE=tiny SUITE_SCALE=5 bash benchmarks/gpu_suite.sh
 
@@ -35,6 +36,9 @@ OUT=${OUT:-$REPO/outputs/gpu_suite-$(date +%Y%m%d-%H%M%S)}
 SCALE=${SUITE_SCALE:-1}
 DEVICE=${SUITE_DEVICE:-cuda}
 SHAPE=${SUITE_SHAPE:-qwen2.5-0.5b}
+# Which parts run (SUITE_PARTS="grpo_step" for the step against TRL alone) and grpo_step's measured steps.
+WANT=" ${SUITE_PARTS:-grpo_step rollout_vs_engine weight_sync} "
+GRPO_STEPS=${SUITE_GRPO_STEPS:-5}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/spmdrl-gpu-suite.XXXXXX")
@@ -210,9 +214,10 @@ main() {
     setup
     local model_args=() sync_args=() grpo_secs
     # One random model of Qwen2.5-0.5B's shape (SUITE_SHAPE) for parts 2 and 3 (part 1 makes its own).
-    LOGS=$WORK run_part make_model "$(scaled $T_MODEL)" "$PY" "$REPO/benchmarks/grpo_step.py" \
+    [[ $WANT == *" rollout_vs_engine "* || $WANT == *" weight_sync "* ]] &&
+        LOGS=$WORK run_part make_model "$(scaled $T_MODEL)" "$PY" "$REPO/benchmarks/grpo_step.py" \
         --shape "$SHAPE" --save-model "$WORK/model"
-    tail -n 5 "$WORK/make_model.log"
+    [ -f "$WORK/make_model.log" ] && tail -n 5 "$WORK/make_model.log"
     if [ -f "$WORK/model/config.json" ]; then
         model_args=(--model "$WORK/model")
         sync_args=(--model-dir "$WORK/model")
@@ -221,8 +226,8 @@ main() {
     fi
 
     grpo_secs=$(scaled $T_GRPO)
-    run_part grpo_step "$grpo_secs" "$PY" "$REPO/benchmarks/grpo_step.py" --shape "$SHAPE" --nproc 1 \
-        --steps 5 --warmup 1 --timeout "$((grpo_secs * 4 / 5))" \
+    [[ $WANT == *" grpo_step "* ]] && run_part grpo_step "$grpo_secs" "$PY" "$REPO/benchmarks/grpo_step.py" --shape "$SHAPE" --nproc 1 \
+        --steps "$GRPO_STEPS" --warmup 1 --timeout "$((grpo_secs * 4 / 5))" \
         --spmdrl-log "$WORK/spmdrl_job.log" --json "$OUT/grpo_step.json"
     if [ -f "$WORK/spmdrl_job.log" ]; then
         {
@@ -232,12 +237,12 @@ main() {
         } >>"$OUT/grpo_step.log"
     fi
 
-    run_part rollout_vs_engine "$(scaled $T_ROLLOUT)" "$PY" -m torch.distributed.run --standalone \
+    [[ $WANT == *" rollout_vs_engine "* ]] && run_part rollout_vs_engine "$(scaled $T_ROLLOUT)" "$PY" -m torch.distributed.run --standalone \
         --nproc_per_node=1 "$REPO/benchmarks/rollout_vs_engine.py" ${model_args[@]+"${model_args[@]}"} \
         --cases 16x8x24,16x4x128 \
         --repeats 8 --json "$OUT/rollout_vs_engine.json"
 
-    run_part weight_sync "$(scaled $T_SYNC)" "$PY" -m torch.distributed.run --standalone \
+    [[ $WANT == *" weight_sync "* ]] && run_part weight_sync "$(scaled $T_SYNC)" "$PY" -m torch.distributed.run --standalone \
         --nproc_per_node=1 "$REPO/benchmarks/weight_sync.py" --device "$DEVICE" ${sync_args[@]+"${sync_args[@]}"} \
         --enforce-eager --repeats 5 --json "$OUT/weight_sync.json"
 

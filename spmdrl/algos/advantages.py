@@ -108,7 +108,9 @@ def _group_stats(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per sample: its group's (mean, unbiased std, size). A group of one gets mean 0 and std 1, as in
     verl, so that sample keeps its raw reward as advantage instead of an error or a 0/0."""
-    _, inverse_B, count_G = torch.unique(group_ids_B, return_inverse=True, return_counts=True)
+    _, inverse_B, count_G = torch.unique(
+        group_ids_B.to(scores_B.device), return_inverse=True, return_counts=True
+    )
     G = count_G.numel()
     count_G = count_G.to(scores_B.dtype)
     sum_G = torch.zeros(G, dtype=scores_B.dtype, device=scores_B.device).index_add_(0, inverse_B, scores_B)

@@ -88,6 +88,11 @@ def fingerprint(worker: Any, seed: int, tp_rank: int, dtype: torch.dtype) -> Fin
                 continue
             if p.dim() == 2:  # an embedding table (vocab-parallel when TP splits it)
                 times = 1 if _is_sliced(m) or tp_rank == 0 else 0
+                # A tied LM head that *is* the embedding module (vLLM 0.24's Qwen2: lm_head =
+                # model.embed_tokens; 0.32 keeps a ParallelLMHead sharing the weight, probed above) is one
+                # module to named_modules, but two layers compute from it, as the trainer counts it.
+                if m is getattr(model, "lm_head", None):
+                    times *= 2
                 fp.add_matrix(full, p, seed, times)
             elif p.dim() == 1:
                 sliced = _output_sliced(m) and hasattr(p, "output_dim")
