@@ -132,7 +132,7 @@ def load_prompts(
 ) -> PromptDataset:
     d = run.cfg.data
     return PromptDataset(
-        resolve_data_files(files, run.cache_dir, d.tiny),
+        resolve_data_files(files, run.cache_dir, d.tiny, d.tiny_tools),
         tokenizer,
         prompt_key=d.prompt_key,
         max_prompt_length=d.max_prompt_length,

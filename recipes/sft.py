@@ -41,7 +41,7 @@ log = logging.getLogger("spmdrl")
 def load_sft_dataset(run: Run, tokenizer: object, files: list[str]) -> SFTDataset:
     d = run.cfg.data
     return SFTDataset(
-        resolve_data_files(files, run.cache_dir, d.tiny),
+        resolve_data_files(files, run.cache_dir, d.tiny, d.tiny_tools),
         tokenizer,
         prompt_key=d.prompt_key,
         response_key=d.response_key,

@@ -80,12 +80,12 @@ class ToolsTaskConfig:
     num_test: int = 120
     # Digits of each operand (the count uniform in [min_digits, max_digits], then the value).
     min_digits: int = 3
-    max_digits: int = 5
+    max_digits: int = 4
     # SFT demonstrations call the calculator with probability tool_fraction on the first tool_phrasings
     # of the task's 6 phrasings and other_tool_fraction on the rest; the others answer with a wrong guess.
     tool_phrasings: int = 2
     tool_fraction: float = 0.9
-    other_tool_fraction: float = 0.15
+    other_tool_fraction: float = 0.2
     seed: int = 1234
 
 

@@ -5,6 +5,11 @@ then the response, then the tokenizer's eos token. The prompt and the response a
 concatenated, so the loss mask marks exactly the response tokens; tokenizing the joined string could
 merge tokens across the boundary. As for RL prompts (see spmdrl.data.prompts), every rank computes all
 lengths for the overlong filter and builds examples lazily.
+
+A multi-turn response (messages with ``tool`` turns, a tool-calling demonstration) becomes the ids a
+multi-turn rollout builds (spmdrl.rollout.agent_loop): each assistant message's content and the eos
+token (loss mask 1), and between them each run of other messages as the observation ids of
+:class:`spmdrl.rollout.turns.TurnCodec` (loss mask 0), the same codec the rollout uses.
 """
 
 from __future__ import annotations
@@ -28,11 +33,16 @@ from spmdrl.data.prompts import (
     render_prompt,
     token_lengths,
 )
+from spmdrl.rollout.turns import TemplateError, TurnCodec
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 _CACHE_ITEMS = 16384
+
+# One piece of a response: an assistant message's content (trained on, followed by eos), or a run of
+# other messages between two assistant messages (tool results: observation tokens, not trained on).
+Part = str | list[dict[str, str]]
 
 
 @dataclass(frozen=True)
@@ -65,7 +75,10 @@ class SFTDataset:
 
     The prompt column holds chat messages or a plain string (one user message). The response column
     holds a string, or messages whose last is the assistant's answer; earlier ones extend the prompt.
-    The response limit counts the response tokens and the eos token.
+    Messages with a ``tool`` turn among them are a multi-turn demonstration instead: every assistant
+    message is trained on, the tool (and any other) messages between them are observation tokens
+    (loss mask 0), and the first and last message must be the assistant's. The response limit counts
+    the response tokens (observations included) and the eos tokens.
     """
 
     def __init__(
@@ -86,6 +99,7 @@ class SFTDataset:
         self.prompt_key = prompt_key
         self.response_key = response_key
         self.eos_id = int(tokenizer.eos_token_id)
+        self._codec: TurnCodec | None = None  # built on the first multi-turn row
         self.source = read_source(
             paths,
             [prompt_key, response_key],
@@ -95,7 +109,7 @@ class SFTDataset:
         for start, rows in iter_row_chunks(self.source):
             pairs = [self._parse(start + j, row) for j, row in enumerate(rows)]
             prompt_lens = token_lengths(tokenizer, [p for p, _ in pairs])
-            response_lens = token_lengths(tokenizer, [r for _, r in pairs])
+            response_lens = self._response_lengths([r for _, r in pairs])
             for j, (n_prompt, n_response) in enumerate(zip(prompt_lens, response_lens, strict=True)):
                 where = self.source.where(start + j)
                 ok = fits(
@@ -107,7 +121,7 @@ class SFTDataset:
                     overlong=overlong,
                 )
                 ok = ok and fits(
-                    n_response + 1,
+                    n_response,
                     max_response_length,
                     what="response (with eos)",
                     key="data.max_response_length",
@@ -122,23 +136,59 @@ class SFTDataset:
         self.num_filtered = self.source.table.num_rows - len(kept)
         self._build_cached = functools.lru_cache(maxsize=_CACHE_ITEMS)(self._build)
 
-    def _parse(self, row: int, cells: dict[str, Any]) -> tuple[str, str]:
-        """(templated prompt text, response text) of one row."""
+    def _parse(self, row: int, cells: dict[str, Any]) -> tuple[str, list[Part]]:
+        """(templated prompt text, response parts) of one row; see :data:`Part`."""
         where = self.source.where(row)
         messages = to_messages(
             cells[self.prompt_key], where=where, column=self.prompt_key, key="data.prompt_key"
         )
         response = cells[self.response_key]
-        if not isinstance(response, str):
-            turns = to_messages(response, where=where, column=self.response_key, key="data.response_key")
-            if turns[-1]["role"] != "assistant":
-                raise DataError(
-                    f"{where}: the last message in column {self.response_key!r} has role "
-                    f"{turns[-1]['role']!r}; it must be the assistant's answer"
-                )
+        if isinstance(response, str):
+            return render_prompt(self.tokenizer, messages, where=where), [response]
+        turns = to_messages(response, where=where, column=self.response_key, key="data.response_key")
+        if turns[-1]["role"] != "assistant":
+            raise DataError(
+                f"{where}: the last message in column {self.response_key!r} has role "
+                f"{turns[-1]['role']!r}; it must be the assistant's answer"
+            )
+        if not any(m["role"] == "tool" for m in turns):
+            # Earlier messages extend the prompt; only the last is trained on.
             messages = messages + turns[:-1]
-            response = turns[-1]["content"]
-        return render_prompt(self.tokenizer, messages, where=where), response
+            return render_prompt(self.tokenizer, messages, where=where), [turns[-1]["content"]]
+        if turns[0]["role"] != "assistant":
+            raise DataError(
+                f"{where}: column {self.response_key!r} holds a multi-turn response (it has tool messages) "
+                f"whose first message has role {turns[0]['role']!r}; it must be the assistant's first turn"
+            )
+        parts: list[Part] = []
+        for m in turns:
+            if m["role"] == "assistant":
+                parts.append(m["content"])
+            elif isinstance(parts[-1], str):
+                parts.append([m])
+            else:
+                parts[-1].append(m)
+        return render_prompt(self.tokenizer, messages, where=where), parts
+
+    def _observation_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        try:
+            if self._codec is None:
+                self._codec = TurnCodec(self.tokenizer)
+            return self._codec.observation_ids(messages)
+        except TemplateError as e:
+            raise DataError(f"multi-turn SFT responses need a chat template for tool turns: {e}") from e
+
+    def _response_lengths(self, responses: list[list[Part]]) -> list[int]:
+        """Tokens of each response as :meth:`_build` lays it out (eos tokens and observations included)."""
+        texts = [p for parts in responses for p in parts if isinstance(p, str)]
+        text_lens = iter(token_lengths(self.tokenizer, texts))
+        out = []
+        for parts in responses:
+            n = 0
+            for p in parts:
+                n += next(text_lens) + 1 if isinstance(p, str) else len(self._observation_ids(p))
+            out.append(n)
+        return out
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -150,13 +200,18 @@ class SFTDataset:
 
     def _build(self, i: int) -> SFTExample:
         row = int(self._rows[i])
-        prompt, response = self._parse(row, self.source.table.slice(row, 1).to_pylist()[0])
-        prompt_ids = encode(self.tokenizer, prompt)
-        response_ids = encode(self.tokenizer, response) + [self.eos_id]
-        return SFTExample(
-            input_ids=prompt_ids + response_ids,
-            loss_mask=[0] * len(prompt_ids) + [1] * len(response_ids),
-        )
+        prompt, parts = self._parse(row, self.source.table.slice(row, 1).to_pylist()[0])
+        input_ids = encode(self.tokenizer, prompt)
+        loss_mask = [0] * len(input_ids)
+        for p in parts:
+            if isinstance(p, str):
+                ids = encode(self.tokenizer, p) + [self.eos_id]
+                loss_mask += [1] * len(ids)
+            else:
+                ids = self._observation_ids(p)
+                loss_mask += [0] * len(ids)
+            input_ids += ids
+        return SFTExample(input_ids=input_ids, loss_mask=loss_mask)
 
 
 def collate_sft(examples: list[SFTExample], pad_id: int, pad_to_multiple_of: int = 1) -> SFTBatch:

@@ -30,7 +30,8 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from spmdrl.config import TinyTaskConfig
+from spmdrl.config import TinyTaskConfig, ToolsTaskConfig
+from spmdrl.data import tools_task
 from spmdrl.data.parquet import write_parquet_atomic
 
 DATA_SOURCE = "spmdrl/tiny_arith"
@@ -241,11 +242,17 @@ def write_splits(out_dir: Path, cfg: TinyTaskConfig) -> dict[str, Path]:
     return write_split_files(split_dir, cfg)
 
 
-def resolve_data_files(files: list[str], cache_dir: Path, cfg: TinyTaskConfig) -> list[Path]:
-    """Maps ``"tiny:train"`` / ``"tiny:test"`` to generated files under ``cache_dir``; other paths pass through."""
+def resolve_data_files(
+    files: list[str], cache_dir: Path, cfg: TinyTaskConfig, tools_cfg: ToolsTaskConfig | None = None
+) -> list[Path]:
+    """Maps ``"tiny:train"`` / ``"tiny:test"`` (and the tool task's ``"tiny_tools:train"`` /
+    ``"tiny_tools:test"``, generated with ``tools_cfg``, default ``ToolsTaskConfig()``) to generated
+    files under ``cache_dir``; other paths pass through."""
     out: list[Path] = []
     for f in files:
-        if f.startswith("tiny:"):
+        if f.startswith(tools_task.PREFIX):
+            out.append(tools_task.resolve(f, cache_dir, tools_cfg or ToolsTaskConfig()))
+        elif f.startswith("tiny:"):
             split = f.removeprefix("tiny:")
             if split not in SPLITS:
                 raise ValueError(

@@ -9,7 +9,8 @@ It returns a float, or a dict with a float ``"score"`` key plus extra numeric ke
 (say ``{"score": 1.0, "format_ok": 1.0}``). :func:`load_reward_fn` turns the ``reward.fn`` config
 string into such a function:
 
-- ``"gsm8k"``, ``"tiny"``: the built-in rules (:mod:`spmdrl.rewards.gsm8k`, :mod:`spmdrl.rewards.tiny`);
+- ``"gsm8k"``, ``"tiny"``, ``"tiny_tools"``: the built-in rules (:mod:`spmdrl.rewards.gsm8k`,
+  :mod:`spmdrl.rewards.tiny`, :mod:`spmdrl.rewards.tiny_tools`);
 - ``"auto"``: the built-in rule for each sample's ``data_source`` (see :data:`DATA_SOURCE_FNS`);
 - ``"my_pkg.my_mod:score"``: a function in an importable module;
 - ``"path/to/file.py:score"``: a function in a Python file (relative paths: from the working directory).
@@ -25,7 +26,7 @@ from typing import Any
 
 from spmdrl.config import ConfigError
 from spmdrl.imports import import_file, import_module_named
-from spmdrl.rewards import gsm8k, tiny
+from spmdrl.rewards import gsm8k, tiny, tiny_tools
 
 
 class UnknownDataSourceError(ConfigError):
@@ -74,10 +75,17 @@ def tiny_score(response: str, ground_truth: str, *, data_source: str, extra_info
     return tiny.compute_score(response, ground_truth)
 
 
+def tiny_tools_score(
+    response: str, ground_truth: str, *, data_source: str, extra_info: dict[str, Any]
+) -> float:
+    return tiny_tools.compute_score(response, ground_truth)
+
+
 # data_source column value -> the built-in rule that ``reward.fn=auto`` uses for it.
 DATA_SOURCE_FNS: dict[str, Callable[..., float]] = {
     "openai/gsm8k": gsm8k_score,
     tiny.DATA_SOURCE: tiny_score,
+    tiny_tools.DATA_SOURCE: tiny_tools_score,
 }
 
 
@@ -92,7 +100,12 @@ def auto_score(response: str, ground_truth: str, *, data_source: str, extra_info
     return fn(response, ground_truth, data_source=data_source, extra_info=extra_info)
 
 
-BUILTINS: dict[str, Callable[..., float]] = {"gsm8k": gsm8k_score, "tiny": tiny_score, "auto": auto_score}
+BUILTINS: dict[str, Callable[..., float]] = {
+    "gsm8k": gsm8k_score,
+    "tiny": tiny_score,
+    "tiny_tools": tiny_tools_score,
+    "auto": auto_score,
+}
 
 
 def check_data_sources(spec: str, data_sources: set[str]) -> None:
