@@ -33,7 +33,9 @@ from spmdrl.distributed.reduce import all_reduce_sum
 from spmdrl.models.build import build_fsdp_model, model_spec
 from spmdrl.models.load import load_tokenizer, resolve_model_path_all_ranks
 from spmdrl.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
+from spmdrl.rollout.rollout import load_multi_turn_tools
 from spmdrl.runtime import Run, start_run
+from spmdrl.tools import tool_schemas
 
 log = logging.getLogger("spmdrl")
 
@@ -48,6 +50,7 @@ def load_sft_dataset(run: Run, tokenizer: object, files: list[str]) -> SFTDatase
         max_prompt_length=d.max_prompt_length,
         max_response_length=d.max_response_length,
         overlong=d.overlong,
+        tools=tool_schemas(load_multi_turn_tools(run.cfg)) if run.cfg.rollout.multi_turn.enable else None,
     )
 
 

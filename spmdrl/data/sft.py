@@ -91,8 +91,12 @@ class SFTDataset:
         max_prompt_length: int,
         max_response_length: int,
         overlong: str,
+        tools: list[dict[str, Any]] | None = None,
     ) -> None:
         check_overlong(overlong)
+        # The tool schemas RL prompts are rendered with (rollout.multi_turn), so a warm-start sees the
+        # same prompts (a real model's template describes the tools in its system turn).
+        self.tools = tools
         if tokenizer.eos_token_id is None:
             raise DataError("the tokenizer has no eos token; SFT appends one after each response")
         self.tokenizer = tokenizer
@@ -144,7 +148,7 @@ class SFTDataset:
         )
         response = cells[self.response_key]
         if isinstance(response, str):
-            return render_prompt(self.tokenizer, messages, where=where), [response]
+            return render_prompt(self.tokenizer, messages, where=where, tools=self.tools), [response]
         turns = to_messages(response, where=where, column=self.response_key, key="data.response_key")
         if turns[-1]["role"] != "assistant":
             raise DataError(
@@ -154,7 +158,7 @@ class SFTDataset:
         if not any(m["role"] == "tool" for m in turns):
             # Earlier messages extend the prompt; only the last is trained on.
             messages = messages + turns[:-1]
-            return render_prompt(self.tokenizer, messages, where=where), [turns[-1]["content"]]
+            return render_prompt(self.tokenizer, messages, where=where, tools=self.tools), [turns[-1]["content"]]
         if turns[0]["role"] != "assistant":
             raise DataError(
                 f"{where}: column {self.response_key!r} holds a multi-turn response (it has tool messages) "
@@ -168,12 +172,12 @@ class SFTDataset:
                 parts.append([m])
             else:
                 parts[-1].append(m)
-        return render_prompt(self.tokenizer, messages, where=where), parts
+        return render_prompt(self.tokenizer, messages, where=where, tools=self.tools), parts
 
     def _observation_ids(self, messages: list[dict[str, str]]) -> list[int]:
         try:
             if self._codec is None:
-                self._codec = TurnCodec(self.tokenizer)
+                self._codec = TurnCodec(self.tokenizer, tools=self.tools)
             return self._codec.observation_ids(messages)
         except TemplateError as e:
             raise DataError(f"multi-turn SFT responses need a chat template for tool turns: {e}") from e
