@@ -510,3 +510,16 @@ def test_multi_turn_config_is_checked_at_start() -> None:
         )
     with pytest.raises(ConfigError, match="scheduler"):
         load_config(["recipe=grpo_tiny", "rollout.multi_turn.scheduler=barrier"])
+
+
+def test_turn_end_is_the_templates_not_a_base_models_eos() -> None:
+    """A base tokenizer whose eos is <|endoftext|> still ends ChatML turns with <|im_end|>: the rollout
+    stops turns on it and multi-turn SFT ends each turn with it."""
+    from spmdrl.models.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    tok.eos_token = "<|endoftext|>"
+    codec = TurnCodec(tok)
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert codec.turn_end_id == im_end
+    assert {im_end, tok.eos_token_id} <= codec.end_ids

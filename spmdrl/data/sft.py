@@ -158,7 +158,9 @@ class SFTDataset:
         if not any(m["role"] == "tool" for m in turns):
             # Earlier messages extend the prompt; only the last is trained on.
             messages = messages + turns[:-1]
-            return render_prompt(self.tokenizer, messages, where=where, tools=self.tools), [turns[-1]["content"]]
+            return render_prompt(self.tokenizer, messages, where=where, tools=self.tools), [
+                turns[-1]["content"]
+            ]
         if turns[0]["role"] != "assistant":
             raise DataError(
                 f"{where}: column {self.response_key!r} holds a multi-turn response (it has tool messages) "
@@ -173,6 +175,11 @@ class SFTDataset:
             else:
                 parts[-1].append(m)
         return render_prompt(self.tokenizer, messages, where=where, tools=self.tools), parts
+
+    def _turn_end_id(self) -> int:
+        self._observation_ids([])  # builds the codec (or raises the template's error)
+        assert self._codec is not None
+        return self._codec.turn_end_id
 
     def _observation_ids(self, messages: list[dict[str, str]]) -> list[int]:
         try:
@@ -207,9 +214,13 @@ class SFTDataset:
         prompt, parts = self._parse(row, self.source.table.slice(row, 1).to_pylist()[0])
         input_ids = encode(self.tokenizer, prompt)
         loss_mask = [0] * len(input_ids)
+        # A multi-turn demonstration ends each turn with the template's end-of-turn token, which the
+        # rollout stops on (the eos for ChatML instruct tokenizers; not for a base model's eos).
+        multi_turn = any(not isinstance(p, str) for p in parts)
+        end_id = self._turn_end_id() if multi_turn else self.eos_id
         for p in parts:
             if isinstance(p, str):
-                ids = encode(self.tokenizer, p) + [self.eos_id]
+                ids = encode(self.tokenizer, p) + [end_id]
                 loss_mask += [1] * len(ids)
             else:
                 ids = self._observation_ids(p)

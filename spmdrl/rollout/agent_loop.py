@@ -282,7 +282,10 @@ class AgentLoop:
             self._finish(t, "length")
             return
         seed = turn_seed(base, dp_index, t.prompt, t.sample, t.info.num_turns)
-        params = replace(spec, n=1, max_tokens=budget, seed=seed)
+        # A turn ends at the template's end-of-turn tokens as well as the eos (a base model's eos is not
+        # its chat template's turn end).
+        stops = sorted(set(spec.stop_token_ids) | self.codec.end_ids)
+        params = replace(spec, n=1, max_tokens=budget, seed=seed, stop_token_ids=stops)
         stepper.add(t.request_id(), t.prompt_ids + t.ids, params)
 
     def _append_turn(self, t: _Trajectory, out: TurnOutput) -> None:

@@ -33,6 +33,8 @@ class SamplingSpec:
     top_k: int = -1
     max_tokens: int = 64
     stop: list[str] = field(default_factory=list)
+    # Token ids that end a sample besides the eos (multi-turn: the template's end-of-turn tokens).
+    stop_token_ids: list[int] = field(default_factory=list)
     # None: the engine derives per-request seeds from its own call counter (reproducible for one run).
     # Pass a value derived from the step (cfg.seed, step) to make sampling reproducible across resumes.
     seed: int | None = None

@@ -100,6 +100,9 @@ class TurnCodec:
                 f"({', '.join(self._end_texts)}); rendered: {base[-200:]!r}"
             )
         i, t = min(ends)
+        # The token this template ends an assistant turn with: the rollout stops a turn on it and a
+        # multi-turn SFT demonstration ends each turn with it (a base tokenizer's eos may differ).
+        self.turn_end_id = int(self.tokenizer.convert_tokens_to_ids(t))
         return i + len(t)
 
     def observation_ids(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
