@@ -25,11 +25,11 @@ import os
 import random
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 from bench_report import Figure, fmt_ratio, write_json
+from rollout_vs_engine import model_dir_for
 
 from spmdrl.config import MultiTurnConfig, RolloutConfig
 from spmdrl.distributed.env import init_distributed
@@ -60,12 +60,7 @@ def main() -> None:
     a = _args()
     env = init_distributed()
     device = "cuda" if env.device.type == "cuda" else "cpu"
-    if a.model:
-        model_dir = Path(a.model)
-    else:
-        from spmdrl.models.tiny import default_cache_dir, ensure_tiny_model
-
-        model_dir = ensure_tiny_model(default_cache_dir())
+    model_dir = model_dir_for(a)
     from spmdrl.models.load import load_tokenizer
 
     tok = load_tokenizer(model_dir)

@@ -99,7 +99,7 @@ from spmdrl.rollout.engine import (
     check_engine_config,
 )
 from spmdrl.rollout.mismatch import logprob_mismatch
-from spmdrl.rollout.rollout import Rollout, build_rollout, load_multi_turn_tools
+from spmdrl.rollout.rollout import Rollout, build_agent_loop, load_multi_turn_tools
 from spmdrl.rollout.weight_sync import Fanout, SyncCheck, sync_weights
 from spmdrl.runtime import Run, restart_count, start_run
 from spmdrl.tools import tool_schemas
@@ -898,6 +898,8 @@ def main(cfg: Config) -> None:
     else:
         rl = rl_critic = derive_rl(cfg, derived)
     check_model_fits(base_dir, rl.max_model_len, cfg.rollout.tp, cfg.model.trust_remote_code)
+    # Multi-turn: the chat template must render tool turns, the parser must load (before the warm-start).
+    agent = build_agent_loop(cfg, tokenizer, tools, max_model_len=rl.max_model_len)
     reward_fn = load_reward_fn(cfg.reward.fn)
     check_data_sources(cfg.reward.fn, _data_sources(train_ds, val_ds))
 
@@ -950,7 +952,7 @@ def main(cfg: Config) -> None:
         else None
     )
     engine = build_engine(model_dir, cfg.rollout, max_model_len=rl.max_model_len, device_type=env.device.type)
-    rollout = build_rollout(cfg, engine, tokenizer, tools, max_model_len=rl.max_model_len)
+    rollout = Rollout(engine, agent)
     metrics_path, samples_path = run.output_dir / "metrics.jsonl", run.output_dir / "samples.jsonl"
     kl_ctrl = build_kl_controller(
         a.kl_ctrl.type, a.kl_ctrl.kl_coef, target_kl=a.kl_ctrl.target_kl, horizon=a.kl_ctrl.horizon

@@ -177,17 +177,23 @@ class SFTDataset:
         return render_prompt(self.tokenizer, messages, where=where, tools=self.tools), parts
 
     def _turn_end_id(self) -> int:
-        self._observation_ids([])  # builds the codec (or raises the template's error)
-        assert self._codec is not None
-        return self._codec.turn_end_id
+        return self._turn_codec().turn_end_id
 
     def _observation_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        codec = self._turn_codec()
         try:
-            if self._codec is None:
-                self._codec = TurnCodec(self.tokenizer, tools=self.tools)
-            return self._codec.observation_ids(messages)
+            return codec.observation_ids(messages)
         except TemplateError as e:
             raise DataError(f"multi-turn SFT responses need a chat template for tool turns: {e}") from e
+
+    def _turn_codec(self) -> TurnCodec:
+        """The codec, built on the first multi-turn row."""
+        if self._codec is None:
+            try:
+                self._codec = TurnCodec(self.tokenizer, tools=self.tools)
+            except TemplateError as e:
+                raise DataError(f"multi-turn SFT responses need a chat template for tool turns: {e}") from e
+        return self._codec
 
     def _response_lengths(self, responses: list[list[Part]]) -> list[int]:
         """Tokens of each response as :meth:`_build` lays it out (eos tokens and observations included)."""

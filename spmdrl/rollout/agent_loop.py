@@ -43,7 +43,15 @@ import numpy as np
 import torch.distributed as dist
 
 from spmdrl.config import MultiTurnConfig
-from spmdrl.rollout.engine import Generation, RolloutEngine, SamplingSpec, TrajectoryInfo, TurnOutput
+from spmdrl.rollout.engine import (
+    Generation,
+    RolloutEngine,
+    SamplingSpec,
+    TrajectoryInfo,
+    TurnOutput,
+    check_prompt_lengths,
+    request_seed,
+)
 from spmdrl.rollout.turns import TurnCodec
 from spmdrl.tools.executor import ToolCallOutcome, ToolExecutor, ToolSession, truncate_tokens
 from spmdrl.tools.parser import ParseResult
@@ -76,7 +84,6 @@ class _Trajectory:
     info: TrajectoryInfo = field(default_factory=TrajectoryInfo)
     user_turns: int = 0
     finished: bool = False
-    truncated: bool = False
     session: ToolSession | None = None
 
     def request_id(self) -> str:
@@ -126,20 +133,9 @@ class AgentLoop:
         kwargs = list(tools_kwargs) if tools_kwargs is not None else [None] * len(prompts)
         if len(kwargs) != len(prompts):
             raise ValueError(f"{len(kwargs)} tools_kwargs for {len(prompts)} prompts")
-        local = [(list(p), k) for p, k in zip(prompts, kwargs, strict=True)]
-        start = 0
-        items = local
-        if groups.group is not None:
-            parts: list[Any] = [None] * groups.tp
-            dist.all_gather_object(parts, local, group=groups.group)
-            start = sum(len(p) for p in parts[: groups.tp_rank])
-            items = [it for part in parts for it in part]
-        for i, (p, _) in enumerate(items):
-            if not p or len(p) >= self.max_model_len:
-                raise ValueError(
-                    f"a prompt in this engine's batch (index {i}) has {len(p)} tokens; the engine takes "
-                    f"1..{self.max_model_len - 1}: raise rollout.max_model_len or filter long prompts"
-                )
+        gathered = groups.gather_for_tp([(list(p), k) for p, k in zip(prompts, kwargs, strict=True)])
+        items = gathered.prompts
+        check_prompt_lengths([p for p, _ in items], self.max_model_len)
         n = spec.n
         trajs = [_Trajectory(i * n + s, i, s, p, k) for i, (p, k) in enumerate(items) for s in range(n)]
         leader = groups.tp_rank == 0
@@ -159,9 +155,8 @@ class AgentLoop:
                 if t.session is not None:
                     self.executor.close_session(t.session)
         stats.wall_s = time.monotonic() - t0
-        gens = [self._generation(t) for t in trajs]
-        mine = gens[start * n : (start + len(local)) * n]
-        return [replace(g, prompt_index=g.prompt_index - start) for g in mine], stats
+        mine = groups.scatter_from_tp([self._generation(t) for t in trajs], gathered, per_prompt=n)
+        return [replace(g, prompt_index=g.prompt_index - gathered.start) for g in mine], stats
 
     def _drive(
         self,
@@ -272,21 +267,22 @@ class AgentLoop:
     # ---- one trajectory ---------------------------------------------------------------------------------
 
     def _admit(self, stepper: Any, t: _Trajectory, spec: SamplingSpec, base: int, dp_index: int) -> None:
-        room = min(
-            self.max_response_tokens - len(t.ids),
-            self.max_model_len - len(t.prompt_ids) - len(t.ids),
-        )
+        room = self._room(t)
         # A turn may use what is left of the response budget; spec.max_tokens caps a single turn.
         budget = min(room, spec.max_tokens)
         if room < 1:
             self._finish(t, "length")
             return
-        seed = turn_seed(base, dp_index, t.prompt, t.sample, t.info.num_turns)
+        seed = request_seed(base, dp_index, t.prompt, t.sample, t.info.num_turns)
         # A turn ends at the template's end-of-turn tokens as well as the eos (a base model's eos is not
         # its chat template's turn end).
         stops = sorted(set(spec.stop_token_ids) | self.codec.end_ids)
         params = replace(spec, n=1, max_tokens=budget, seed=seed, stop_token_ids=stops)
         stepper.add(t.request_id(), t.prompt_ids + t.ids, params)
+
+    def _room(self, t: _Trajectory) -> int:
+        """Tokens ``t`` may still add: what is left of the response budget and of the context."""
+        return min(self.max_response_tokens - len(t.ids), self.max_model_len - len(t.prompt_ids) - len(t.ids))
 
     def _append_turn(self, t: _Trajectory, out: TurnOutput) -> None:
         t.ids += out.token_ids
@@ -324,11 +320,7 @@ class AgentLoop:
             return (t.index, None, "max_turns", counts)
         messages = [{"role": "tool", "content": self._cut(o.text)} for o in outcomes]
         obs = self.codec.observation_ids(messages)
-        room = min(
-            self.max_response_tokens - len(t.ids),
-            self.max_model_len - len(t.prompt_ids) - len(t.ids),
-        )
-        if len(obs) >= room:  # not even one sampled token would fit after it
+        if len(obs) >= self._room(t):  # not even one sampled token would fit after it
             return (t.index, None, "tool_overflow", counts)
         return (t.index, obs, "", counts)
 
@@ -352,7 +344,6 @@ class AgentLoop:
     def _finish(self, t: _Trajectory, reason: str) -> None:
         t.finished = True
         t.info.terminate_reason = reason
-        t.truncated = reason in ("length", "deadline", "tool_overflow", "max_turns")
 
     def _generation(self, t: _Trajectory) -> Generation:
         # A trajectory cut by its budget, its turn limits or the deadline did not end by the model's own
@@ -361,16 +352,10 @@ class AgentLoop:
             prompt_index=t.prompt,
             token_ids=list(t.ids),
             logprobs=list(t.logprobs),
-            finish_reason="length" if t.truncated else "stop",
+            finish_reason="stop" if t.info.terminate_reason == "stop" else "length",
             loss_mask=list(t.mask),
             trajectory=t.info,
         )
-
-
-def turn_seed(base: int, dp_index: int, prompt: int, sample: int, turn: int) -> int:
-    """A well-mixed 31-bit seed per (call seed, engine, prompt, sample, turn)."""
-    state = np.random.SeedSequence((base & 0xFFFFFFFF, dp_index, prompt, sample, turn)).generate_state(1)[0]
-    return int(state) & 0x3FFFFFFF
 
 
 def multi_turn_metrics(gens: Sequence[Generation], stats: LoopStats) -> dict[str, float]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from spmdrl.config import ConfigError, RolloutConfig
@@ -149,6 +150,26 @@ class EngineStepper(Protocol):
     def abort(self, request_ids: list[str]) -> None: ...
 
     def num_unfinished(self) -> int: ...
+
+
+def check_prompt_lengths(prompts: list[list[int]], max_model_len: int) -> None:
+    """Every prompt of an engine's batch must leave room for one sampled token. Called on a TP group's
+    gathered prompts, so every rank of the group raises together (not one rank while the others wait
+    in the engine)."""
+    for i, p in enumerate(prompts):
+        if not p or len(p) >= max_model_len:
+            raise ValueError(
+                f"a prompt in this engine's batch (index {i}) has {len(p)} tokens; the engine takes "
+                f"1..{max_model_len - 1} (max_model_len={max_model_len}): raise "
+                "rollout.max_model_len or filter long prompts (data.max_prompt_length)"
+            )
+
+
+def request_seed(base: int, *keys: int) -> int:
+    """A well-mixed 31-bit seed per (call seed, keys...): the engine, the prompt (and, multi-turn, the
+    sample and the turn). vLLM adds 0..n-1 for a request's n samples."""
+    state = np.random.SeedSequence((base & 0xFFFFFFFF, *keys)).generate_state(1)[0]
+    return int(state) & 0x3FFFFFFF
 
 
 @runtime_checkable

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 import torch.distributed as dist
 
@@ -24,10 +24,10 @@ T = TypeVar("T")
 
 
 @dataclass(frozen=True)
-class Gathered:
+class Gathered(Generic[T]):
     """The prompts of a whole TP group in rank order, and where this rank's part starts and ends."""
 
-    prompts: list[list[int]]
+    prompts: list[T]
     start: int
     stop: int
 
@@ -50,11 +50,12 @@ class TPGroups:
             # default backend is. Every rank creates every subgroup, as torch requires.
             self.group, _ = dist.new_subgroups_by_enumeration(groups, backend="gloo")
 
-    def gather_for_tp(self, local_prompts: list[list[int]]) -> Gathered:
-        """All prompts of this rank's TP group in rank order, and this rank's range within them."""
+    def gather_for_tp(self, local_prompts: list[T]) -> Gathered[T]:
+        """All prompts (token ids, or anything picklable per prompt) of this rank's TP group in rank
+        order, and this rank's range within them."""
         if self.group is None:
             return Gathered(prompts=list(local_prompts), start=0, stop=len(local_prompts))
-        parts: list[list[list[int]] | None] = [None] * self.tp
+        parts: list[list[T] | None] = [None] * self.tp
         dist.all_gather_object(parts, list(local_prompts), group=self.group)
         sizes = [len(p) for p in parts if p is not None]
         start = sum(sizes[: self.tp_rank])

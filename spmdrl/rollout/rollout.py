@@ -107,18 +107,15 @@ def _tools_kwargs(p: PromptExample) -> dict[str, Any] | None:
     return kwargs if isinstance(kwargs, dict) else None
 
 
-def build_rollout(
-    cfg: Config,
-    engine: RolloutEngine,
-    tokenizer: Any,
-    tools: dict[str, Any] | None,
-    *,
-    max_model_len: int,
-) -> Rollout:
-    """The recipe's :class:`Rollout`: single-turn, or the agent loop over ``tools``."""
+def build_agent_loop(
+    cfg: Config, tokenizer: Any, tools: dict[str, Any] | None, *, max_model_len: int
+) -> AgentLoop | None:
+    """The agent loop over ``tools`` (None for single-turn rollouts). Needs no engine: recipes build it
+    at start, so a chat template that cannot render tool turns or an unknown parser fails before any
+    model is trained or built; ``Rollout(engine, agent)`` joins them later."""
     mt = cfg.rollout.multi_turn
     if not mt.enable:
-        return Rollout(engine)
+        return None
     from spmdrl.rollout.turns import TurnCodec
     from spmdrl.tools import ToolExecutor, get_parser, tool_schemas
 
@@ -140,4 +137,4 @@ def build_rollout(
         mt.max_assistant_turns,
         f"{mt.rollout_deadline_s:g} s" if mt.rollout_deadline_s > 0 else "none",
     )
-    return Rollout(engine, agent)
+    return agent

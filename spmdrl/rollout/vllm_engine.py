@@ -45,7 +45,7 @@ import os
 import random
 import sys
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +55,7 @@ import torch.distributed as dist
 
 from spmdrl.config import ConfigError, RolloutConfig
 from spmdrl.rollout import cpu_gemm, vllm_worker
-from spmdrl.rollout.engine import Generation, SamplingSpec, TurnOutput
+from spmdrl.rollout.engine import Generation, SamplingSpec, TurnOutput, check_prompt_lengths, request_seed
 from spmdrl.rollout.fingerprint import Fingerprint
 from spmdrl.rollout.groups import TPGroups
 from spmdrl.rollout.vllm_version import require_supported_vllm
@@ -201,8 +201,33 @@ class _SettingsSwap:
 
 def _request_seed(base: int, dp_index: int, prompt_index: int) -> int:
     """A well-mixed 31-bit seed per (call seed, engine, prompt); vLLM adds 0..n-1 for the n samples."""
-    state = np.random.SeedSequence((base & 0xFFFFFFFF, dp_index, prompt_index)).generate_state(1)[0]
-    return int(state) & 0x3FFFFFFF
+    return request_seed(base, dp_index, prompt_index)
+
+
+def _sampling_params(spec: SamplingSpec, *, final_only: bool = False) -> Any:
+    """vLLM's SamplingParams for a spec whose ``seed`` is the request's own."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    kwargs: dict[str, Any] = {}
+    if final_only:  # the stepper reads only finished requests (LLM.generate sets the same itself)
+        kwargs["output_kind"] = RequestOutputKind.FINAL_ONLY
+    return SamplingParams(
+        n=spec.n,
+        temperature=spec.temperature,
+        top_p=spec.top_p,
+        top_k=spec.top_k,
+        max_tokens=spec.max_tokens,
+        stop=list(spec.stop) or None,
+        stop_token_ids=list(spec.stop_token_ids) or None,
+        seed=spec.seed,
+        logprobs=0 if spec.logprobs else None,
+        flat_logprobs=True,
+        # Recipes decode token ids themselves; vLLM's incremental detokenizer is per-token Python work
+        # (about 5-10% of CPU rollout time). Stop strings need it.
+        detokenize=bool(spec.stop),
+        **kwargs,
+    )
 
 
 class _ExpectedReloadWarnings(logging.Filter):
@@ -333,40 +358,17 @@ class VLLMEngine:
     def generate(self, prompts: list[list[int]], params: SamplingSpec) -> list[Generation]:
         # Before any collective: the state is the same on every rank, so a TP group raises together.
         self._require_weights("generate")
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         gathered = self.groups.gather_for_tp(prompts)
         self._calls += 1
-        # Checked on the gathered prompts, so every rank of a TP group raises together (not one rank
-        # raising while the others wait in the engine).
-        for i, p in enumerate(gathered.prompts):
-            if not p or len(p) >= self.max_model_len:
-                raise ValueError(
-                    f"a prompt in this engine's batch (index {i}) has {len(p)} tokens; the engine takes "
-                    f"1..{self.max_model_len - 1} (max_model_len={self.max_model_len}): raise "
-                    "rollout.max_model_len or filter long prompts (data.max_prompt_length)"
-                )
+        check_prompt_lengths(gathered.prompts, self.max_model_len)
         if not gathered.prompts:
             return []
         self._wake(("weights", "kv_cache"))
         base = params.seed if params.seed is not None else self.seed * 1_000_003 + self._calls
         sampling = [
-            SamplingParams(
-                n=params.n,
-                temperature=params.temperature,
-                top_p=params.top_p,
-                top_k=params.top_k,
-                max_tokens=params.max_tokens,
-                stop=list(params.stop) or None,
-                stop_token_ids=list(params.stop_token_ids) or None,
-                seed=_request_seed(base, self.groups.dp_index, i),
-                logprobs=0 if params.logprobs else None,
-                flat_logprobs=True,
-                # Recipes decode token ids themselves; vLLM's incremental detokenizer is per-token
-                # Python work (about 5-10% of CPU rollout time). Stop strings need it.
-                detokenize=bool(params.stop),
-            )
+            _sampling_params(replace(params, seed=_request_seed(base, self.groups.dp_index, i)))
             for i in range(len(gathered.prompts))
         ]
         with _isolated_rng(self.device_type), self._settings.engine_call():
@@ -567,29 +569,13 @@ class _Stepper:
         self.unfinished: set[str] = set()
 
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingSpec) -> None:
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
 
         if params.n != 1:
             raise ValueError(f"EngineStepper.add: one sample per request, got n={params.n}")
         if request_id in self.unfinished:
             raise ValueError(f"EngineStepper.add: request {request_id!r} is already running")
-        sampling = SamplingParams(
-            n=1,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k,
-            max_tokens=params.max_tokens,
-            stop=list(params.stop) or None,
-            stop_token_ids=list(params.stop_token_ids) or None,
-            seed=params.seed,
-            logprobs=0 if params.logprobs else None,
-            flat_logprobs=True,
-            detokenize=bool(params.stop),
-            # Only the finished request comes back (LLM.generate does the same), not every step's tokens.
-            output_kind=RequestOutputKind.FINAL_ONLY,
-        )
+        sampling = _sampling_params(params, final_only=True)
         self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt_ids), sampling)
         self.unfinished.add(request_id)
 
