@@ -89,7 +89,7 @@ from spmdrl.models import packing
 from spmdrl.models.build import build_fsdp_model, build_meta_model, model_spec
 from spmdrl.models.forward import policy_logprobs
 from spmdrl.models.load import load_tokenizer, resolve_model_path_all_ranks
-from spmdrl.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
+from spmdrl.optim import build_lr_scheduler, build_optimizer, clip_grad_norm, optimizer_state_on
 from spmdrl.rewards.registry import RewardInput, check_data_sources, load_reward_fn
 from spmdrl.rewards.sandbox import RewardResult, score_batch
 from spmdrl.rollout.engine import (
@@ -237,6 +237,8 @@ def build_models(
         ref = build_fsdp_model(
             model_spec(cfg.model, model_dir, device, train=False), meshes.fsdp("ref"), device
         )
+    elif cfg.model.offload_ref:
+        log.warning("model.offload_ref=true does nothing here: no KL term, so no reference model is built")
     return actor, ref
 
 
@@ -504,14 +506,23 @@ PHASES = (
 )
 
 
-def peak_memory_gb(device: torch.device) -> float:
-    """This rank's peak memory since it started, in GiB: the CUDA allocator's peak on a GPU, the
-    process's peak resident set on CPU (model, optimizer, engine and its KV cache together)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
+def host_peak_memory_gb() -> float:
+    """This process's peak resident set since it started, in GiB."""
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def peak_memory_gb(device: torch.device) -> dict[str, float]:
+    """This rank's peak memory since it started, in GiB: ``memory_gb`` is the CUDA allocator's peak on a
+    GPU, the process's peak resident set on CPU (model, optimizer, engine and its KV cache together); on a
+    GPU ``host_memory_gb`` is the resident set too (where offloaded state goes)."""
+    if device.type == "cuda":
+        return {
+            "memory_gb": torch.cuda.max_memory_allocated(device) / 2**30,
+            "host_memory_gb": host_peak_memory_gb(),
+        }
+    return {"memory_gb": host_peak_memory_gb()}
 
 
 def step_metrics(
@@ -544,8 +555,9 @@ def step_metrics(
     )
     # A step is as slow as its slowest rank; phases no rank ran are left out.
     seconds = {f"{p}_s": timer.seconds.get(f"{p}_s", 0.0) for p in PHASES}
-    peaks = all_reduce_max({**seconds, "memory_gb": peak_memory_gb(device)}, device)
+    peaks = all_reduce_max({**seconds, **peak_memory_gb(device)}, device)
     memory_gb = peaks.pop("memory_gb")
+    host_memory_gb = peaks.pop("host_memory_gb", None)
     slowest = {k: v for k, v in peaks.items() if v > 0}
     count = sums["n"]
     mean = sums["reward"] / count
@@ -563,6 +575,7 @@ def step_metrics(
         "perf/rollout_tokens_per_s": sums["tokens"] / max(slowest.get("rollout_s", 0.0), 1e-9),
         # The largest rank's peak so far: resident memory on CPU, the allocator's peak on GPU.
         "perf/max_memory_gb": memory_gb,
+        **({} if host_memory_gb is None else {"perf/max_host_memory_gb": host_memory_gb}),
         **{f"timing/{k}": v for k, v in slowest.items()},
     }
     if "critic_update_s" in slowest and "actor_update_s" in slowest:
@@ -919,12 +932,15 @@ def main(cfg: Config) -> None:
     # verl always recomputes them; here only when the update's first forward is not the old policy, or
     # when the rollout correction needs them before the update.
     recompute_old = a.ppo_epochs > 1 or rl.mini_batches_per_step > 1 or a.rollout_correction.enabled
+    # Offloaded parameters take their optimizer state with them; on a CPU trainer there is nowhere to move it.
+    offload_optim = cfg.model.offload_optimizer and not cfg.model.offload_params and env.device.type == "cuda"
     run.log_derived(
         derived,
         **rl.as_dict(),
         placement=placement.describe(),
         critic_per_rank_mini_batch_seqs=rl_critic.per_rank_mini_batch_seqs,
         recompute_old_logprobs=recompute_old,
+        offload_optimizer_between_updates=offload_optim,
         train_prompts=len(train_ds),
         train_filtered_overlong=train_ds.num_filtered,
         val_prompts=len(val_ds) if val_ds else 0,
@@ -1117,7 +1133,7 @@ def main(cfg: Config) -> None:
         with timer("update"):
             if critic is not None:
                 assert critic_batch is not None
-                with timer("critic_update"):
+                with timer("critic_update"), optimizer_state_on(critic.optimizer, env.device, offload_optim):
                     critic_metrics = update_critic(cfg, rl_critic, critic, critic_batch, critic_group)
             if batch is not None:
                 assert optimizer is not None and scheduler is not None
@@ -1134,7 +1150,8 @@ def main(cfg: Config) -> None:
                         )
                         update = UpdateResult({}, old_BT)
                     else:
-                        update = update_policy(cfg, rl, actor, optimizer, batch, actor_group)
+                        with optimizer_state_on(optimizer, env.device, offload_optim):
+                            update = update_policy(cfg, rl, actor, optimizer, batch, actor_group)
                         scheduler.step()  # once per RL step (optim.warmup_steps counts RL steps)
 
         # 6. Sync the new weights into every rank's engine; the check proves each engine now serves exactly

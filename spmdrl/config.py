@@ -49,6 +49,15 @@ class ModelConfig:
     param_dtype: str = choice("auto", ("auto", "float32", "bfloat16", "float16"))
     reduce_dtype: str = choice("float32", ("float32", "bfloat16"))
     activation_checkpointing: bool = False
+    # Host-memory offload (docs/performance.md#memory). offload_params: FSDP2's CPUOffloadPolicy for the
+    # trained models (actor, critic): their sharded parameters, gradients and optimizer state live in host
+    # memory, each layer's parameters are copied to the GPU for its forward and backward, and AdamW steps on
+    # the CPU. offload_optimizer: only the optimizer state, in host memory outside the update phase (implied
+    # by offload_params). offload_ref: the frozen reference model's parameters in host memory, streamed to
+    # the GPU layer by layer for its log-prob pass. On a CPU trainer the same code runs and moves nothing.
+    offload_params: bool = False
+    offload_optimizer: bool = False
+    offload_ref: bool = False
     trust_remote_code: bool = False
     # Where the tiny model and generated data are cached. "": $SPMDRL_CACHE or ~/.cache/spmdrl.
     cache_dir: str = ""

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -67,3 +69,31 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
     return float(norm)
+
+
+def move_optimizer_state(opt: torch.optim.Optimizer, device: torch.device) -> None:
+    """Move every per-parameter state tensor (AdamW's moments) to ``device``, in place.
+
+    The 0-dim ``step`` counters stay where the optimizer made them: AdamW's non-capturable step
+    expects them on the CPU.
+    """
+    non_blocking = device.type == "cuda"  # host -> GPU may overlap; GPU -> host must land before reuse
+    for state in opt.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                state[key] = value.to(device, non_blocking=non_blocking)
+
+
+@contextlib.contextmanager
+def optimizer_state_on(opt: torch.optim.Optimizer, device: torch.device, offload: bool) -> Iterator[None]:
+    """With ``offload``, the optimizer state is on ``device`` inside the block and in host memory outside
+    it (verl's optimizer_offload): the update phase has it, the rollout and the log-prob passes get its
+    memory. AdamW creates its state on the first step, so the first block starts with nothing to move."""
+    if not offload:
+        yield
+        return
+    move_optimizer_state(opt, device)
+    try:
+        yield
+    finally:
+        move_optimizer_state(opt, torch.device("cpu"))

@@ -45,12 +45,17 @@ class ModelSpec:
     # "lm": the causal LM (actor, reference). "value": the same backbone with a scalar value head per
     # token instead of the LM head (the critic), built from a causal-LM checkpoint or a critic's own.
     head: str = "lm"
+    # FSDP2 CPU offload: the sharded parameters live in host memory (spmdrl.models.parallelize.apply_fsdp).
+    offload: bool = False
 
 
 def model_spec(
     cfg: ModelConfig, path: Path, device: torch.device, *, train: bool, head: str = "lm"
 ) -> ModelSpec:
-    """The ModelSpec for ``cfg`` (dtypes resolved for ``device``); frozen models skip activation checkpointing."""
+    """The ModelSpec for ``cfg`` (dtypes resolved for ``device``); frozen models skip activation checkpointing.
+
+    A trained model is offloaded under ``offload_params``, a frozen one (the reference) under ``offload_ref``.
+    """
     return ModelSpec(
         path=path,
         param_dtype=resolve_dtype(cfg.param_dtype, device),
@@ -59,6 +64,7 @@ def model_spec(
         trust_remote_code=cfg.trust_remote_code,
         train=train,
         head=head,
+        offload=cfg.offload_params if train else cfg.offload_ref,
     )
 
 
@@ -119,12 +125,16 @@ def build_fsdp_model(spec: ModelSpec, mesh: DeviceMesh, device: torch.device) ->
     # 2. Parallelize: activation checkpointing inside, FSDP2 outside.
     if spec.activation_checkpointing:
         apply_ac(model)
-    apply_fsdp(model, mesh, param_dtype=spec.param_dtype, reduce_dtype=spec.reduce_dtype)
+    apply_fsdp(
+        model, mesh, param_dtype=spec.param_dtype, reduce_dtype=spec.reduce_dtype, offload=spec.offload
+    )
     # 3. Materialize: each rank allocates only its shards; buffers get their computed values back.
-    model.to_empty(device=device)
+    # (In host memory when offloaded: FSDP2 copies each unit's shards over for its compute. Buffers are
+    # not FSDP2's to manage: they go to the compute device either way, where the forward reads them.)
+    model.to_empty(device=torch.device("cpu") if spec.offload else device)
     with torch.no_grad():
         for mod, name, value in buffers:
-            getattr(mod, name).copy_(value)
+            mod._buffers[name] = value.to(device)
     # 4. Load weights: each rank reads the (memory-mapped) files and keeps its own slices.
     state = read_safetensors(spec.path)
     new_head: list[str] = []

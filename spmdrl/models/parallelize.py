@@ -11,7 +11,13 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 
 log = logging.getLogger(__name__)
 
@@ -43,18 +49,25 @@ def apply_fsdp(
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
     reshard_after_forward: bool = True,
+    offload: bool = False,
 ) -> None:
     """fully_shard each decoder layer, then the root (embeddings, final norm, lm_head; tied weights stay tied).
 
     Per-layer units let FSDP2 all-gather layer i+1 while layer i computes, and free each layer's
     full parameters after use. The root's last unit is not resharded after forward because
-    backward needs it at once.
+    backward needs it at once. ``offload``: the sharded parameters (and so their gradients and the
+    optimizer state built on them) stay in host memory; FSDP2 copies each unit's shard to the compute
+    device before its all-gather, and moves the reduced gradient shard back.
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # Pinned host memory makes the copies asynchronous; there is nothing to pin for on a CPU mesh.
+    policy = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload else OffloadPolicy()
     layers = decoder_layers(model)
     for layer in layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+        fully_shard(
+            layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, offload_policy=policy
+        )
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False, offload_policy=policy)
     # Sum gradients over ranks instead of averaging: every loss already divides by the global count of
     # its units (spmdrl/algos/aggregation.py), so no loss needs to know the world size (torchtitan's way).
     # A plain SUM collective, not PREMUL_SUM(1.0): gloo has no PREMUL_SUM, and on NCCL the two agree.
@@ -67,10 +80,11 @@ def apply_fsdp(
             if hasattr(module, "set_force_sum_reduction_for_comms"):
                 module.set_force_sum_reduction_for_comms(True)
     log.info(
-        "FSDP2 over mesh %s (%s): %d layer units + root, param %s, reduce %s, gradients summed over ranks",
+        "FSDP2 over mesh %s (%s): %d layer units + root, param %s, reduce %s, gradients summed over ranks%s",
         tuple(mesh.shape),
         ",".join(mesh.mesh_dim_names or ()),
         len(layers),
         param_dtype,
         reduce_dtype,
+        ", parameters offloaded to host memory" if offload else "",
     )

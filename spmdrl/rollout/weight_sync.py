@@ -161,7 +161,7 @@ def _buckets(
 
 
 def _gather_shard0(
-    bucket: list[tuple[str, torch.Tensor]], plan: _Gather, dtype: torch.dtype
+    bucket: list[tuple[str, torch.Tensor]], plan: _Gather, dtype: torch.dtype, device: torch.device | None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """One all_gather for the bucket; yields full tensors cut out of the gathered buffer."""
     world = plan.size
@@ -175,7 +175,7 @@ def _gather_shard0(
         row_numel = math.prod(t.shape[1:])
         layout.append((name, t, offset, padded_rows, row_numel))
         offset += padded_rows * row_numel
-    device = bucket[0][1].device
+    device = device or bucket[0][1].device
     send = torch.empty(offset, dtype=dtype, device=device)
     for _, t, off, _, _ in layout:
         local = t.to_local()
@@ -200,9 +200,13 @@ def iter_full_tensors(
     dtype: torch.dtype,
     bucket_mb: float = DEFAULT_BUCKET_MB,
     counter: SyncCounter | None = None,
+    device: torch.device | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full tensor in ``dtype``) for each input, gathered bucket by bucket. Every rank of the
-    shard groups must drain it (it runs collectives). Names are passed through unchanged."""
+    shard groups must drain it (it runs collectives). Names are passed through unchanged.
+
+    ``device``: where to gather (default: where the tensors are). Offloaded shards live in host memory;
+    gathering them on the GPU keeps the collective on NCCL and hands the engine GPU tensors."""
     if bucket_mb <= 0:
         raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
     named = [(n, t.detach()) for n, t in named_tensors]
@@ -210,11 +214,14 @@ def iter_full_tensors(
         if counter is not None:
             counter.num_buckets += 1
         if plan.kind == "shard0" and plan.size > 1:
-            items: Iterable[tuple[str, torch.Tensor]] = _gather_shard0(bucket, plan, dtype)
+            items: Iterable[tuple[str, torch.Tensor]] = _gather_shard0(bucket, plan, dtype, device)
         elif plan.kind == "fallback":
-            items = ((n, t.full_tensor().to(dtype)) for n, t in bucket)
+            items = ((n, t.full_tensor().to(device=device, dtype=dtype)) for n, t in bucket)
         else:
-            items = ((n, (t.to_local() if isinstance(t, DTensor) else t).to(dtype)) for n, t in bucket)
+            items = (
+                (n, (t.to_local() if isinstance(t, DTensor) else t).to(device=device, dtype=dtype))
+                for n, t in bucket
+            )
         for name, full in items:
             if counter is not None:
                 counter.bytes += full.numel() * full.element_size()
@@ -322,7 +329,11 @@ def sync_weights(
         weights: Iterator[tuple[str, torch.Tensor]] | None = None
         if fanout is None or not fanout.receiving:
             weights = iter_full_tensors(
-                trainer_weights(model), dtype=engine.dtype, bucket_mb=bucket_mb, counter=counter
+                trainer_weights(model),
+                dtype=engine.dtype,
+                bucket_mb=bucket_mb,
+                counter=counter,
+                device=device,
             )
         if fanout is not None and (fanout.receiving or dist.get_rank() == fanout.src):
             shapes = [(name, p.shape) for name, p in trainer_weights(model)]

@@ -1,0 +1,127 @@
+"""Host-memory offload (model.offload_params / offload_ref / offload_optimizer) changes where tensors live,
+never what the update computes.
+
+On these CPU machines host memory *is* the compute device, so the tests check the parts that do not
+depend on a GPU: FSDP2's CPU-offload path (the same code FSDP2 runs on a GPU, with host->host copies)
+gives the same update, log-probs and synced weights as the plain path, on 2 gloo ranks; the optimizer
+state moves in full and its step counters stay on the CPU. That the memory really leaves the GPU is
+measured by the GPU suite (benchmarks/gpu_suite.sh, grpo_step's offload variant).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from spmdrl.testing.models import save_small_qwen2
+from spmdrl.testing.spawn import run_distributed
+
+pytestmark = pytest.mark.slow
+
+
+def _update_worker(rank: int, world: int, model_dir: str) -> dict[str, object]:
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+
+    from spmdrl.algos.batch import PolicyBatch
+    from spmdrl.algos.micro_batches import micro_batch_rows
+    from spmdrl.config import (
+        AlgorithmConfig,
+        Config,
+        ModelConfig,
+        OptimConfig,
+        RolloutConfig,
+        TrainerConfig,
+        derive,
+        derive_rl,
+    )
+    from spmdrl.distributed.placement import Placement
+    from spmdrl.models.build import build_fsdp_model, model_spec
+    from spmdrl.optim import build_optimizer
+    from spmdrl.recipes.grpo import logprobs_of, update_policy
+    from spmdrl.rollout.weight_sync import iter_full_tensors, trainer_weights
+
+    def run(offload: bool) -> dict[str, object]:
+        cfg = Config(
+            model=ModelConfig(offload_params=offload, offload_ref=offload),
+            trainer=TrainerConfig(global_batch_size=4, micro_batch_size=2),
+            rollout=RolloutConfig(n=2),
+            # Two epochs of two mini-batches: old log-probs recomputed, several optimizer steps, KL to the ref.
+            algorithm=AlgorithmConfig(
+                ppo_mini_batch_size=2, ppo_epochs=2, use_kl_loss=True, kl_loss_coef=0.1
+            ),
+            optim=OptimConfig(lr=1e-3),
+        )
+        rl = derive_rl(cfg, derive(cfg, world, 100, samples_per_item=2))
+        device = torch.device("cpu")
+        meshes = Placement.colocated(world).build_meshes("cpu")
+        actor = build_fsdp_model(
+            model_spec(cfg.model, Path(model_dir), device, train=True), meshes.fsdp("actor"), device
+        )
+        ref = build_fsdp_model(
+            model_spec(cfg.model, Path(model_dir), device, train=False), meshes.fsdp("ref"), device
+        )
+        # FSDP2's private state is the only place that says which policy a unit runs under.
+        policies = {
+            type(m._get_fsdp_state()._fsdp_param_group.offload_policy)  # type: ignore[union-attr]
+            for model in (actor, ref)
+            for m in model.modules()
+            if isinstance(m, FSDPModule) and m._get_fsdp_state()._fsdp_param_group is not None
+        }
+        assert policies == ({CPUOffloadPolicy} if offload else {torch.distributed.fsdp.OffloadPolicy}), (
+            policies
+        )
+        g = torch.Generator().manual_seed(rank)
+        B, T = 4, 10
+        ids = torch.randint(0, 64, (B, T), generator=g)
+        resp = torch.zeros(B, T, dtype=torch.bool)
+        resp[:, 4:] = True
+        adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+        batch = PolicyBatch(
+            ids, torch.ones(B, T, dtype=torch.long), resp, torch.zeros(B, T), adv[:, None] * resp
+        )
+        rows = micro_batch_rows(batch.attention_mask_BT.sum(1), micro_batch_size=2)
+        batch = batch.replace(
+            ref_logprobs_BT=logprobs_of(ref, batch, rows, 1.0),
+            old_logprobs_BT=logprobs_of(actor, batch, rows, 1.0),
+        )
+        result = update_policy(cfg, rl, actor, build_optimizer(actor, cfg.optim), batch)
+        weights = {n: t.clone() for n, t in iter_full_tensors(trainer_weights(actor), dtype=torch.float32)}
+        return {
+            "metrics": result.metrics,
+            "ref_logprobs": batch.ref_logprobs_BT,
+            "after": logprobs_of(actor, batch, rows, 1.0),
+            "weights": weights,
+        }
+
+    return {"plain": run(False), "offloaded": run(True)}
+
+
+def test_offloaded_update_equals_the_plain_one(tmp_path: Path) -> None:
+    save_small_qwen2(tmp_path / "m")
+    for out in run_distributed(_update_worker, 2, str(tmp_path / "m")):
+        plain, off = out["plain"], out["offloaded"]
+        assert plain["metrics"]["actor/kl_loss"] != 0  # the reference and the update both did something
+        assert plain["metrics"] == off["metrics"]
+        torch.testing.assert_close(off["ref_logprobs"], plain["ref_logprobs"], rtol=0, atol=0)
+        torch.testing.assert_close(off["after"], plain["after"], rtol=0, atol=0)
+        assert plain["weights"].keys() == off["weights"].keys()
+        for name, w in plain["weights"].items():
+            torch.testing.assert_close(off["weights"][name], w, rtol=0, atol=0, msg=name)
+
+
+def test_optimizer_state_moves_in_full_and_its_step_counters_stay() -> None:
+    from spmdrl.optim import move_optimizer_state, optimizer_state_on
+
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    with optimizer_state_on(opt, torch.device("meta"), offload=False):
+        assert all(v.device.type == "cpu" for s in opt.state.values() for v in s.values())
+    # The meta device stands in for a GPU: every moment moves, and AdamW's non-capturable step stays on the CPU.
+    move_optimizer_state(opt, torch.device("meta"))
+    for state in opt.state.values():
+        assert state["exp_avg"].is_meta and state["exp_avg_sq"].is_meta
+        assert state["step"].device.type == "cpu" and float(state["step"]) == 1.0
