@@ -23,7 +23,9 @@
 # repository's root, if any, are installed first into a private folder put on PYTHONPATH (for a
 # machine without network). spmdrl itself runs from this working tree; it need not be installed.
 # Environment: PYTHON (default python3), SUITE_SCALE (multiplies every time limit; default 1), SUITE_PARTS
-# (the parts to run, by name; default all three), SUITE_GRPO_STEPS (grpo_step's measured steps). A dry run
+# (the parts to run, by name; default all three), SUITE_GRPO_STEPS (grpo_step's measured steps),
+# SUITE_GRPO_VARIANTS (grpo_step's spmdrl variants, ";"-separated NAME=OVERRIDES, each measured against the
+# default run: by default the two offload settings, model.offload_optimizer and model.offload_params). A dry run
 # of the suite's plumbing on a CPU machine (small model, slow, same steps):
 #   SUITE_DEVICE=cpu SUITE_SHAPE=tiny SUITE_SCALE=5 bash benchmarks/gpu_suite.sh
 
@@ -39,6 +41,7 @@ SHAPE=${SUITE_SHAPE:-qwen2.5-0.5b}
 # Which parts run (SUITE_PARTS="grpo_step" for the step against TRL alone) and grpo_step's measured steps.
 WANT=" ${SUITE_PARTS:-grpo_step rollout_vs_engine weight_sync} "
 GRPO_STEPS=${SUITE_GRPO_STEPS:-5}
+GRPO_VARIANTS=${SUITE_GRPO_VARIANTS-offload_optim=model.offload_optimizer=true;offload_params=model.offload_params=true}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/spmdrl-gpu-suite.XXXXXX")
@@ -47,6 +50,7 @@ SUITE_T0=$(date +%s)
 # Seconds for each part (x SUITE_SCALE): about 7 minutes in all at most, with the set-up.
 T_MODEL=40
 T_GRPO=205
+T_VARIANT=100  # each grpo_step variant: one more spmdrl job
 T_ROLLOUT=110
 T_SYNC=60
 
@@ -225,10 +229,15 @@ main() {
         say "no shared model: parts 2 and 3 use their default models"
     fi
 
-    grpo_secs=$(scaled $T_GRPO)
+    local variant_args=() v
+    IFS=';' read -r -a variants <<<"$GRPO_VARIANTS"
+    for v in ${variants[@]+"${variants[@]}"}; do
+        [ -n "$v" ] && variant_args+=(--variant "$v")
+    done
+    grpo_secs=$(scaled $((T_GRPO + T_VARIANT * ${#variant_args[@]} / 2)))
     [[ $WANT == *" grpo_step "* ]] && run_part grpo_step "$grpo_secs" "$PY" "$REPO/benchmarks/grpo_step.py" --shape "$SHAPE" --nproc 1 \
-        --steps "$GRPO_STEPS" --warmup 1 --timeout "$((grpo_secs * 4 / 5))" \
-        --spmdrl-log "$WORK/spmdrl_job.log" --json "$OUT/grpo_step.json"
+        --steps "$GRPO_STEPS" --warmup 1 --timeout "$(scaled $((T_GRPO * 4 / 5)))" \
+        ${variant_args[@]+"${variant_args[@]}"} --spmdrl-log "$WORK/spmdrl_job.log" --json "$OUT/grpo_step.json"
     if [ -f "$WORK/spmdrl_job.log" ]; then
         {
             echo

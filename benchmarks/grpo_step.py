@@ -4,6 +4,7 @@
     python benchmarks/grpo_step.py --json grpo_step.json
     python benchmarks/grpo_step.py --model /path/to/hf/model --nproc 1  # one GPU, both sides
     python benchmarks/grpo_step.py --shape qwen2.5-0.5b --nproc 1       # one GPU, a random 0.36B Qwen2
+    python benchmarks/grpo_step.py --variant 'bf16=model.param_dtype=bfloat16'   # + a bf16 spmdrl run
 
 The work of one step, the same on both sides: 16 prompts x 4 samples (the tiny arithmetic task's
 prompts, chat-templated), up to 128 new tokens at temperature 1, the rule reward, group-normalized
@@ -22,9 +23,22 @@ directory. ``--save-model DIR`` only writes the random model (to reuse it with t
   device batch, ``max_completion_length=128``; the step from ``on_step_begin`` to ``on_step_end`` of a
   callback, the phases from TRL's own profiling contexts.
 
-Each figure is the median over ``--steps`` steps after ``--warmup`` warm-up steps. The ratio is
-spmdrl / TRL: below 1, spmdrl's step is faster. On CPU the two use the same cores differently: spmdrl
-one rank per core (torchrun sets one thread each), TRL one process with torch's threads on every core.
+``--variant 'NAME=KEY=VALUE KEY=VALUE ...'`` (repeatable): after the default job (column "spmdrl"),
+the same job again with these overrides appended (so they win), each in its own folder, one after the
+other, as column NAME; the table adds NAME/spmdrl (against the default job of the same run) and, with
+TRL, NAME/TRL. ``NAME=`` alone reruns the default job: its run-to-run noise. Every variant's config is
+checked before anything runs; a variant whose job fails is left out (exit status 1). For example
+``--variant 'bf16=model.param_dtype=bfloat16' --variant 'packed=trainer.pack_sequences=true'``.
+
+Each figure is the median over ``--steps`` steps after ``--warmup`` warm-up steps, except
+``max_memory_gb``: the peak over the measured steps (GiB), spmdrl's ``perf/max_memory_gb`` (the largest
+rank's) and TRL's process's, both the CUDA allocator's peak on a GPU, the peak resident set on CPU. The
+ratio is spmdrl / TRL: below 1, spmdrl's step is faster. On CPU the two use the same cores differently:
+spmdrl one rank per core (torchrun sets one thread each), TRL one process with torch's threads on every
+core; spmdrl's memory there is one rank's of ``--nproc``.
+
+``--json``: the default job's figures as ``grpo_step/<figure>`` with TRL's as baseline, then each
+variant's as ``grpo_step/<NAME>/<figure>`` with the default job's as baseline.
 """
 
 from __future__ import annotations
@@ -33,13 +47,16 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,7 +108,20 @@ def _args() -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=900.0, help="seconds for the spmdrl job")
     p.add_argument("--spmdrl-log", default="", help="also keep the spmdrl job's log in this file")
     p.add_argument("--json", default="", help="also write the figures to this JSON file")
-    return p.parse_args()
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        type=parse_variant,
+        metavar="'NAME=KEY=VALUE ...'",
+        help="also run the spmdrl job with these overrides appended, as column NAME (repeatable)",
+    )
+    a = p.parse_args()
+    try:
+        check_variants(a.variant, spmdrl_overrides(a, Path(a.model or "model"), Path("out")))
+    except ValueError as e:
+        p.error(str(e))
+    return a
 
 
 def cuda_available() -> bool:
@@ -132,13 +162,72 @@ def save_random_qwen2(out: Path, shape: str = "tiny") -> int:
 # ------------------------------------------------------------------------------------------- spmdrl
 @dataclass
 class SideResult:
-    """One side's medians: the step, its phases (seconds) and the mean response length (tokens)."""
+    """One run's medians: the step, its phases (seconds), the mean response length (tokens), and the
+    peak memory over the measured steps (GiB; None where not measured)."""
 
     step_s: float
     phases: dict[str, float]
     response_len: float
     steps: list[float] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
+    max_memory_gb: float | None = None
+
+
+DEFAULT = "spmdrl"
+# Column names of their own (compared case-insensitively, so that "TRL" and "trl" cannot both appear).
+RESERVED = ("spmdrl", "trl")
+# The name becomes a column, a folder and a figure name prefix: keep it to one plain word.
+VARIANT_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
+# Where the script reads the job's metrics from: a variant must not move it.
+OUTPUT_KEY = "trainer.output_dir"
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A named spmdrl run: the default job's overrides, then ``overrides`` (appended, so they win)."""
+
+    name: str
+    overrides: tuple[str, ...] = ()
+
+
+def parse_variant(text: str) -> Variant:
+    """``'NAME=KEY=VALUE KEY=VALUE ...'`` -> Variant; ``'NAME='`` reruns the default job (its noise)."""
+    name, sep, rest = text.partition("=")
+    name = name.strip()
+    if not sep:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected 'NAME=KEY=VALUE [KEY=VALUE ...]'")
+    if not VARIANT_NAME.fullmatch(name):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: the name {name!r} must be a letter or '_', then letters, digits, '_' or '-'"
+        )
+    if name.lower() in RESERVED:
+        raise argparse.ArgumentTypeError(f"{text!r}: {name!r} is taken by a column of its own")
+    overrides = tuple(rest.split())
+    for o in overrides:
+        if "=" not in o:
+            raise argparse.ArgumentTypeError(f"{text!r}: the override {o!r} is not KEY=VALUE")
+        if o.lstrip("+~").split("=", 1)[0].strip() == OUTPUT_KEY:
+            raise argparse.ArgumentTypeError(f"{text!r}: {OUTPUT_KEY} is set by the script")
+    return Variant(name, overrides)
+
+
+def check_variants(variants: list[Variant], base: list[str]) -> None:
+    """Unique names, and each variant's whole override list composes into a valid config: a misspelled
+    key fails now, not after the default job's minutes."""
+    names = [v.name for v in variants]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"--variant: the name(s) {', '.join(twice)} appear more than once")
+    if not variants:
+        return
+    from spmdrl.config import ConfigError
+    from spmdrl.config_loader import load_config
+
+    for v in variants:
+        try:
+            load_config([*base, *v.overrides])
+        except ConfigError as e:
+            raise ValueError(f"--variant {v.name}: {e}") from None
 
 
 def spmdrl_overrides(a: argparse.Namespace, model_dir: Path, out_dir: Path) -> list[str]:
@@ -166,8 +255,13 @@ def spmdrl_overrides(a: argparse.Namespace, model_dir: Path, out_dir: Path) -> l
     ]
 
 
-def run_spmdrl(a: argparse.Namespace, model_dir: Path, work: Path) -> SideResult:
-    out_dir = work / "spmdrl-run"
+class JobFailed(Exception):
+    """An spmdrl job that exited with an error or ran out of time; the message ends with its log's tail."""
+
+
+def run_spmdrl(a: argparse.Namespace, model_dir: Path, work: Path, variant: Variant) -> SideResult:
+    out_dir = work / f"{variant.name}-run"
+    overrides = [*spmdrl_overrides(a, model_dir, out_dir), *variant.overrides]
     cmd = [
         sys.executable,
         "-m",
@@ -176,27 +270,46 @@ def run_spmdrl(a: argparse.Namespace, model_dir: Path, work: Path) -> SideResult
         f"--nproc_per_node={a.nproc}",
         "-m",
         "spmdrl.train",
-        *spmdrl_overrides(a, model_dir, out_dir),
+        *overrides,
     ]
-    shown = " ".join(
-        o for o in spmdrl_overrides(a, model_dir, out_dir) if not o.startswith("trainer.output_dir")
-    )
-    print(f"spmdrl: torchrun --nproc_per_node={a.nproc} -m spmdrl.train {shown}", flush=True)
-    log_path = work / "spmdrl.log"
+    if variant.name == DEFAULT:
+        shown = " ".join(o for o in overrides if not o.startswith(OUTPUT_KEY))
+        print(f"spmdrl: torchrun --nproc_per_node={a.nproc} -m spmdrl.train {shown}", flush=True)
+    else:
+        print(f"{variant.name}: the spmdrl job + {' '.join(variant.overrides) or '(nothing)'}", flush=True)
+    log_path = work / f"{variant.name}.log"
     t0 = time.perf_counter()
-    with open(log_path, "w") as log:
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=a.timeout, check=False)
+    code = _run_logged(cmd, log_path, a.timeout)
     wall = time.perf_counter() - t0
     if a.spmdrl_log:
-        shutil.copyfile(log_path, a.spmdrl_log)
-    if proc.returncode != 0:
+        shutil.copyfile(log_path, _log_copy(Path(a.spmdrl_log), variant.name))
+    if code != 0:
         tail = "\n".join(log_path.read_text().splitlines()[-40:])
-        raise SystemExit(f"the spmdrl job failed (exit {proc.returncode}); its last lines:\n{tail}")
+        why = f"ran past --timeout {a.timeout:.0f} s" if code is None else f"failed (exit {code})"
+        raise JobFailed(f"the {variant.name} job {why}; its last lines:\n{tail}")
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line]
     measured = [r for r in rows if r["step"] > a.warmup]
     result = _spmdrl_medians(measured)
     result.extra["job_wall_s"] = wall
     return result
+
+
+def _run_logged(cmd: list[str], log_path: Path, timeout: float) -> int | None:
+    """Runs ``cmd`` into ``log_path``; its exit code, None past ``timeout``. On a timeout the whole
+    process group goes: torchrun's ranks left running would slow down the runs after it."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return None
+
+
+def _log_copy(path: Path, name: str) -> Path:
+    """``--spmdrl-log``'s file for the default job; ``<stem>.<name><suffix>`` next to it for a variant."""
+    return path if name == DEFAULT else path.with_name(f"{path.stem}.{name}{path.suffix}")
 
 
 def _spmdrl_medians(rows: list[dict[str, Any]]) -> SideResult:
@@ -210,7 +323,16 @@ def _spmdrl_medians(rows: list[dict[str, Any]]) -> SideResult:
     phases["other"] = max(step - sum(v for k, v in phases.items() if k not in NESTED), 0.0)
     length = statistics.median(r["rollout/response_len_mean"] for r in rows)
     tps = statistics.median(r["perf/rollout_tokens_per_s"] for r in rows)
-    return SideResult(step, phases, length, steps, {"rollout_tokens_per_s": tps})
+    # Already a running peak (the largest rank's since it started): the max is the last step's.
+    memory = [r["perf/max_memory_gb"] for r in rows if "perf/max_memory_gb" in r]
+    return SideResult(
+        step,
+        phases,
+        length,
+        steps,
+        {"rollout_tokens_per_s": tps},
+        max_memory_gb=max(memory) if memory else None,
+    )
 
 
 # ---------------------------------------------------------------------------------------------- TRL
@@ -255,7 +377,28 @@ class _Profile:
         profiling.ProfilingContext._log_metrics = log_metrics  # type: ignore[method-assign]
 
 
-def _step_callback(profile: _Profile, steps: list[tuple[float, dict[str, float]]]) -> Any:
+@dataclass
+class TrlStep:
+    """One TRL step: its time, TRL's profiled phases in it (seconds), the process's peak memory so far (GiB)."""
+
+    seconds: float
+    phases: dict[str, float]
+    memory_gb: float
+
+
+def peak_memory_gb(cuda: bool) -> float:
+    """This process's peak as the recipe measures its ranks' (perf/max_memory_gb): the CUDA allocator's
+    peak on a GPU, the peak resident set on CPU (ru_maxrss is in KiB on Linux)."""
+    import torch
+
+    if cuda:
+        return torch.cuda.max_memory_allocated() / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def _step_callback(profile: _Profile, steps: list[TrlStep], cuda: bool) -> Any:
     from transformers import TrainerCallback
 
     class StepTimer(TrainerCallback):
@@ -266,7 +409,8 @@ def _step_callback(profile: _Profile, steps: list[tuple[float, dict[str, float]]
             self.t0 = time.perf_counter()
 
         def on_step_end(self, *args: Any, **kwargs: Any) -> None:
-            steps.append((time.perf_counter() - self.t0, dict(profile.current)))
+            seconds = time.perf_counter() - self.t0
+            steps.append(TrlStep(seconds, dict(profile.current), peak_memory_gb(cuda)))
 
     return StepTimer()
 
@@ -329,14 +473,14 @@ def run_trl(a: argparse.Namespace, model_dir: Path, work: Path, cuda: bool) -> S
     )
     profile = _Profile()
     profile.install()
-    steps: list[tuple[float, dict[str, float]]] = []
+    steps: list[TrlStep] = []
     trainer = GRPOTrainer(
         model=str(model_dir),
         reward_funcs=[tiny_reward],
         args=args,
         train_dataset=Dataset.from_list(tiny_prompt_rows(tokenizer)),
         processing_class=tokenizer,
-        callbacks=[_step_callback(profile, steps)],
+        callbacks=[_step_callback(profile, steps, cuda)],
     )
     print(f"TRL {trl_version()}: GRPOTrainer, 1 process, use_vllm=False ...", flush=True)
     trainer.train()
@@ -346,11 +490,9 @@ def run_trl(a: argparse.Namespace, model_dir: Path, work: Path, cuda: bool) -> S
     return _trl_medians(steps[a.warmup :], lengths[a.warmup :], a.prompts * a.n)
 
 
-def _trl_medians(
-    steps: list[tuple[float, dict[str, float]]], lengths: list[float], completions: int
-) -> SideResult:
+def _trl_medians(steps: list[TrlStep], lengths: list[float], completions: int) -> SideResult:
     def med(fn: Any) -> float:
-        return statistics.median(fn(s, p) for s, p in steps)
+        return statistics.median(fn(st.seconds, st.phases) for st in steps)
 
     step = med(lambda s, p: s)
     phases = {
@@ -361,78 +503,141 @@ def _trl_medians(
     }
     phases["other"] = max(step - phases["rollout"] - phases["reward"] - phases["update"], 0.0)
     # Generated tokens / generate time, per step (TRL logs each step's mean completion length).
-    tps = [n * completions / p.get(TRL_GENERATE, math.nan) for (_, p), n in zip(steps, lengths, strict=True)]
+    tps = [
+        n * completions / st.phases.get(TRL_GENERATE, math.nan) for st, n in zip(steps, lengths, strict=True)
+    ]
     return SideResult(
         step,
         phases,
         statistics.median(lengths) if lengths else math.nan,
-        [s for s, _ in steps],
+        [st.seconds for st in steps],
         {"rollout_tokens_per_s": statistics.median(tps) if tps else math.nan},
+        max_memory_gb=max(st.memory_gb for st in steps),
     )
 
 
 # ------------------------------------------------------------------------------------------- report
 ROWS = ("rollout", "reward", "old_ref", "update", "actor_update", "weight_sync", "weight_sync_check", "other")
+UNITS = {"rollout_tokens_per_s": "tokens/s", "response_len_mean": "tokens", "max_memory_gb": "GiB"}
+FORMATS = {"s": ".3f", "tokens/s": ".0f", "tokens": ".1f", "GiB": ".2f"}
+PREFIX = "grpo_step/"
 
 
-def figures(ours: SideResult, trl: SideResult | None) -> list[Figure]:
-    out = [Figure("grpo_step/step_s", ours.step_s, "s", trl.step_s if trl else None)]
-    for name in [*ROWS, *sorted(set(ours.phases) - set(ROWS))]:
-        if name in ours.phases:
-            base = trl.phases.get(name) if trl else None
-            out.append(Figure(f"grpo_step/{name}_s", ours.phases[name], "s", base))
-    out.append(
-        Figure(
-            "grpo_step/rollout_tokens_per_s",
-            ours.extra["rollout_tokens_per_s"],
-            "tokens/s",
-            trl.extra["rollout_tokens_per_s"] if trl else None,
-        )
-    )
-    out.append(
-        Figure("grpo_step/response_len_mean", ours.response_len, "tokens", trl.response_len if trl else None)
-    )
+def row_keys(results: list[SideResult]) -> list[str]:
+    """The figures' keys in table order, over every given run's phases (a variant may add one)."""
+    phases = set().union(*(r.phases for r in results))
+    ordered = [p for p in ROWS if p in phases] + sorted(phases - set(ROWS))
+    return ["step_s", *(f"{p}_s" for p in ordered), *UNITS]
+
+
+def values(r: SideResult) -> dict[str, float]:
+    """One run's figures by key; the memory only where it was measured."""
+    out = {"step_s": r.step_s, **{f"{p}_s": v for p, v in r.phases.items()}}
+    out["rollout_tokens_per_s"] = r.extra["rollout_tokens_per_s"]
+    out["response_len_mean"] = r.response_len
+    if r.max_memory_gb is not None:
+        out["max_memory_gb"] = r.max_memory_gb
     return out
 
 
-def print_table(a: argparse.Namespace, ours: SideResult, trl: SideResult | None, trl_note: str) -> None:
+def figures(ours: SideResult, base: SideResult | None, prefix: str = PREFIX) -> list[Figure]:
+    """``ours``'s figures named ``prefix + key``, each with ``base``'s same figure (if any) as baseline."""
+    mine, theirs = values(ours), values(base) if base else {}
+    return [
+        Figure(prefix + k, mine[k], UNITS.get(k, "s"), theirs.get(k)) for k in row_keys([ours]) if k in mine
+    ]
+
+
+@dataclass(frozen=True)
+class Column:
+    """One table column: its header, and its cell for a row key (blank -> "-")."""
+
+    header: str
+    cell: Callable[[str], str]
+
+
+def _value_column(name: str, r: SideResult | None) -> Column:
+    vals = values(r) if r else {}
+
+    def cell(k: str) -> str:
+        return format(vals[k], FORMATS[UNITS.get(k, "s")]) if k in vals else "-"
+
+    return Column(name, cell)
+
+
+def _ratio_column(header: str, r: SideResult | None, base: SideResult | None) -> Column:
+    num, den = values(r) if r else {}, values(base) if base else {}
+
+    def cell(k: str) -> str:  # Figure.ratio: None without a baseline or with a zero one
+        return fmt_ratio(Figure(k, num[k], "", den.get(k)).ratio if k in num else None)
+
+    return Column(header, cell)
+
+
+def table_columns(runs: dict[str, SideResult], trl: SideResult | None) -> list[Column]:
+    """spmdrl, each variant, TRL; then spmdrl/TRL, and per variant NAME/spmdrl (and NAME/TRL with TRL)."""
+    ours = runs[DEFAULT]
+    variants = {n: r for n, r in runs.items() if n != DEFAULT}
+    cols = [_value_column(n, r) for n, r in runs.items()] + [_value_column("TRL", trl)]
+    cols.append(_ratio_column(f"{DEFAULT}/TRL", ours, trl))
+    for name, r in variants.items():
+        cols.append(_ratio_column(f"{name}/{DEFAULT}", r, ours))
+        if trl:
+            cols.append(_ratio_column(f"{name}/TRL", r, trl))
+    return cols
+
+
+def print_table(
+    a: argparse.Namespace, runs: dict[str, SideResult], trl: SideResult | None, trl_note: str
+) -> None:
     print(
         f"\nGRPO step: {a.prompts} prompts x {a.n} samples, <= {a.max_tokens} tokens, one optimizer step; "
         f"median of {a.steps} steps after {a.warmup} warm-up; spmdrl on {a.nproc} rank(s), {trl_note}"
     )
-    print(f"{'figure':<26} {'spmdrl':>9} {'TRL':>9} {'spmdrl/TRL':>11}")
-    for f in figures(ours, trl):
-        name = f.name.removeprefix("grpo_step/")
-        name = name.removesuffix("_s") if f.unit == "s" else name
+    cols = table_columns(runs, trl)
+    widths = [max(9, len(c.header)) for c in cols]
+    print(f"{'figure':<26} " + " ".join(f"{c.header:>{w}}" for c, w in zip(cols, widths, strict=True)))
+    for k in row_keys(list(runs.values())):
+        name = k.removesuffix("_s") if UNITS.get(k, "s") == "s" else k
         label = ("  " + name) if name in NESTED else name
-        spec = {"s": ".3f", "tokens/s": ".0f"}.get(f.unit, ".1f")
-        base = "-" if f.baseline is None else format(f.baseline, spec)
-        print(f"{label:<26} {format(f.value, spec):>9} {base:>9} {fmt_ratio(f.ratio):>11}  {f.unit}")
-    print(
-        f"spmdrl steps: {', '.join(f'{s:.2f}' for s in ours.steps)} s; job wall {ours.extra['job_wall_s']:.0f} s"
-    )
+        cells = " ".join(f"{c.cell(k):>{w}}" for c, w in zip(cols, widths, strict=True))
+        print(f"{label:<26} {cells}  {UNITS.get(k, 's')}")
+    width = max(len(n) for n in [*runs, "TRL"]) + len(" steps:")
+    for name, r in runs.items():
+        steps = ", ".join(f"{s:.2f}" for s in r.steps)
+        print(f"{name + ' steps:':<{width}} {steps} s; job wall {r.extra['job_wall_s']:.0f} s")
     if trl:
-        print(f"TRL steps:    {', '.join(f'{s:.2f}' for s in trl.steps)} s")
+        print(f"{'TRL steps:':<{width}} {', '.join(f'{s:.2f}' for s in trl.steps)} s")
+
+
+@dataclass(frozen=True)
+class Context:
+    """What the JSON document says about the run besides its figures."""
+
+    version: str | None
+    params: int | None
+    cuda: bool
+    variants: list[Variant]
+    failed: tuple[str, ...] = ()  # the variants whose job failed: no figures
 
 
 def save_json(
-    a: argparse.Namespace,
-    ours: SideResult,
-    trl: SideResult | None,
-    version: str | None,
-    note: str,
-    params: int | None,
-    cuda: bool,
+    a: argparse.Namespace, runs: dict[str, SideResult], trl: SideResult | None, note: str, ctx: Context
 ) -> None:
+    ours = runs[DEFAULT]
+    figs = figures(ours, trl)
+    for name, r in runs.items():
+        if name != DEFAULT:  # against the default job of the same invocation
+            figs += figures(r, ours, f"{PREFIX}{name}/")
     write_json(
         a.json,
         "grpo_step",
-        figures(ours, trl),
-        device="cuda" if cuda else "cpu",
+        figs,
+        device="cuda" if ctx.cuda else "cpu",
         spmdrl_ranks=a.nproc,
-        trl_version=version,
+        trl_version=ctx.version,
         model=a.model or f"random-qwen2 ({a.shape})",
-        model_params=params,
+        model_params=ctx.params,
         prompts=a.prompts,
         n=a.n,
         max_tokens=a.max_tokens,
@@ -441,7 +646,43 @@ def save_json(
         spmdrl_steps_s=ours.steps,
         trl_steps_s=trl.steps if trl else None,
         trl_note=note,
+        variants={v.name: list(v.overrides) for v in ctx.variants},
+        variant_steps_s={n: r.steps for n, r in runs.items() if n != DEFAULT},
+        failed_variants=list(ctx.failed),
     )
+
+
+def make_model(a: argparse.Namespace, work: Path) -> tuple[Path, int | None]:
+    """``--model``, or a random Qwen2 of ``--shape`` in ``work``; its parameter count (None: not ours)."""
+    if a.model:
+        return Path(a.model).resolve(), None
+    model_dir = work / "model"
+    params = save_random_qwen2(model_dir, a.shape)
+    print(f"random Qwen2 ({a.shape}) with the tiny tokenizer: {params / 1e6:.2f}M parameters", flush=True)
+    return model_dir, params
+
+
+def run_all_spmdrl(
+    a: argparse.Namespace, model_dir: Path, work: Path, ctx: Context
+) -> tuple[dict[str, SideResult], list[str]]:
+    """The default job, then each variant, one after the other; the results by name and the variants
+    that failed (a failed default job ends the run: nothing is left to compare against)."""
+    runs: dict[str, SideResult] = {}
+    failed: list[str] = []
+    for v in [Variant(DEFAULT), *ctx.variants]:
+        try:
+            r = run_spmdrl(a, model_dir, work, v)
+        except JobFailed as e:
+            if v.name == DEFAULT:
+                raise SystemExit(str(e)) from None
+            print(e, flush=True)
+            failed.append(v.name)
+            continue
+        runs[v.name] = r
+        print(f"{v.name}: step {r.step_s:.3f} s (median), job wall {r.extra['job_wall_s']:.0f} s", flush=True)
+        if a.json:  # the figures so far, in case a later job or the TRL side never ends
+            save_json(a, runs, None, "TRL not measured (yet)", ctx)
+    return runs, failed
 
 
 def main() -> None:
@@ -458,24 +699,12 @@ def main() -> None:
     trl_failed = False
     with tempfile.TemporaryDirectory(prefix="spmdrl-grpo-step-") as tmp:
         work = Path(tmp)
-        if a.model:
-            model_dir = Path(a.model).resolve()
-            params = None
-        else:
-            model_dir = work / "model"
-            params = save_random_qwen2(model_dir, a.shape)
-            print(
-                f"random Qwen2 ({a.shape}) with the tiny tokenizer: {params / 1e6:.2f}M parameters",
-                flush=True,
-            )
-        ours = run_spmdrl(a, model_dir, work)
-        print(
-            f"spmdrl: step {ours.step_s:.3f} s (median), job wall {ours.extra['job_wall_s']:.0f} s",
-            flush=True,
-        )
+        model_dir, params = make_model(a, work)
+        runs, failed = run_all_spmdrl(a, model_dir, work, Context(None, params, cuda, a.variant))
+        # Only now: importing TRL grows this process, and on Linux a child starts with its parent's peak
+        # resident set as its own ru_maxrss (kept across fork and exec): the jobs' CPU memory floor.
         version, note = trl_status(a.no_trl)
-        if a.json:  # spmdrl's figures now, in case the TRL side never ends
-            save_json(a, ours, None, version, "TRL not measured (yet)", params, cuda)
+        ctx = Context(version, params, cuda, a.variant, tuple(failed))
         trl = None
         if version is None:
             print(note)
@@ -486,10 +715,12 @@ def main() -> None:
                 traceback.print_exc()
                 note = f"TRL {version} failed ({type(e).__name__}: {e}); spmdrl alone"
                 trl_failed = True
-    print_table(a, ours, trl, note)
+    print_table(a, runs, trl, note)
+    if failed:
+        print(f"failed variant(s), left out: {', '.join(failed)} (their logs' tails are above)")
     if a.json:
-        save_json(a, ours, trl, version, note, params, cuda)
-    if trl_failed:
+        save_json(a, runs, trl, note, ctx)
+    if trl_failed or failed:
         raise SystemExit(1)
 
 

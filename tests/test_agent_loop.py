@@ -393,9 +393,9 @@ def test_logits_at_mask_zero_positions_do_not_reach_the_loss() -> None:
     bitwise equal (the recipe's own micro-batch loss, on a small random Qwen2)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from recipes.grpo import micro_batch_loss
     from spmdrl.algos.aggregation import Aggregation
     from spmdrl.config import Config
+    from spmdrl.recipes.grpo_update import micro_batch_loss
 
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(

@@ -109,7 +109,7 @@ def _worker(rank: int, world: int, model_dir: str, cfg: Any) -> list[dict[str, f
     from spmdrl.distributed.placement import Placement
     from spmdrl.models.build import build_fsdp_model, model_spec
     from spmdrl.optim import build_lr_scheduler, build_optimizer
-    from spmdrl.recipes.grpo import logprobs_of, update_policy
+    from spmdrl.recipes.grpo_update import logprobs_of, update_policy
 
     cpu = torch.device("cpu")
     derived = derive(cfg, world, PROMPTS * STEPS, samples_per_item=N)

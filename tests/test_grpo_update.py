@@ -34,7 +34,7 @@ def _worker(
     from spmdrl.models.build import ModelSpec, build_fsdp_model
     from spmdrl.models.forward import policy_logprobs
     from spmdrl.optim import build_optimizer
-    from spmdrl.recipes.grpo import logprobs_of, update_policy
+    from spmdrl.recipes.grpo_update import logprobs_of, update_policy
 
     cfg = Config(
         trainer=TrainerConfig(global_batch_size=4, micro_batch_size=2),
@@ -116,7 +116,7 @@ def _nonfinite_worker(rank: int, world: int, model_dir: str, mode: str) -> tuple
     from spmdrl.distributed.placement import Placement
     from spmdrl.models.build import ModelSpec, build_fsdp_model
     from spmdrl.optim import build_optimizer
-    from spmdrl.recipes.grpo import update_policy
+    from spmdrl.recipes.grpo_update import update_policy
 
     cfg = Config(
         trainer=TrainerConfig(global_batch_size=2, micro_batch_size=2),

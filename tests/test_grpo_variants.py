@@ -15,7 +15,8 @@ from spmdrl.algos.aggregation import Aggregation
 from spmdrl.algos.batch import PolicyBatch
 from spmdrl.algos.policy_losses import POLICY_LOSSES, agg_mode_for
 from spmdrl.config import AlgorithmConfig, Config, ConfigError, validate
-from spmdrl.recipes.grpo import advantage_estimator, micro_batch_loss
+from spmdrl.recipes.grpo import advantage_estimator
+from spmdrl.recipes.grpo_update import micro_batch_loss
 from spmdrl.testing.models import SMALL_QWEN2
 
 B, T, N = 4, 12, 2  # 2 prompts x 2 samples

@@ -39,7 +39,7 @@ def _update_worker(rank: int, world: int, model_dir: str) -> dict[str, object]:
     from spmdrl.distributed.placement import Placement
     from spmdrl.models.build import build_fsdp_model, model_spec
     from spmdrl.optim import build_optimizer
-    from spmdrl.recipes.grpo import logprobs_of, update_policy
+    from spmdrl.recipes.grpo_update import logprobs_of, update_policy
     from spmdrl.rollout.weight_sync import iter_full_tensors, trainer_weights
 
     def run(offload: bool) -> dict[str, object]:

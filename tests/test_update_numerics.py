@@ -123,7 +123,7 @@ def _worker(
     from spmdrl.config import derive, derive_rl
     from spmdrl.distributed.placement import Placement
     from spmdrl.models.build import ModelSpec, build_fsdp_model
-    from spmdrl.recipes.grpo import logprobs_of, update_policy
+    from spmdrl.recipes.grpo_update import logprobs_of, update_policy
 
     cpu, f32 = torch.device("cpu"), torch.float32
     meshes = Placement.colocated(world, dp_replicate=dp_replicate).build_meshes("cpu")

@@ -1,0 +1,66 @@
+"""The GRPO recipe's models (recipes/grpo.py): the actor and, when a KL term needs it, its frozen
+reference (build_models), and for PPO the critic with its optimizer and schedule (Critic, build_critic),
+each FSDP2 on its role's ranks (spmdrl/distributed/placement.py) through spmdrl/models/build.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import torch
+
+from spmdrl.config import Config
+from spmdrl.distributed.placement import Meshes
+from spmdrl.models.build import build_fsdp_model, build_meta_model, model_spec
+from spmdrl.models.load import resolve_model_path_all_ranks
+from spmdrl.optim import build_lr_scheduler, build_optimizer
+
+log = logging.getLogger("spmdrl")
+
+
+def build_models(
+    cfg: Config, device: torch.device, meshes: Meshes, model_dir: Path
+) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+    """The actor (trained) and, when a KL term needs it, the frozen reference, FSDP2 on the actor's ranks.
+
+    A rank that does not hold the actor (split placement) gets a meta-device copy of it instead: the
+    names and shapes it receives the actor's weights by (weight_sync.Fanout), no memory, no reference.
+    """
+    a = cfg.algorithm
+    if not meshes.holds("actor"):
+        return build_meta_model(model_spec(cfg.model, model_dir, device, train=False)), None
+    actor = build_fsdp_model(
+        model_spec(cfg.model, model_dir, device, train=True), meshes.fsdp("actor"), device
+    )
+    ref = None
+    if a.use_kl_loss or a.use_kl_in_reward:
+        ref = build_fsdp_model(
+            model_spec(cfg.model, model_dir, device, train=False), meshes.fsdp("ref"), device
+        )
+    elif cfg.model.offload_ref:
+        log.warning("model.offload_ref=true does nothing here: no KL term, so no reference model is built")
+    return actor, ref
+
+
+@dataclasses.dataclass
+class Critic:
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+
+
+def build_critic(
+    cfg: Config, device: torch.device, meshes: Meshes, actor_dir: Path, cache_dir: Path
+) -> Critic:
+    """The value model (FSDP2 like the actor, on the critic's ranks), its optimizer and schedule."""
+    path = (
+        resolve_model_path_all_ranks(cfg.critic.model_path, cache_dir) if cfg.critic.model_path else actor_dir
+    )
+    spec = model_spec(cfg.model, path, device, train=True, head="value")
+    model = build_fsdp_model(spec, meshes.fsdp("critic"), device)
+    optimizer = build_optimizer(model, cfg.critic.optim)
+    return Critic(
+        model, optimizer, build_lr_scheduler(optimizer, cfg.critic.optim, cfg.trainer.total_steps or 1)
+    )

@@ -1,0 +1,309 @@
+"""The GRPO recipe's trainer-side math (recipes/grpo.py): the forward passes before the update and the
+update itself, apart from the loop so that the loop reads as the step.
+
+- micro_rows, mini_batches: the schedule, PPO epochs x mini-batches (one optimizer step each) x
+  micro-batches; each mini-batch's units are counted over the role's ranks once (algos/aggregation.py).
+- logprobs_of, values_of: no-grad passes over a rank's batch (old and reference logprobs, the critic's
+  values).
+- micro_batch_loss, update_policy: one micro-batch's policy loss (+ KL loss) (- entropy bonus), and the
+  actor's whole update (UpdateResult).
+- update_critic: the critic's clipped value loss over the same schedule.
+
+A fork that changes the loss copies this file with the recipe and imports its copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import defaultdict
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from spmdrl.algos.aggregation import Aggregation, count_units
+from spmdrl.algos.batch import PolicyBatch
+from spmdrl.algos.kl import kl_penalty
+from spmdrl.algos.micro_batches import micro_batch_rows
+from spmdrl.algos.policy_losses import PolicyLossParams, agg_mode_for, policy_loss
+from spmdrl.algos.value_loss import clipped_value_loss
+from spmdrl.config import Config, RLDerived
+from spmdrl.distributed.reduce import all_reduce_sum
+from spmdrl.models import packing
+from spmdrl.models.forward import policy_logprobs
+from spmdrl.optim import clip_grad_norm
+from spmdrl.recipes.grpo_models import Critic
+
+
+def micro_rows(
+    cfg: Config, rl: RLDerived, batch: PolicyBatch, group: dist.ProcessGroup | None = None
+) -> list[torch.Tensor]:
+    """This rank's rows of ``batch`` per micro-batch: rl.micro_batch_size sequences, or up to
+    trainer.micro_batch_tokens tokens (the same number of micro-batches on every rank of ``group``)."""
+    return micro_batch_rows(
+        batch.attention_mask_BT.sum(dim=1).cpu(),
+        micro_batch_size=rl.micro_batch_size,
+        token_budget=cfg.trainer.micro_batch_tokens,
+        group=group,
+    )
+
+
+@torch.no_grad()
+def logprobs_of(
+    model: torch.nn.Module,
+    batch: PolicyBatch,
+    parts: list[torch.Tensor],
+    temperature: float,
+    pack: bool = False,
+) -> torch.Tensor:
+    """A no-grad pass over the rank's batch, micro-batch by micro-batch (``parts``, see micro_rows):
+    each token's logprob under ``model``, shape (B, T)."""
+    out_BT = torch.zeros_like(batch.engine_logprobs_BT)
+    for idx in parts:
+        mb = batch.take(idx)
+        lp_BT, _ = policy_logprobs(
+            model,
+            mb.input_ids_BT,
+            mb.attention_mask_BT,
+            temperature=temperature,
+            pack_sequences=pack,
+            first_column=mb.first_response_column(),
+        )
+        out_BT[idx.to(out_BT.device), : lp_BT.shape[1]] = lp_BT
+    return out_BT
+
+
+@dataclasses.dataclass
+class MicroBatchLoss:
+    """One micro-batch's loss, the only tensor that holds its autograd graph, and detached by-products."""
+
+    loss: torch.Tensor  # scalar to backpropagate
+    logprobs_BT: torch.Tensor  # detached: the current policy's logprobs of the tokens
+    stats: dict[str, torch.Tensor]  # detached scalars: pg_loss, entropy, pg_clipfrac, ppo_kl (+ kl_loss)
+
+
+def _shifted_values(critic: torch.nn.Module, mb: PolicyBatch, pack: bool = False) -> torch.Tensor:
+    """The critic's value of the state each token was sampled in, at the token's own position, (B, T).
+
+    The output at position t sees tokens 0..t, the state before token t + 1 is sampled, so it is the
+    value of token t + 1: shifted by one, as the logprobs are.
+    """
+    if pack:
+        p = packing.pack(mb.input_ids_BT, mb.attention_mask_BT)
+        v_RC = critic(input_ids=p.input_ids_RC, position_ids=p.position_ids_RC, use_cache=False).logits[
+            ..., 0
+        ]
+        v_BT = p.unpack(v_RC.float())
+    else:
+        v_BT = critic(input_ids=mb.input_ids_BT, attention_mask=mb.attention_mask_BT).logits[..., 0].float()
+    out_BT = torch.zeros_like(mb.engine_logprobs_BT)
+    out_BT[:, 1:] = v_BT[:, :-1]
+    return out_BT
+
+
+@torch.no_grad()
+def values_of(
+    critic: torch.nn.Module, batch: PolicyBatch, parts: list[torch.Tensor], pack: bool = False
+) -> torch.Tensor:
+    """A no-grad pass over the rank's batch: the critic's values (see _shifted_values), (B, T)."""
+    out_BT = torch.zeros_like(batch.engine_logprobs_BT)
+    for idx in parts:
+        v_BT = _shifted_values(critic, batch.take(idx), pack)
+        out_BT[idx.to(out_BT.device), : v_BT.shape[1]] = v_BT
+    return out_BT
+
+
+def mini_batches(
+    cfg: Config, rl: RLDerived, batch: PolicyBatch, mode: str, group: dist.ProcessGroup | None = None
+) -> Iterator[tuple[int, int, list[torch.Tensor], list[PolicyBatch], Aggregation]]:
+    """``(epoch, mini-batch, rows of each micro-batch, micro-batches, aggregation)`` for each optimizer step.
+
+    Each mini-batch's units (tokens or sequences, per ``mode``) are counted on all ranks with one
+    all_reduce over the role's ``group`` before its micro-batches run: every loss term is its sum / that
+    count (spmdrl/algos/aggregation.py). The actor's and the critic's updates walk the same schedule.
+    """
+    a = cfg.algorithm
+    norm_length = float(a.loss_scale_factor or cfg.data.max_response_length)
+    device = batch.input_ids_BT.device
+    for epoch in range(a.ppo_epochs):
+        for m in range(rl.mini_batches_per_step):
+            lo = m * rl.per_rank_mini_batch_seqs
+            rows = [
+                lo + idx
+                for idx in micro_rows(cfg, rl, batch.rows(lo, lo + rl.per_rank_mini_batch_seqs), group)
+            ]
+            micro_batches = [batch.take(idx) for idx in rows]
+            local = sum(count_units(mb.response_mask_BT, mode) for mb in micro_batches)
+            yield (
+                epoch,
+                m,
+                rows,
+                micro_batches,
+                Aggregation(mode, all_reduce_sum({"n": local}, device, group)["n"], norm_length),
+            )
+
+
+def update_critic(
+    cfg: Config, rl: RLDerived, critic: Critic, batch: PolicyBatch, group: dist.ProcessGroup | None = None
+) -> dict[str, float]:
+    """The clipped value loss towards the returns, over the same mini-batches and epochs as the actor."""
+    a = cfg.algorithm
+    assert batch.values_BT is not None and batch.returns_BT is not None
+    device = batch.input_ids_BT.device
+    sums: dict[str, float] = defaultdict(float)
+    grad_norms = []
+    for _, _, _, micro_batches, agg in mini_batches(cfg, rl, batch, a.loss_agg_mode, group):
+        for mb in micro_batches:
+            values_BT = _shifted_values(critic.model, mb, cfg.trainer.pack_sequences)
+            assert mb.values_BT is not None and mb.returns_BT is not None
+            loss, stats = clipped_value_loss(
+                values_BT,
+                mb.values_BT,
+                mb.returns_BT,
+                mb.response_mask_BT,
+                agg=agg,
+                cliprange=cfg.critic.cliprange_value,
+            )
+            loss.backward()
+            sums["vf_loss"] += float(loss.detach())
+            for k, v in stats.items():
+                sums[k] += float(v) / len(micro_batches)
+        grad_norm = clip_grad_norm(critic.model, cfg.critic.optim.grad_clip)
+        if not math.isfinite(grad_norm):
+            raise FloatingPointError(
+                f"non-finite critic gradient norm; try a lower critic.optim.lr (now {cfg.critic.optim.lr})"
+            )
+        grad_norms.append(grad_norm)
+        critic.optimizer.step()
+        critic.optimizer.zero_grad(set_to_none=True)
+    critic.scheduler.step()
+    updates = a.ppo_epochs * rl.mini_batches_per_step
+    reduced = all_reduce_sum(dict(sums), device, group)
+    world = dist.get_world_size(group)
+    metrics = {f"critic/{k}": v / updates / (1 if k == "vf_loss" else world) for k, v in reduced.items()}
+    metrics["critic/grad_norm"] = sum(grad_norms) / len(grad_norms)
+    metrics["critic/lr"] = critic.scheduler.get_last_lr()[0]
+    return metrics
+
+
+def loss_params(cfg: Config) -> PolicyLossParams:
+    """The policy loss's parameters: the algorithm config's fields of the same (verl's) names."""
+    return PolicyLossParams(
+        **{f.name: getattr(cfg.algorithm, f.name) for f in dataclasses.fields(PolicyLossParams)}
+    )
+
+
+def micro_batch_loss(
+    cfg: Config, actor: torch.nn.Module, mb: PolicyBatch, agg: Aggregation
+) -> MicroBatchLoss:
+    """Policy loss (+ KL loss) (- entropy bonus) of one micro-batch: each term ``agg(per-token term)``.
+
+    ``mb.old_logprobs_BT`` None is the on-policy single update: the policy before the step *is* the
+    current one. The entropy gets a gradient only when it enters the loss (algorithm.entropy_coeff > 0);
+    as a mere metric it is computed without one, since its graph would keep a B x T x V float32 softmax
+    alive.
+    """
+    a = cfg.algorithm
+    entropy_in_loss = a.entropy_coeff > 0
+    lp_BT, ent_BT = policy_logprobs(
+        actor,
+        mb.input_ids_BT,
+        mb.attention_mask_BT,
+        temperature=cfg.rollout.temperature,
+        with_entropy=True,
+        entropy_grad=entropy_in_loss,
+        pack_sequences=cfg.trainer.pack_sequences,
+        first_column=mb.first_response_column(),
+    )
+    assert ent_BT is not None
+    mask_BT = mb.response_mask_BT
+    old_BT = mb.old_logprobs_BT if mb.old_logprobs_BT is not None else lp_BT.detach()
+    pg = policy_loss(a.policy_loss)(
+        lp_BT,
+        old_BT,
+        mb.advantages_BT,
+        mask_BT,
+        agg=agg,
+        params=loss_params(cfg),
+        is_weights_BT=mb.is_weights_BT,
+    )
+    loss = pg.loss
+    stats = {"pg_loss": pg.loss.detach(), **pg.metrics}
+    if a.use_kl_loss:
+        assert mb.ref_logprobs_BT is not None
+        kl_loss = agg(kl_penalty(lp_BT, mb.ref_logprobs_BT, a.kl_loss_type), mask_BT)
+        loss = loss + a.kl_loss_coef * kl_loss
+        stats["kl_loss"] = kl_loss.detach()
+    ent_loss = agg(ent_BT, mask_BT)
+    if entropy_in_loss:
+        loss = loss - a.entropy_coeff * ent_loss
+    stats["entropy"] = ent_loss.detach()
+    return MicroBatchLoss(loss=loss, logprobs_BT=lp_BT.detach(), stats=stats)
+
+
+@dataclasses.dataclass
+class UpdateResult:
+    metrics: dict[str, float]
+    # The policy's logprobs before this update (recomputed, or from the first epoch's forward).
+    old_logprobs_BT: torch.Tensor
+
+
+# Summed over micro-batches and ranks, these are the mini-batch's loss terms (each micro-batch is already
+# divided by the mini-batch's global count); the others are micro-batch means, averaged.
+_SUMMED = ("pg_loss", "kl_loss", "entropy")
+
+
+def update_policy(
+    cfg: Config,
+    rl: RLDerived,
+    actor: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: PolicyBatch,
+    group: dist.ProcessGroup | None = None,
+) -> UpdateResult:
+    """PPO epochs x mini-batches; each mini-batch is one optimizer step over its micro-batches.
+
+    Every loss term is (this rank's sum) / (the mini-batch's count of tokens or sequences on all
+    ranks), counted once per mini-batch with one all_reduce, and FSDP sums the gradients over ranks:
+    the gradient of the whole mini-batch's loss, however it is split (spmdrl/algos/aggregation.py).
+    """
+    a = cfg.algorithm
+    device = batch.input_ids_BT.device
+    # gspo, sapo, geo_mean reduce per sequence, as in verl.
+    mode = agg_mode_for(a.policy_loss, a.loss_agg_mode)
+    old_BT = batch.old_logprobs_BT.clone() if batch.old_logprobs_BT is not None else None
+    captured_BT = torch.zeros_like(batch.engine_logprobs_BT)
+    sums: dict[str, float] = defaultdict(float)
+    grad_norms, skipped = [], 0
+    for epoch, m, rows, micro_batches, agg in mini_batches(cfg, rl, batch, mode, group):
+        for idx, mb in zip(rows, micro_batches, strict=True):
+            out = micro_batch_loss(cfg, actor, mb, agg)
+            if old_BT is None and epoch == 0:  # on-policy: this forward is the old policy
+                captured_BT[idx.to(captured_BT.device), : out.logprobs_BT.shape[1]] = out.logprobs_BT
+            out.loss.backward()
+            for k, v in out.stats.items():
+                sums[k] += float(v) if k in _SUMMED else float(v) / len(micro_batches)
+            # The last reference to this micro-batch's graph: dropped before the next forward, not
+            # when `out` is reassigned after it, so no part of it can add to the next one's peak.
+            del out
+        grad_norm = clip_grad_norm(actor, cfg.optim.grad_clip)
+        if not math.isfinite(grad_norm):
+            if cfg.optim.nonfinite_grad == "stop":
+                raise FloatingPointError(
+                    f"non-finite gradient norm in PPO epoch {epoch} mini-batch {m}; try a lower "
+                    f"optim.lr (now {cfg.optim.lr}), check the rewards, or set optim.nonfinite_grad=skip"
+                )
+            skipped += 1  # verl's behaviour: drop this update, keep training
+            optimizer.zero_grad(set_to_none=True)
+            continue
+        grad_norms.append(grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    updates = a.ppo_epochs * rl.mini_batches_per_step
+    reduced = all_reduce_sum(dict(sums), device, group)
+    world = dist.get_world_size(group)
+    metrics = {f"actor/{k}": v / updates / (1 if k in _SUMMED else world) for k, v in reduced.items()}
+    metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
+    metrics["actor/skipped_updates"] = skipped
+    return UpdateResult(metrics, old_BT if old_BT is not None else captured_BT)
