@@ -189,13 +189,13 @@ summary() {
         ' "$OUT/$name.log"
     done
     # Every figure from the JSON files: value, baseline, ratio (value / baseline).
-    "$PY" - "$OUT" <<'EOF'
+    "$PY" - "$OUT" "${PARTS[@]}" <<'EOF'
 import json
 import pathlib
 import sys
 
 out = pathlib.Path(sys.argv[1])
-for name in ("grpo_step", "rollout_vs_engine", "weight_sync"):
+for name in [p for p in ("grpo_step", "rollout_vs_engine", "weight_sync") if p in sys.argv[2:]]:
     path = out / f"{name}.json"
     if not path.exists():
         print(f"{name}: no JSON (the part failed or timed out; see {name}.log)")
