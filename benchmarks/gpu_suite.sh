@@ -25,7 +25,8 @@
 # Environment: PYTHON (default python3), SUITE_SCALE (multiplies every time limit; default 1), SUITE_PARTS
 # (the parts to run, by name; default all three), SUITE_GRPO_STEPS (grpo_step's measured steps),
 # SUITE_GRPO_VARIANTS (grpo_step's spmdrl variants, ";"-separated NAME=OVERRIDES, each measured against the
-# default run: by default the two offload settings, model.offload_optimizer and model.offload_params). A dry run
+# default run: by default the two offload settings, model.offload_optimizer and model.offload_params),
+# SUITE_NO_TRL=1 (grpo_step without its TRL baseline). A dry run
 # of the suite's plumbing on a CPU machine (small model, slow, same steps):
 #   SUITE_DEVICE=cpu SUITE_SHAPE=tiny SUITE_SCALE=5 bash benchmarks/gpu_suite.sh
 
@@ -237,7 +238,7 @@ main() {
     grpo_secs=$(scaled $((T_GRPO + T_VARIANT * ${#variant_args[@]} / 2)))
     [[ $WANT == *" grpo_step "* ]] && run_part grpo_step "$grpo_secs" "$PY" "$REPO/benchmarks/grpo_step.py" --shape "$SHAPE" --nproc 1 \
         --steps "$GRPO_STEPS" --warmup 1 --timeout "$(scaled $((T_GRPO * 4 / 5)))" \
-        ${variant_args[@]+"${variant_args[@]}"} --spmdrl-log "$WORK/spmdrl_job.log" --json "$OUT/grpo_step.json"
+        ${variant_args[@]+"${variant_args[@]}"} ${SUITE_NO_TRL:+--no-trl} --spmdrl-log "$WORK/spmdrl_job.log" --json "$OUT/grpo_step.json"
     if [ -f "$WORK/spmdrl_job.log" ]; then
         {
             echo

@@ -325,14 +325,12 @@ def _spmdrl_medians(rows: list[dict[str, Any]]) -> SideResult:
     tps = statistics.median(r["perf/rollout_tokens_per_s"] for r in rows)
     # Already a running peak (the largest rank's since it started): the max is the last step's.
     memory = [r["perf/max_memory_gb"] for r in rows if "perf/max_memory_gb" in r]
-    return SideResult(
-        step,
-        phases,
-        length,
-        steps,
-        {"rollout_tokens_per_s": tps},
-        max_memory_gb=max(memory) if memory else None,
-    )
+    extra: dict[str, Any] = {"rollout_tokens_per_s": tps}
+    # GPU only: what the trainer keeps on the GPU between its passes (the offload settings lower it).
+    resident = [r["perf/update_start_memory_gb"] for r in rows if "perf/update_start_memory_gb" in r]
+    if resident:
+        extra["update_start_memory_gb"] = max(resident)
+    return SideResult(step, phases, length, steps, extra, max_memory_gb=max(memory) if memory else None)
 
 
 # ---------------------------------------------------------------------------------------------- TRL
@@ -518,7 +516,12 @@ def _trl_medians(steps: list[TrlStep], lengths: list[float], completions: int) -
 
 # ------------------------------------------------------------------------------------------- report
 ROWS = ("rollout", "reward", "old_ref", "update", "actor_update", "weight_sync", "weight_sync_check", "other")
-UNITS = {"rollout_tokens_per_s": "tokens/s", "response_len_mean": "tokens", "max_memory_gb": "GiB"}
+UNITS = {
+    "rollout_tokens_per_s": "tokens/s",
+    "response_len_mean": "tokens",
+    "max_memory_gb": "GiB",
+    "update_start_memory_gb": "GiB",
+}
 FORMATS = {"s": ".3f", "tokens/s": ".0f", "tokens": ".1f", "GiB": ".2f"}
 PREFIX = "grpo_step/"
 
@@ -527,7 +530,8 @@ def row_keys(results: list[SideResult]) -> list[str]:
     """The figures' keys in table order, over every given run's phases (a variant may add one)."""
     phases = set().union(*(r.phases for r in results))
     ordered = [p for p in ROWS if p in phases] + sorted(phases - set(ROWS))
-    return ["step_s", *(f"{p}_s" for p in ordered), *UNITS]
+    measured = set().union(*(values(r) for r in results))
+    return ["step_s", *(f"{p}_s" for p in ordered), *(k for k in UNITS if k in measured)]
 
 
 def values(r: SideResult) -> dict[str, float]:
@@ -537,6 +541,8 @@ def values(r: SideResult) -> dict[str, float]:
     out["response_len_mean"] = r.response_len
     if r.max_memory_gb is not None:
         out["max_memory_gb"] = r.max_memory_gb
+    if "update_start_memory_gb" in r.extra:
+        out["update_start_memory_gb"] = r.extra["update_start_memory_gb"]
     return out
 
 

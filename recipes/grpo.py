@@ -77,7 +77,7 @@ from spmdrl.logging.plot import plot_curves
 from spmdrl.logging.samples import write_samples
 from spmdrl.logging.timer import PhaseTimer
 from spmdrl.models.load import load_tokenizer, resolve_model_path_all_ranks
-from spmdrl.optim import build_lr_scheduler, build_optimizer, optimizer_state_on
+from spmdrl.optim import OptimizerOffload, build_lr_scheduler, build_optimizer
 from spmdrl.recipes.grpo_metrics import step_metrics
 from spmdrl.recipes.grpo_models import build_critic, build_models
 from spmdrl.recipes.grpo_rollout import (
@@ -305,6 +305,9 @@ def main(cfg: Config) -> None:
     actor, ref = build_models(cfg, env.device, meshes, model_dir)
     critic = build_critic(cfg, env.device, meshes, model_dir, run.cache_dir) if is_critic else None
     optimizer = build_optimizer(actor, cfg.optim) if is_actor else None
+    # model.offload_optimizer: the moments in (pinned) host memory between updates.
+    actor_offload = OptimizerOffload(optimizer, env.device) if optimizer else None
+    critic_offload = OptimizerOffload(critic.optimizer, env.device) if critic else None
     scheduler = build_lr_scheduler(optimizer, cfg.optim, derived.total_steps) if optimizer else None
     fanout = (
         Fanout(meshes.fanout_group, placement.fanout_ranks()[0], receiving=not is_actor)
@@ -474,13 +477,15 @@ def main(cfg: Config) -> None:
         #    their own ranks when split.
         critic_metrics: dict[str, float] = {}
         update: UpdateResult | None = None
+        # The engine is asleep: what is allocated now is the trainer's own (parameters, moments, the batch).
+        resident_gb = torch.cuda.memory_allocated(env.device) / 2**30 if env.device.type == "cuda" else None
         with timer("update"):
             if critic is not None:
-                assert critic_batch is not None
-                with timer("critic_update"), optimizer_state_on(critic.optimizer, env.device, offload_optim):
+                assert critic_batch is not None and critic_offload is not None
+                with timer("critic_update"), critic_offload.on_device(offload_optim):
                     critic_metrics = update_critic(cfg, rl_critic, critic, critic_batch, critic_group)
             if batch is not None:
-                assert optimizer is not None and scheduler is not None
+                assert optimizer is not None and scheduler is not None and actor_offload is not None
                 with timer("actor_update"):
                     if a.adv_estimator in NEEDS_CRITIC and step <= cfg.critic.warmup_steps:
                         # critic.warmup_steps: the actor waits for values that mean something (verl's
@@ -494,7 +499,7 @@ def main(cfg: Config) -> None:
                         )
                         update = UpdateResult({}, old_BT)
                     else:
-                        with optimizer_state_on(optimizer, env.device, offload_optim):
+                        with actor_offload.on_device(offload_optim):
                             update = update_policy(cfg, rl, actor, optimizer, batch, actor_group)
                         scheduler.step()  # once per RL step (optim.warmup_steps counts RL steps)
 
@@ -522,7 +527,7 @@ def main(cfg: Config) -> None:
         if placement.is_split:  # the first critic rank tells rank 0, which logs
             critic_metrics = broadcast_object(critic_metrics, src=placement.role("critic").first_rank)
         metrics = {
-            **step_metrics(cfg, ro, timer, env.device, actor_part, actor_group),
+            **step_metrics(cfg, ro, timer, env.device, actor_part, actor_group, resident_gb),
             **(update.metrics if update is not None else {}),
             **critic_metrics,
             **extra,

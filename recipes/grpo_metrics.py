@@ -70,6 +70,7 @@ def step_metrics(
     device: torch.device,
     actor_part: tuple[PolicyBatch, torch.Tensor, torch.Tensor] | None,
     actor_group: dist.ProcessGroup | None = None,
+    resident_gb: float | None = None,
 ) -> dict[str, float]:
     """Rollout, reward and timing metrics of the step reduced over all ranks, and, on the actor's ranks
     (``actor_part``: its batch, the sampled mask and the old logprobs), the trainer-vs-engine mismatch
@@ -93,9 +94,11 @@ def step_metrics(
     )
     # A step is as slow as its slowest rank; phases no rank ran are left out.
     seconds = {f"{p}_s": timer.seconds.get(f"{p}_s", 0.0) for p in PHASES}
-    peaks = all_reduce_max({**seconds, **peak_memory_gb(device)}, device)
+    resident = {} if resident_gb is None else {"resident_gb": resident_gb}
+    peaks = all_reduce_max({**seconds, **peak_memory_gb(device), **resident}, device)
     memory_gb = peaks.pop("memory_gb")
     host_memory_gb = peaks.pop("host_memory_gb", None)
+    resident_gb = peaks.pop("resident_gb", None)
     slowest = {k: v for k, v in peaks.items() if v > 0}
     count = sums["n"]
     mean = sums["reward"] / count
@@ -114,6 +117,8 @@ def step_metrics(
         # The largest rank's peak so far: resident memory on CPU, the allocator's peak on GPU.
         "perf/max_memory_gb": memory_gb,
         **({} if host_memory_gb is None else {"perf/max_host_memory_gb": host_memory_gb}),
+        # What the trainer keeps on the GPU between its passes (the engine asleep): model.offload_* lower it.
+        **({} if resident_gb is None else {"perf/update_start_memory_gb": resident_gb}),
         **{f"timing/{k}": v for k, v in slowest.items()},
     }
     if "critic_update_s" in slowest and "actor_update_s" in slowest:

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from spmdrl.config import OptimConfig
 
@@ -71,29 +72,65 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
     return float(norm)
 
 
-def move_optimizer_state(opt: torch.optim.Optimizer, device: torch.device) -> None:
-    """Move every per-parameter state tensor (AdamW's moments) to ``device``, in place.
+class OptimizerOffload:
+    """The optimizer's per-parameter state (AdamW's moments) in host memory outside ``on_device()`` blocks
+    (verl's optimizer_offload): the update phase has it on the GPU, the rollout and the log-prob passes
+    get its memory.
 
-    The 0-dim ``step`` counters stay where the optimizer made them: AdamW's non-capturable step
-    expects them on the CPU.
+    Each state tensor gets one host buffer for the whole run, pinned on CUDA, so both copies are
+    asynchronous DMA instead of pageable copies, and nothing is allocated per step. FSDP2's state is
+    DTensors: the buffers hold their local shards, and the DTensor is rebuilt around the moved shard with
+    its mesh, placements and global shape unchanged. The 0-dim ``step`` counters are never moved:
+    AdamW's non-capturable step expects them on the CPU.
     """
-    non_blocking = device.type == "cuda"  # host -> GPU may overlap; GPU -> host must land before reuse
-    for state in opt.state.values():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
-                state[key] = value.to(device, non_blocking=non_blocking)
+
+    def __init__(self, opt: torch.optim.Optimizer, device: torch.device) -> None:
+        self.opt, self.device = opt, device
+        self._host: dict[tuple[int, str], torch.Tensor] = {}
+
+    def _tensors(self) -> Iterator[tuple[tuple[int, str], dict, str, torch.Tensor]]:
+        for state in self.opt.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    yield (id(state), key), state, key, value
+
+    def offload(self) -> None:
+        for slot, state, key, value in self._tensors():
+            local = value.to_local() if isinstance(value, DTensor) else value
+            host = self._host.get(slot)
+            if host is None or host.shape != local.shape or host.dtype != local.dtype:
+                host = torch.empty(local.shape, dtype=local.dtype, pin_memory=local.is_cuda)
+                self._host[slot] = host
+            if host.data_ptr() != local.data_ptr():
+                host.copy_(local, non_blocking=local.is_cuda)
+            state[key] = _rewrap(value, host)
+        if self.device.type == "cuda":
+            # The host copies must land before anything reads them (a checkpoint save, say).
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def load(self) -> None:
+        for _, state, key, value in self._tensors():
+            local = value.to_local() if isinstance(value, DTensor) else value
+            state[key] = _rewrap(value, local.to(self.device, non_blocking=True))
+
+    @contextlib.contextmanager
+    def on_device(self, enabled: bool = True) -> Iterator[None]:
+        """The state is on the compute device inside the block, in host memory after it. AdamW creates
+        its state on the first step, so the first block starts with nothing to move."""
+        if not enabled:
+            yield
+            return
+        self.load()
+        try:
+            yield
+        finally:
+            self.offload()
 
 
-@contextlib.contextmanager
-def optimizer_state_on(opt: torch.optim.Optimizer, device: torch.device, offload: bool) -> Iterator[None]:
-    """With ``offload``, the optimizer state is on ``device`` inside the block and in host memory outside
-    it (verl's optimizer_offload): the update phase has it, the rollout and the log-prob passes get its
-    memory. AdamW creates its state on the first step, so the first block starts with nothing to move."""
-    if not offload:
-        yield
-        return
-    move_optimizer_state(opt, device)
-    try:
-        yield
-    finally:
-        move_optimizer_state(opt, torch.device("cpu"))
+def _rewrap(like: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` as the same kind of tensor as ``like``: a DTensor with like's mesh, placements and shape."""
+    if not isinstance(like, DTensor):
+        return local
+    return DTensor.from_local(
+        local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+    )

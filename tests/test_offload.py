@@ -111,17 +111,46 @@ def test_offloaded_update_equals_the_plain_one(tmp_path: Path) -> None:
             torch.testing.assert_close(off["weights"][name], w, rtol=0, atol=0, msg=name)
 
 
-def test_optimizer_state_moves_in_full_and_its_step_counters_stay() -> None:
-    from spmdrl.optim import move_optimizer_state, optimizer_state_on
+def _optimizer_worker(rank: int, world: int, model_dir: str) -> dict[str, object]:
+    from torch.distributed.tensor import DTensor
 
-    model = torch.nn.Linear(4, 3)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
-    model(torch.randn(2, 4)).sum().backward()
-    opt.step()
-    with optimizer_state_on(opt, torch.device("meta"), offload=False):
-        assert all(v.device.type == "cpu" for s in opt.state.values() for v in s.values())
-    # The meta device stands in for a GPU: every moment moves, and AdamW's non-capturable step stays on the CPU.
-    move_optimizer_state(opt, torch.device("meta"))
-    for state in opt.state.values():
-        assert state["exp_avg"].is_meta and state["exp_avg_sq"].is_meta
-        assert state["step"].device.type == "cpu" and float(state["step"]) == 1.0
+    from spmdrl.config import OptimConfig
+    from spmdrl.distributed.placement import Placement
+    from spmdrl.models.build import ModelSpec, build_fsdp_model
+    from spmdrl.optim import OptimizerOffload, build_optimizer
+
+    device = torch.device("cpu")
+    mesh = Placement.colocated(world).build_meshes("cpu").fsdp("actor")
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(rank))
+
+    def train(offload: bool) -> tuple[list[torch.Tensor], OptimizerOffload]:
+        model = build_fsdp_model(ModelSpec(Path(model_dir), torch.float32, torch.float32), mesh, device)
+        opt = build_optimizer(model, OptimConfig(lr=1e-2))
+        off = OptimizerOffload(opt, device)
+        for _ in range(3):  # the first block creates the state, the later ones move it both ways
+            with off.on_device(offload):
+                model(input_ids=ids).logits.float().pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        return [p.to_local().clone() for p in model.parameters()], off
+
+    plain, _ = train(False)
+    offloaded, off = train(True)
+    moved = []
+    for state in off.opt.state.values():
+        for key, value in state.items():
+            if key == "step":
+                assert value.dim() == 0 and float(value) == 3.0  # never moved, still counting
+                continue
+            # Between blocks each moment is a DTensor (same global shape) around its host buffer.
+            assert isinstance(value, DTensor)
+            moved.append(value.to_local().data_ptr() in {h.data_ptr() for h in off._host.values()})
+    return {"plain": plain, "offloaded": offloaded, "moved": moved}
+
+
+def test_optimizer_offload_moves_every_moment_and_changes_no_step(tmp_path: Path) -> None:
+    save_small_qwen2(tmp_path / "m")
+    for out in run_distributed(_optimizer_worker, 2, str(tmp_path / "m")):
+        assert out["moved"] and all(out["moved"])
+        for a, b in zip(out["plain"], out["offloaded"], strict=True):
+            torch.testing.assert_close(b, a, rtol=0, atol=0)
