@@ -477,7 +477,8 @@ def main(cfg: Config) -> None:
         #    their own ranks when split.
         critic_metrics: dict[str, float] = {}
         update: UpdateResult | None = None
-        # The engine is asleep: what is allocated now is the trainer's own (parameters, moments, the batch).
+        # The engine is asleep: what is allocated now is the trainer's (parameters, moments, the batch), plus
+        # the engine's sleep-mode allocations, which the allocator counts though their memory is released.
         resident_gb = torch.cuda.memory_allocated(env.device) / 2**30 if env.device.type == "cuda" else None
         with timer("update"):
             if critic is not None:

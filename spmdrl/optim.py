@@ -128,9 +128,13 @@ class OptimizerOffload:
 
 
 def _rewrap(like: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """``local`` as the same kind of tensor as ``like``: a DTensor with like's mesh, placements and shape."""
+    """``local`` as the same kind of tensor as ``like``: a DTensor with like's spec (mesh, placements,
+    global shape), its local shard wherever ``local`` is.
+
+    Not ``DTensor.from_local``: that moves a host shard onto the mesh's device, which silently undid the
+    offload on the H100 (the moments never left the GPU). This is how FSDP2 itself wraps its offloaded
+    shards (``_from_local_no_grad``): the DTensor constructor with the spec.
+    """
     if not isinstance(like, DTensor):
         return local
-    return DTensor.from_local(
-        local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
-    )
+    return DTensor(local, like._spec, requires_grad=False)  # type: ignore[call-arg]
