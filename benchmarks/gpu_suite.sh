@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU benchmark suite: three measurements on one CUDA GPU, sized to end within about 7 minutes.
+# The GPU benchmark suite: three measurements on one CUDA GPU, about 9 minutes on an H100 (grpo_step with
+# its two offload variants about 5 of them; SUITE_PARTS splits it).
 #
 #   bash benchmarks/gpu_suite.sh          # after installing vLLM for CUDA (a release from 0.24 to 0.32)
 #   OUT=/some/dir bash benchmarks/gpu_suite.sh
@@ -48,7 +49,7 @@ OUT=$(cd "$OUT" && pwd)
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/spmdrl-gpu-suite.XXXXXX")
 SUITE_T0=$(date +%s)
 
-# Seconds for each part (x SUITE_SCALE): about 7 minutes in all at most, with the set-up.
+# Seconds for each part (x SUITE_SCALE); grpo_step gets T_VARIANT more for each variant.
 T_MODEL=40
 T_GRPO=205
 T_VARIANT=100  # each grpo_step variant: one more spmdrl job

@@ -171,6 +171,10 @@ class TrainerConfig:
     seed: int = 0
     # "auto" (cuda when available, else cpu), "cpu" or "cuda".
     device: str = choice("auto", ("auto", "cpu", "cuda"))
+    # torch's intra-op threads per rank (the trainer's CPU work: everything on a CPU trainer, AdamW on the
+    # host under model.offload_params). 0: the cores this process may run on, divided by the ranks on this
+    # node (torchrun's OMP_NUM_THREADS=1 for every rank would leave all but one core per rank idle).
+    cpu_threads: int = 0
     # "" : outputs/<recipe>/<UTC timestamp>, chosen by rank 0 and broadcast to every rank (a restart under
     # torchrun --max-restarts finds the same directory again).
     output_dir: str = ""
@@ -580,6 +584,10 @@ def validate(cfg: Config) -> None:
     }.items():
         if value <= 0:
             raise ConfigError(f"{key} must be > 0, got {value}")
+    if cfg.trainer.cpu_threads < 0:
+        raise ConfigError(
+            f"trainer.cpu_threads must be >= 0 (0: cores / ranks on the node), got {cfg.trainer.cpu_threads}"
+        )
     if cfg.rollout.temperature < 0 or cfg.rollout.val_temperature < 0:
         raise ConfigError("rollout.temperature and rollout.val_temperature must be >= 0 (0 is greedy)")
     _validate_multi_turn(cfg)

@@ -95,6 +95,9 @@ class OptimizerOffload:
                     yield (id(state), key), state, key, value
 
     def offload(self) -> None:
+        # A resumed checkpoint rebuilds the state dicts: buffers of the replaced ones are dropped, not kept.
+        live = {slot for slot, *_ in self._tensors()}
+        self._host = {slot: buf for slot, buf in self._host.items() if slot in live}
         for slot, state, key, value in self._tensors():
             local = value.to_local() if isinstance(value, DTensor) else value
             host = self._host.get(slot)

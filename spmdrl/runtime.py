@@ -102,6 +102,16 @@ def choose_output_dir(cfg: Config) -> str:
     return chosen
 
 
+def cpu_threads(requested: int) -> tuple[int, str]:
+    """Threads for torch in this rank and why: ``requested`` if > 0, else this process's usable cores
+    (its CPU affinity, which Slurm and containers narrow) over the ranks on this node, at least 1."""
+    if requested > 0:
+        return requested, "trainer.cpu_threads"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(cores // local, 1), f"trainer.cpu_threads=0: {cores} usable cores / {local} ranks on this node"
+
+
 def start_run(cfg: Config) -> Run:
     env = init_distributed(cfg.trainer.device, cfg.trainer.collective_timeout_min)
     setup_logging(env.rank)
@@ -114,5 +124,8 @@ def start_run(cfg: Config) -> Run:
     torch.distributed.barrier()
     log.info("output directory: %s", output_dir)
     log.info("world size %d on %s", env.world_size, env.device)
+    threads, why = cpu_threads(cfg.trainer.cpu_threads)
+    torch.set_num_threads(threads)
+    log.info("torch threads per rank: %d (%s)", threads, why)
     seed_everything(cfg.trainer.seed)
     return Run(cfg=cfg, env=env, output_dir=output_dir, cache_dir=default_cache_dir(cfg.model.cache_dir))

@@ -137,3 +137,16 @@ def test_derive_rejects_indivisible_batch() -> None:
         derive(_cfg(64, 3), world_size=2, num_train_samples=1000)
     with pytest.raises(ConfigError, match="fewer than one global batch"):
         derive(_cfg(64, 8), world_size=2, num_train_samples=10)
+
+
+def test_cpu_threads_split_the_usable_cores_over_the_node_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    from spmdrl.runtime import cpu_threads
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: set(range(16)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert cpu_threads(0)[0] == 4  # torchrun's OMP_NUM_THREADS=1 would leave 12 of the 16 cores idle
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
+    assert cpu_threads(0)[0] == 1  # more ranks than cores: one each, never 0
+    assert cpu_threads(3) == (3, "trainer.cpu_threads")
+    with pytest.raises(ConfigError, match=r"trainer\.cpu_threads must be >= 0"):
+        load_config(["trainer.cpu_threads=-1"])
