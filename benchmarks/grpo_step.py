@@ -385,15 +385,12 @@ class TrlStep:
 
 
 def peak_memory_gb(cuda: bool) -> float:
-    """This process's peak as the recipe measures its ranks' (perf/max_memory_gb): the CUDA allocator's
-    peak on a GPU, the peak resident set on CPU (ru_maxrss is in KiB on Linux)."""
+    """This process's peak, measured as the recipe measures its ranks' (perf/max_memory_gb)."""
     import torch
 
-    if cuda:
-        return torch.cuda.max_memory_allocated() / 2**30
-    import resource
+    from spmdrl.recipes.grpo_metrics import peak_memory_gb as recipe_peak_memory_gb
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return recipe_peak_memory_gb(torch.device("cuda" if cuda else "cpu"))["memory_gb"]
 
 
 def _step_callback(profile: _Profile, steps: list[TrlStep], cuda: bool) -> Any:
@@ -707,8 +704,8 @@ def main() -> None:
         work = Path(tmp)
         model_dir, params = make_model(a, work)
         runs, failed = run_all_spmdrl(a, model_dir, work, Context(None, params, cuda, a.variant))
-        # Only now: importing TRL grows this process, and on Linux a child starts with its parent's peak
-        # resident set as its own ru_maxrss (kept across fork and exec): the jobs' CPU memory floor.
+        # Only now: importing TRL grows this process, and the jobs' processes are measured alone (the
+        # recipe reads VmHWM, which a child does not inherit) only if they start before it grows.
         version, note = trl_status(a.no_trl)
         ctx = Context(version, params, cuda, a.variant, tuple(failed))
         trl = None

@@ -306,8 +306,8 @@ def main(cfg: Config) -> None:
     critic = build_critic(cfg, env.device, meshes, model_dir, run.cache_dir) if is_critic else None
     optimizer = build_optimizer(actor, cfg.optim) if is_actor else None
     # model.offload_optimizer: the moments in (pinned) host memory between updates.
-    actor_offload = OptimizerOffload(optimizer, env.device) if optimizer else None
-    critic_offload = OptimizerOffload(critic.optimizer, env.device) if critic else None
+    actor_offload = OptimizerOffload(optimizer, env.device, offload_optim) if optimizer else None
+    critic_offload = OptimizerOffload(critic.optimizer, env.device, offload_optim) if critic else None
     scheduler = build_lr_scheduler(optimizer, cfg.optim, derived.total_steps) if optimizer else None
     fanout = (
         Fanout(meshes.fanout_group, placement.fanout_ranks()[0], receiving=not is_actor)
@@ -483,7 +483,7 @@ def main(cfg: Config) -> None:
         with timer("update"):
             if critic is not None:
                 assert critic_batch is not None and critic_offload is not None
-                with timer("critic_update"), critic_offload.on_device(offload_optim):
+                with timer("critic_update"), critic_offload.on_device():
                     critic_metrics = update_critic(cfg, rl_critic, critic, critic_batch, critic_group)
             if batch is not None:
                 assert optimizer is not None and scheduler is not None and actor_offload is not None
@@ -500,7 +500,7 @@ def main(cfg: Config) -> None:
                         )
                         update = UpdateResult({}, old_BT)
                     else:
-                        with actor_offload.on_device(offload_optim):
+                        with actor_offload.on_device():
                             update = update_policy(cfg, rl, actor, optimizer, batch, actor_group)
                         scheduler.step()  # once per RL step (optim.warmup_steps counts RL steps)
 

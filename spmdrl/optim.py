@@ -84,8 +84,8 @@ class OptimizerOffload:
     AdamW's non-capturable step expects them on the CPU.
     """
 
-    def __init__(self, opt: torch.optim.Optimizer, device: torch.device) -> None:
-        self.opt, self.device = opt, device
+    def __init__(self, opt: torch.optim.Optimizer, device: torch.device, enabled: bool = True) -> None:
+        self.opt, self.device, self.enabled = opt, device, enabled
         self._host: dict[tuple[int, str], torch.Tensor] = {}
 
     def _tensors(self) -> Iterator[tuple[tuple[int, str], dict, str, torch.Tensor]]:
@@ -117,10 +117,10 @@ class OptimizerOffload:
             state[key] = _rewrap(value, local.to(self.device, non_blocking=True))
 
     @contextlib.contextmanager
-    def on_device(self, enabled: bool = True) -> Iterator[None]:
-        """The state is on the compute device inside the block, in host memory after it. AdamW creates
-        its state on the first step, so the first block starts with nothing to move."""
-        if not enabled:
+    def on_device(self) -> Iterator[None]:
+        """The state is on the compute device inside the block, in host memory after it (when enabled).
+        AdamW creates its state on the first step, so the first block starts with nothing to move."""
+        if not self.enabled:
             yield
             return
         self.load()

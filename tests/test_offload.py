@@ -126,9 +126,9 @@ def _optimizer_worker(rank: int, world: int, model_dir: str) -> dict[str, object
     def train(offload: bool) -> tuple[list[torch.Tensor], OptimizerOffload]:
         model = build_fsdp_model(ModelSpec(Path(model_dir), torch.float32, torch.float32), mesh, device)
         opt = build_optimizer(model, OptimConfig(lr=1e-2))
-        off = OptimizerOffload(opt, device)
+        off = OptimizerOffload(opt, device, enabled=offload)
         for _ in range(3):  # the first block creates the state, the later ones move it both ways
-            with off.on_device(offload):
+            with off.on_device():
                 model(input_ids=ids).logits.float().pow(2).mean().backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
