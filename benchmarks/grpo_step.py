@@ -704,8 +704,7 @@ def main() -> None:
         work = Path(tmp)
         model_dir, params = make_model(a, work)
         runs, failed = run_all_spmdrl(a, model_dir, work, Context(None, params, cuda, a.variant))
-        # Only now: importing TRL grows this process, and the jobs' processes are measured alone (the
-        # recipe reads VmHWM, which a child does not inherit) only if they start before it grows.
+        # Only now: the spmdrl jobs ran beside a process that had not yet imported TRL and its model.
         version, note = trl_status(a.no_trl)
         ctx = Context(version, params, cuda, a.variant, tuple(failed))
         trl = None
