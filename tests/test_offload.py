@@ -161,7 +161,9 @@ def test_recipe_with_everything_offloaded_trains_saves_and_resumes_like_the_plai
     offload_optimizer and a KL term (so the reference exists): one step, a checkpoint, then a second
     invocation that resumes from it for a second step. Its metrics and exported weights equal a plain
     run's 2 straight steps bit for bit (CPU: same kernels), so the recipe's wiring of the settings (the
-    reference's build, the sync gathering offloaded shards, the checkpoint of offloaded state) is right."""
+    reference's build, the sync gathering offloaded shards, the checkpoint of offloaded state) is right.
+    The engine's kernel path is forced (fp32, torch GEMM), so the result holds on any host. The plain run
+    also shows trainer.cpu_threads=0 reaching torch (its log line, from the rank that sets it)."""
     import os
 
     from safetensors.torch import load_file
@@ -183,11 +185,14 @@ def test_recipe_with_everything_offloaded_trains_saves_and_resumes_like_the_plai
         "algorithm.use_kl_loss=true",
         # A gradient every step although a random model earns no reward: the weights move.
         "algorithm.entropy_coeff=0.01",
+        # One engine kernel path on every host (AVX512-BF16 or not): fp32 weights, torch's GEMM.
+        "rollout.dtype=float32",
+        "rollout.cpu_gemm=torch",
     ]
     offload = ["model.offload_params=true", "model.offload_ref=true", "model.offload_optimizer=true"]
     env = {"SPMDRL_CACHE": os.environ.get("SPMDRL_CACHE", str(Path.home() / ".cache" / "spmdrl"))}
 
-    def run(out: Path, steps: int, *extra: str) -> None:
+    def run(out: Path, steps: int, *extra: str) -> str:
         res = torchrun(
             [*args, f"trainer.output_dir={out}", f"trainer.total_steps={steps}", *extra],
             nproc=2,
@@ -196,8 +201,15 @@ def test_recipe_with_everything_offloaded_trains_saves_and_resumes_like_the_plai
             env=env,
         )
         assert res.returncode == 0, res.output[-5000:]
+        return res.output
 
-    run(tmp_path / "plain", 2)
+    log = run(tmp_path / "plain", 2)
+    # trainer.cpu_threads=0 reached torch: the usable cores over the 2 ranks of this node.
+    cores = len(os.sched_getaffinity(0))
+    assert (
+        f"torch threads per rank: {max(cores // 2, 1)} (trainer.cpu_threads=0: {cores} usable cores / 2 ranks"
+        in log
+    )
     run(tmp_path / "offloaded", 1, *offload)
     run(tmp_path / "offloaded", 2, *offload)  # resumes from the step-1 checkpoint
 
