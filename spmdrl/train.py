@@ -11,7 +11,9 @@ import faulthandler
 import importlib
 import os
 import sys
+import time
 from collections.abc import Callable
+from typing import NoReturn
 
 import torch.distributed as dist
 
@@ -27,14 +29,31 @@ EXIT_CONFIG_ERROR = 2
 faulthandler.enable(all_threads=True)
 
 
+# How long a rank other than 0 waits before exiting on a config error (see exit_config_error).
+_NONZERO_RANK_EXIT_DELAY_S = 5.0
+
+
+def exit_config_error(message: str) -> NoReturn:
+    """Print ``message`` once for the whole job and exit 2.
+
+    Every rank reads the same config and fails the same way, so rank 0 alone prints. The others wait
+    before exiting: torchrun ends the job as soon as one rank exits, and a rank 1 that exited first could
+    get rank 0 killed before it printed (the cause was lost, intermittently). Rank 0 exits during that
+    wait, which ends the job; a rank still alive after it (its cause was local to it) prints the message.
+    """
+    if os.environ.get("RANK", "0") != "0":
+        time.sleep(_NONZERO_RANK_EXIT_DELAY_S)
+    sys.stderr.write(f"spmdrl: config error: {message}\n")
+    sys.stderr.flush()
+    sys.exit(EXIT_CONFIG_ERROR)
+
+
 def parse_config(argv: list[str]) -> Config:
     """The config, or a clean exit 2 with the message (printed once, not once per rank)."""
     try:
         return load_config(argv)
     except ConfigError as e:
-        if os.environ.get("RANK", "0") == "0":
-            sys.stderr.write(f"spmdrl: config error: {e}\n")
-        sys.exit(EXIT_CONFIG_ERROR)
+        exit_config_error(str(e))
 
 
 def run_recipe(recipe_main: Callable[[Config], None], argv: list[str] | None = None) -> None:
@@ -54,10 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         recipe = importlib.import_module(f"spmdrl.recipes.{cfg.entry}")
     except ModuleNotFoundError as e:
-        sys.stderr.write(
-            f"spmdrl: config error: entry={cfg.entry!r}: no recipe module spmdrl.recipes.{cfg.entry} ({e})\n"
-        )
-        sys.exit(EXIT_CONFIG_ERROR)
+        exit_config_error(f"entry={cfg.entry!r}: no recipe module spmdrl.recipes.{cfg.entry} ({e})")
     run_or_die(lambda: _run(recipe.main, cfg))
 
 

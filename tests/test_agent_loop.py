@@ -248,6 +248,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 # ------------------------------------------------------------------------------------------ tests
+@pytest.mark.slow
+@pytest.mark.cpu_kinds
 def test_multi_turn_on_two_engines(model_dir: str) -> None:
     results = run_distributed(_tp1_worker, 2, model_dir, timeout_s=600, env=VLLM_ENV)
 
@@ -303,6 +305,7 @@ def test_multi_turn_on_two_engines(model_dir: str) -> None:
         assert [x[2] for x in a] == [x[2] for x in c]
 
 
+@pytest.mark.slow
 def test_multi_turn_tp2_ranks_schedule_identically(model_dir: str) -> None:
     r0, r1 = run_distributed(_tp2_worker, 2, model_dir, timeout_s=600, env=VLLM_ENV)
     # Both ranks of the engine made the same requests in the same order and got the same turns back.

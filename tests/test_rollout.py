@@ -151,6 +151,7 @@ def _rollout_worker(rank: int, world: int, model_dir: str) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.cpu_kinds
 def test_vllm_engine_tp1_and_tp2(tmp_path: Path) -> None:
     from spmdrl.models.tiny import ensure_tiny_model
     from spmdrl.testing.spawn import run_distributed

@@ -20,6 +20,9 @@ from spmdrl.rollout.groups import TPGroups
 from spmdrl.rollout.vllm_engine import VLLMEngine
 from spmdrl.rollout.vllm_version import check_vllm_version, installed_vllm, require_supported_vllm
 
+# Its outcome depends on the kernels the engine picks for the CPU: CI runs it as every CPU kind.
+pytestmark = pytest.mark.cpu_kinds
+
 # ---- supported vLLM releases ---------------------------------------------------------------------------
 
 

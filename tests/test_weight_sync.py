@@ -8,9 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from spmdrl.config import ConfigError, RolloutConfig
 from spmdrl.rollout.mismatch import logprob_mismatch
 from spmdrl.rollout.weight_sync import engine_name
 from spmdrl.testing.spawn import run_distributed
+
+# Its outcome depends on the kernels the engine picks for the CPU: CI runs it as every CPU kind.
+pytestmark = pytest.mark.cpu_kinds
 
 VLLM_ENV = {"VLLM_LOGGING_LEVEL": "WARNING"}
 # Longer than vLLM's CPU KV block (128 tokens), so prompts leave full blocks in the prefix cache: a sync
@@ -112,7 +116,8 @@ def _sync_worker(rank: int, world: int, model_dir: str) -> dict:
         results[f"exact_{bucket_mb}"] = got.keys() == full.keys() and all(
             torch.equal(got[k], v) for k, v in full.items()
         )
-    results["param_bytes_bf16"] = sum(p.numel() * 2 for _, p in trainer_weights(model))
+    # The sync sends the engine's dtype: bf16 where the CPU computes it natively, else float32 (auto).
+    results["param_bytes_engine"] = sum(p.numel() * engine.dtype.itemsize for _, p in trainer_weights(model))
     x = torch.ones(1)
     dist.all_reduce(x)
     results["all_reduce"] = float(x)
@@ -148,7 +153,7 @@ def test_sync_fsdp2_to_vllm_tp1_and_tp2(tmp_path: Path) -> None:
             assert out["checked_groups"] >= 4 * 3 + 2, out["checked_groups"]
             num_buckets, num_tensors, nbytes, _ = out["stats"]
             assert num_buckets > 3, "0.2 MB buckets over a ~1.6 MB bf16 model must make several"
-            assert nbytes == res["param_bytes_bf16"] and num_tensors > num_buckets
+            assert nbytes == res["param_bytes_engine"] and num_tensors > num_buckets
 
 
 # ---- split placement: ranks without the actor receive its weights (weight_sync.Fanout) --------------
@@ -191,7 +196,7 @@ def _fanout_worker(rank: int, world: int, model_dir: str) -> dict:
         model, engine, bucket_mb=0.2, check=SyncCheck(seed=1), fanout=fanout, device=torch.device("cpu")
     )
     out["stats"] = (stats.num_buckets, stats.num_tensors, stats.bytes, stats.checked_groups)
-    out["param_bytes_bf16"] = sum(p.numel() * 2 for _, p in trainer_weights(model))
+    out["param_bytes_engine"] = sum(p.numel() * engine.dtype.itemsize for _, p in trainer_weights(model))
     out["after"] = answers()
     if holds:  # the actor's ranks (an FSDP forward runs over their group only)
         out["mismatch"] = _mismatch(model, engine, prompts, seed=3)
@@ -223,7 +228,7 @@ def test_split_placement_engines_without_the_actor_get_its_weights(tmp_path: Pat
     assert res[0]["mismatch"]["logprob_abs_diff_mean"] < 0.02, res[0]["mismatch"]
     for r in res:
         num_buckets, num_tensors, nbytes, checked = r["stats"]
-        assert nbytes == r["param_bytes_bf16"] and checked >= 4 * 3 + 2, r["stats"]
+        assert nbytes == r["param_bytes_engine"] and checked >= 4 * 3 + 2, r["stats"]
     assert res[2]["stats"][0] == 0  # the receiver gathers nothing itself
     assert "model.layers.1.mlp.down_proj" in res[2]["broken"], res[2]["broken"]
     assert all("failed on another rank's engine" in r["broken"] for r in res[:2]), [r["broken"] for r in res]
@@ -246,17 +251,12 @@ CPU_GEMM_CASES = [
 PACKED = ("onednn", "sgl", "zentorch")
 
 
-def _unavailable(path: str) -> str | None:
-    """Why this machine cannot run ``path`` (None: it can). Decided without importing vLLM here."""
-    import importlib.util
+def _unavailable(path: str, dtype: str | None = None) -> str | None:
+    """Why this machine cannot run ``path`` (None: it can): the library's own answer, the one the engine's
+    config check gives (so a path the CPU lacks is skipped here for the reason a user would be told)."""
+    from spmdrl.rollout.cpu_gemm import unavailable_reason
 
-    from spmdrl.rollout.cpu_gemm import cpu_has_native_bf16
-
-    if path == "sgl" and not cpu_has_native_bf16():
-        return "sgl's bf16 kernel needs AVX512-BF16 or AMX, which this CPU lacks (vLLM never picks it here)"
-    if path == "zentorch" and importlib.util.find_spec("zentorch") is None:
-        return "the zentorch package is not installed (the cpu extra installs it on x86-64)"
-    return None
+    return unavailable_reason(path, None if dtype is None else getattr(torch, dtype))
 
 
 def _paths_worker(rank: int, world: int, model_dir: str, cases: list[tuple[str, str]]) -> dict:
@@ -328,7 +328,7 @@ def _paths_worker(rank: int, world: int, model_dir: str, cases: list[tuple[str, 
 def test_sync_and_check_on_every_cpu_gemm_path(tmp_path: Path) -> None:
     from spmdrl.models.tiny import ensure_tiny_model
 
-    cases = [c for c in CPU_GEMM_CASES if _unavailable(c[0]) is None]
+    cases = [c for c in CPU_GEMM_CASES if _unavailable(*c) is None]
     model_dir = ensure_tiny_model(tmp_path)
     (res,) = run_distributed(_paths_worker, 1, str(model_dir), cases, timeout_s=900, env=VLLM_ENV)
     for (path, dtype), out in res.items():
@@ -363,6 +363,21 @@ def test_cpu_gemm_path_runs_here(path: str) -> None:
     from spmdrl.rollout.cpu_gemm import check_available
 
     check_available(path)
+
+
+@pytest.mark.parametrize(("path", "dtype"), CPU_GEMM_CASES)
+def test_unavailable_paths_are_refused_at_config_check(path: str, dtype: str) -> None:
+    """A (path, dtype) this CPU cannot run fails the engine's config check with the reason, before any
+    engine is built (zentorch's bf16 kernel would otherwise abort at the first matmul on an AVX2 CPU)."""
+    from spmdrl.rollout.engine import check_engine_config
+
+    cfg = RolloutConfig(cpu_gemm=path, dtype=dtype)
+    reason = _unavailable(path, dtype)
+    if reason is None:
+        check_engine_config(cfg, "cpu")
+    else:
+        with pytest.raises(ConfigError, match="needs"):
+            check_engine_config(cfg, "cpu")
 
 
 # ---- the bucketed gather alone (no vLLM): uneven shards, HSDP, other placements ----------------------

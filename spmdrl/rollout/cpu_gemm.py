@@ -109,34 +109,57 @@ def _dispatch(layer: nn.Module, remove_weight: bool) -> None:
         _original_dispatch(layer, remove_weight)
 
 
-def check_available(path: str) -> None:
-    """Raise ConfigError if ``path`` cannot run in this process (before an engine is built on it)."""
+def unavailable_reason(path: str, dtype: torch.dtype | None = None) -> str | None:
+    """Why this process cannot run ``path`` (for an engine of ``dtype``, if given); None if it can.
+
+    Decided from the CPU flags and installed packages, without building an engine; the one place that
+    knows, for the config check below and for the tests that pick which paths to run.
+    """
     if path not in CPU_GEMM_PATHS:
-        raise ConfigError(f"rollout.cpu_gemm={path!r} is not one of {', '.join(CPU_GEMM_PATHS)}")
+        return f"rollout.cpu_gemm={path!r} is not one of {', '.join(CPU_GEMM_PATHS)}"
     if path == "sgl" and not cpu_has_native_bf16():
         # Its bf16 brgemm needs one of them; elsewhere it aborts the process inside the kernel.
-        raise ConfigError(
+        return (
             "rollout.cpu_gemm=sgl needs a CPU with AVX512-BF16 or AMX (this one has neither); vLLM never "
             "picks sgl here: use auto, onednn or torch"
         )
     if path == "onednn":
+        if dtype == torch.bfloat16 and not torch.cpu._is_avx512_supported():
+            # oneDNN has no bf16 matmul below AVX-512: vLLM's handle fails and it quietly takes torch's path.
+            return (
+                "rollout.cpu_gemm=onednn with a bfloat16 engine needs a CPU with AVX-512 (oneDNN has no bf16 "
+                "matmul on this one; vLLM would fall back to torch): use rollout.dtype=float32 (auto picks it "
+                "here) or cpu_gemm=auto or torch"
+            )
         import vllm._custom_ops as ops
 
         if not ops._supports_onednn:
-            raise ConfigError(
-                "rollout.cpu_gemm=onednn: this vLLM build has no oneDNN kernels; use auto or torch"
-            )
+            return "rollout.cpu_gemm=onednn: this vLLM build has no oneDNN kernels; use auto or torch"
     if path == "zentorch":
         try:
             import zentorch  # noqa: F401
         except ImportError as e:
-            raise ConfigError(
+            return (
                 f"rollout.cpu_gemm=zentorch needs the zentorch package ({e}); install the build that "
                 f"matches torch {torch.__version__.split('+')[0]} (pip install 'zentorch=={_zentorch_pin()}') "
                 "or use auto, onednn or torch"
-            ) from None
+            )
         if not hasattr(torch.ops.zentorch, "zentorch_linear_unary"):
-            raise ConfigError("rollout.cpu_gemm=zentorch: zentorch is installed but has no linear op")
+            return "rollout.cpu_gemm=zentorch: zentorch is installed but has no linear op"
+        if dtype == torch.bfloat16 and not cpu_has_native_bf16():
+            # zentorch refuses at the first matmul ("bf16 path needs the cpu support avx512bf16").
+            return (
+                "rollout.cpu_gemm=zentorch with a bfloat16 engine needs a CPU with AVX512-BF16 (this one "
+                "lacks it): use rollout.dtype=float32 (auto picks it here), or cpu_gemm=auto, onednn or torch"
+            )
+    return None
+
+
+def check_available(path: str, dtype: torch.dtype | None = None) -> None:
+    """Raise ConfigError if ``path`` cannot run in this process (before an engine is built on it)."""
+    reason = unavailable_reason(path, dtype)
+    if reason is not None:
+        raise ConfigError(reason)
 
 
 def _zentorch_pin() -> str:
@@ -144,14 +167,14 @@ def _zentorch_pin() -> str:
     return f"{major_minor}.*"
 
 
-def force_cpu_gemm(path: str) -> None:
+def force_cpu_gemm(path: str, dtype: torch.dtype | None = None) -> None:
     """Make vLLM's CPU dispatch use ``path`` for every 2-D weight it processes from now on in this process.
 
     Layers the path cannot take (sgl: shapes that are not whole tiles, or a float32 engine) fall back to
     torch, as in vLLM. ``auto`` restores vLLM's own choice. Call before the engine is built.
     """
     global _forced, _original_dispatch
-    check_available(path)
+    check_available(path, dtype)
     from vllm.model_executor.layers import utils
 
     if _original_dispatch is None:

@@ -218,7 +218,7 @@ class RolloutEngine(Protocol):
 
 def check_engine_config(cfg: RolloutConfig, device_type: str) -> None:
     """What can be checked about the engine without building it: the installed release, and a forced CPU
-    GEMM path this machine cannot run. Recipes call it first, so a bad setting fails before any
+    GEMM path this machine cannot run (for the engine dtype the config resolves to). Recipes call it first, so a bad setting fails before any
     training (the warm-start, say) instead of at the engine's build."""
     if cfg.engine != "vllm":
         raise ConfigError(f"rollout.engine={cfg.engine!r} is not one of {', '.join(ENGINES)}")
@@ -227,8 +227,9 @@ def check_engine_config(cfg: RolloutConfig, device_type: str) -> None:
     require_supported_vllm()
     if device_type == "cpu":
         from spmdrl.rollout.cpu_gemm import check_available
+        from spmdrl.rollout.vllm_engine import resolve_engine_dtype
 
-        check_available(cfg.cpu_gemm)
+        check_available(cfg.cpu_gemm, resolve_engine_dtype(cfg.dtype, device_type))
 
 
 def build_engine(

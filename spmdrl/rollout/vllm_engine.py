@@ -299,7 +299,7 @@ class VLLMEngine:
         from vllm import LLM
 
         if device_type == "cpu":
-            cpu_gemm.force_cpu_gemm(cfg.cpu_gemm)
+            cpu_gemm.force_cpu_gemm(cfg.cpu_gemm, self.dtype)
         kwargs: dict[str, Any] = dict(
             model=str(model_dir),
             tokenizer=str(model_dir),

@@ -1,0 +1,44 @@
+"""Suite-wide options: ``--cpu-kind`` runs the tests as another x86 CPU kind would (spmdrl.cpu_kind).
+
+``pytest --cpu-kind=avx2`` (or ``SPMDRL_CPU_KIND=avx2``) makes this process and every process it starts
+(torchrun jobs, spawned ranks) detect that kind's CPU flags and run its kernels: vLLM's AVX2 library,
+a float32 engine, oneDNN and ATen capped at AVX2. CI runs the tests marked ``cpu_kinds`` (those whose
+outcome depends on what the engine picks for the CPU) once as each kind this machine can emulate.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--cpu-kind",
+        default=os.environ.get("SPMDRL_CPU_KIND", ""),
+        help="run as this CPU kind: avx2, avx512 or avx512_bf16 (no more capable than this host; see spmdrl.cpu_kind)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    kind = config.getoption("--cpu-kind")
+    if not kind:
+        return
+    from spmdrl import cpu_kind
+
+    try:
+        # In os.environ before any test starts a process, so each child starts as this kind too.
+        os.environ.update(cpu_kind.environment(kind))
+        cpu_kind.emulate(kind)
+    except cpu_kind.CpuKindError as e:
+        raise pytest.UsageError(str(e)) from None
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    from spmdrl import cpu_kind
+
+    active = cpu_kind.active()
+    if active is None:
+        return f"cpu kind: {cpu_kind.host_kind()} (this host's own)"
+    return f"cpu kind: {active.name}, emulated on a {cpu_kind.host_kind()} host"
