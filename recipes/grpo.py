@@ -6,7 +6,8 @@ Every rank, every step:
   1. rollout    its shard of the prompts -> rollout.n samples each, from the in-process vLLM engine
   2. reward     rule / user reward functions on its own samples (sandboxed, with a timeout)
   3. old, ref   the trainer's and the reference model's logprobs of the sampled tokens (when needed)
-  4. batch      rows + advantages (algorithm.adv_estimator); a rank holds whole groups: no communication
+  4. batch      rows + advantages (algorithm.adv_estimator); a rank holds whole groups, so only the
+                batch-wide statistics (whitening, GPG's scale) are summed over the actor's ranks
   5. update     policy loss (algorithm.policy_loss) + KL loss, mini-batches x micro-batches; every term
                 is sum / (the mini-batch's global count) and FSDP sums gradients (algos/aggregation.py)
   6. sync       the actor's FSDP2 shards -> full tensors per bucket -> the engine, in place
@@ -43,12 +44,13 @@ import torch.distributed as dist
 from spmdrl.algos.advantages import (
     NEEDS_BASELINE,
     NEEDS_CRITIC,
+    NEEDS_SUM_PI_SQUARED,
     AdvantageInputs,
     compute_advantages,
     token_level_rewards,
 )
 from spmdrl.algos.batch import PolicyBatch, build_policy_batch
-from spmdrl.algos.correction import rollout_correction
+from spmdrl.algos.correction import metric_reduction, rollout_correction
 from spmdrl.algos.kl_control import (
     AdaptiveKLController,
     FixedKLController,
@@ -63,13 +65,13 @@ from spmdrl.checkpoint.checkpointer import (
     plan_resume,
 )
 from spmdrl.checkpoint.export import write_hf_metadata
-from spmdrl.config import Config, ConfigError, derive, derive_rl
+from spmdrl.config import Config, ConfigError, RLDerived, derive, derive_rl
 from spmdrl.data.prompts import PromptDataset
 from spmdrl.data.sampler import DistributedSampler
 from spmdrl.data.tiny_task import resolve_data_files
 from spmdrl.distributed.env import broadcast_object, broadcast_str
 from spmdrl.distributed.placement import plan_placement
-from spmdrl.distributed.reduce import all_reduce_sum
+from spmdrl.distributed.reduce import all_reduce_max, all_reduce_min, all_reduce_sum, sum_over_group
 from spmdrl.distributed.role_rows import plan_rows
 from spmdrl.distributed.topology import check_tp_within_nodes, node_layout_from_env
 from spmdrl.logging.metrics import truncate_after
@@ -90,6 +92,7 @@ from spmdrl.recipes.grpo_rollout import (
 )
 from spmdrl.recipes.grpo_update import (
     UpdateResult,
+    logprobs_and_sum_pi_squared_of,
     logprobs_of,
     micro_rows,
     update_critic,
@@ -97,6 +100,7 @@ from spmdrl.recipes.grpo_update import (
     values_of,
 )
 from spmdrl.rewards.registry import check_data_sources, load_reward_fn
+from spmdrl.rewards.sandbox import RewardResult
 from spmdrl.rollout.engine import build_engine, check_engine_config
 from spmdrl.rollout.rollout import Rollout, build_agent_loop, load_multi_turn_tools
 from spmdrl.rollout.weight_sync import Fanout, SyncCheck, sync_weights
@@ -142,11 +146,25 @@ def load_prompts(
 
 # ------------------------------------------------------------------------------------ the pieces
 def advantage_estimator(
-    cfg: Config, num_prompts: int, baseline_B: torch.Tensor | None, values_BT: torch.Tensor | None = None
+    cfg: Config,
+    num_prompts: int,
+    baseline_B: torch.Tensor | None,
+    values_BT: torch.Tensor | None = None,
+    group: dist.ProcessGroup | None = None,
+    *,
+    old_logprobs_BT: torch.Tensor | None = None,
+    sum_pi_squared_BT: torch.Tensor | None = None,
+    is_weights_BT: torch.Tensor | None = None,
+    reward_components_BK: torch.Tensor | None = None,
 ) -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     """algorithm.adv_estimator over this rank's rows (rollout.n consecutive samples per prompt):
-    ``(token_rewards_BT, response_mask_BT) -> (advantages_BT, returns_BT)``."""
+    ``(token_rewards_BT, response_mask_BT) -> (advantages_BT, returns_BT)``. Group statistics are the
+    rank's own (it holds whole groups); batch-wide ones are summed over ``group``, the actor's ranks, as
+    verl computes them over the whole batch. Every rank of ``group`` must call it. The optimal token
+    baseline reads the old logprobs, their sum of squared probabilities and any rollout-correction
+    weights; gdpo its reward components (gdpo_reward_components)."""
     a = cfg.algorithm
+    weights_K = tuple(a.gdpo_reward_weights) if a.gdpo_reward_weights is not None else None
 
     def advantages(
         token_rewards_BT: torch.Tensor, response_mask_BT: torch.Tensor
@@ -157,6 +175,12 @@ def advantage_estimator(
             group_ids_B=torch.arange(num_prompts).repeat_interleave(cfg.rollout.n),
             values_BT=values_BT,
             baseline_B=baseline_B,
+            batch_sum=sum_over_group(group),
+            old_logprobs_BT=old_logprobs_BT,
+            sum_pi_squared_BT=sum_pi_squared_BT,
+            is_weights_BT=is_weights_BT,
+            reward_components_BK=reward_components_BK,
+            reward_weights_K=weights_K,
             gamma=a.gamma,
             lam=a.lam,
             norm_by_std=a.norm_adv_by_std,
@@ -174,10 +198,14 @@ def kl_in_reward(
     device: torch.device,
     group: dist.ProcessGroup | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """verl's use_kl_in_reward: rewards minus coef x KL(rollout policy || reference) per token; the
-    adaptive controller moves coef with the KL of the whole batch (all ranks), so every rank agrees."""
-    assert batch.ref_logprobs_BT is not None
-    policy_BT = batch.old_logprobs_BT if batch.old_logprobs_BT is not None else batch.engine_logprobs_BT
+    """verl's use_kl_in_reward: rewards minus coef x KL(old policy || reference) per token on the sampled
+    mask, the old policy being verl's old_log_probs: the trainer's recomputed logprobs, or the engine's in
+    rollout_correction.bypass_mode (where verl sets old_log_probs to them). The adaptive controller moves
+    coef with the KL of the whole batch (all ranks), so every rank agrees."""
+    policy_BT = (
+        batch.engine_logprobs_BT if cfg.algorithm.rollout_correction.bypass_mode else batch.old_logprobs_BT
+    )
+    assert batch.ref_logprobs_BT is not None and policy_BT is not None, "needs_old_logprobs says when"
     rewards_BT, mean_kl = apply_kl_penalty(
         token_rewards_BT,
         policy_BT,
@@ -212,12 +240,87 @@ def correct_rollout(
         rollout_rs=rc.rollout_rs or None,
         rollout_rs_threshold=rc.rollout_rs_threshold or None,
     )
-    # Means over ranks (each rank's metric is over its own tokens).
-    metrics = {
-        f"rollout_corr/{k}": v / dist.get_world_size(group)
-        for k, v in all_reduce_sum({k: float(v) for k, v in corr.metrics.items()}, device, group).items()
-    }
+    # Over ranks: maxima by their max, minima by their min (verl computes them on the whole batch), the
+    # rest as the mean of each rank's value (each over its own tokens).
+    values = {k: float(v) for k, v in corr.metrics.items()}
+    by = {r: {k: v for k, v in values.items() if metric_reduction(k) == r} for r in ("mean", "max", "min")}
+    world = dist.get_world_size(group) if dist.is_initialized() else 1  # as all_reduce_*: one process
+    reduced = {k: v / world for k, v in all_reduce_sum(by["mean"], device, group).items()}
+    reduced.update(all_reduce_max(by["max"], device, group))
+    reduced.update(all_reduce_min(by["min"], device, group))
+    metrics = {f"rollout_corr/{k}": v for k, v in sorted(reduced.items())}
     return batch.replace(response_mask_BT=corr.mask_BT, is_weights_BT=corr.is_weights_BT), metrics
+
+
+def batch_advantages(
+    cfg: Config,
+    batch: PolicyBatch,
+    baseline_B: torch.Tensor | None,
+    kl_ctrl: FixedKLController | AdaptiveKLController,
+    device: torch.device,
+    group: dist.ProcessGroup | None = None,
+    reward_components_BK: torch.Tensor | None = None,
+) -> tuple[PolicyBatch, dict[str, float]]:
+    """Step 4 on the actor's ranks, in verl's order (its fit loop): the KL to the reference folded into
+    the reward if asked (on the sampled mask), the rollout correction (its rejection edits the response
+    mask), then algorithm.adv_estimator on the edited mask, so rejected tokens take no part in the
+    whitening and returns. A rank holds whole groups; the batch-wide statistics are summed over ``group``.
+    """
+    a = cfg.algorithm
+    assert batch.token_rewards_BT is not None
+    token_rewards_BT, metrics = batch.token_rewards_BT, {}
+    if a.use_kl_in_reward:
+        token_rewards_BT, metrics = kl_in_reward(cfg, batch, token_rewards_BT, kl_ctrl, device, group)
+    if a.rollout_correction.enabled:
+        batch, corr_metrics = correct_rollout(cfg, batch, device, group)
+        metrics.update(corr_metrics)
+    estimate = advantage_estimator(
+        cfg,
+        batch.num_rows // cfg.rollout.n,
+        baseline_B,
+        batch.values_BT,
+        group,
+        old_logprobs_BT=batch.old_logprobs_BT,
+        sum_pi_squared_BT=batch.sum_pi_squared_BT,
+        is_weights_BT=batch.is_weights_BT,
+        reward_components_BK=reward_components_BK,
+    )
+    advantages_BT, returns_BT = estimate(token_rewards_BT, batch.response_mask_BT)
+    return batch.replace(advantages_BT=advantages_BT, returns_BT=returns_BT), metrics
+
+
+def needs_old_logprobs(cfg: Config, rl: RLDerived) -> bool:
+    """Whether step 3 recomputes the old logprobs. verl always does (outside its rollout-correction
+    bypass mode); here only when the update's first forward is not the old policy (several optimizer
+    steps), or when something needs them before the update: the rollout correction, and the KL in the
+    reward (verl's apply_kl_penalty reads old_log_probs: recomputed ones, the engine's only in bypass
+    mode)."""
+    a = cfg.algorithm
+    if a.rollout_correction.bypass_mode:
+        return False  # the engine's logprobs are the old ones (verl's apply_bypass_mode)
+    # The optimal token baseline reads the old policy's logprobs and sum of squared probabilities.
+    otb = a.adv_estimator in NEEDS_SUM_PI_SQUARED
+    several_steps = a.ppo_epochs > 1 or rl.mini_batches_per_step > 1
+    return several_steps or a.rollout_correction.enabled or a.use_kl_in_reward or otb
+
+
+def gdpo_reward_components(cfg: Config, rewards: RewardResult) -> torch.Tensor | None:
+    """(B, K): each sample's algorithm.gdpo_reward_keys, from the reward function's returned dict; None
+    for any other estimator."""
+    a = cfg.algorithm
+    if a.adv_estimator != "gdpo":
+        return None
+    keys = a.gdpo_reward_keys or []
+    missing = [k for k in keys if k not in rewards.extra]
+    if missing:
+        raise RuntimeError(
+            f"gdpo: the reward function returned no {missing} (algorithm.gdpo_reward_keys); it returned "
+            f"{sorted(rewards.extra) or 'a plain score'}: return a dict with a float for each key"
+        )
+    components_BK = torch.tensor([rewards.extra[k] for k in keys], dtype=torch.float32).T
+    # A sample whose reward call failed has no components: it scores reward.error_score in each, as its
+    # score does.
+    return torch.nan_to_num(components_BK, nan=cfg.reward.error_score)
 
 
 # --------------------------------------------------------------------------------------- the run
@@ -273,9 +376,7 @@ def main(cfg: Config) -> None:
                 truncate_after(run.output_dir / "sft" / "metrics.jsonl", -1)
             model_dir = _train_sft(run, warmstart_config(cfg))
 
-    # verl always recomputes them; here only when the update's first forward is not the old policy, or
-    # when the rollout correction needs them before the update.
-    recompute_old = a.ppo_epochs > 1 or rl.mini_batches_per_step > 1 or a.rollout_correction.enabled
+    recompute_old = needs_old_logprobs(cfg, rl)
     # Offloaded parameters take their optimizer state with them; on a CPU trainer there is nowhere to move it.
     offload_optim = cfg.model.offload_optimizer and not cfg.model.offload_params and env.device.type == "cuda"
     run.log_derived(
@@ -426,14 +527,19 @@ def main(cfg: Config) -> None:
             critic_batch = rows.to_critic(local) if critic is not None or placement.is_split else None
         sampled_mask_BT = batch.response_mask_BT if batch is not None else None  # before any rejection
 
-        # 3. Old (a separate pass when the update takes several optimizer steps or corrects the rollout)
-        #    and reference logprobs on the actor's ranks; values on the critic's (at once, when split).
+        # 3. Old (a separate pass when the update takes several optimizer steps, corrects the rollout or
+        #    folds the KL into the reward) and reference logprobs on the actor's ranks; values on the
+        #    critic's (at once, when split).
         temp, pack = cfg.rollout.temperature, cfg.trainer.pack_sequences
         if batch is not None:
             with timer("old_ref"):
                 if recompute_old:
                     parts = micro_rows(cfg, rl, batch, actor_group)
-                    batch = batch.replace(old_logprobs_BT=logprobs_of(actor, batch, parts, temp, pack))
+                    # The optimal token baseline also reads each step's sum of squared probabilities.
+                    old_BT, sps_BT = logprobs_and_sum_pi_squared_of(
+                        actor, batch, parts, temp, pack, a.adv_estimator in NEEDS_SUM_PI_SQUARED
+                    )
+                    batch = batch.replace(old_logprobs_BT=old_BT, sum_pi_squared_BT=sps_BT)
                 if ref is not None:
                     parts = micro_rows(cfg, rl, batch, actor_group)
                     batch = batch.replace(ref_logprobs_BT=logprobs_of(ref, batch, parts, temp, pack))
@@ -448,23 +554,13 @@ def main(cfg: Config) -> None:
             with timer.maybe("exchange", rows.moves):
                 batch = rows.values_to_actor(critic_batch, batch)
 
-        # 4. Advantages on the actor's ranks (algorithm.adv_estimator; colocated, a rank holds whole groups,
-        #    so no communication), with the KL to the reference folded into the reward if asked, and the
-        #    rollout correction.
+        # 4. Advantages on the actor's ranks, after the KL in the reward and the rollout correction's
+        #    rejection (verl's order); batch-wide statistics over the actor's ranks.
         extra: dict[str, float] = {}
         if batch is not None:
-            assert batch.token_rewards_BT is not None
-            token_rewards_BT = batch.token_rewards_BT
-            if a.use_kl_in_reward:
-                token_rewards_BT, extra = kl_in_reward(
-                    cfg, batch, token_rewards_BT, kl_ctrl, env.device, actor_group
-                )
-            estimate = advantage_estimator(cfg, batch.num_rows // n, baseline_B, batch.values_BT)
-            advantages_BT, returns_BT = estimate(token_rewards_BT, batch.response_mask_BT)
-            batch = batch.replace(advantages_BT=advantages_BT, returns_BT=returns_BT)
-            if a.rollout_correction.enabled:
-                batch, corr_metrics = correct_rollout(cfg, batch, env.device, actor_group)
-                extra.update(corr_metrics)
+            batch, extra = batch_advantages(
+                cfg, batch, baseline_B, kl_ctrl, env.device, actor_group, gdpo_reward_components(cfg, rewards)
+            )
         with timer.maybe("exchange", rows.moves):
             if a.adv_estimator in NEEDS_CRITIC:
                 critic_batch = rows.returns_to_critic(batch, critic_batch)

@@ -95,7 +95,8 @@ def rollout_and_score(
     """
     fg, ob, n = cfg.algorithm.filter_groups, cfg.reward.overlong_buffer, cfg.rollout.n
     target = 0
-    kept: list[tuple[PromptExample, list[Generation], list[float], list[str]]] = []
+    # Per kept prompt: the prompt, its generations, their rewards, responses and extra reward keys.
+    kept: list[tuple[PromptExample, list[Generation], list[float], list[str], dict[str, list[float]]]] = []
     errors = timeouts = dropped = generated = 0
     penalties: list[float] = []
     for gen_batch in range(1, 1_000_000):
@@ -122,6 +123,7 @@ def rollout_and_score(
         keep_B = torch.ones(len(gens), dtype=torch.bool)
         if fg.enable:
             metric_B = {
+                "reward": scores,
                 "acc": (result.scores_B >= 1.0).float(),
                 "score": result.scores_B,
                 "seq_final_reward": scores,
@@ -136,6 +138,7 @@ def rollout_and_score(
                         [gens[r] for r in rows],
                         [float(scores[r]) for r in rows],
                         [responses[r] for r in rows],
+                        {k: [v[r] for r in rows] for k, v in result.extra.items()},
                     )
                 )
             else:
@@ -151,7 +154,10 @@ def rollout_and_score(
     kept = kept[:target]
     out_prompts = [k[0] for k in kept]
     out_gens = [dataclasses.replace(g, prompt_index=i) for i, k in enumerate(kept) for g in k[1]]
-    rewards = RewardResult(torch.tensor([s for k in kept for s in k[2]]), errors, timeouts)
+    # Extra reward keys (gdpo's components) follow their rows; NaN where a batch's samples had none.
+    extra_keys = sorted({key for k in kept for key in k[4]})
+    extra = {key: [v for k in kept for v in k[4].get(key, [float("nan")] * n)] for key in extra_keys}
+    rewards = RewardResult(torch.tensor([s for k in kept for s in k[2]]), errors, timeouts, extra)
     metrics: dict[str, float] = rollout.take_metrics(device)
     if fg.enable:
         totals = all_reduce_sum(

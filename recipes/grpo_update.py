@@ -3,8 +3,8 @@ update itself, apart from the loop so that the loop reads as the step.
 
 - micro_rows, mini_batches: the schedule, PPO epochs x mini-batches (one optimizer step each) x
   micro-batches; each mini-batch's units are counted over the role's ranks once (algos/aggregation.py).
-- logprobs_of, values_of: no-grad passes over a rank's batch (old and reference logprobs, the critic's
-  values).
+- logprobs_of, values_of: no-grad passes over a rank's batch (old and reference logprobs, with the sum of
+  squared probabilities the optimal token baseline reads; the critic's values).
 - micro_batch_loss, update_policy: one micro-batch's policy loss (+ KL loss) (- entropy bonus), and the
   actor's whole update (UpdateResult).
 - update_critic: the critic's clipped value loss over the same schedule.
@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from spmdrl.algos.aggregation import Aggregation, count_units
 from spmdrl.algos.batch import PolicyBatch
+from spmdrl.algos.correction import CorrectionParams
 from spmdrl.algos.kl import kl_penalty
 from spmdrl.algos.micro_batches import micro_batch_rows
 from spmdrl.algos.policy_losses import PolicyLossParams, agg_mode_for, policy_loss
@@ -31,7 +32,7 @@ from spmdrl.algos.value_loss import clipped_value_loss
 from spmdrl.config import Config, RLDerived
 from spmdrl.distributed.reduce import all_reduce_sum
 from spmdrl.models import packing
-from spmdrl.models.forward import policy_logprobs
+from spmdrl.models.forward import policy_forward, policy_logprobs
 from spmdrl.optim import clip_grad_norm
 from spmdrl.recipes.grpo_models import Critic
 
@@ -59,19 +60,41 @@ def logprobs_of(
 ) -> torch.Tensor:
     """A no-grad pass over the rank's batch, micro-batch by micro-batch (``parts``, see micro_rows):
     each token's logprob under ``model``, shape (B, T)."""
+    logprobs_BT, _ = logprobs_and_sum_pi_squared_of(
+        model, batch, parts, temperature, pack, with_sum_pi_squared=False
+    )
+    return logprobs_BT
+
+
+@torch.no_grad()
+def logprobs_and_sum_pi_squared_of(
+    model: torch.nn.Module,
+    batch: PolicyBatch,
+    parts: list[torch.Tensor],
+    temperature: float,
+    pack: bool = False,
+    with_sum_pi_squared: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`logprobs_of`, and (verl's actor.calculate_sum_pi_squared) the sum over the vocabulary of
+    each predicting distribution's squared probabilities, (B, T): the optimal token baseline's input."""
     out_BT = torch.zeros_like(batch.engine_logprobs_BT)
+    sps_BT = torch.zeros_like(batch.engine_logprobs_BT) if with_sum_pi_squared else None
     for idx in parts:
         mb = batch.take(idx)
-        lp_BT, _ = policy_logprobs(
+        fwd = policy_forward(
             model,
             mb.input_ids_BT,
             mb.attention_mask_BT,
             temperature=temperature,
+            with_sum_pi_squared=with_sum_pi_squared,
             pack_sequences=pack,
             first_column=mb.first_response_column(),
         )
-        out_BT[idx.to(out_BT.device), : lp_BT.shape[1]] = lp_BT
-    return out_BT
+        rows = idx.to(out_BT.device)
+        out_BT[rows, : fwd.logprobs_BT.shape[1]] = fwd.logprobs_BT
+        if sps_BT is not None and fwd.sum_pi_squared_BT is not None:
+            sps_BT[rows, : fwd.sum_pi_squared_BT.shape[1]] = fwd.sum_pi_squared_BT
+    return out_BT, sps_BT
 
 
 @dataclasses.dataclass
@@ -115,13 +138,20 @@ def values_of(
 
 
 def mini_batches(
-    cfg: Config, rl: RLDerived, batch: PolicyBatch, mode: str, group: dist.ProcessGroup | None = None
-) -> Iterator[tuple[int, int, list[torch.Tensor], list[PolicyBatch], Aggregation]]:
-    """``(epoch, mini-batch, rows of each micro-batch, micro-batches, aggregation)`` for each optimizer step.
+    cfg: Config,
+    rl: RLDerived,
+    batch: PolicyBatch,
+    modes: tuple[str, ...],
+    group: dist.ProcessGroup | None = None,
+) -> Iterator[tuple[int, int, list[torch.Tensor], list[PolicyBatch], tuple[Aggregation, ...]]]:
+    """``(epoch, mini-batch, rows of each micro-batch, micro-batches, one aggregation per mode)`` for
+    each optimizer step.
 
-    Each mini-batch's units (tokens or sequences, per ``mode``) are counted on all ranks with one
+    Each mini-batch's units (tokens or sequences, per mode in ``modes``) are counted on all ranks with one
     all_reduce over the role's ``group`` before its micro-batches run: every loss term is its sum / that
     count (spmdrl/algos/aggregation.py). The actor's and the critic's updates walk the same schedule.
+    seq-mean-token-sum-norm divides by algorithm.loss_scale_factor or data.max_response_length: verl's
+    default is its response mask's width, which is the maximum response length (its rollout pads to it).
     """
     a = cfg.algorithm
     norm_length = float(a.loss_scale_factor or cfg.data.max_response_length)
@@ -134,13 +164,20 @@ def mini_batches(
                 for idx in micro_rows(cfg, rl, batch.rows(lo, lo + rl.per_rank_mini_batch_seqs), group)
             ]
             micro_batches = [batch.take(idx) for idx in rows]
-            local = sum(count_units(mb.response_mask_BT, mode) for mb in micro_batches)
+            local = {
+                mode: sum(
+                    count_units(mb.response_mask_BT, mode, count_empty_rows=a.seq_mean_all_rows)
+                    for mb in micro_batches
+                )
+                for mode in set(modes)
+            }
+            counts = all_reduce_sum(local, device, group)
             yield (
                 epoch,
                 m,
                 rows,
                 micro_batches,
-                Aggregation(mode, all_reduce_sum({"n": local}, device, group)["n"], norm_length),
+                tuple(Aggregation(mode, counts[mode], norm_length) for mode in modes),
             )
 
 
@@ -153,7 +190,7 @@ def update_critic(
     device = batch.input_ids_BT.device
     sums: dict[str, float] = defaultdict(float)
     grad_norms = []
-    for _, _, _, micro_batches, agg in mini_batches(cfg, rl, batch, a.loss_agg_mode, group):
+    for _, _, _, micro_batches, (agg,) in mini_batches(cfg, rl, batch, (a.loss_agg_mode,), group):
         for mb in micro_batches:
             values_BT = _shifted_values(critic.model, mb, cfg.trainer.pack_sequences)
             assert mb.values_BT is not None and mb.returns_BT is not None
@@ -188,16 +225,46 @@ def update_critic(
 
 
 def loss_params(cfg: Config) -> PolicyLossParams:
-    """The policy loss's parameters: the algorithm config's fields of the same (verl's) names."""
+    """The policy loss's parameters: the algorithm config's fields of the same (verl's) names, and the
+    rollout correction's for bypass_mode."""
+    a, rc = cfg.algorithm, cfg.algorithm.rollout_correction
+    plain = {
+        f.name: getattr(a, f.name)
+        for f in dataclasses.fields(PolicyLossParams)
+        if f.name != "rollout_correction"
+    }
     return PolicyLossParams(
-        **{f.name: getattr(cfg.algorithm, f.name) for f in dataclasses.fields(PolicyLossParams)}
+        **plain,
+        rollout_correction=CorrectionParams(
+            rollout_is=rc.rollout_is or None,
+            rollout_is_threshold=rc.rollout_is_threshold,
+            rollout_is_batch_normalize=rc.rollout_is_batch_normalize,
+            rollout_rs=rc.rollout_rs or None,
+            rollout_rs_threshold=rc.rollout_rs_threshold or None,
+            loss_type=rc.loss_type,
+        ),
     )
 
 
+def policy_loss_name(cfg: Config) -> str:
+    """algorithm.policy_loss, or bypass_mode when the rollout correction runs in bypass mode (verl's
+    apply_bypass_mode sets the loss mode so)."""
+    return "bypass_mode" if cfg.algorithm.rollout_correction.bypass_mode else cfg.algorithm.policy_loss
+
+
+def loss_modes(cfg: Config) -> tuple[str, str]:
+    """``(policy term's mode, entropy and KL terms' mode)``: algorithm.loss_agg_mode for both, except the
+    policy term of sapo and geo_mean, which verl reduces with a mode of its own (agg_mode_for)."""
+    a = cfg.algorithm
+    return agg_mode_for(policy_loss_name(cfg), a.loss_agg_mode), a.loss_agg_mode
+
+
 def micro_batch_loss(
-    cfg: Config, actor: torch.nn.Module, mb: PolicyBatch, agg: Aggregation
+    cfg: Config, actor: torch.nn.Module, mb: PolicyBatch, agg: Aggregation, pg_agg: Aggregation | None = None
 ) -> MicroBatchLoss:
-    """Policy loss (+ KL loss) (- entropy bonus) of one micro-batch: each term ``agg(per-token term)``.
+    """Policy loss (+ KL loss) (- entropy bonus) of one micro-batch: each term ``agg(per-token term)``,
+    the policy term ``pg_agg(...)`` when given (sapo and geo_mean reduce theirs by a mode of their own,
+    see agg_mode_for; the entropy and KL terms keep algorithm.loss_agg_mode, as in verl).
 
     ``mb.old_logprobs_BT`` None is the on-policy single update: the policy before the step *is* the
     current one. The entropy gets a gradient only when it enters the loss (algorithm.entropy_coeff > 0);
@@ -218,13 +285,16 @@ def micro_batch_loss(
     )
     assert ent_BT is not None
     mask_BT = mb.response_mask_BT
-    old_BT = mb.old_logprobs_BT if mb.old_logprobs_BT is not None else lp_BT.detach()
-    pg = policy_loss(a.policy_loss)(
+    if a.rollout_correction.bypass_mode:  # verl's apply_bypass_mode: old_log_probs = rollout_log_probs
+        old_BT = mb.engine_logprobs_BT
+    else:
+        old_BT = mb.old_logprobs_BT if mb.old_logprobs_BT is not None else lp_BT.detach()
+    pg = policy_loss(policy_loss_name(cfg))(
         lp_BT,
         old_BT,
         mb.advantages_BT,
         mask_BT,
-        agg=agg,
+        agg=pg_agg or agg,
         params=loss_params(cfg),
         is_weights_BT=mb.is_weights_BT,
     )
@@ -270,15 +340,14 @@ def update_policy(
     """
     a = cfg.algorithm
     device = batch.input_ids_BT.device
-    # gspo, sapo, geo_mean reduce per sequence, as in verl.
-    mode = agg_mode_for(a.policy_loss, a.loss_agg_mode)
+    modes = loss_modes(cfg)
     old_BT = batch.old_logprobs_BT.clone() if batch.old_logprobs_BT is not None else None
     captured_BT = torch.zeros_like(batch.engine_logprobs_BT)
     sums: dict[str, float] = defaultdict(float)
     grad_norms, skipped = [], 0
-    for epoch, m, rows, micro_batches, agg in mini_batches(cfg, rl, batch, mode, group):
+    for epoch, m, rows, micro_batches, (pg_agg, agg) in mini_batches(cfg, rl, batch, modes, group):
         for idx, mb in zip(rows, micro_batches, strict=True):
-            out = micro_batch_loss(cfg, actor, mb, agg)
+            out = micro_batch_loss(cfg, actor, mb, agg, pg_agg)
             if old_BT is None and epoch == 0:  # on-policy: this forward is the old policy
                 captured_BT[idx.to(captured_BT.device), : out.logprobs_BT.shape[1]] = out.logprobs_BT
             out.loss.backward()

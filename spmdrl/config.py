@@ -296,17 +296,25 @@ class KLCtrlConfig:
 class RolloutCorrectionConfig:
     """verl's algorithm.rollout_correction (spmdrl/algos/correction.py, docs/algorithms.md)."""
 
-    # "": off; "token" or "sequence": truncated importance weights exp(trainer - engine logprob).
+    # "": off; "token" or "sequence": importance weights exp(trainer - engine logprob).
     rollout_is: str = choice("", ("", "token", "sequence"))
-    rollout_is_threshold: float = 2.0
+    # A number U: the weights are truncated at U (TIS). "L_U" (quoted: YAML reads 0.5_5.0 as 0.55):
+    # weights outside [L, U] are set to 0 (IcePop). verl's str | float, kept as a string here.
+    rollout_is_threshold: str = "2.0"
     rollout_is_batch_normalize: bool = False
     # "": off; comma-joined rejection options (token_k1, seq_mean_k3, ...) and their thresholds.
     rollout_rs: str = ""
     rollout_rs_threshold: str = ""
+    # verl's bypass mode: the engine's logprobs are the old policy (no old-logprob pass), and the
+    # correction above runs inside the policy loss (policy_loss becomes "bypass_mode") with loss_type
+    # "ppo_clip" (PPO's ratio against the rollout policy) or "reinforce" (IS-weighted policy gradient).
+    bypass_mode: bool = False
+    loss_type: str = choice("ppo_clip", _registry("spmdrl.algos.correction", "BYPASS_LOSS_TYPES"))
 
     @property
     def enabled(self) -> bool:
-        return bool(self.rollout_is or self.rollout_rs)
+        """Whether the recipe corrects the batch before the update (bypass mode corrects in the loss)."""
+        return bool(self.rollout_is or self.rollout_rs) and not self.bypass_mode
 
 
 @dataclass
@@ -315,18 +323,23 @@ class FilterGroupsConfig:
     same ``metric`` (no learning signal) and generate more until every rank has its share."""
 
     enable: bool = False
-    # "acc" (reward >= 1), "score" (the reward function's score) or "seq_final_reward" (after shaping).
-    metric: str = choice("acc", ("acc", "score", "seq_final_reward"))
-    # Generation batches per step before giving up with an error; 0: no limit.
-    max_num_gen_batches: int = 10
+    # "reward" (verl 0.9.1's: the reward the advantages start from, overlong penalty included, before any
+    # KL penalty), "acc" (reward >= 1), "score" (the reward function's score) or "seq_final_reward"
+    # (after shaping, the same as "reward" here: the KL penalty comes later).
+    metric: str = choice("reward", ("reward", "acc", "score", "seq_final_reward"))
+    # Generation batches per step before giving up with an error; 0: no limit (verl's default; verl 0.9.1
+    # ignores a positive value and never gives up, spmdrl stops with an error naming this key).
+    max_num_gen_batches: int = 0
 
 
 @dataclass
 class AlgorithmConfig:
     """GRPO / PPO loss settings (defaults follow verl's GSM8K GRPO example)."""
 
-    # verl's name (docs/algorithms.md): grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline,
-    # remax (one extra greedy rollout per prompt as the baseline), opo, grpo_passk, gpg; gae needs a critic.
+    # verl's name (docs/algorithms.md): grpo, grpo_vectorized, rloo, rloo_vectorized, reinforce_plus_plus,
+    # reinforce_plus_plus_baseline, remax (one extra greedy rollout per prompt as the baseline), opo,
+    # grpo_passk, gpg, gdpo (gdpo_reward_keys below), optimal_token_baseline, tir_optimal_token_baseline
+    # (both add the old-logprob pass, with the sum of squared probabilities); gae needs a critic.
     adv_estimator: str = choice("grpo", _registry("spmdrl.algos.advantages", "ADV_ESTIMATORS"))
     # False gives Dr. GRPO (no division by the group's reward std); verl's norm_adv_by_std_in_grpo.
     norm_adv_by_std: bool = True
@@ -335,12 +348,20 @@ class AlgorithmConfig:
     lam: float = 1.0
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
-    # "token-mean", "seq-mean-token-mean", "seq-mean-token-sum" or "seq-mean-token-sum-norm" (Dr. GRPO).
+    # "token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum" or "seq-mean-token-sum-norm"
+    # (Dr. GRPO). The policy loss, entropy bonus and KL loss all use it (sapo and geo_mean's policy term
+    # excepted: verl reduces it with seq-mean-token-mean).
     loss_agg_mode: str = choice("token-mean", _registry("spmdrl.algos.aggregation", "AGG_MODES"))
-    # seq-mean-token-sum-norm's constant divisor per sequence; 0: data.max_response_length.
+    # seq-mean-token-sum-norm's constant divisor per sequence; 0: data.max_response_length (the width of
+    # verl's response mask, its default).
     loss_scale_factor: float = 0.0
+    # seq-mean-* modes: the mean is over every row of the mini-batch, a row whose tokens were all masked
+    # (rejected by the rollout correction) included, as verl's trainer (global_batch_size = the mini-batch's
+    # rows); false: over the rows with a valid token (verl's agg_loss without global_batch_size).
+    seq_mean_all_rows: bool = True
     # verl's actor.policy_loss.loss_mode: vanilla (PPO clip + dual-clip), gspo, cispo, gpg, clip_cov,
-    # kl_cov, geo_mean, sapo (docs/algorithms.md); and the parameters those read, under verl's names.
+    # kl_cov, geo_mean, sapo, dppo_tv, dppo_kl, dro, bypass_mode (docs/algorithms.md); and the parameters
+    # those read, under verl's names.
     policy_loss: str = choice("vanilla", _registry("spmdrl.algos.policy_losses", "POLICY_LOSSES"))
     clip_ratio_c: float = 3.0
     clip_cov_ratio: float = 0.0002
@@ -350,6 +371,12 @@ class AlgorithmConfig:
     ppo_kl_coef: float = 0.1
     tau_pos: float = 1.0
     tau_neg: float = 1.05
+    # dro's quadratic log-ratio penalty (verl: actor.policy_loss.dro_beta); must be > 0 for dro.
+    dro_beta: float | None = None
+    # gdpo: the reward function's extra keys holding the reward components (its returned dict), each
+    # normalized within its group on its own, and their weights (None: all 1).
+    gdpo_reward_keys: list[str] | None = None
+    gdpo_reward_weights: list[float] | None = None
     use_kl_loss: bool = True
     kl_loss_coef: float = 0.001
     # kl/k1, abs, mse/k2, low_var_kl/k3, and each with "+" (its value, k2's gradient).
@@ -495,6 +522,39 @@ def _validate_multi_turn(cfg: Config) -> None:
         )
 
 
+def _validate_loss_names(a: AlgorithmConfig) -> None:
+    """The settings a policy loss or advantage estimator name needs (dro's beta, gdpo's reward keys)."""
+    if a.policy_loss == "dro" and not (a.dro_beta is not None and a.dro_beta > 0):
+        raise ConfigError(f"algorithm.policy_loss=dro needs algorithm.dro_beta > 0, got {a.dro_beta}")
+    if a.dro_beta is not None and a.dro_beta <= 0:
+        raise ConfigError(f"algorithm.dro_beta must be > 0 (or null), got {a.dro_beta}")
+    if a.adv_estimator in ("optimal_token_baseline", "tir_optimal_token_baseline") and (
+        a.rollout_correction.bypass_mode
+    ):
+        raise ConfigError(
+            f"algorithm.adv_estimator={a.adv_estimator} reads the old policy's sum of squared probabilities, "
+            "from the old-logprob pass that algorithm.rollout_correction.bypass_mode skips (verl fails too)"
+        )
+    if a.adv_estimator in ("grpo_vectorized", "gdpo") and not a.norm_adv_by_std:
+        # verl 0.9.1's trainer hands norm_adv_by_std_in_grpo to grpo only: these two always divide by the
+        # group's std there, and here. A setting that would be silently ignored is an error instead.
+        raise ConfigError(
+            f"algorithm.norm_adv_by_std=false has no effect on adv_estimator={a.adv_estimator} (verl 0.9.1 "
+            "ignores it too: it always divides by the group's std): use adv_estimator=grpo for Dr. GRPO's "
+            "r - mean, or keep norm_adv_by_std=true"
+        )
+    if a.adv_estimator == "gdpo" and not a.gdpo_reward_keys:
+        raise ConfigError(
+            "algorithm.adv_estimator=gdpo needs algorithm.gdpo_reward_keys: the keys of the reward "
+            "components the reward function returns in its dict (e.g. [format_reward, accuracy_reward])"
+        )
+    keys, weights = a.gdpo_reward_keys or [], a.gdpo_reward_weights
+    if weights is not None and len(weights) != len(keys):
+        raise ConfigError(
+            f"algorithm.gdpo_reward_weights has {len(weights)} weights for {len(keys)} gdpo_reward_keys"
+        )
+
+
 def validate(cfg: Config) -> None:
     """Checks that need no world size. Raises ConfigError naming the key."""
     _check_choices(cfg, "")
@@ -557,6 +617,19 @@ def validate(cfg: Config) -> None:
             f"{cfg.data.max_response_length}] and penalty_factor={ob.penalty_factor} >= 0"
         )
     rc = cfg.algorithm.rollout_correction
+    from spmdrl.algos.correction import parse_is_threshold
+
+    try:
+        parse_is_threshold(rc.rollout_is_threshold)
+    except ValueError as e:
+        raise ConfigError(f"algorithm.rollout_correction: {e}") from None
+    if rc.bypass_mode and cfg.algorithm.policy_loss not in ("vanilla", "bypass_mode"):
+        raise ConfigError(
+            f"algorithm.rollout_correction.bypass_mode=true runs the bypass_mode policy loss (its loss_type="
+            f"{rc.loss_type!r}) in place of algorithm.policy_loss={cfg.algorithm.policy_loss!r}, which verl "
+            "would ignore; set algorithm.policy_loss=vanilla or turn bypass_mode off"
+        )
+    _validate_loss_names(cfg.algorithm)
     if rc.rollout_rs:
         from spmdrl.algos.correction import parse_rs_thresholds
 
@@ -591,11 +664,8 @@ def validate(cfg: Config) -> None:
     if cfg.rollout.temperature < 0 or cfg.rollout.val_temperature < 0:
         raise ConfigError("rollout.temperature and rollout.val_temperature must be >= 0 (0 is greedy)")
     _validate_multi_turn(cfg)
-    if cfg.algorithm.ppo_mini_batch_size < 0 or cfg.algorithm.rollout_correction.rollout_is_threshold <= 0:
-        raise ConfigError(
-            "algorithm.ppo_mini_batch_size must be >= 0 (0: the whole batch) and "
-            "algorithm.rollout_correction.rollout_is_threshold > 0"
-        )
+    if cfg.algorithm.ppo_mini_batch_size < 0:
+        raise ConfigError("algorithm.ppo_mini_batch_size must be >= 0 (0: the whole batch)")
     if not 0.0 <= cfg.data.tiny.correct_fraction <= 1.0:
         raise ConfigError(
             f"data.tiny.correct_fraction must be in [0, 1], got {cfg.data.tiny.correct_fraction}"

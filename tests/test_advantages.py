@@ -3,6 +3,7 @@ here from the papers' / verl's formulas (``statistics`` for means and unbiased s
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 
@@ -18,6 +19,7 @@ from spmdrl.algos.advantages import (
     grpo_advantages,
     token_level_rewards,
 )
+from spmdrl.testing.spawn import run_distributed
 
 VERL_NAMES = {
     "gae",
@@ -29,6 +31,11 @@ VERL_NAMES = {
     "opo",
     "grpo_passk",
     "gpg",
+    "grpo_vectorized",
+    "rloo_vectorized",
+    "gdpo",
+    "optimal_token_baseline",
+    "tir_optimal_token_baseline",
 }
 
 
@@ -128,6 +135,9 @@ def test_every_estimator_zero_where_masked_and_finite(name: str):
         # NaN at padding must not leak: values there are whatever the critic output on pad tokens.
         values_BT=torch.where(mask_BT, torch.linspace(0, 1, 6 * T).view(6, T), float("nan")),
         baseline_B=torch.full((6,), 0.3),
+        old_logprobs_BT=torch.where(mask_BT, -torch.linspace(0.1, 2.0, 6 * T).view(6, T), float("nan")),
+        sum_pi_squared_BT=torch.where(mask_BT, torch.linspace(0.2, 0.9, 6 * T).view(6, T), float("nan")),
+        reward_components_BK=torch.stack([torch.tensor(SCORES), torch.tensor(SCORES).flip(0)], dim=1),
         gamma=0.9,
         lam=0.8,
     )
@@ -208,22 +218,25 @@ def test_rloo_leave_one_out_and_group_of_one():
 # ---------------------------------------------------------------------------------------------- reinforce++
 
 
-def test_reinforce_plus_plus_discounted_returns_reset_at_mask_then_whitened():
+def test_reinforce_plus_plus_discounted_returns_carried_across_masked_span_then_whitened():
     gamma = 0.5
     rewards = [[0.1, 0.2, 0.3, 1.0, 0.0], [0.0, -0.1, 9.0, 0.4, 2.0], [0.5, 0.0, 0.0, 0.0, 0.0]]
-    # Row 1 has a masked hole at t=2 (e.g. tool output): the return restarts there, its 9.0 is ignored.
+    # Row 1 has a masked hole at t=2 (e.g. tool output): as verl 0.9.1, the return is carried through it
+    # unchanged (not restarted) and its 9.0 is ignored.
     mask = [[1, 1, 1, 1, 0], [1, 1, 0, 1, 1], [1, 0, 0, 0, 0]]
     mask_b = [[bool(v) for v in row] for row in mask]
     ref_returns = []
     for row, m in zip(rewards, mask_b, strict=True):
         out, running = [0.0] * len(row), 0.0
         for t in reversed(range(len(row))):
-            running = row[t] + gamma * running if m[t] else 0.0
-            out[t] = running
+            if m[t]:
+                running = row[t] + gamma * running
+                out[t] = running
         ref_returns.append(out)
-    # Hand check of the recursion: row 0 t=0: 0.1 + 0.5 * (0.2 + 0.5 * (0.3 + 0.5 * 1.0)) = 0.4.
+    # Hand check of the recursion: row 0 t=0: 0.1 + 0.5 * (0.2 + 0.5 * (0.3 + 0.5 * 1.0)) = 0.4; row 1:
+    # t=3: 0.4 + 0.5 * 2 = 1.4, t=1 (t=2 skipped): -0.1 + 0.5 * 1.4 = 0.6, t=0: 0.5 * 0.6 = 0.3.
     assert ref_returns[0][0] == pytest.approx(0.4)
-    assert ref_returns[1][:2] == pytest.approx([-0.05, -0.1]) and ref_returns[1][3] == pytest.approx(1.4)
+    assert ref_returns[1] == pytest.approx([0.3, 0.6, 0.0, 1.4, 2.0])
     inputs = AdvantageInputs(torch.tensor(rewards), torch.tensor(mask), torch.tensor([0, 0, 1]), gamma=gamma)
     advantages_BT, returns_BT = compute_advantages("reinforce_plus_plus", inputs)
     torch.testing.assert_close(returns_BT, torch.tensor(ref_returns))
@@ -410,3 +423,260 @@ def test_whitening_needs_two_valid_tokens():
     inputs = AdvantageInputs(torch.ones(1, 2), torch.tensor([[1, 0]]), torch.tensor([0]))
     with pytest.raises(ValueError, match="at least 2 valid tokens"):
         compute_advantages("reinforce_plus_plus", inputs)
+
+
+# ---------------------------------------------------------------------------------------------- rejection
+
+
+@pytest.mark.parametrize("name", ["grpo", "rloo", "gpg", "grpo_passk", "reinforce_plus_plus_baseline"])
+def test_outcome_scores_sum_the_whole_row_so_rejected_tokens_keep_their_reward(name: str):
+    # The rollout correction's rejection edits only the mask, before the advantages (verl's order), and
+    # verl's scores sum the whole row: a sequence whose last token (which holds the reward) or every token
+    # was rejected still counts with its reward in its group's statistics.
+    sampled = _outcome([1.0, 0.0, 0.5, 0.2, 0.9, 0.0], [3, 2, 3, 2, 4, 1], [0, 0, 0, 1, 1, 1])
+    mask_BT = sampled.response_mask_BT.clone()
+    mask_BT[0, 2] = False  # row 0's last token
+    mask_BT[2] = False  # all of row 2
+    rejected = dataclasses.replace(sampled, response_mask_BT=mask_BT)
+    advantages_BT, _ = compute_advantages(name, rejected)
+    before_BT, _ = compute_advantages(name, sampled)
+    assert (advantages_BT[~mask_BT] == 0).all()
+    if name == "reinforce_plus_plus_baseline":  # whitened over the tokens left
+        mask = mask_BT.tolist()
+        torch.testing.assert_close(advantages_BT, _whiten_ref(before_BT.tolist(), mask))
+    else:  # the group statistics did not change: the same advantage on the tokens left
+        torch.testing.assert_close(advantages_BT, before_BT * mask_BT)
+
+
+# ---------------------------------------------------------------------------------------------- two ranks
+
+SHARDED = ("gae", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gpg", "grpo", "gdpo")
+
+
+def _sharded_batch() -> AdvantageInputs:
+    """12 rows, groups of 3 (each of 2 ranks holds 2 whole groups), masked spans inside some responses,
+    and rank 0's rows mostly zero-reward, so that every batch-wide statistic differs per rank."""
+    g = torch.Generator().manual_seed(0)
+    B, T = 12, 8
+    mask_BT = torch.arange(T) < torch.randint(3, T + 1, (B,), generator=g)[:, None]
+    mask_BT[::4, 1] = False  # tool output inside a response
+    scores_B = torch.randint(1, 4, (B,), generator=g).float() * torch.tensor([0, 0, 1, 0, 0, 1] + [1] * 6)
+    return AdvantageInputs(
+        token_rewards_BT=token_level_rewards(scores_B, mask_BT),
+        response_mask_BT=mask_BT,
+        group_ids_B=torch.arange(B) // 3,
+        values_BT=torch.randn(B, T, generator=g) + torch.arange(B)[:, None] / 4,
+        gamma=0.9,
+        lam=0.8,
+    )
+
+
+def _shard(inputs: AdvantageInputs, rank: int, world: int, batch_sum=None) -> AdvantageInputs:
+    n = inputs.group_ids_B.numel() // world
+    rows = slice(rank * n, (rank + 1) * n)
+    tensors = {
+        f.name: getattr(inputs, f.name)[rows]
+        for f in dataclasses.fields(inputs)
+        if isinstance(getattr(inputs, f.name), torch.Tensor)
+    }
+    return dataclasses.replace(inputs, batch_sum=batch_sum, **tensors)
+
+
+def _advantages_on_rank(rank: int, world: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    from spmdrl.distributed.reduce import sum_over_group
+
+    shard = _shard(_sharded_batch(), rank, world, sum_over_group())
+    return {name: compute_advantages(name, shard) for name in SHARDED}
+
+
+@pytest.mark.slow
+def test_batch_wide_statistics_over_two_ranks_equal_the_whole_batch():
+    # Each rank holds half the batch (whole groups); its advantages must be those of one process
+    # computing over the whole batch (verl's), for whitening and GPG's alpha as well as group statistics.
+    full = _sharded_batch()
+    per_rank = run_distributed(_advantages_on_rank, 2, timeout_s=60)
+    for name in SHARDED:
+        want_adv, want_ret = compute_advantages(name, full)
+        for r, got in enumerate(per_rank):
+            rows = slice(r * 6, (r + 1) * 6)
+            torch.testing.assert_close(got[name][0], want_adv[rows], msg=f"{name} rank {r}")
+            torch.testing.assert_close(got[name][1], want_ret[rows], msg=f"{name} rank {r}")
+        # The case has teeth: each rank's own statistics (no batch_sum) are not the batch's.
+        alone_BT = torch.cat([compute_advantages(name, _shard(full, r, 2))[0] for r in range(2)])
+        assert torch.allclose(alone_BT, want_adv) == (name == "grpo"), name
+
+
+# ---------------------------------------------------------------------------------------------- vectorized
+
+
+def test_rloo_vectorized_is_rloo_but_zero_for_a_group_of_one():
+    inputs = _outcome(SCORES, LENGTHS, IDS)
+    loop_BT, _ = compute_advantages("rloo", inputs)
+    vectorized_BT, returns_BT = compute_advantages("rloo_vectorized", inputs)
+    alone = torch.tensor(IDS) == 9  # the group of one: raw reward in rloo, 0 here (verl's * (n > 1))
+    torch.testing.assert_close(vectorized_BT[~alone], loop_BT[~alone])
+    assert (vectorized_BT[alone] == 0).all() and (loop_BT[alone] != 0).any()
+    torch.testing.assert_close(returns_BT, vectorized_BT)
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_grpo_vectorized_is_grpo_always_divided_by_the_std(norm: bool):
+    """verl's trainer never hands grpo_vectorized norm_adv_by_std_in_grpo: it is grpo with the division on."""
+    inputs = _outcome(SCORES, LENGTHS, IDS, norm_by_std=norm)
+    normed = _outcome(SCORES, LENGTHS, IDS, norm_by_std=True)
+    torch.testing.assert_close(
+        compute_advantages("grpo_vectorized", inputs)[0], compute_advantages("grpo", normed)[0]
+    )
+
+
+# ---------------------------------------------------------------------------------------------- gdpo
+
+
+def test_gdpo_normalizes_each_reward_component_in_its_group_then_whitens():
+    # Two components per sample; component 0 has a large scale that would drown component 1 in a sum.
+    comp = [[10.0, 1.0], [0.0, 0.0], [10.0, 0.0], [3.0, 1.0], [0.0, 1.0], [5.0, 0.0]]
+    weights = (1.0, 0.5)
+    inputs = _outcome(
+        [0.0] * 6,
+        LENGTHS,
+        IDS,
+        reward_components_BK=torch.tensor(comp),
+        reward_weights_K=weights,
+    )
+    per_k = [_grpo_ref([c[k] for c in comp], IDS, norm=True) for k in range(2)]
+    total = [sum(w * per_k[k][i] for k, w in enumerate(weights)) for i in range(6)]
+    mask = _mask(LENGTHS, 4).tolist()
+    expected = _whiten_ref([[a] * 4 for a in total], mask)
+    advantages_BT, returns_BT = compute_advantages("gdpo", inputs)
+    torch.testing.assert_close(advantages_BT, expected)
+    torch.testing.assert_close(returns_BT, advantages_BT)
+    # Without components the sequence's score is the one component (verl's fallback): whitened GRPO.
+    plain = _outcome(SCORES, LENGTHS, IDS)
+    grpo_BT, _ = compute_advantages("grpo", plain)
+    torch.testing.assert_close(compute_advantages("gdpo", plain)[0], _whiten_ref(grpo_BT.tolist(), mask))
+    with pytest.raises(ValueError, match="3 reward weights for 2 reward components"):
+        compute_advantages("gdpo", dataclasses.replace(inputs, reward_weights_K=(1.0, 1.0, 1.0)))
+    with pytest.raises(ValueError, match="reward_components_BK must have shape"):
+        dataclasses.replace(inputs, reward_components_BK=torch.zeros(5, 2))
+
+
+# ---------------------------------------------------------------------------------------------- OTB
+
+
+def _otb_ref(
+    rewards: list[list[float]],
+    mask: list[list[bool]],
+    ids: list[int],
+    old: list[list[float]],
+    sps: list[list[float]],
+    isw: list[list[float]] | None,
+    multi_turn: bool,
+) -> list[list[float]]:
+    """verl's optimal token baseline written out per token: step = column (a group's responses start at
+    one column) or, multi-turn, the index among the row's valid tokens."""
+    B, T = len(rewards), len(rewards[0])
+    rows = []
+    for b in range(B):
+        cols = [t for t in range(T) if mask[b][t]]
+        g_ret = [sum(rewards[b][u] for u in cols if u >= t) for t in cols]
+        w = [1 - 2 * math.exp(old[b][t]) + sps[b][t] for t in cols]
+        if isw is not None:
+            w = [wi * isw[b][t] ** 2 for wi, t in zip(w, cols, strict=True)]
+        cum_w = [sum(w[: j + 1]) for j in range(len(cols))]
+        step = list(range(len(cols))) if multi_turn else cols
+        rows.append({"cols": cols, "G": g_ret, "W": cum_w, "step": step})
+    out = [[0.0] * T for _ in range(B)]
+    members = {}
+    for b, g in enumerate(ids):
+        if rows[b]["cols"] or not multi_turn:
+            members.setdefault(g, []).append(b)
+    for b in range(B):
+        r, group = rows[b], members.get(ids[b], [b])
+        lengths = sorted(len(rows[i]["cols"]) for i in group)
+        unique_longest = len(group) > 1 and lengths[-1] > lengths[-2]
+        start = 0 if multi_turn else (r["cols"][0] if r["cols"] else 0)
+        for j, t in enumerate(r["cols"]):
+            s = r["step"][j]
+            baseline = 0.0
+            if len(group) > 1:
+                num = den = 0.0
+                for i in group:
+                    if s in rows[i]["step"]:
+                        k = rows[i]["step"].index(s)
+                        num += rows[i]["G"][k] * rows[i]["W"][k]
+                        den += rows[i]["W"][k]
+                baseline = num / (den + 1e-8)
+                if unique_longest and len(r["cols"]) == lengths[-1] and s >= start + lengths[-2]:
+                    baseline = 0.0
+            out[b][t] = r["G"][j] - baseline
+    return out
+
+
+def _otb_case(multi_turn: bool) -> tuple[AdvantageInputs, list[list[bool]]]:
+    """Group 0 (rows 0-2) answers from column 1, group 1 (rows 3-4) from column 2, row 5 alone. Row 0 is
+    its group's single longest (its steps past the second-longest get baseline 0); multi-turn, rows 0
+    and 3 have tool output (masked) inside."""
+    T = 8
+    spans = [(1, 7), (1, 4), (1, 3), (2, 5), (2, 5), (1, 3)]
+    mask = [[s <= t < e for t in range(T)] for s, e in spans]
+    if multi_turn:
+        mask[0][3] = mask[3][3] = False
+    g = torch.Generator().manual_seed(0)
+    mask_BT = torch.tensor(mask)
+    rewards_BT = token_level_rewards(torch.tensor([1.0, 0.0, 1.0, 0.5, 1.0, 2.0]), mask_BT)
+    rewards_BT = rewards_BT + 0.1 * torch.randn(6, T, generator=g) * mask_BT  # per-token terms
+    inputs = AdvantageInputs(
+        token_rewards_BT=rewards_BT,
+        response_mask_BT=mask_BT,
+        group_ids_B=torch.tensor([0, 0, 0, 1, 1, 2]),
+        old_logprobs_BT=-torch.rand(6, T, generator=g) * 2,
+        sum_pi_squared_BT=torch.rand(6, T, generator=g) * 0.5 + 0.2,
+        is_weights_BT=torch.rand(6, T, generator=g) + 0.5,
+    )
+    return inputs, mask
+
+
+@pytest.mark.parametrize("name", ["optimal_token_baseline", "tir_optimal_token_baseline"])
+@pytest.mark.parametrize("with_is", [True, False])
+def test_optimal_token_baseline_against_verls_formula(name: str, with_is: bool):
+    multi_turn = name.startswith("tir")
+    inputs, mask = _otb_case(multi_turn)
+    if not with_is:
+        inputs = dataclasses.replace(inputs, is_weights_BT=None)
+    ref = _otb_ref(
+        inputs.token_rewards_BT.tolist(),
+        mask,
+        inputs.group_ids_B.tolist(),
+        inputs.old_logprobs_BT.tolist(),
+        inputs.sum_pi_squared_BT.tolist(),
+        inputs.is_weights_BT.tolist() if with_is else None,
+        multi_turn,
+    )
+    advantages_BT, returns_BT = compute_advantages(name, inputs)
+    torch.testing.assert_close(advantages_BT, torch.tensor(ref))
+    # Returns: the reward-to-go over the valid tokens; the lone row 5's advantage is its return.
+    rewards = torch.where(inputs.response_mask_BT, inputs.token_rewards_BT, 0.0)
+    torch.testing.assert_close(returns_BT, rewards.flip(1).cumsum(1).flip(1) * inputs.response_mask_BT)
+    torch.testing.assert_close(advantages_BT[5], returns_BT[5])
+
+
+def test_tir_steps_are_valid_tokens_not_columns():
+    # With tool output inside a response the two estimators compare different tokens across samples.
+    inputs, _ = _otb_case(multi_turn=True)
+    otb_BT, _ = compute_advantages("optimal_token_baseline", inputs)
+    tir_BT, _ = compute_advantages("tir_optimal_token_baseline", inputs)
+    assert not torch.allclose(otb_BT[:3], tir_BT[:3])
+    # Without holes they agree.
+    plain, _ = _otb_case(multi_turn=False)
+    torch.testing.assert_close(
+        compute_advantages("optimal_token_baseline", plain)[0],
+        compute_advantages("tir_optimal_token_baseline", plain)[0],
+    )
+
+
+def test_optimal_token_baseline_needs_the_old_policy_statistics():
+    inputs = _outcome(SCORES, LENGTHS, IDS)
+    with pytest.raises(ValueError, match="sum_pi_squared_BT"):
+        compute_advantages("optimal_token_baseline", inputs)
+    with pytest.raises(ValueError, match="old_logprobs_BT must have shape"):
+        dataclasses.replace(inputs, old_logprobs_BT=torch.zeros(6, 3))

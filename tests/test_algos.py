@@ -10,10 +10,11 @@ import torch.nn.functional as F
 
 from spmdrl.algos.advantages import grpo_advantages
 from spmdrl.algos.aggregation import Aggregation, count_units, masked_mean
-from spmdrl.algos.kl import kl_penalty
+from spmdrl.algos.kl import k3_unclamped, kl_penalty
 from spmdrl.algos.losses import (
     entropy_from_logits,
     masked_cross_entropy,
+    sum_pi_squared_from_logits,
     token_logprobs,
 )
 from spmdrl.algos.policy_losses import PolicyLossParams, vanilla_policy_loss
@@ -70,7 +71,10 @@ def test_low_var_kl_clamps_with_finite_gradient():
     assert kl.tolist() == [[10.0, 10.0]]
     kl.sum().backward()
     assert torch.isfinite(logp.grad).all()
-    assert kl_penalty(logp, ref, "k3")[0, 0].item() == float("inf")
+    # verl 0.9.1's kl_penalty_forward: "k3" is low_var_kl, clamped the same way.
+    assert kl_penalty(logp, ref, "k3").tolist() == [[10.0, 10.0]]
+    # The plain estimator, for diagnostics, is not clamped.
+    assert k3_unclamped(logp, ref)[0, 0].item() == float("inf")
 
 
 def test_kl_unknown_kind_lists_kinds():
@@ -88,6 +92,7 @@ MASK_BT = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]])
     "mode, expected",
     [
         ("token-mean", (1 + 2 + 3 + 5 + 6) / 5),
+        ("token-sum", 1 + 2 + 3 + 5 + 6),  # no division (verl 0.9.1's token-sum)
         ("seq-mean-token-mean", (6 / 3 + 11 / 2) / 2),  # the empty third row is left out
         ("seq-mean-token-sum", (6 + 11) / 2),
         ("seq-mean-token-sum-norm", (6 + 11) / 4 / 2),  # each sequence's sum / L=4, over 2 sequences
@@ -99,6 +104,27 @@ def test_aggregate_modes_by_hand(mode, expected):
     # Masked entries do not leak in, even when they are NaN.
     poisoned = torch.where(MASK_BT.bool(), LOSS_BT, torch.nan)
     assert agg(poisoned, MASK_BT).item() == pytest.approx(expected)
+
+
+def test_seq_mean_counts_every_row_as_verls_global_batch_size():
+    # verl's trainer divides the seq-mean modes by global_batch_size, the mini-batch's rows: the third,
+    # fully masked row adds 0 to the sum and 1 to the count. Its agg_loss alone counts rows with a token.
+    for mode in ("seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
+        assert count_units(MASK_BT, mode, count_empty_rows=True) == 3
+        assert count_units(MASK_BT, mode) == 2
+    assert count_units(MASK_BT, "token-mean", count_empty_rows=True) == 5
+    agg = Aggregation(
+        "seq-mean-token-mean", count_units(MASK_BT, "seq-mean-token-mean", count_empty_rows=True)
+    )
+    assert agg(LOSS_BT, MASK_BT).item() == pytest.approx((6 / 3 + 11 / 2) / 3)
+
+
+def test_token_sum_norm_default_divisor_is_the_mask_width():
+    # verl's agg_loss without loss_scale_factor divides by loss_mask.shape[-1] (4 here), not by 1.
+    agg = Aggregation.local("seq-mean-token-sum-norm", MASK_BT)
+    assert agg(LOSS_BT, MASK_BT).item() == pytest.approx((6 + 11) / 4 / 2)
+    wide_BT = torch.nn.functional.pad(MASK_BT, (0, 4))  # the same tokens in a mask twice as wide
+    assert agg(torch.nn.functional.pad(LOSS_BT, (0, 4)), wide_BT).item() == pytest.approx((6 + 11) / 8 / 2)
 
 
 def test_aggregation_counts_and_argument_errors():
@@ -114,7 +140,8 @@ def test_aggregation_counts_and_argument_errors():
 
 
 @pytest.mark.parametrize(
-    "mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+    "mode",
+    ["token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"],
 )
 def test_global_normalization_matches_whole_batch(mode):
     """2 ranks x 2 micro-batches, gradients summed over micro-batches and ranks (FSDP with divide
@@ -233,6 +260,15 @@ def test_entropy_matches_direct_formula_and_is_stable():
     # A probability that underflows to 0 makes -sum(p log p) NaN (0 * -inf); ours stays finite.
     extreme = torch.tensor([[[1000.0, 0.0, -1000.0]]])
     assert entropy_from_logits(extreme).item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_sum_pi_squared_matches_direct_formula_and_is_stable():
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 5, 11, generator=gen)
+    torch.testing.assert_close(sum_pi_squared_from_logits(logits), logits.softmax(-1).square().sum(-1))
+    assert sum_pi_squared_from_logits(torch.zeros(1, 1, 8)).item() == pytest.approx(1 / 8)  # uniform
+    # A near one-hot distribution: sum pi^2 -> 1, with no overflow from exp(2 z).
+    assert sum_pi_squared_from_logits(torch.tensor([[[1000.0, 0.0, -1000.0]]])).item() == pytest.approx(1.0)
 
 
 def test_masked_mean_empty_is_zero():

@@ -150,3 +150,90 @@ def test_cpu_threads_split_the_usable_cores_over_the_node_ranks(monkeypatch: pyt
     assert cpu_threads(3) == (3, "trainer.cpu_threads")
     with pytest.raises(ConfigError, match=r"trainer\.cpu_threads must be >= 0"):
         load_config(["trainer.cpu_threads=-1"])
+
+
+# ---------------------------------------------------------------------------------------------- verl 0.9.1 names
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["algorithm.adv_estimator=rloo_vectorized"],
+        ["algorithm.adv_estimator=grpo_vectorized"],
+        ["algorithm.adv_estimator=optimal_token_baseline"],
+        ["algorithm.adv_estimator=tir_optimal_token_baseline"],
+        ["algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[format,accuracy]"],
+        [
+            "algorithm.adv_estimator=gdpo",
+            "algorithm.gdpo_reward_keys=[a,b]",
+            "algorithm.gdpo_reward_weights=[1,0.5]",
+        ],
+        ["algorithm.policy_loss=dppo_tv"],
+        ["algorithm.policy_loss=dppo_kl"],
+        ["algorithm.policy_loss=dro", "algorithm.dro_beta=0.1"],
+        ["algorithm.policy_loss=bypass_mode"],
+        ["algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.loss_type=reinforce"],
+        ["algorithm.loss_agg_mode=token-sum"],
+        [
+            "algorithm.rollout_correction.rollout_is=token",
+            "algorithm.rollout_correction.rollout_is_threshold='0.5_5.0'",
+        ],
+    ],
+)
+def test_verl_names_load(overrides: list[str]) -> None:
+    load_config(overrides)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (["algorithm.policy_loss=dro"], "algorithm.dro_beta > 0"),
+        (["algorithm.dro_beta=-1"], "dro_beta must be > 0"),
+        (["algorithm.adv_estimator=gdpo"], "needs algorithm.gdpo_reward_keys"),
+        (
+            ["algorithm.adv_estimator=grpo_vectorized", "algorithm.norm_adv_by_std=false"],
+            "has no effect on adv_estimator=grpo_vectorized",
+        ),
+        (
+            [
+                "algorithm.adv_estimator=gdpo",
+                "algorithm.gdpo_reward_keys=[a]",
+                "algorithm.norm_adv_by_std=false",
+            ],
+            "use adv_estimator=grpo for Dr. GRPO",
+        ),
+        (
+            [
+                "algorithm.adv_estimator=gdpo",
+                "algorithm.gdpo_reward_keys=[a,b]",
+                "algorithm.gdpo_reward_weights=[1]",
+            ],
+            "1 weights for 2 gdpo_reward_keys",
+        ),
+        (["algorithm.rollout_correction.rollout_is_threshold=fast"], "rollout_is_threshold"),
+        (["algorithm.rollout_correction.rollout_is_threshold='5_0.5'"], "lower bound above"),
+        (["algorithm.rollout_correction.loss_type=ppo"], "loss_type"),
+        (
+            ["algorithm.rollout_correction.bypass_mode=true", "algorithm.policy_loss=gspo"],
+            "bypass_mode policy loss",
+        ),
+        (
+            [
+                "algorithm.rollout_correction.bypass_mode=true",
+                "algorithm.adv_estimator=optimal_token_baseline",
+            ],
+            "bypass_mode skips",
+        ),
+    ],
+)
+def test_verl_setting_checks(overrides: list[str], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        load_config(overrides)
+
+
+def test_defaults_follow_verl_where_the_name_is_verls() -> None:
+    a = Config().algorithm
+    assert a.filter_groups.metric == "reward" and a.filter_groups.max_num_gen_batches == 0
+    assert a.rollout_correction.rollout_is_threshold == "2.0" and not a.rollout_correction.bypass_mode
+    assert a.rollout_correction.loss_type == "ppo_clip" and a.seq_mean_all_rows
+    assert a.dro_beta is None and a.gdpo_reward_keys is None

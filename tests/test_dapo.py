@@ -1,5 +1,5 @@
 """DAPO's dynamic sampling and overlong shaping against hand-computed values and verl's rules
-(``recipe/dapo/dapo_ray_trainer.py``, ``verl/workers/reward_manager/dapo.py``)."""
+(verl 0.9.1's ``verl/trainer/ppo/v1/replay_buffer.py``, ``verl/workers/reward_manager/dapo.py``)."""
 
 from __future__ import annotations
 
@@ -24,12 +24,13 @@ def _ids(xs: list[int]) -> torch.Tensor:
 
 
 def _verl_keep(values: list[float], ids: list[int]) -> list[bool]:
-    """verl's rule, written out: keep a uid iff np.std of its values > 0 or it has one sample."""
+    """verl 0.9.1's rule (ReplayBuffer._dapo_filtered_keys), written out: drop a uid iff it has more than
+    one sample and np.std of its values == 0."""
     by_uid: dict[int, list[float]] = {}
     for uid, v in zip(ids, values, strict=True):
         by_uid.setdefault(uid, []).append(v)
-    kept = {u for u, vs in by_uid.items() if np.std(vs) > 0 or len(vs) == 1}
-    return [u in kept for u in ids]
+    dropped = {u for u, vs in by_uid.items() if len(vs) > 1 and float(np.std(vs)) == 0.0}
+    return [u not in dropped for u in ids]
 
 
 # ---------------------------------------------------------------------------------------------- the filter
@@ -81,14 +82,15 @@ def test_bool_int_and_nonfinite_metrics():
         False,
     ]
     assert groups_with_signal(torch.tensor([3, 4, 2, 2]), ids).tolist() == [True, True, False, False]
-    # a NaN or an infinity in a group of >= 2 drops it (verl: std is NaN, NaN > 0 is false); alone, kept
+    # A NaN or an infinity keeps its group, as verl 0.9.1 (its std is NaN and NaN == 0 is false; the legacy
+    # DAPO recipe's std > 0 dropped it), even when all its values are the same infinity.
     nan, inf = float("nan"), float("inf")
-    values = torch.tensor([nan, 1.0, inf, 0.0, nan, inf])
-    ids6 = _ids([0, 0, 1, 1, 2, 3])
+    values = torch.tensor([nan, 1.0, inf, 0.0, nan, inf, inf, inf, 2.0, 2.0])
+    ids = _ids([0, 0, 1, 1, 2, 3, 4, 4, 5, 5])
     with np.errstate(invalid="ignore"):
-        expected = _verl_keep(values.tolist(), ids6.tolist())
-    assert expected == [False, False, False, False, True, True]
-    assert groups_with_signal(values, ids6).tolist() == expected
+        expected = _verl_keep(values.tolist(), ids.tolist())
+    assert expected == [True] * 8 + [False, False]
+    assert groups_with_signal(values, ids).tolist() == expected
 
 
 def test_matches_verl_rule_on_random_batches():

@@ -67,6 +67,32 @@ def test_packed_equals_padded(model_dir: Path) -> None:
         torch.testing.assert_close(grads[1][n], g, atol=1e-4, rtol=1e-4, msg=n)
 
 
+def test_sum_pi_squared_packed_equals_padded_and_the_softmax(model_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from spmdrl.models.forward import policy_forward
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    lengths = [9, 4, 12]
+    T = max(lengths)
+    attn = (torch.arange(T) < torch.tensor(lengths)[:, None]).long()
+    ids = torch.randint(3, 120, (3, T)) * attn
+    padded, packed = (
+        policy_forward(model, ids, attn, temperature=0.7, with_sum_pi_squared=True, pack_sequences=p)
+        for p in (False, True)
+    )
+    assert padded.sum_pi_squared_BT is not None and packed.sum_pi_squared_BT is not None
+    torch.testing.assert_close(
+        packed.sum_pi_squared_BT * attn, padded.sum_pi_squared_BT * attn, atol=2e-6, rtol=0
+    )
+    with torch.no_grad():  # the distribution that predicted token t, at temperature 0.7
+        probs_BTV = (model(input_ids=ids, attention_mask=attn).logits / 0.7).softmax(-1)
+    direct_BT = torch.zeros(3, T)
+    direct_BT[:, 1:] = probs_BTV[:, :-1].square().sum(-1)
+    torch.testing.assert_close(padded.sum_pi_squared_BT, direct_BT, atol=1e-6, rtol=1e-5)
+
+
 def test_token_budget_split_is_balanced_and_covers_every_row() -> None:
     from spmdrl.algos.micro_batches import balanced_split, micro_batch_rows, needed_parts
 

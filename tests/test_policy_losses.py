@@ -4,12 +4,20 @@ loop-based references written from the papers' / verl's formulas (not from the i
 from __future__ import annotations
 
 import math
+import statistics
 
 import pytest
 import torch
 
 from spmdrl.algos.aggregation import Aggregation
-from spmdrl.algos.correction import rollout_correction, rollout_is_weights, rollout_rejection_mask
+from spmdrl.algos.correction import (
+    CorrectionParams,
+    metric_reduction,
+    parse_is_threshold,
+    rollout_correction,
+    rollout_is_weights,
+    rollout_rejection_mask,
+)
 from spmdrl.algos.kl import KINDS, kl_penalty
 from spmdrl.algos.kl_control import (
     AdaptiveKLController,
@@ -24,7 +32,7 @@ from spmdrl.algos.policy_losses import (
     policy_loss,
 )
 
-PARAMS = PolicyLossParams(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0)
+PARAMS = PolicyLossParams(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, dro_beta=0.5)
 
 
 def _logprobs(ratios_BT: torch.Tensor, base: float = 0.3) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,14 +50,30 @@ def _token_mean(mask_BT: torch.Tensor) -> Aggregation:
 
 
 def test_registry_has_verl_names_and_lists_them_on_error():
-    assert set(POLICY_LOSSES) == {"vanilla", "gspo", "cispo", "gpg", "clip_cov", "kl_cov", "geo_mean", "sapo"}
+    assert set(POLICY_LOSSES) == {
+        "vanilla",
+        "gspo",
+        "cispo",
+        "gpg",
+        "clip_cov",
+        "kl_cov",
+        "geo_mean",
+        "sapo",
+        "dppo_tv",
+        "dppo_kl",
+        "dro",
+        "bypass_mode",
+    }
     assert policy_loss("gspo") is POLICY_LOSSES["gspo"]
     with pytest.raises(ValueError, match="unknown policy loss 'ppo'.*vanilla, gspo"):
         policy_loss("ppo")
-    # verl reduces gspo / sapo / geo_mean with seq-mean-token-mean whatever loss_agg_mode says.
-    assert agg_mode_for("gspo", "token-mean") == "seq-mean-token-mean"
-    assert agg_mode_for("geo_mean", "token-mean") == "seq-mean-token-mean"
+    # verl 0.9.1 reduces sapo / geo_mean with seq-mean-token-mean whatever loss_agg_mode says ...
+    assert agg_mode_for("sapo", "token-mean") == "seq-mean-token-mean"
+    assert agg_mode_for("geo_mean", "token-sum") == "seq-mean-token-mean"
     assert agg_mode_for("vanilla", "seq-mean-token-sum") == "seq-mean-token-sum"
+    # ... and gspo with the configured mode (forced only up to verl 0.8).
+    assert agg_mode_for("gspo", "token-mean") == "token-mean"
+    assert agg_mode_for("gspo", "seq-mean-token-sum-norm") == "seq-mean-token-sum-norm"
 
 
 def test_params_validation():
@@ -411,17 +435,16 @@ def test_token_is_weights_truncate_and_match_tis():
     )
     torch.testing.assert_close(w_BT, torch.tensor([[1.5, 0.5, 0.0]]))
     assert not w_BT.requires_grad
-    # Before truncation (as verl): weights 2 and 0.5.
-    assert metrics["rollout_is_mean"].item() == pytest.approx(1.25)
-    assert metrics["rollout_is_max"].item() == pytest.approx(2.0)
+    # As verl 0.9.1: mean, max and min of the applied (truncated) weights 1.5 and 0.5; the fractions of
+    # the raw ones (2 > 1.5, 0.5 < 1 / 1.5).
+    assert metrics["rollout_is_mean"].item() == pytest.approx(1.0)
+    assert metrics["rollout_is_max"].item() == pytest.approx(1.5)
     assert metrics["rollout_is_min"].item() == pytest.approx(0.5)
     assert metrics["rollout_is_ratio_fraction_high"].item() == pytest.approx(0.5)
-    assert metrics["rollout_is_ratio_fraction_low"].item() == pytest.approx(0.5)  # 0.5 < 1 / 1.5
-    # ESS of the weights clamped to [1/1.5, 1.5]: 1.5 and 2/3, normalized by their mean.
-    m = (1.5 + 2 / 3) / 2
-    assert metrics["rollout_is_eff_sample_size"].item() == pytest.approx(
-        1 / (((1.5 / m) ** 2 + (2 / 3 / m) ** 2) / 2)
-    )
+    assert metrics["rollout_is_ratio_fraction_low"].item() == pytest.approx(0.5)
+    # std and ESS of the applied weights clamped to [0, 1.5] (no lower clamp): mean 1, E[w^2] = 1.25.
+    assert metrics["rollout_is_std"].item() == pytest.approx(0.5)
+    assert metrics["rollout_is_eff_sample_size"].item() == pytest.approx(1 / 1.25)
 
 
 def test_sequence_is_weights_are_the_product_of_token_ratios():
@@ -514,3 +537,200 @@ def test_rollout_correction_combines_weights_and_rejection():
     assert {"rollout_is_mean", "rollout_rs_masked_fraction"} <= set(out.metrics)
     off = rollout_correction(r_BT.log(), torch.zeros(1, 3), mask_BT)
     assert off.is_weights_BT is None and off.mask_BT is mask_BT and off.metrics == {}
+
+
+def test_is_metrics_per_sequence_on_applied_weights():
+    # Raw token weights: row 0 [2, 0.5] (truncated [1.5, 0.5], mean 1.0), row 1 [1.8] (truncated 1.5).
+    ratios_BT = torch.tensor([[2.0, 0.5], [1.8, 1.0]])
+    mask_BT = torch.tensor([[1, 1], [1, 0]])
+    _, m = rollout_is_weights(ratios_BT.log(), torch.zeros(2, 2), mask_BT, rollout_is_threshold=1.5)
+    assert m["rollout_is_seq_mean"].item() == pytest.approx((1.0 + 1.5) / 2)
+    assert m["rollout_is_seq_std"].item() == pytest.approx(statistics.stdev([1.0, 1.5]))
+    assert m["rollout_is_seq_max"].item() == pytest.approx(1.5)
+    assert m["rollout_is_seq_min"].item() == pytest.approx(1.0)
+    assert m["rollout_is_seq_max_deviation"].item() == pytest.approx(0.5)
+    # Of the raw per-sequence means 1.25 and 1.8: one above 1.5, none below 1 / 1.5.
+    assert m["rollout_is_seq_fraction_high"].item() == pytest.approx(0.5)
+    assert m["rollout_is_seq_fraction_low"].item() == pytest.approx(0.0)
+
+
+def test_sequence_statistics_count_every_row_as_verl():
+    # A row with no valid token: sequence ratio 1 (log sum 0) and mean weight 0, counted as verl does.
+    log_r_BT = torch.tensor([[math.log(3.0), 0.0], [math.log(0.8), 0.0], [5.0, 5.0]])
+    mask_BT = torch.tensor([[1, 0], [1, 0], [0, 0]])
+    _, m = rollout_is_weights(log_r_BT, torch.zeros(3, 2), mask_BT, rollout_is="sequence")
+    assert m["rollout_is_min"].item() == pytest.approx(0.8)
+    assert m["rollout_is_max"].item() == pytest.approx(3.0)
+    assert m["rollout_is_ratio_fraction_high"].item() == pytest.approx(1 / 3)  # 3 > 2, of 3 rows
+    assert m["rollout_is_seq_min"].item() == 0.0 and m["rollout_is_seq_max_deviation"].item() == 1.0
+    assert m["rollout_is_seq_mean"].item() == pytest.approx((2.0 + 0.8 + 0.0) / 3)
+
+
+def test_icepop_zeroes_weights_outside_both_bounds():
+    # IcePop (rollout_is_threshold "lower_upper"): raw weights outside [0.5, 1.5] become 0, not truncated.
+    ratios_BT = torch.tensor([[2.0, 0.5, 0.4, 1.2, 9.0]])
+    mask_BT = torch.tensor([[1, 1, 1, 1, 0]])
+    w_BT, m = rollout_is_weights(ratios_BT.log(), torch.zeros(1, 5), mask_BT, rollout_is_threshold="0.5_1.5")
+    torch.testing.assert_close(w_BT, torch.tensor([[0.0, 0.5, 0.0, 1.2, 0.0]]))
+    assert m["rollout_is_oob_ratio"].item() == pytest.approx(2 / 4)
+    assert m["rollout_is_ratio_fraction_high"].item() == pytest.approx(1 / 4)  # 2.0 > 1.5
+    assert m["rollout_is_ratio_fraction_low"].item() == pytest.approx(1 / 4)  # 0.4 < 0.5 (not 1 / 1.5)
+    assert m["rollout_is_mean"].item() == pytest.approx((0.5 + 1.2) / 4)
+    assert m["rollout_is_max"].item() == pytest.approx(1.2) and m["rollout_is_min"].item() == 0.0
+    # Sequence level: whole sequences whose product of ratios leaves [0.5, 2] get weight 0.
+    log_r_BT = torch.tensor([[math.log(3.0), 0.0], [math.log(0.8), math.log(1.5)], [math.log(0.2), 0.0]])
+    w_BT, m = rollout_is_weights(
+        log_r_BT, torch.zeros(3, 2), torch.ones(3, 2), rollout_is="sequence", rollout_is_threshold="0.5_2"
+    )
+    torch.testing.assert_close(w_BT, torch.tensor([[0.0, 0.0], [1.2, 1.2], [0.0, 0.0]]))
+    assert m["rollout_is_oob_ratio"].item() == pytest.approx(2 / 3)
+    # A plain number is TIS, as before: the same ratios truncated at 2.
+    w_BT, _ = rollout_is_weights(log_r_BT, torch.zeros(3, 2), torch.ones(3, 2), rollout_is="sequence")
+    torch.testing.assert_close(w_BT[:, 0], torch.tensor([2.0, 1.2, 0.2]))
+
+
+def test_parse_is_threshold():
+    assert parse_is_threshold(2.0) == (2.0, None)
+    assert parse_is_threshold("3") == (3.0, None)
+    assert parse_is_threshold("0.5_5.0") == (5.0, 0.5)
+    for bad in ("abc", "5_0.5", "0_2", -1.0, True):
+        with pytest.raises(ValueError, match="rollout_is_threshold"):
+            parse_is_threshold(bad)
+
+
+def test_metric_reduction_over_ranks():
+    assert metric_reduction("rollout_is_max") == "max"
+    assert metric_reduction("rollout_is_seq_max_deviation") == "max"
+    assert metric_reduction("rollout_rs_token_k1_max") == "max"
+    assert metric_reduction("rollout_is_seq_min") == "min"
+    assert metric_reduction("rollout_is_mean") == "mean"
+    assert metric_reduction("rollout_rs_seq_max_k2_masked_fraction") == "mean"
+
+
+# ---------------------------------------------------------------------------------------------- dppo
+
+
+def _dppo_example():
+    """p_old and p per valid token, advantages, and the last position masked."""
+    p_old = [0.5, 0.3, 0.5, 0.1, 0.7]
+    p_new = [0.6, 0.7, 0.2, 0.4, 0.2]
+    adv = [1.0, 1.0, -1.0, -1.0, 1.0]
+    new_BT = torch.tensor([[math.log(p) for p in p_new] + [math.log(0.9)]]).requires_grad_()
+    old_BT = torch.tensor([[math.log(p) for p in p_old] + [math.log(0.1)]])
+    mask_BT = torch.tensor([[1, 1, 1, 1, 1, 0]])
+    return p_old, p_new, adv, new_BT, old_BT, torch.tensor([adv + [0.0]]), mask_BT
+
+
+def _dppo_reference(keep: list[bool], p_old, p_new, adv, c: float) -> tuple[float, list[float]]:
+    """Token-mean of -A min(r, c) logp over kept tokens, and its gradient in logp (r detached)."""
+    n = len(adv)
+    loss = sum(
+        -a * min(q / po, c) * math.log(q) for a, q, po, k in zip(adv, p_new, p_old, keep, strict=True) if k
+    )
+    grad = [
+        -a * min(q / po, c) / n if k else 0.0 for a, q, po, k in zip(adv, p_new, p_old, keep, strict=True)
+    ]
+    return loss / n, grad
+
+
+@pytest.mark.parametrize("name", ["dppo_tv", "dppo_kl"])
+def test_dppo_trust_region_on_the_token_probability(name):
+    p_old, p_new, adv, new_BT, old_BT, adv_BT, mask_BT = _dppo_example()
+    eps_l, eps_h, c = PARAMS.clip_ratio_low, PARAMS.clip_ratio_high, PARAMS.clip_ratio_c
+    if name == "dppo_tv":
+        # A > 0 keeps p - p_old <= 0.28, A < 0 keeps p - p_old >= -0.2: 0.1 yes, 0.4 no, -0.3 no, 0.3 yes,
+        # -0.5 yes (a positive-advantage token whose probability fell is never dropped).
+        keep = [
+            d <= eps_h if a > 0 else d >= -eps_l
+            for d, a in zip([q - po for q, po in zip(p_new, p_old, strict=True)], adv, strict=True)
+        ]
+        assert keep == [True, False, False, True, True]
+    else:
+        # Binary KL of (p_old, 1 - p_old) to (p, 1 - p): 0.020, 0.339 (p rose: dropped), 0.223 (> 0.2 and p
+        # fell with A < 0: dropped), p rose with A < 0 (kept), p fell with A > 0 (kept).
+        kl = [
+            po * math.log(po / q) + (1 - po) * math.log((1 - po + 1e-8) / (1 - q + 1e-8))
+            for po, q in zip(p_old, p_new, strict=True)
+        ]
+        keep = [
+            (d <= eps_h or q <= po) if a > 0 else (d <= eps_l or q >= po)
+            for d, q, po, a in zip(kl, p_new, p_old, adv, strict=True)
+        ]
+        assert keep == [True, False, False, True, True]
+    out = policy_loss(name)(new_BT, old_BT, adv_BT, mask_BT, agg=_token_mean(mask_BT), params=PARAMS)
+    loss, grad = _dppo_reference(keep, p_old, p_new, adv, c)
+    assert out.loss.item() == pytest.approx(loss, rel=1e-5)
+    (g_BT,) = torch.autograd.grad(out.loss, new_BT)
+    torch.testing.assert_close(g_BT[0, :5], torch.tensor(grad))
+    assert g_BT[0, 5] == 0
+    assert out.metrics["pg_clipfrac"].item() == pytest.approx(2 / 5)
+    # Kept tokens whose ratio exceeds c = 3: token 3 (0.4 / 0.1 = 4).
+    assert out.metrics["pg_clipfrac_lower"].item() == pytest.approx(1 / 5)
+
+
+def test_dro_quadratic_log_ratio_penalty():
+    new_BT = torch.tensor([[math.log(0.5), math.log(0.2)]], requires_grad=True)
+    old_BT = torch.tensor([[math.log(0.25), math.log(0.2)]])
+    adv_BT, mask_BT = torch.tensor([[2.0, -1.0]]), torch.tensor([[1, 1]])
+    params = PolicyLossParams(dro_beta=0.5)
+    out = policy_loss("dro")(new_BT, old_BT, adv_BT, mask_BT, agg=_token_mean(mask_BT), params=params)
+    d = math.log(2.0)  # token 0's log ratio; token 1's is 0
+    expected = (-(2.0 * math.log(0.5) - 0.25 * d * d) - (-1.0 * math.log(0.2))) / 2
+    assert out.loss.item() == pytest.approx(expected)
+    (g_BT,) = torch.autograd.grad(out.loss, new_BT)
+    torch.testing.assert_close(g_BT, torch.tensor([[-(2.0 - 0.5 * d) / 2, 1.0 / 2]]))
+    assert out.metrics["ppo_kl"].item() == pytest.approx(-d / 2)
+    with pytest.raises(ValueError, match="dro_beta"):
+        policy_loss("dro")(
+            new_BT, old_BT, adv_BT, mask_BT, agg=_token_mean(mask_BT), params=PolicyLossParams()
+        )
+    with pytest.raises(ValueError, match="dro_beta"):
+        PolicyLossParams(dro_beta=0.0)
+
+
+# ---------------------------------------------------------------------------------------------- bypass mode
+
+
+def test_bypass_mode_ppo_clip_is_vanilla_against_the_rollout_on_the_kept_tokens():
+    # old = the engine's logprobs (bypass). Rejection (token_k1, 0.5 <= pi / pi_rollout <= 2) drops the
+    # token at ratio 2.5; PPO-clip then runs on the rest with no IS weights (the ratio is the weight).
+    new_BT, rollout_BT = _logprobs(torch.tensor([[1.1, 2.5, 0.9, 1.4]]))
+    adv_BT, mask_BT = torch.tensor([[1.0, 1.0, -1.0, -1.0]]), torch.tensor([[1, 1, 1, 1]])
+    rc = CorrectionParams(rollout_is="token", rollout_rs="token_k1", rollout_rs_threshold="0.5_2.0")
+    params = PolicyLossParams(rollout_correction=rc)
+    agg = _token_mean(mask_BT)  # counted before rejection, as verl's batch_num_tokens
+    out = policy_loss("bypass_mode")(
+        new_BT, rollout_BT, adv_BT, mask_BT, agg=agg, params=params, is_weights_BT=torch.full((1, 4), 7.0)
+    )
+    kept_BT = torch.tensor([[1, 0, 1, 1]])
+    ref = policy_loss("vanilla")(new_BT, rollout_BT, adv_BT, kept_BT, agg=agg, params=params)
+    torch.testing.assert_close(out.loss, ref.loss)
+    assert out.metrics["rollout_corr/rollout_rs_masked_fraction"].item() == pytest.approx(1 / 4)
+    assert "rollout_corr/rollout_is_mean" in out.metrics and "pg_clipfrac" in out.metrics
+
+
+def test_bypass_mode_reinforce_weights_the_policy_gradient():
+    # loss_type=reinforce: -A logp w, w = min(pi / pi_rollout, 2) detached (token TIS).
+    ratios = [1.5, 3.0, 0.5]
+    new_BT, rollout_BT = _logprobs(torch.tensor([ratios]))
+    adv_BT, mask_BT = torch.tensor([[1.0, -2.0, 0.5]]), torch.tensor([[1, 1, 1]])
+    rc = CorrectionParams(rollout_is="token", rollout_is_threshold=2.0, loss_type="reinforce")
+    out = policy_loss("bypass_mode")(
+        new_BT,
+        rollout_BT,
+        adv_BT,
+        mask_BT,
+        agg=_token_mean(mask_BT),
+        params=PolicyLossParams(rollout_correction=rc),
+    )
+    w = [min(r, 2.0) for r in ratios]
+    logp = [math.log(0.3 * r) for r in ratios]
+    a = [1.0, -2.0, 0.5]
+    assert out.loss.item() == pytest.approx(
+        sum(-ai * lp * wi for ai, lp, wi in zip(a, logp, w, strict=True)) / 3
+    )
+    (g_BT,) = torch.autograd.grad(out.loss, new_BT)
+    torch.testing.assert_close(g_BT, torch.tensor([[-ai * wi / 3 for ai, wi in zip(a, w, strict=True)]]))
+    assert out.metrics["ppo_kl"].item() == pytest.approx(-sum(math.log(r) for r in ratios) / 3, rel=1e-5)
+    with pytest.raises(ValueError, match="loss_type"):
+        CorrectionParams(loss_type="ppo")

@@ -13,6 +13,12 @@ PY=${PYTHON:-python3}
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
+# verl 0.9.1's wheel (pinned, sha256-checked), unzipped into the git-ignored .cache/verl-0.9.1: the parity
+# tests (tests/test_verl_parity.py) import verl's own algorithm code from it; verl's runtime is not
+# installed. Fetched once, here before the stamp check so a cached venv still gets it; offline, it warns
+# and those tests skip.
+"$VENV/bin/python" spmdrl/testing/verl_reference.py --fetch \
+  || echo "warning: no verl 0.9.1 reference wheel; tests/test_verl_parity.py will skip" >&2
 stamp="$VENV/.spmdrl-install-stamp"
 want=$(cat pyproject.toml torchrun_scripts/setup_cpu.sh | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then

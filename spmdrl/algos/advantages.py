@@ -6,18 +6,20 @@ name to the function; :func:`compute_advantages` checks the inputs a name needs 
 
 The semantics follow verl's ``verl/trainer/ppo/core_algos.py`` (``compute_*_advantage*``), edge cases
 included: a group of one sample gets mean 0 and std 1, so its advantage is its own reward (there is no
-baseline to subtract). Two differences, both invisible to the loss: verl leaves some masked positions
-non-zero (GAE's whitened advantages, the returns of REINFORCE++ and ReMax), spmdrl zeros them; and a
-sequence's score is the sum of its rewards over its *valid* tokens (verl sums the whole row, whose
-masked positions its reward and KL code already leaves at 0).
+baseline to subtract); a sequence's score is the sum of its rewards over the whole row, so a token the
+rollout correction rejected (it only edits the response mask, before the advantages, as in verl) keeps
+its reward in the group's statistics. One difference, invisible to the loss: verl leaves some masked
+positions non-zero (GAE's whitened advantages, the returns of REINFORCE++ and ReMax), spmdrl zeros them.
 
-Statistics are over the tensors passed in: group means and stds over the samples of each group id,
-whitening (GAE, REINFORCE++) and GPG's scale over the whole batch. Call an estimator on the batch verl
-would see (every group whole; for the batch-wide ones, the whole step's batch) to get verl's numbers.
+Group means and stds are over the samples of each group id in the rows passed in: a rank holds whole
+groups. Whitening (GAE, REINFORCE++, REINFORCE++-baseline) and GPG's scale are over the whole batch:
+when the rows are one rank's shard of it, ``AdvantageInputs.batch_sum`` sums the statistics' parts over
+the ranks (spmdrl.distributed.reduce.sum_over_group), so every rank gets the whole batch's numbers.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,6 +28,8 @@ import torch
 # verl's masked_whiten adds this to the variance before the rsqrt (verl/utils/torch_functional.py);
 # it is separate from the GRPO std epsilon ``AdvantageInputs.eps``.
 WHITEN_EPS = 1e-8
+# The optimal token baseline's denominator epsilon (verl's default for both OTB estimators).
+OTB_EPS = 1e-8
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,19 @@ class AdvantageInputs:
     values_BT: torch.Tensor | None = None
     # (B,) the reward of the greedy rollout of each sample's prompt, remax only.
     baseline_B: torch.Tensor | None = None
+    # Sums a tensor over every shard of the batch (an all_reduce over the actor's ranks), for the
+    # batch-wide statistics; None: these rows are the whole batch. Every shard must call the estimator.
+    batch_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # optimal_token_baseline, tir_optimal_token_baseline: the old policy's logprobs (B, T), the sum over
+    # the vocabulary of its squared probabilities at each step (B, T), and the rollout-correction
+    # weights (B, T) when there are any.
+    old_logprobs_BT: torch.Tensor | None = None
+    sum_pi_squared_BT: torch.Tensor | None = None
+    is_weights_BT: torch.Tensor | None = None
+    # gdpo: (B, K) the K reward components of each sample (algorithm.gdpo_reward_keys) and their
+    # weights (algorithm.gdpo_reward_weights; None: all 1).
+    reward_components_BK: torch.Tensor | None = None
+    reward_weights_K: tuple[float, ...] | None = None
     gamma: float = 1.0  # algorithm.gamma: discount (gae, reinforce_plus_plus)
     lam: float = 1.0  # algorithm.lam: GAE's lambda
     norm_by_std: bool = True  # algorithm.norm_adv_by_std (verl: norm_adv_by_std_in_grpo)
@@ -70,6 +87,13 @@ class AdvantageInputs:
             raise ValueError(
                 f"baseline_B must have shape ({shape_BT[0]},), got {tuple(self.baseline_B.shape)}"
             )
+        for name in ("old_logprobs_BT", "sum_pi_squared_BT", "is_weights_BT"):
+            t = getattr(self, name)
+            if t is not None and tuple(t.shape) != shape_BT:
+                raise ValueError(f"{name} must have shape {shape_BT}, got {tuple(t.shape)}")
+        c = self.reward_components_BK
+        if c is not None and (c.dim() != 2 or c.shape[0] != shape_BT[0]):
+            raise ValueError(f"reward_components_BK must have shape ({shape_BT[0]}, K), got {tuple(c.shape)}")
 
 
 AdvantageFn = Callable[[AdvantageInputs], tuple[torch.Tensor, torch.Tensor]]
@@ -98,9 +122,13 @@ def token_level_rewards(scores_B: torch.Tensor, response_mask_BT: torch.Tensor) 
 
 
 def _scores_B(inputs: AdvantageInputs) -> torch.Tensor:
-    """Each sequence's scalar outcome: its rewards summed over its valid tokens."""
-    valid_BT = inputs.response_mask_BT.bool()
-    return torch.where(valid_BT, inputs.token_rewards_BT.float(), 0.0).sum(dim=1)
+    """Each sequence's scalar outcome: its rewards summed over the whole row, as verl does.
+
+    Not over the valid tokens only: the rollout correction's rejection masks tokens (the last one, which
+    holds the reward, or whole sequences) before the advantages, and verl still counts their rewards in
+    the group statistics. Padding holds no reward (token_level_rewards, apply_kl_penalty leave it 0).
+    """
+    return inputs.token_rewards_BT.float().sum(dim=1)
 
 
 def _group_stats(
@@ -125,17 +153,31 @@ def _group_stats(
     return mean_G[inverse_B], std_G[inverse_B], count_G[inverse_B]
 
 
-def _masked_whiten(values_BT: torch.Tensor, valid_BT: torch.Tensor) -> torch.Tensor:
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _masked_whiten(
+    values_BT: torch.Tensor,
+    valid_BT: torch.Tensor,
+    batch_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
     """verl's ``masked_whiten``: ``(x - mean) / sqrt(var + 1e-8)`` with the mean and the unbiased
-    variance over the valid entries of the whole batch; 0 where not valid."""
-    n = int(valid_BT.sum())
+    variance (``sum (x - mean)^2 / (n - 1)``, verl's ``masked_var`` with its Bessel factor n / (n - 1))
+    over the valid entries of the whole batch (``batch_sum`` adds the other shards'); 0 where not valid.
+    """
+    total = batch_sum or _identity
+    x_BT = torch.where(valid_BT, values_BT, 0.0)
+    # float64 for the reduced parts: a float32 token count is exact only up to 2^24.
+    sum_n = total(torch.stack([x_BT.sum().double(), valid_BT.sum().double()]))
+    n = int(sum_n[1])
     if n < 2:
         # As verl's masked_var: the unbiased variance of fewer than two numbers is undefined.
         raise ValueError(f"whitening needs at least 2 valid tokens in the batch, got {n}")
-    x_BT = torch.where(valid_BT, values_BT, 0.0)
-    mean = x_BT.sum() / n
+    mean = (sum_n[0] / n).to(values_BT.dtype)
+    # Two passes (a second sum of squared deviations) rather than E[x^2] - E[x]^2, which cancels.
     centered_BT = torch.where(valid_BT, values_BT - mean, 0.0)
-    var = (centered_BT * centered_BT).sum() / (n - 1)
+    var = (total((centered_BT * centered_BT).sum().double()) / (n - 1)).to(values_BT.dtype)
     return centered_BT * torch.rsqrt(var + WHITEN_EPS)
 
 
@@ -175,7 +217,7 @@ def gae_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]
         next_gae_B = torch.where(valid_B, gae_B, next_gae_B)
         gae_BT[:, t] = next_gae_B
     returns_BT = torch.where(valid_BT, gae_BT + values_BT, 0.0)
-    return _masked_whiten(gae_BT, valid_BT), returns_BT
+    return _masked_whiten(gae_BT, valid_BT, inputs.batch_sum), returns_BT
 
 
 @torch.no_grad()
@@ -194,6 +236,13 @@ def grpo_outcome_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torc
         advantages_B = advantages_B / (std_B + inputs.eps)
     advantages_BT = _broadcast(advantages_B, valid_BT)
     return advantages_BT, advantages_BT
+
+
+def grpo_vectorized_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """``grpo_vectorized``: ``grpo`` always divided by the group's std (verl's vectorized form computes the
+    same numbers, and verl 0.9.1's trainer never hands it norm_adv_by_std_in_grpo; the config refuses
+    ``norm_adv_by_std=false`` with it rather than ignore it)."""
+    return grpo_outcome_advantages(dataclasses.replace(inputs, norm_by_std=True))
 
 
 @torch.no_grad()
@@ -216,8 +265,9 @@ def rloo_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor
 def reinforce_plus_plus_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """``reinforce_plus_plus``: REINFORCE++ (Hu, arXiv:2501.03262), no critic and no groups.
 
-    ``G_t = r_t + gamma G_{t+1}`` within each run of valid tokens (the sum restarts after a masked
-    position, as verl's "reset after EOS"); returns = ``G``; advantages = ``G`` whitened over all valid
+    ``G_t = r_t + gamma G_{t'}`` over a sequence's valid tokens t < t' (masked positions inside a
+    response, e.g. tool output, are skipped: the return is carried through them unchanged and their
+    rewards are ignored, as verl 0.9.1 does); returns = ``G``; advantages = ``G`` whitened over all valid
     tokens of the batch (mean and unbiased std).
     """
     valid_BT = inputs.response_mask_BT.bool()
@@ -227,9 +277,9 @@ def reinforce_plus_plus_advantages(inputs: AdvantageInputs) -> tuple[torch.Tenso
     returns_BT = torch.zeros_like(rewards_BT)
     for t in reversed(range(T)):
         valid_B = valid_BT[:, t]
-        running_B = torch.where(valid_B, rewards_BT[:, t] + inputs.gamma * running_B, 0.0)
-        returns_BT[:, t] = running_B
-    return _masked_whiten(returns_BT, valid_BT), returns_BT
+        running_B = torch.where(valid_B, rewards_BT[:, t] + inputs.gamma * running_B, running_B)
+        returns_BT[:, t] = torch.where(valid_B, running_B, 0.0)
+    return _masked_whiten(returns_BT, valid_BT, inputs.batch_sum), returns_BT
 
 
 @torch.no_grad()
@@ -242,7 +292,7 @@ def reinforce_plus_plus_baseline_advantages(inputs: AdvantageInputs) -> tuple[to
     valid_BT = inputs.response_mask_BT.bool()
     scores_B = _scores_B(inputs)
     mean_B, _, _ = _group_stats(scores_B, inputs.group_ids_B)
-    advantages_BT = _masked_whiten(_broadcast(scores_B - mean_B, valid_BT), valid_BT)
+    advantages_BT = _masked_whiten(_broadcast(scores_B - mean_B, valid_BT), valid_BT, inputs.batch_sum)
     return advantages_BT, advantages_BT
 
 
@@ -323,10 +373,155 @@ def gpg_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]
     """
     valid_BT = inputs.response_mask_BT.bool()
     scores_B = _scores_B(inputs)
-    alpha = scores_B.numel() / max(int(torch.count_nonzero(scores_B)), 1)
+    # B and the non-zero count of the whole batch: summed over the shards when the batch is sharded.
+    counts = torch.stack([torch.tensor(scores_B.numel()), torch.count_nonzero(scores_B).cpu()])
+    size, nonzero = (inputs.batch_sum or _identity)(counts.double().to(scores_B.device)).tolist()
+    alpha = size / max(nonzero, 1.0)
     mean_B, _, _ = _group_stats(scores_B, inputs.group_ids_B)
     advantages_BT = _broadcast(alpha * (scores_B - mean_B), valid_BT)
     return advantages_BT, advantages_BT
+
+
+@torch.no_grad()
+def rloo_vectorized_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rloo_vectorized``: RLOO as ``rloo`` (arXiv:2402.14740) for groups of n > 1,
+    ``A_i = (n r_i - sum_g r) / (n - 1)``; a group of one gets 0, not its raw reward (verl's vectorized
+    form masks it, ``* (n > 1)``; its loop form ``rloo`` keeps the reward)."""
+    valid_BT = inputs.response_mask_BT.bool()
+    scores_B = _scores_B(inputs)
+    mean_B, _, count_B = _group_stats(scores_B, inputs.group_ids_B)
+    loo_B = count_B / (count_B - 1).clamp_min(1) * (scores_B - mean_B)
+    advantages_BT = _broadcast(torch.where(count_B > 1, loo_B, 0.0), valid_BT)
+    return advantages_BT, advantages_BT
+
+
+@torch.no_grad()
+def gdpo_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gdpo``: Group reward-Decoupled normalization Policy Optimization (arXiv:2601.05242; verl
+    ``compute_gdpo_outcome_advantage``).
+
+    Each reward component k (``reward_components_BK``: the reward function's ``gdpo_reward_keys``) is
+    normalized within its group on its own, so that a dominant reward cannot drown the others, then::
+
+        A_k = (r_k - mean_g(r_k)) / (std_g(r_k) + eps)        (GRPO per component; always divided by
+                                                               the std, as verl's trainer runs it)
+        A   = whiten(sum_k w_k A_k)                            (w = reward_weights_K, default 1s)
+
+    with ``whiten`` over all valid tokens of the batch (``batch_sum`` sums the other shards' parts), as
+    verl's ``masked_whiten``. Without components the single component is the sequence's score (verl's
+    fallback to ``token_level_rewards``). Returns = advantages.
+    """
+    valid_BT = inputs.response_mask_BT.bool()
+    if inputs.reward_components_BK is None:
+        components_BK = _scores_B(inputs).unsqueeze(1)
+    else:
+        components_BK = inputs.reward_components_BK.to(valid_BT.device).float()
+    K = components_BK.shape[1]
+    weights_K = inputs.reward_weights_K if inputs.reward_weights_K is not None else (1.0,) * K
+    if len(weights_K) != K:
+        raise ValueError(f"gdpo: {len(weights_K)} reward weights for {K} reward components")
+    total_B = components_BK.new_zeros(components_BK.shape[0])
+    for k in range(K):
+        mean_B, std_B, _ = _group_stats(components_BK[:, k], inputs.group_ids_B)
+        # Always divided by the std: verl's trainer never hands gdpo norm_adv_by_std_in_grpo.
+        normalized_B = (components_BK[:, k] - mean_B) / (std_B + inputs.eps)
+        total_B = total_B + weights_K[k] * normalized_B
+    advantages_BT = _masked_whiten(_broadcast(total_B, valid_BT), valid_BT, inputs.batch_sum)
+    return advantages_BT, advantages_BT
+
+
+def _zero_tail(
+    baseline_BT: torch.Tensor, lengths_B: torch.Tensor, start_B: torch.Tensor, rows: torch.Tensor
+) -> None:
+    """verl's ``handle_zero_tail``: the part of a group's single longest trajectory past the
+    second-longest one's length gets baseline 0 (no other sample reached those steps to estimate it)."""
+    lengths = lengths_B[rows]
+    ordered = torch.sort(lengths).values
+    longest, second = int(ordered[-1]), int(ordered[-2])
+    at_max = torch.nonzero(lengths == longest).flatten()
+    if at_max.numel() == 1 and longest > second:
+        row = int(rows[at_max[0]])
+        baseline_BT[row, int(start_B[row]) + second :] = 0.0
+
+
+def _optimal_token_baseline(
+    inputs: AdvantageInputs, *, multi_turn: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both OTB estimators; ``multi_turn`` compacts each row's valid tokens first (verl's TIR variant)."""
+    if inputs.old_logprobs_BT is None or inputs.sum_pi_squared_BT is None:
+        raise ValueError("optimal_token_baseline needs old_logprobs_BT and sum_pi_squared_BT")
+    valid_BT = inputs.response_mask_BT.bool()
+    B, T = valid_BT.shape
+    rewards_BT = torch.where(valid_BT, inputs.token_rewards_BT.float(), 0.0)
+    # Reward-to-go G_t and the path-variance weights, 0 outside the valid tokens.
+    returns_BT = torch.where(valid_BT, rewards_BT.flip(1).cumsum(1).flip(1), 0.0)
+    w_BT = 1.0 - 2.0 * torch.exp(inputs.old_logprobs_BT.float()) + inputs.sum_pi_squared_BT.float()
+    if inputs.is_weights_BT is not None:
+        w_BT = w_BT * inputs.is_weights_BT.float().square()  # minimizes the MSE under truncated IS
+    cum_w_BT = torch.where(valid_BT, w_BT, 0.0).cumsum(1)
+    lengths_B = valid_BT.sum(1)
+    token_returns_BT = returns_BT
+    if multi_turn:
+        # Step j of a row is its j-th valid token: tool output between turns takes no step.
+        order_BT = torch.argsort((~valid_BT).to(torch.int8), dim=1, stable=True)
+        steps_BT = torch.arange(T, device=valid_BT.device).expand(B, T) < lengths_B.unsqueeze(1)
+        returns_BT = torch.where(steps_BT, returns_BT.gather(1, order_BT), 0.0)
+        cum_w_BT = torch.where(steps_BT, cum_w_BT.gather(1, order_BT), 0.0)
+        start_B = torch.zeros_like(lengths_B)
+    else:
+        # Step t is column t: a group's samples share a prompt, so their responses start at one column.
+        steps_BT = valid_BT
+        cum_w_BT = torch.where(valid_BT, cum_w_BT, 0.0)
+        start_B = torch.where(valid_BT.any(1), valid_BT.to(torch.int8).argmax(1), 0)
+    # The TIR variant leaves empty rows out of their group; the other counts them (they add 0).
+    member_B = lengths_B > 0 if multi_turn else torch.ones_like(lengths_B, dtype=torch.bool)
+    group_ids_B = inputs.group_ids_B.to(valid_BT.device)
+    ids_B = torch.where(member_B, group_ids_B, int(group_ids_B.min()) - 1)
+    _, inverse_B, count_G = torch.unique(ids_B, return_inverse=True, return_counts=True)
+    G = count_G.numel()
+    num_GT = returns_BT.new_zeros(G, T).index_add_(0, inverse_B, returns_BT * cum_w_BT)
+    den_GT = returns_BT.new_zeros(G, T).index_add_(0, inverse_B, cum_w_BT)
+    # B*_t = sum_i G_it W_it / (sum_i W_it + eps) over the group's samples at step t.
+    baseline_BT = (num_GT / (den_GT + OTB_EPS))[inverse_B]
+    single_B = (count_G == 1)[inverse_B] | ~member_B
+    baseline_BT = torch.where(single_B.unsqueeze(1), 0.0, baseline_BT)
+    for g in torch.nonzero(count_G > 1).flatten().tolist():
+        rows = torch.nonzero((inverse_B == g) & member_B).flatten()
+        if rows.numel() > 1:
+            _zero_tail(baseline_BT, lengths_B, start_B, rows)
+    advantages_BT = torch.where(steps_BT, returns_BT - baseline_BT, 0.0)
+    if multi_turn:  # back to the valid tokens' own columns (the steps past a row's length hold 0)
+        advantages_BT = torch.zeros_like(advantages_BT).scatter_(1, order_BT, advantages_BT)
+    return advantages_BT, token_returns_BT
+
+
+@torch.no_grad()
+def optimal_token_baseline_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """``optimal_token_baseline``: a baseline per time step, weighted by path variance (verl
+    ``compute_optimal_token_baseline_advantage``; the variance-minimizing baseline of Greensmith et al.
+    2004, per token as in "The Optimal Token Baseline", verl PR #3966).
+
+    With ``G_t = sum_{s >= t} r_s`` (reward-to-go), ``pi_t = exp(old_logprob_t)`` and ``sum pi^2`` over the
+    vocabulary at step t (``sum_pi_squared_BT``), the squared score norm ``||s_t||^2 = 1 - 2 pi_t +
+    sum pi^2`` is accumulated along the path, ``W_t = sum_{j <= t} ||s_j||^2`` (times ``rho_j^2`` with
+    rollout-correction weights ``is_weights_BT``), and per group and step::
+
+        B*_t = sum_i G_it W_it / (sum_i W_it + 1e-8),        A_t = G_t - B*_t
+
+    over the group's samples still running at t. A group of one has B* = 0; the single longest sample's
+    steps past the second-longest one's length get B* = 0 too (verl's ``handle_zero_tail``). Step t is
+    column t: a group's samples share a prompt, so their responses start at one column. Returns = G.
+    """
+    return _optimal_token_baseline(inputs, multi_turn=False)
+
+
+@torch.no_grad()
+def tir_optimal_token_baseline_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """``tir_optimal_token_baseline``: ``optimal_token_baseline`` for multi-turn (tool-integrated)
+    responses (verl ``compute_multi_turn_optimal_token_baseline_advantage``): step j of a sample is its
+    j-th *valid* token, so the tool output between turns, masked, takes no step, and the baseline of
+    step j compares the samples' j-th generated tokens. Empty samples are left out of their group."""
+    return _optimal_token_baseline(inputs, multi_turn=True)
 
 
 # verl's algorithm.adv_estimator name -> estimator.
@@ -340,9 +535,17 @@ ADV_ESTIMATORS: dict[str, AdvantageFn] = {
     "opo": opo_advantages,
     "grpo_passk": grpo_passk_advantages,
     "gpg": gpg_advantages,
+    # verl's vectorized GRPO (group_mean_std) computes the same numbers as its loop form.
+    "grpo_vectorized": grpo_vectorized_advantages,
+    "rloo_vectorized": rloo_vectorized_advantages,
+    "gdpo": gdpo_advantages,
+    "optimal_token_baseline": optimal_token_baseline_advantages,
+    "tir_optimal_token_baseline": tir_optimal_token_baseline_advantages,
 }
 NEEDS_CRITIC = frozenset({"gae"})
 NEEDS_BASELINE = frozenset({"remax"})
+# The old policy's logprobs and sum of squared probabilities (an old-logprob pass that computes both).
+NEEDS_SUM_PI_SQUARED = frozenset({"optimal_token_baseline", "tir_optimal_token_baseline"})
 
 
 def compute_advantages(name: str, inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -359,6 +562,11 @@ def compute_advantages(name: str, inputs: AdvantageInputs) -> tuple[torch.Tensor
         raise ValueError(
             f"advantage estimator {name!r} needs baseline_B, the reward of a greedy rollout of each "
             "sample's prompt"
+        )
+    if name in NEEDS_SUM_PI_SQUARED and (inputs.old_logprobs_BT is None or inputs.sum_pi_squared_BT is None):
+        raise ValueError(
+            f"advantage estimator {name!r} needs old_logprobs_BT and sum_pi_squared_BT (the old policy's "
+            "sum over the vocabulary of its squared probabilities at each step)"
         )
     return fn(inputs)
 

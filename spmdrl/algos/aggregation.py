@@ -2,8 +2,8 @@
 
 Every loss in spmdrl is ``(this rank's sum over its units) / global_count``:
 
-- a *unit* is what the mode averages over: a valid token (``token-mean``) or a sequence with at least
-  one valid token (the ``seq-mean-*`` modes);
+- a *unit* is what the mode averages over: a valid token (``token-mean``) or a sequence (the
+  ``seq-mean-*`` modes: every row, or only rows with a valid token, see :func:`count_units`);
 - ``global_count`` is the number of units in the whole mini-batch on all ranks, counted once before
   the mini-batch's micro-batches run (:func:`count_units` per micro-batch, summed over micro-batches
   and ranks with one all_reduce);
@@ -15,14 +15,24 @@ batch is split over ranks and micro-batches, with no world size in any loss; and
 micro-batches and ranks of the logged losses is the mini-batch loss. Dividing a micro-batch by its
 own count instead would weight a token in a short micro-batch more than one in a long one.
 
-The modes (verl's ``loss_agg_mode`` names):
+The modes (verl's ``loss_agg_mode`` names, ``verl.trainer.ppo.core_algos.agg_loss``):
 
 - ``token-mean``: sum over valid tokens / valid tokens;
+- ``token-sum``: sum over valid tokens, divided by nothing (verl scales each rank's sum by its dp size
+  because DDP / FSDP average gradients; spmdrl's FSDP sums them, so the sum is the mini-batch's);
 - ``seq-mean-token-mean``: each sequence's mean over its tokens, averaged over sequences;
 - ``seq-mean-token-sum``: each sequence's sum over its tokens, averaged over sequences;
 - ``seq-mean-token-sum-norm``: each sequence's sum over its tokens, summed, / (sequences x a constant
   ``norm_length``; Dr. GRPO divides by the maximum response length instead of each sequence's length,
-  which biases neither short nor long answers).
+  which biases neither short nor long answers). verl's ``loss_scale_factor``; unset, verl divides by the
+  loss mask's width (``loss_mask.shape[-1]``, its responses padded to ``rollout.response_length``), and
+  so does :class:`Aggregation` with ``norm_length=None``. spmdrl's rows hold prompt + response, so the
+  recipe passes ``data.max_response_length``, the width verl's mask has.
+
+Which sequences a ``seq-mean-*`` mode counts: verl's trainer passes ``global_batch_size`` (the
+mini-batch's nominal rows, ``ppo_mini_batch_size x n``), so a row whose every token was masked (rejected
+by the rollout correction, say) adds 0 to the sum and 1 to the count; verl's ``agg_loss`` called without
+it counts only rows with a valid token. :func:`count_units` does either (``count_empty_rows``).
 """
 
 from __future__ import annotations
@@ -31,7 +41,13 @@ from dataclasses import dataclass
 
 import torch
 
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+AGG_MODES = (
+    "token-mean",
+    "token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+)
 
 
 def check_mode(mode: str) -> None:
@@ -39,13 +55,17 @@ def check_mode(mode: str) -> None:
         raise ValueError(f"unknown loss aggregation {mode!r}; use one of {', '.join(AGG_MODES)}")
 
 
-def count_units(mask_BT: torch.Tensor, mode: str) -> int:
-    """The units ``mode`` averages over in this batch: valid tokens for ``token-mean``, sequences with
-    at least one valid token otherwise. Summed over micro-batches and ranks it is ``global_count``."""
+def count_units(mask_BT: torch.Tensor, mode: str, *, count_empty_rows: bool = False) -> int:
+    """The units ``mode`` averages over in this batch: valid tokens for ``token-mean`` (and
+    ``token-sum``, which divides by none), sequences otherwise: every row with ``count_empty_rows`` (verl's
+    trainer, whose ``global_batch_size`` is the mini-batch's row count), else the rows with at least one
+    valid token (verl's ``agg_loss`` without it). Summed over micro-batches and ranks it is ``global_count``."""
     check_mode(mode)
     valid_BT = mask_BT.bool()
-    if mode == "token-mean":
+    if mode in ("token-mean", "token-sum"):
         return int(valid_BT.sum())
+    if count_empty_rows:
+        return int(valid_BT.shape[0])
     return int(valid_BT.any(dim=-1).sum())
 
 
@@ -55,18 +75,21 @@ class Aggregation:
 
     mode: str
     # Units of ``mode`` in the whole mini-batch, all ranks. 0 (nothing valid anywhere) reads as 1.
+    # token-sum divides by nothing and ignores it.
     global_count: float
-    # seq-mean-token-sum-norm's constant divisor per sequence (the maximum response length).
-    norm_length: float = 1.0
+    # seq-mean-token-sum-norm's constant divisor per sequence (the maximum response length); None: the
+    # mask's width, loss_mask.shape[-1], as verl's agg_loss without loss_scale_factor.
+    norm_length: float | None = None
 
     def __post_init__(self) -> None:
         check_mode(self.mode)
-        if self.norm_length <= 0:
+        if self.norm_length is not None and self.norm_length <= 0:
             raise ValueError(f"norm_length must be > 0, got {self.norm_length}")
 
     @classmethod
-    def local(cls, mode: str, mask_BT: torch.Tensor, norm_length: float = 1.0) -> Aggregation:
-        """This batch alone (one process, one micro-batch): the plain mean over its own units."""
+    def local(cls, mode: str, mask_BT: torch.Tensor, norm_length: float | None = None) -> Aggregation:
+        """This batch alone (one process, one micro-batch): the plain mean over its own units (sequences
+        with a valid token, as verl's ``agg_loss`` with no global batch arguments)."""
         return cls(mode, float(count_units(mask_BT, mode)), norm_length)
 
     def __call__(self, loss_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
@@ -77,6 +100,8 @@ class Aggregation:
         valid_BT = mask_BT.bool()
         # where(), not multiplication: masked positions may hold inf or NaN (padding), 0 * inf is NaN.
         masked_BT = torch.where(valid_BT, loss_BT, 0)
+        if self.mode == "token-sum":
+            return masked_BT.sum()
         if self.mode == "token-mean":
             total = masked_BT.sum()
         else:
@@ -84,7 +109,7 @@ class Aggregation:
             if self.mode == "seq-mean-token-mean":
                 per_seq_B = per_seq_B / valid_BT.sum(dim=-1).clamp_min(1)
             elif self.mode == "seq-mean-token-sum-norm":
-                per_seq_B = per_seq_B / self.norm_length
+                per_seq_B = per_seq_B / (self.norm_length or mask_BT.shape[-1])
             total = per_seq_B.sum()  # a sequence with no valid token adds 0
         return total / max(float(self.global_count), 1.0)
 

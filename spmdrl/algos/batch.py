@@ -80,6 +80,9 @@ class PolicyBatch:
     returns_BT: torch.Tensor | None = None
     # The reward of each sequence at its last sampled token, 0 elsewhere (before any KL penalty).
     token_rewards_BT: torch.Tensor | None = None
+    # The old policy's sum over the vocabulary of its squared probabilities at each token (the optimal
+    # token baseline's input; computed with the old logprobs when the estimator needs it).
+    sum_pi_squared_BT: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:

@@ -8,7 +8,8 @@ correction (``verl/trainer/ppo/rollout_corr_helper.py``; config ``algorithm.roll
 
 - **IS weights** (``rollout_is``: ``"token"`` or ``"sequence"``): ``w = exp(log r)`` per token, or
   ``exp(sum_t log r_t)`` (the product of the token ratios) for every token of a sequence, with the log
-  clamped to [-20, 20] and ``w`` truncated at ``rollout_is_threshold`` (TIS). They multiply the
+  clamped to [-20, 20]; ``rollout_is_threshold`` a number truncates ``w`` at it (TIS), a
+  ``"lower_upper"`` string sets ``w`` to 0 outside [lower, upper] (IcePop). They multiply the
   per-token policy loss (``is_weights_BT``) and carry no gradient. Optional
   ``rollout_is_batch_normalize`` rescales them to mean 1.
 - **Rejection** (``rollout_rs``, ``rollout_rs_threshold``): tokens, or whole sequences, whose divergence
@@ -46,6 +47,30 @@ RS_OPTIONS = (
 )
 
 
+# rollout_correction.loss_type: the bypass_mode loss's two forms.
+BYPASS_LOSS_TYPES = ("ppo_clip", "reinforce")
+
+
+@dataclass(frozen=True)
+class CorrectionParams:
+    """verl's ``algorithm.rollout_correction`` settings as plain values, for the ``bypass_mode`` policy
+    loss, which corrects inside the loss (spmdrl.algos.policy_losses). None turns a tool off."""
+
+    rollout_is: str | None = None
+    rollout_is_threshold: str | float = 2.0
+    rollout_is_batch_normalize: bool = False
+    rollout_rs: str | None = None
+    rollout_rs_threshold: str | float | None = None
+    # bypass_mode's loss: "ppo_clip" (PPO's ratio against the rollout policy, no weights) or "reinforce".
+    loss_type: str = "ppo_clip"
+
+    def __post_init__(self) -> None:
+        if self.loss_type not in BYPASS_LOSS_TYPES:
+            raise ValueError(
+                f"unknown loss_type {self.loss_type!r}; use one of {', '.join(BYPASS_LOSS_TYPES)}"
+            )
+
+
 @dataclass
 class RolloutCorrection:
     is_weights_BT: (
@@ -67,78 +92,112 @@ def _masked_min(x_BT: torch.Tensor, valid_BT: torch.Tensor) -> torch.Tensor:
     return torch.where(valid_BT, x_BT, torch.inf).min()
 
 
+def parse_is_threshold(rollout_is_threshold: str | float) -> tuple[float, float | None]:
+    """``(upper, lower)`` of verl's ``rollout_is_threshold``: a number (or a numeric string) is TIS's
+    upper bound (lower None); ``"lower_upper"`` is IcePop's two bounds, ``0 < lower <= upper``."""
+    if isinstance(rollout_is_threshold, bool):
+        raise ValueError("rollout_is_threshold must be a number or a 'lower_upper' string, not a boolean")
+    spec = str(rollout_is_threshold).strip()
+    try:
+        if "_" in spec:
+            lower_s, upper_s = spec.split("_", 1)
+            upper, lower = float(upper_s), float(lower_s)
+        else:
+            upper, lower = float(spec), None
+    except ValueError:
+        raise ValueError(
+            f"rollout_is_threshold {rollout_is_threshold!r} is neither a number (TIS) nor 'lower_upper' (IcePop)"
+        ) from None
+    if upper <= 0 or (lower is not None and lower <= 0):
+        raise ValueError(f"rollout_is_threshold bounds must be > 0, got {rollout_is_threshold!r}")
+    if lower is not None and lower > upper:
+        raise ValueError(f"rollout_is_threshold {rollout_is_threshold!r}: lower bound above the upper one")
+    return upper, lower
+
+
 def rollout_is_weights(
     trainer_logprobs_BT: torch.Tensor,
     rollout_logprobs_BT: torch.Tensor,
     mask_BT: torch.Tensor,
     *,
     rollout_is: str = "token",
-    rollout_is_threshold: float = 2.0,
+    rollout_is_threshold: str | float = 2.0,
     rollout_is_batch_normalize: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Truncated importance weights ``pi_trainer / pi_rollout`` (verl ``compute_rollout_correction_weights``).
+    """Truncated (TIS) or masked (IcePop) importance weights ``pi_trainer / pi_rollout`` (verl
+    ``compute_rollout_correction_weights``). The raw weight ``rho`` is
 
-    - ``token``: ``w_t = min(exp(clamp(log r_t, -20, 20)), rollout_is_threshold)``: biased, low variance;
-    - ``sequence``: ``w_t = min(exp(clamp(sum_t' log r_t', -20, 20)), rollout_is_threshold)`` for every
-      token of the sequence (sum over valid tokens): unbiased before truncation, high variance.
+    - ``token``: ``rho_t = exp(clamp(log r_t, -20, 20))``: biased, low variance;
+    - ``sequence``: ``rho_t = exp(clamp(sum_t' log r_t', -20, 20))`` for every token of the sequence (sum
+      over valid tokens): unbiased before truncation, high variance.
 
-    0 where masked; detached. With ``rollout_is_batch_normalize`` the truncated weights are divided by
-    their mean (over valid tokens for ``token``; over sequences with a valid token, one weight each, for
+    ``rollout_is_threshold`` a number ``U``: ``w = min(rho, U)`` (TIS, "Your Efficient RL Framework
+    Secretly Brings You Off-Policy RL Training", Yao et al. 2025). ``"L_U"``: ``w = rho`` where ``L <=
+    rho <= U``, else 0 (IcePop, from Ring-1T, arXiv:2510.18855: the mismatched token drops out of the
+    gradient instead of being down-weighted).
+
+    0 where masked; detached. With ``rollout_is_batch_normalize`` the weights are divided by their mean
+    (over valid tokens for ``token``; over sequences with a valid token, one weight each, for
     ``sequence``). verl takes that mean over all ranks; this function over the tensors it is given, so
     pass the whole batch (or normalize with a global mean yourself).
 
-    Metrics (before truncation, as verl): ``rollout_is_mean`` (mean weight over valid tokens),
-    ``rollout_is_max`` / ``rollout_is_min``, ``rollout_is_ratio_fraction_high`` / ``_low`` (fraction
-    of tokens, or sequences, with weight above the threshold / below its reciprocal),
-    ``rollout_is_std`` and ``rollout_is_eff_sample_size`` (``1 / mean(w_n^2)``, ``w_n`` the weights
-    clamped to [1/threshold, threshold] and divided by their mean), ``rollout_is_batch_norm_factor``
-    when normalizing.
+    Metrics, as verl 0.9.1 (``compute_is_metrics``), on the applied weights ``w`` before batch
+    normalization unless said: ``rollout_is_mean`` (over valid tokens), ``rollout_is_max`` /
+    ``rollout_is_min`` (token: of ``w``; sequence: of ``exp(sum log r)`` from the unclamped log sums,
+    the max capped at exp(20)), ``rollout_is_ratio_fraction_high`` / ``_low`` (tokens, or sequences,
+    whose raw weight is above ``U`` / below ``L``, ``L = 1 / U`` for TIS), ``rollout_is_std`` and
+    ``rollout_is_eff_sample_size`` (``1 / mean(w_n^2)``, ``w_n`` = ``clamp(w, 0, U)`` divided by its
+    mean), per sequence (the mean ``w`` of each row) ``rollout_is_seq_mean``,
+    ``_seq_std``, ``_seq_max``, ``_seq_min``, ``_seq_max_deviation`` (largest ``|mean - 1|``),
+    ``_seq_fraction_high`` / ``_low`` (the sequence's mean *raw* weight above ``U`` / below ``L``);
+    IcePop's ``rollout_is_oob_ratio`` (valid tokens outside [L, U]); ``rollout_is_batch_norm_factor``
+    when normalizing. The sequence-level statistics count every row, as verl's: a row with no valid token
+    has sequence ratio 1 and mean weight 0 (a rollout's response always has a token).
     """
     if rollout_is not in IS_LEVELS:
         raise ValueError(f"unknown rollout_is {rollout_is!r}; use one of {', '.join(IS_LEVELS)}")
-    if rollout_is_threshold <= 0:
-        raise ValueError(f"rollout_is_threshold must be > 0, got {rollout_is_threshold}")
+    upper, icepop_lower = parse_is_threshold(rollout_is_threshold)
+    lower = icepop_lower if icepop_lower is not None else 1.0 / upper
     with torch.no_grad():
         valid_BT = mask_BT.bool()
         log_ratio_BT = torch.where(valid_BT, trainer_logprobs_BT.float() - rollout_logprobs_BT.float(), 0.0)
-        log_upper, log_lower = math.log(rollout_is_threshold), -math.log(rollout_is_threshold)
         metrics: dict[str, torch.Tensor] = {}
         if rollout_is == "token":
             raw_BT = torch.exp(log_ratio_BT.clamp(-_SAFETY_BOUND, _SAFETY_BOUND))
             raw_BT = torch.where(valid_BT, raw_BT, 0.0)
-            metrics["rollout_is_max"] = _masked_max(raw_BT, valid_BT)
-            metrics["rollout_is_min"] = _masked_min(raw_BT, valid_BT)
-            metrics["rollout_is_ratio_fraction_high"] = masked_mean(
-                (raw_BT > rollout_is_threshold).float(), valid_BT
-            )
-            metrics["rollout_is_ratio_fraction_low"] = masked_mean(
-                (raw_BT < 1.0 / rollout_is_threshold).float(), valid_BT
-            )
+            metrics["rollout_is_ratio_fraction_high"] = masked_mean((raw_BT > upper).float(), valid_BT)
+            metrics["rollout_is_ratio_fraction_low"] = masked_mean((raw_BT < lower).float(), valid_BT)
         else:
             seq_log_ratio_B = log_ratio_BT.sum(dim=-1)
-            seq_valid_B = valid_BT.any(dim=-1)
             raw_B = torch.exp(seq_log_ratio_B.clamp(-_SAFETY_BOUND, _SAFETY_BOUND))
             raw_BT = torch.where(valid_BT, raw_B.unsqueeze(-1), 0.0)
-            # From the unclamped log sums (verl: "the true extremes").
-            metrics["rollout_is_max"] = torch.exp(
-                torch.where(seq_valid_B, seq_log_ratio_B, -torch.inf).max().clamp(max=_SAFETY_BOUND)
-            )
-            metrics["rollout_is_min"] = torch.exp(torch.where(seq_valid_B, seq_log_ratio_B, torch.inf).min())
-            metrics["rollout_is_ratio_fraction_high"] = masked_mean(
-                (seq_log_ratio_B > log_upper).float(), seq_valid_B
-            )
-            metrics["rollout_is_ratio_fraction_low"] = masked_mean(
-                (seq_log_ratio_B < log_lower).float(), seq_valid_B
-            )
-        metrics["rollout_is_mean"] = masked_mean(raw_BT, valid_BT)
-        bounded_BT = raw_BT.clamp(1.0 / rollout_is_threshold, rollout_is_threshold)
+            # From the unclamped log sums (verl: "the true extremes"), over every row as verl (a row with no
+            # valid token has log sum 0: ratio 1).
+            metrics["rollout_is_max"] = torch.exp(seq_log_ratio_B.max().clamp(max=_SAFETY_BOUND))
+            metrics["rollout_is_min"] = torch.exp(seq_log_ratio_B.min())
+            metrics["rollout_is_ratio_fraction_high"] = (seq_log_ratio_B > math.log(upper)).float().mean()
+            metrics["rollout_is_ratio_fraction_low"] = (seq_log_ratio_B < math.log(lower)).float().mean()
+        if icepop_lower is None:
+            weights_BT = raw_BT.clamp(max=upper)
+        else:
+            outside_BT = (raw_BT < icepop_lower) | (raw_BT > upper)
+            weights_BT = torch.where(outside_BT, 0.0, raw_BT)
+            metrics["rollout_is_oob_ratio"] = masked_mean(outside_BT.float(), valid_BT)
+        if rollout_is == "token":
+            metrics["rollout_is_max"] = _masked_max(weights_BT, valid_BT)
+            metrics["rollout_is_min"] = _masked_min(weights_BT, valid_BT)
+        metrics["rollout_is_mean"] = masked_mean(weights_BT, valid_BT)
+        # std and ESS of the applied weights (clamp(0, U) is a no-op for TIS and IcePop alike).
+        bounded_BT = weights_BT.clamp(0.0, upper)
         bounded_mean = masked_mean(bounded_BT, valid_BT)
         variance = masked_mean(bounded_BT.square(), valid_BT) - bounded_mean.square()
-        metrics["rollout_is_std"] = variance.clamp_min(0.0).sqrt()
+        metrics["rollout_is_std"] = (
+            variance.clamp_min(0.0).sqrt() if int(valid_BT.sum()) > 1 else torch.zeros_like(variance)
+        )
         normalized_BT = bounded_BT / (bounded_mean + 1e-8)
         metrics["rollout_is_eff_sample_size"] = 1.0 / masked_mean(normalized_BT.square(), valid_BT)
+        metrics.update(_seq_is_metrics(weights_BT, raw_BT, valid_BT, upper, lower))
 
-        weights_BT = raw_BT.clamp(max=rollout_is_threshold)
         if rollout_is_batch_normalize:
             if rollout_is == "token":
                 mean_w = masked_mean(weights_BT, valid_BT)
@@ -149,6 +208,37 @@ def rollout_is_weights(
             weights_BT = weights_BT / factor
             metrics["rollout_is_batch_norm_factor"] = factor
         return weights_BT, {k: _metric(v) for k, v in metrics.items()}
+
+
+def _seq_is_metrics(
+    weights_BT: torch.Tensor, raw_BT: torch.Tensor, valid_BT: torch.Tensor, upper: float, lower: float
+) -> dict[str, torch.Tensor]:
+    """verl's ``rollout_is_seq_*`` metrics over every row (one with no valid token has mean weight 0)."""
+    seq_mean_B = masked_mean(weights_BT, valid_BT, dim=-1)
+    raw_seq_mean_B = masked_mean(raw_BT, valid_BT, dim=-1)
+    if seq_mean_B.numel() == 0:  # every rank logs the same keys (they are all_reduced): zeros
+        seq_mean_B = raw_seq_mean_B = weights_BT.new_zeros(1)
+    return {
+        "rollout_is_seq_mean": seq_mean_B.mean(),
+        "rollout_is_seq_std": seq_mean_B.std() if seq_mean_B.numel() > 1 else seq_mean_B.new_zeros(()),
+        "rollout_is_seq_max": seq_mean_B.max(),
+        "rollout_is_seq_min": seq_mean_B.min(),
+        "rollout_is_seq_max_deviation": (seq_mean_B - 1.0).abs().max(),
+        # The raw means: a mean of truncated weights never exceeds the threshold (verl's reason).
+        "rollout_is_seq_fraction_high": (raw_seq_mean_B > upper).float().mean(),
+        "rollout_is_seq_fraction_low": (raw_seq_mean_B < lower).float().mean(),
+    }
+
+
+def metric_reduction(name: str) -> str:
+    """How a metric of this module combines over ranks: ``"max"`` (maxima, largest deviations), ``"min"``
+    or ``"mean"`` (each rank's mean, averaged). verl computes them on the whole batch at once; a mean
+    of per-rank maxima would understate the largest weight."""
+    if name.endswith(("_max", "_max_deviation")):
+        return "max"
+    if name.endswith("_min"):
+        return "min"
+    return "mean"
 
 
 def parse_rs_thresholds(
@@ -281,7 +371,7 @@ def rollout_correction(
     mask_BT: torch.Tensor,
     *,
     rollout_is: str | None = None,
-    rollout_is_threshold: float = 2.0,
+    rollout_is_threshold: str | float = 2.0,
     rollout_is_batch_normalize: bool = False,
     rollout_rs: str | None = None,
     rollout_rs_threshold: str | float | None = None,

@@ -5,9 +5,10 @@ DAPO's loss-side pieces live elsewhere: clip-higher is ``algorithm.clip_ratio_lo
 change which samples and which rewards reach the advantage estimator:
 
 - **Dynamic sampling** (verl: ``algorithm.filter_groups.enable``, ``.metric``, ``.max_num_gen_batches``;
-  ``recipe/dapo/dapo_ray_trainer.py``). A group whose samples all got the same metric (all right or all
-  wrong) has advantage 0 for every sample under GRPO and so gives no gradient; it is dropped, and the
-  recipe generates further batches until it has ``data.train_batch_size`` (spmdrl:
+  verl 0.9.1's ``ReplayBuffer._dapo_filtered_keys`` in ``verl/trainer/ppo/v1/replay_buffer.py``, the
+  legacy ``recipe/dapo/dapo_ray_trainer.py`` before it). A group whose samples all got the same metric
+  (all right or all wrong) has advantage 0 for every sample under GRPO and so gives no gradient; it is
+  dropped, and the recipe generates further batches until it has ``data.train_batch_size`` (spmdrl:
   ``trainer.global_batch_size``) groups left, then takes the first ones.
   :func:`groups_with_signal` is the filter, :func:`should_generate_more` the "another batch?" decision,
   :func:`num_groups_to_take` and :func:`first_groups_mask` the trim to exactly the target.
@@ -44,19 +45,21 @@ def _check_groups(name: str, x_B: torch.Tensor, group_ids_B: torch.Tensor) -> No
 
 @torch.no_grad()
 def groups_with_signal(values_B: torch.Tensor, group_ids_B: torch.Tensor) -> torch.Tensor:
-    """Bool (B,): the samples whose group's metric values are not all equal, plus every group of one.
+    """Bool (B,): the samples whose group's metric values are not all equal (or not all finite), plus
+    every group of one.
 
-    ``values_B`` is the ``filter_groups.metric`` of each sample: ``acc`` or ``score`` as the reward
-    function reports it, ``seq_reward`` (verl: the sum of the token-level scores) or ``seq_final_reward``
-    (the sum of the token-level rewards, i.e. after any KL penalty in the reward). Groups are the samples
+    ``values_B`` is the ``filter_groups.metric`` of each sample: ``reward`` (verl 0.9.1's default: the
+    reward the advantages start from, overlong penalty included, before any KL penalty), ``acc`` or
+    ``score`` as the reward function reports them, or ``seq_final_reward``. Groups are the samples
     sharing a ``group_ids_B`` value; ids need not be consecutive, nor groups contiguous or equal-sized.
 
-    verl keeps a group ``g`` iff ``np.std(values_g) > 0 or len(values_g) == 1``. Here: kept iff it has one
-    sample, or all its values are finite and ``max_g > min_g``. The two agree except where verl's
-    squared deviations underflow to 0 (differences below ~1e-162 in float64, ~1e-23 in float32), which
-    verl drops and spmdrl keeps: comparing values exactly, any difference at all is a signal. A group of
-    >= 2 with a NaN or an infinity is dropped, as in verl (its std is NaN, and ``NaN > 0`` is false).
-    A group of one is kept although its GRPO advantage is its raw reward, not 0, as verl does.
+    verl 0.9.1 drops a group ``g`` iff ``len(values_g) > 1 and np.std(values_g) == 0``. Here: dropped
+    iff it has two or more samples, all finite and all equal (``max_g == min_g``). The two agree except
+    where verl's squared deviations underflow to 0 (differences below ~1e-162 in float64, ~1e-23 in
+    float32), which verl drops and spmdrl keeps: comparing values exactly, any difference at all is a
+    signal. A group with a NaN or an infinity is kept, as in verl 0.9.1 (its std is NaN, and ``NaN == 0``
+    is false; the legacy DAPO recipe, which kept ``std > 0``, dropped it). A group of one is kept although
+    its GRPO advantage is its raw reward, not 0, as verl does.
     """
     _check_groups("values_B", values_B, group_ids_B)
     if values_B.dtype == torch.bool:
@@ -69,7 +72,7 @@ def groups_with_signal(values_B: torch.Tensor, group_ids_B: torch.Tensor) -> tor
     min_G = values_B.new_empty(G).scatter_reduce(0, inverse_B, values_B, "amin", include_self=False)
     nonfinite_G = torch.zeros(G, dtype=torch.long, device=values_B.device)
     nonfinite_G.index_add_(0, inverse_B, (~torch.isfinite(values_B)).long())
-    keep_G = (count_G == 1) | ((max_G > min_G) & (nonfinite_G == 0))
+    keep_G = (count_G == 1) | (max_G > min_G) | (nonfinite_G > 0)
     return keep_G[inverse_B]
 
 
@@ -97,7 +100,7 @@ def count_groups(keep_B: torch.Tensor, group_ids_B: torch.Tensor) -> tuple[int, 
 def should_generate_more(
     num_kept_groups: int, target_groups: int, num_gen_batches: int, max_num_gen_batches: int
 ) -> bool:
-    """Whether the recipe must generate another batch before it can train, as verl's DAPO trainer decides.
+    """Whether the recipe must generate another batch before it can train.
 
     ``num_kept_groups``: groups kept so far in this step, over all generation batches and **all ranks**
     (the recipe all_reduces its :func:`count_groups` counts first: the answer must be the same on every
@@ -105,7 +108,8 @@ def should_generate_more(
     ``target_groups``: prompts per step (spmdrl ``trainer.global_batch_size``, verl
     ``data.train_batch_size``). ``num_gen_batches``: batches generated in this step, the latest included
     (verl logs it as ``train/num_gen_batches``). ``max_num_gen_batches``: ``filter_groups.max_num_gen_batches``,
-    <= 0 for no limit.
+    <= 0 for no limit (its default, verl's; verl 0.9.1 documents the limit but its replay buffer never
+    reads it, so it generates without one whatever the setting; the legacy DAPO recipe raised as here).
 
     Returns False when ``num_kept_groups >= target_groups`` (train now, on the first ``target_groups``
     groups), True when short and ``max_num_gen_batches <= 0 or num_gen_batches < max_num_gen_batches``.

@@ -7,13 +7,12 @@ With tokens sampled from the policy and ``d = ref_logprob - logprob``:
 - ``abs``: ``|d|``;
 - ``mse`` / ``k2``: ``d^2 / 2``; biased, low variance, and its gradient is an unbiased estimate of the
   gradient of KL(policy || ref) (the k1 and k3 gradients are not);
-- ``k3``: ``exp(d) - d - 1``; unbiased and never negative (unclamped: spmdrl's mismatch diagnostics
-  use it, so one wild token shows; verl treats ``k3`` as an alias of ``low_var_kl``);
-- ``low_var_kl``: k3 with ``d`` clamped to [-20, 20] and the result to [-10, 10] (verl's clamping), so
-  one wild token cannot dominate the loss;
+- ``low_var_kl`` / ``k3``: ``exp(d) - d - 1`` (unbiased and never negative) with ``d`` clamped to
+  [-20, 20] and the result to [-10, 10] (verl's clamping, for both names), so one wild token cannot
+  dominate the loss. :func:`k3_unclamped` is the plain estimator, for diagnostics where a wild token
+  should show (spmdrl.rollout.mismatch);
 - ``<name>+`` (``k1+``, ``kl+``, ``abs+``, ``k3+``, ``low_var_kl+``, ``k2+``, ``mse+``): straight-through,
   the forward value of ``<name>`` with the gradient of k2 (verl PR #2953): ``k2 - sg(k2) + sg(value)``.
-  ``k3+``'s value is verl's clamped k3 (= ``low_var_kl``).
 
 ``full`` (verl's KL over the whole vocabulary) is not implemented, as in verl.
 """
@@ -37,17 +36,22 @@ def _low_var_kl(diff_BT: torch.Tensor) -> torch.Tensor:
     return (torch.expm1(diff_BT) - diff_BT).clamp(-_MAX_LOW_VAR_KL, _MAX_LOW_VAR_KL)
 
 
-def _forward(diff_BT: torch.Tensor, kind: str, *, clamp_k3: bool) -> torch.Tensor | None:
+def k3_unclamped(logprobs_BT: torch.Tensor, ref_logprobs_BT: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 ``exp(d) - d - 1``, ``d = ref - logprob``, without ``low_var_kl``'s clamps: one
+    wild token shows in a mean (inf where ``exp`` overflows). Not a verl ``kl_penalty`` kind."""
+    diff_BT = ref_logprobs_BT - logprobs_BT
+    return torch.expm1(diff_BT) - diff_BT
+
+
+def _forward(diff_BT: torch.Tensor, kind: str) -> torch.Tensor | None:
     if kind in ("k1", "kl"):
         return -diff_BT
     if kind == "abs":
         return diff_BT.abs()
     if kind in ("k2", "mse"):
         return 0.5 * diff_BT.square()
-    if kind == "low_var_kl" or (kind == "k3" and clamp_k3):
+    if kind in ("low_var_kl", "k3"):  # verl's kl_penalty_forward: one branch for both names
         return _low_var_kl(diff_BT)
-    if kind == "k3":
-        return torch.expm1(diff_BT) - diff_BT
     return None
 
 
@@ -59,8 +63,7 @@ def kl_penalty(
     diff_BT = ref_logprobs_BT - logprobs_BT
     straight_through = kind.endswith("+")
     base = kind[:-1] if straight_through else kind
-    # verl's "+" forward goes through kl_penalty_forward, where k3 is the clamped low_var_kl.
-    value_BT = _forward(diff_BT, base, clamp_k3=straight_through)
+    value_BT = _forward(diff_BT, base)
     if value_BT is None:
         raise ValueError(f"unknown KL estimator {kind!r}; use one of {', '.join(KINDS)}")
     if not straight_through:

@@ -51,6 +51,21 @@ def entropy_from_logits(logits_BTV: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=1) if parts else logits_BTV.new_zeros((B, 0), dtype=torch.float32)
 
 
+def sum_pi_squared_from_logits(logits_BTV: torch.Tensor) -> torch.Tensor:
+    """``sum_v softmax(z)_v^2`` per position, float32, shape (B, T): the squared norm of the next-token
+    distribution, which the optimal token baseline's path variance ``1 - 2 pi_t + sum pi^2`` reads.
+
+    ``exp(logsumexp(2 z) - 2 logsumexp(z))`` (verl's ``calculate_sum_pi_squared_from_logits``): no
+    probability is squared after it underflowed. Chunked in float32 like :func:`token_logprobs`.
+    """
+    B, T, _ = logits_BTV.shape
+    parts = []
+    for t0, t1 in _chunks(B, T):
+        z_BCV = logits_BTV[:, t0:t1].float()
+        parts.append(torch.exp(torch.logsumexp(2.0 * z_BCV, dim=-1) - 2.0 * torch.logsumexp(z_BCV, dim=-1)))
+    return torch.cat(parts, dim=1) if parts else logits_BTV.new_zeros((B, 0), dtype=torch.float32)
+
+
 def _chunks(B: int, T: int) -> list[tuple[int, int]]:
     step = max(1, _CHUNK_TOKENS // max(B, 1))
     return [(t0, min(T, t0 + step)) for t0 in range(0, T, step)]

@@ -28,9 +28,11 @@ from dataclasses import dataclass
 import torch
 
 from spmdrl.algos.aggregation import Aggregation, masked_mean
+from spmdrl.algos.correction import CorrectionParams, rollout_correction
 
 # exp(20) ~ 5e8: far above any useful ratio, far below float32 overflow. verl clamps the log ratio to
-# this in vanilla, sapo and cispo (and not in gspo, clip_cov, kl_cov, geo_mean: neither do we there).
+# this in vanilla, sapo, cispo, dppo_tv and dppo_kl (and not in gspo, clip_cov, kl_cov, geo_mean, dro:
+# neither do we there).
 _MAX_LOG_RATIO = 20.0
 # gspo clamps its (sequence) log ratio from above only, at 10, as verl does.
 _GSPO_MAX_LOG_RATIO = 10.0
@@ -43,10 +45,12 @@ class PolicyLossParams:
     ``clip_ratio_low`` / ``clip_ratio_high`` by whoever builds this."""
 
     # PPO clip range: r is clipped to [1 - clip_ratio_low, 1 + clip_ratio_high] (vanilla, gspo, cispo,
-    # clip_cov; geo_mean clips the log ratio to [-clip_ratio_low, clip_ratio_high]).
+    # clip_cov; geo_mean clips the log ratio to [-clip_ratio_low, clip_ratio_high]; dppo_tv / dppo_kl
+    # read them as the divergence thresholds below / above the old probability).
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
     # Dual-clip (vanilla): for A < 0 the per-token loss is at most -A * clip_ratio_c. Must be > 1.
+    # dppo_tv / dppo_kl truncate their importance weight at it.
     clip_ratio_c: float = 3.0
     # clip_cov: fraction of valid tokens whose gradient is dropped, chosen among tokens whose
     # centered covariance (A - mean A)(logp - mean logp) lies in (clip_cov_lb, clip_cov_ub).
@@ -59,6 +63,10 @@ class PolicyLossParams:
     # sapo: temperatures of the soft gate for positive / non-positive advantages.
     tau_pos: float = 1.0
     tau_neg: float = 1.05
+    # dro: weight of the quadratic log-ratio penalty; verl's policy_loss.dro_beta (None: unset, dro raises).
+    dro_beta: float | None = None
+    # bypass_mode: the rollout correction applied inside the loss, and its loss_type.
+    rollout_correction: CorrectionParams = CorrectionParams()
 
     def __post_init__(self) -> None:
         if not self.clip_ratio_c > 1.0:
@@ -71,6 +79,8 @@ class PolicyLossParams:
             )
         if self.tau_pos <= 0 or self.tau_neg <= 0:
             raise ValueError(f"tau_pos and tau_neg must be > 0, got {self.tau_pos}, {self.tau_neg}")
+        if self.dro_beta is not None and self.dro_beta <= 0:
+            raise ValueError(f"dro_beta must be > 0, got {self.dro_beta}")
 
 
 @dataclass
@@ -188,10 +198,10 @@ def gspo_policy_loss(
         l_t      = max(-A s_it, -A clip(s_it, 1 - eps_l, 1 + eps_h))
 
     so every token of a sequence shares one value and one clipping decision, and the gradient is
-    ``s_i * grad logp_t`` per token. Expects ``agg.mode == "seq-mean-token-mean"``: verl ignores the
-    configured ``loss_agg_mode`` for gspo and uses that one (see :data:`VERL_FORCED_AGG_MODE`);
-    this function reduces through whatever ``agg`` it is given. Metrics: ``pg_clipfrac`` (tokens whose
-    clipped term won), ``ppo_kl`` (mean of ``old - logp``, unclamped), ``pg_clipfrac_lower`` = 0.
+    ``s_i * grad logp_t`` per token. Reduced by the configured ``loss_agg_mode``, as verl 0.9.1 does
+    (up to 0.8 verl forced ``seq-mean-token-mean``, the paper's sequence-level mean; set
+    ``loss_agg_mode=seq-mean-token-mean`` for it). Metrics: ``pg_clipfrac`` (tokens whose clipped term
+    won), ``ppo_kl`` (mean of ``old - logp``, unclamped), ``pg_clipfrac_lower`` = 0.
     """
     advantages_BT = as_token_advantages(advantages_BT, logprobs_BT)
     log_ratio_BT = logprobs_BT - old_logprobs_BT
@@ -459,6 +469,195 @@ def cispo_policy_loss(
     return PolicyLossOutput(loss, metrics)
 
 
+def _dppo_policy_loss(
+    valid_BT: torch.Tensor,
+    logprobs_BT: torch.Tensor,
+    log_ratio_BT: torch.Tensor,
+    ratio_BT: torch.Tensor,
+    advantages_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    agg: Aggregation,
+    params: PolicyLossParams,
+    is_weights_BT: torch.Tensor | None,
+) -> PolicyLossOutput:
+    """DPPO's shared tail: ``l = -A sg(min(r, clip_ratio_c)) logp`` on the tokens ``valid_BT`` keeps."""
+    truncated_BT = ratio_BT.clamp(max=params.clip_ratio_c).detach()
+    keep_BT = valid_BT.detach().float()
+    loss_BT = -advantages_BT * truncated_BT * logprobs_BT * keep_BT
+    loss = agg(_weighted(loss_BT, is_weights_BT), mask_BT)
+    with torch.no_grad():
+        metrics = {
+            "pg_clipfrac": _metric(masked_mean(1.0 - keep_BT, mask_BT)),
+            "ppo_kl": _metric(masked_mean(-log_ratio_BT, mask_BT)),
+            "pg_clipfrac_lower": _metric(
+                masked_mean((ratio_BT > params.clip_ratio_c).float() * keep_BT, mask_BT)
+            ),
+        }
+    return PolicyLossOutput(loss, metrics)
+
+
+def dppo_tv_policy_loss(
+    logprobs_BT: torch.Tensor,
+    old_logprobs_BT: torch.Tensor,
+    advantages_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    *,
+    agg: Aggregation,
+    params: PolicyLossParams,
+    is_weights_BT: torch.Tensor | None = None,
+) -> PolicyLossOutput:
+    """``dppo_tv``: DPPO-Binary-TV (Divergence PPO, arXiv:2602.04879; verl ``compute_policy_loss_dppo_tv``).
+
+    PPO's ratio clip replaced by a trust region on the sampled token's probability: with ``p = exp(logp)``,
+    ``p_old = exp(old)``, ``r = exp(clamp(logp - old, -20, 20))`` and ``c = clip_ratio_c``::
+
+        keep_t = (p - p_old <= eps_h)    if A > 0
+                 (p - p_old >= -eps_l)   otherwise                 (detached)
+        l_t    = -A sg(min(r, c)) logp keep_t
+
+    i.e. a policy gradient with a truncated importance weight on the tokens whose probability has not yet
+    moved past the threshold in the direction the advantage pushes (the total-variation distance of the
+    binary "this token or not" distributions is ``|p - p_old|``). ``clip_ratio_low`` / ``_high`` are
+    thresholds on that distance, not on the ratio. Metrics: ``pg_clipfrac`` = fraction of tokens dropped,
+    ``pg_clipfrac_lower`` = fraction kept whose ratio exceeds ``c``, ``ppo_kl`` = mean of ``old - logp``
+    (clamped).
+    """
+    advantages_BT = as_token_advantages(advantages_BT, logprobs_BT)
+    log_ratio_BT, ratio_BT = _clamped_ratio(logprobs_BT, old_logprobs_BT)
+    delta_BT = torch.exp(logprobs_BT) - torch.exp(old_logprobs_BT)
+    valid_BT = torch.where(
+        advantages_BT > 0, delta_BT <= params.clip_ratio_high, delta_BT >= -params.clip_ratio_low
+    )
+    return _dppo_policy_loss(
+        valid_BT, logprobs_BT, log_ratio_BT, ratio_BT, advantages_BT, mask_BT, agg, params, is_weights_BT
+    )
+
+
+def dppo_kl_policy_loss(
+    logprobs_BT: torch.Tensor,
+    old_logprobs_BT: torch.Tensor,
+    advantages_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    *,
+    agg: Aggregation,
+    params: PolicyLossParams,
+    is_weights_BT: torch.Tensor | None = None,
+) -> PolicyLossOutput:
+    """``dppo_kl``: DPPO-Binary-KL (arXiv:2602.04879; verl ``compute_policy_loss_dppo_kl``).
+
+    As ``dppo_tv`` with the KL divergence of the binary distributions ``(p_old, 1 - p_old)`` and
+    ``(p, 1 - p)`` as the distance::
+
+        D_t    = p_old (old - logp) + (1 - p_old) log((1 - p_old + 1e-8) / (1 - p + 1e-8))
+        keep_t = (D_t <= eps_h or p <= p_old)   if A > 0
+                 (D_t <= eps_l or p >= p_old)   otherwise          (detached)
+        l_t    = -A sg(min(r, c)) logp keep_t
+
+    A token is only dropped when it has moved too far in the direction its advantage pushes. Metrics as
+    ``dppo_tv``.
+    """
+    advantages_BT = as_token_advantages(advantages_BT, logprobs_BT)
+    log_ratio_BT, ratio_BT = _clamped_ratio(logprobs_BT, old_logprobs_BT)
+    prob_BT, old_prob_BT = torch.exp(logprobs_BT), torch.exp(old_logprobs_BT)
+    binary_kl_BT = old_prob_BT * (old_logprobs_BT - logprobs_BT) + (1.0 - old_prob_BT) * torch.log(
+        (1.0 - old_prob_BT + 1e-8) / (1.0 - prob_BT + 1e-8)
+    )
+    valid_BT = torch.where(
+        advantages_BT > 0,
+        (binary_kl_BT <= params.clip_ratio_high) | (prob_BT <= old_prob_BT),
+        (binary_kl_BT <= params.clip_ratio_low) | (prob_BT >= old_prob_BT),
+    )
+    return _dppo_policy_loss(
+        valid_BT, logprobs_BT, log_ratio_BT, ratio_BT, advantages_BT, mask_BT, agg, params, is_weights_BT
+    )
+
+
+def dro_policy_loss(
+    logprobs_BT: torch.Tensor,
+    old_logprobs_BT: torch.Tensor,
+    advantages_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    *,
+    agg: Aggregation,
+    params: PolicyLossParams,
+    is_weights_BT: torch.Tensor | None = None,
+) -> PolicyLossOutput:
+    """``dro``: Direct Reward Optimization with a quadratic log-ratio penalty (Richemond et al.,
+    arXiv:2405.19107; verl ``compute_policy_loss_dro``)::
+
+        l_t = -(A logp - beta / 2 (logp - old)^2),       beta = dro_beta > 0
+
+    A policy gradient regularised towards the old policy by a squared log ratio (unclamped), in place
+    of a clip. Metric: ``ppo_kl`` = mean of ``old - logp``.
+    """
+    beta = params.dro_beta
+    if beta is None or beta <= 0:
+        raise ValueError(f"the dro policy loss needs algorithm.dro_beta > 0, got {beta}")
+    advantages_BT = as_token_advantages(advantages_BT, logprobs_BT)
+    log_ratio_BT = logprobs_BT - old_logprobs_BT
+    loss_BT = -(logprobs_BT * advantages_BT - 0.5 * beta * log_ratio_BT.square())
+    loss = agg(_weighted(loss_BT, is_weights_BT), mask_BT)
+    with torch.no_grad():
+        metrics = {"ppo_kl": _metric(masked_mean(-log_ratio_BT, mask_BT))}
+    return PolicyLossOutput(loss, metrics)
+
+
+def bypass_mode_policy_loss(
+    logprobs_BT: torch.Tensor,
+    old_logprobs_BT: torch.Tensor,
+    advantages_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    *,
+    agg: Aggregation,
+    params: PolicyLossParams,
+    is_weights_BT: torch.Tensor | None = None,
+) -> PolicyLossOutput:
+    """``bypass_mode``: the rollout correction inside the loss, with the rollout policy as the old one
+    (verl ``compute_policy_loss_bypass_mode``; "When Speed Kills Stability", Liu et al. 2025).
+
+    verl's ``algorithm.rollout_correction.bypass_mode=true`` skips the old-logprob pass: the engine's
+    logprobs are the old ones, so ``old_logprobs_BT`` here *is* the rollout policy. Per micro-batch,
+    :func:`~spmdrl.algos.correction.rollout_correction` of ``(sg(logp), old)`` (``params.rollout_correction``:
+    ``rollout_is``, ``rollout_is_threshold``, ``rollout_is_batch_normalize``, ``rollout_rs``,
+    ``rollout_rs_threshold``) gives weights ``w`` and a rejection mask ``m'``, then with
+    ``loss_type``:
+
+    - ``ppo_clip``: ``vanilla`` on ``m'`` with ``r = pi / pi_rollout``, no weights (the ratio is already
+      the importance weight, the clip bounds it);
+    - ``reinforce``: ``l = -A logp w`` on ``m'`` (``w`` = 1 without ``rollout_is``); ``ppo_kl`` = mean of
+      ``old - logp``.
+
+    ``is_weights_BT`` is ignored (the weights are computed here, as verl). The aggregation's counts are
+    those of the mask before rejection, as verl's are. The correction's metrics join the loss's as
+    ``rollout_corr/<name>``.
+    """
+    del is_weights_BT  # computed here from the current policy, as in verl
+    rc = params.rollout_correction
+    corr = rollout_correction(
+        logprobs_BT.detach(),
+        old_logprobs_BT,
+        mask_BT,
+        rollout_is=rc.rollout_is,
+        rollout_is_threshold=rc.rollout_is_threshold,
+        rollout_is_batch_normalize=rc.rollout_is_batch_normalize,
+        rollout_rs=rc.rollout_rs,
+        rollout_rs_threshold=rc.rollout_rs_threshold,
+    )
+    if rc.loss_type == "reinforce":
+        advantages_BT = as_token_advantages(advantages_BT, logprobs_BT)
+        loss_BT = -advantages_BT * logprobs_BT
+        out = PolicyLossOutput(
+            agg(_weighted(loss_BT, corr.is_weights_BT), corr.mask_BT),
+            {"ppo_kl": _metric(masked_mean(old_logprobs_BT - logprobs_BT.detach(), corr.mask_BT))},
+        )
+    else:
+        out = vanilla_policy_loss(
+            logprobs_BT, old_logprobs_BT, advantages_BT, corr.mask_BT, agg=agg, params=params
+        )
+    out.metrics.update({f"rollout_corr/{k}": v for k, v in corr.metrics.items()})
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- registry
 
 POLICY_LOSSES: dict[str, PolicyLossFn] = {
@@ -470,14 +669,18 @@ POLICY_LOSSES: dict[str, PolicyLossFn] = {
     "kl_cov": kl_cov_policy_loss,
     "geo_mean": geo_mean_policy_loss,
     "sapo": sapo_policy_loss,
+    "dppo_tv": dppo_tv_policy_loss,
+    "dppo_kl": dppo_kl_policy_loss,
+    "dro": dro_policy_loss,
+    "bypass_mode": bypass_mode_policy_loss,
 }
 
-# Losses for which verl ignores the configured loss_agg_mode and reduces as below (gspo, sapo:
+# Losses for which verl 0.9.1 ignores the configured loss_agg_mode and reduces as below (sapo:
 # agg_loss(..., "seq-mean-token-mean"); geo_mean: a plain mean over sequences, which is
-# seq-mean-token-mean of the sequence loss put on every token). The recipe builds its Aggregation
-# (and counts its units) with :func:`agg_mode_for` to get verl's loss for these names.
+# seq-mean-token-mean of the sequence loss put on every token). The recipe builds the policy loss's
+# Aggregation (and counts its units) with :func:`agg_mode_for`; the entropy bonus and the KL loss keep
+# the configured mode, as in verl. gspo was forced up to verl 0.8 and honours loss_agg_mode since.
 VERL_FORCED_AGG_MODE: dict[str, str] = {
-    "gspo": "seq-mean-token-mean",
     "sapo": "seq-mean-token-mean",
     "geo_mean": "seq-mean-token-mean",
 }
@@ -492,6 +695,7 @@ def policy_loss(name: str) -> PolicyLossFn:
 
 
 def agg_mode_for(name: str, configured_mode: str) -> str:
-    """The aggregation mode verl actually uses for loss ``name`` given the configured ``loss_agg_mode``."""
+    """The aggregation mode verl actually uses for loss ``name``'s policy term given the configured
+    ``loss_agg_mode`` (the entropy and KL terms always use ``configured_mode``)."""
     policy_loss(name)  # validates the name
     return VERL_FORCED_AGG_MODE.get(name, configured_mode)

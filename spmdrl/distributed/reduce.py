@@ -1,6 +1,9 @@
-"""Reductions of metrics over a process group, batched into one collective per call."""
+"""Reductions over a process group: metrics batched into one collective per call, and the sum that
+batch-wide statistics of a sharded batch are built from."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -37,3 +40,19 @@ def all_reduce_max(
 ) -> dict[str, float]:
     """The maximum of every value over the group with one all_reduce."""
     return _all_reduce(values, device, group, dist.ReduceOp.MAX)
+
+
+def sum_over_group(group: dist.ProcessGroup | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A function that returns a tensor summed over ``group``'s ranks (one all_reduce on a copy).
+
+    What a pure function computing whole-batch statistics from one rank's rows is handed
+    (``AdvantageInputs.batch_sum``): every rank of ``group`` must call it the same number of times.
+    """
+
+    def batch_sum(t: torch.Tensor) -> torch.Tensor:
+        out = t.clone()
+        if dist.is_initialized():
+            dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+        return out
+
+    return batch_sum

@@ -1,12 +1,25 @@
-"""The policy forward pass RL needs: per-token logprobs (and entropy) of the tokens in a batch."""
+"""The policy forward pass RL needs: per-token logprobs (and entropy, and the sum of squared
+probabilities) of the tokens in a batch."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from spmdrl.algos.losses import entropy_from_logits, token_logprobs
+from spmdrl.algos.losses import entropy_from_logits, sum_pi_squared_from_logits, token_logprobs
 from spmdrl.models.packing import pack
+
+
+@dataclass
+class PolicyForward:
+    """What one forward gives, each (B, T) float32 at the token's own position, 0 before first_column."""
+
+    logprobs_BT: torch.Tensor
+    entropy_BT: torch.Tensor | None = None
+    # sum_v pi_v^2 of the distribution that predicted each token (the optimal token baseline's input).
+    sum_pi_squared_BT: torch.Tensor | None = None
 
 
 def policy_logprobs(
@@ -38,23 +51,57 @@ def policy_logprobs(
     ``pack_sequences``: the rows are packed end to end first (spmdrl.models.packing), and the results
     come back in the padded layout.
     """
+    out = policy_forward(
+        model,
+        input_ids_BT,
+        attention_mask_BT,
+        temperature=temperature,
+        with_entropy=with_entropy,
+        entropy_grad=entropy_grad,
+        pack_sequences=pack_sequences,
+        first_column=first_column,
+    )
+    return out.logprobs_BT, out.entropy_BT
+
+
+def policy_forward(
+    model: nn.Module,
+    input_ids_BT: torch.Tensor,
+    attention_mask_BT: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
+    with_sum_pi_squared: bool = False,
+    pack_sequences: bool = False,
+    first_column: int = 1,
+) -> PolicyForward:
+    """:func:`policy_logprobs`, and with ``with_sum_pi_squared`` the sum over the vocabulary of the
+    squared (temperature-scaled) probabilities of each position's distribution, computed without a
+    gradient."""
     if pack_sequences:
         p = pack(input_ids_BT, attention_mask_BT)
-        lp_RC, ent_RC = policy_logprobs(
+        packed = policy_forward(
             _Positions(model, p.position_ids_RC),
             p.input_ids_RC,
             None,  # type: ignore[arg-type]
             temperature=temperature,
             with_entropy=with_entropy,
             entropy_grad=entropy_grad,
+            with_sum_pi_squared=with_sum_pi_squared,
         )
-        lp_BT = p.unpack(lp_RC)
-        lp_BT[:, 0] = 0.0  # a sequence's first token has no logprob (packed, it reads the previous one's)
-        ent_BT = None
-        if ent_RC is not None:
-            ent_BT = p.unpack(ent_RC)
-            ent_BT[:, 0] = 0.0
-        return lp_BT, ent_BT
+
+        def unpack(x_RC: torch.Tensor | None) -> torch.Tensor | None:
+            if x_RC is None:
+                return None
+            # A sequence's first token has no prediction (packed, it reads the previous sequence's).
+            x_BT = p.unpack(x_RC)
+            x_BT[:, 0] = 0.0
+            return x_BT
+
+        lp_BT = unpack(packed.logprobs_BT)
+        assert lp_BT is not None
+        return PolicyForward(lp_BT, unpack(packed.entropy_BT), unpack(packed.sum_pi_squared_BT))
     B, T = input_ids_BT.shape
     # Only columns >= first_column are needed: the LM head (and the log-softmax over the vocabulary) runs
     # on the positions that predict them, not on the prompt (transformers' logits_to_keep, as TRL does).
@@ -73,7 +120,12 @@ def policy_logprobs(
         else:
             with torch.no_grad():
                 ent_BT[:, first:] = entropy_from_logits(logits_BKV[:, :-1].detach())
-    return lp_BT, ent_BT
+    sps_BT = None
+    if with_sum_pi_squared:
+        sps_BT = torch.zeros((B, T), dtype=torch.float32, device=input_ids_BT.device)
+        with torch.no_grad():
+            sps_BT[:, first:] = sum_pi_squared_from_logits(logits_BKV[:, :-1].detach())
+    return PolicyForward(lp_BT, ent_BT, sps_BT)
 
 
 class _Positions:

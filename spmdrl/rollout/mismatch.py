@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from spmdrl.algos.kl import kl_penalty
+from spmdrl.algos.kl import k3_unclamped
 from spmdrl.algos.losses import token_logprobs
 
 
@@ -48,7 +48,8 @@ def logprob_mismatch(
     """
     mask = mask_BT.bool()
     diff = (trainer_logprobs_BT.float() - engine_logprobs_BT.float()).abs()[mask]
-    k3 = kl_penalty(engine_logprobs_BT.float(), trainer_logprobs_BT.float(), "k3")[mask]
+    # Unclamped (not verl's k3 = low_var_kl): a wild token should show here.
+    k3 = k3_unclamped(engine_logprobs_BT.float(), trainer_logprobs_BT.float())[mask]
     sums = torch.stack([diff.sum(), k3.sum(), diff.new_tensor(float(diff.numel()))]).double()
     peak = diff.max() if diff.numel() else diff.new_tensor(0.0)
     if group is not None:
