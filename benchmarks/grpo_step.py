@@ -388,7 +388,7 @@ def peak_memory_gb(cuda: bool) -> float:
     """This process's peak, measured as the recipe measures its ranks' (perf/max_memory_gb)."""
     import torch
 
-    from spmdrl.recipes.grpo_metrics import peak_memory_gb as recipe_peak_memory_gb
+    from spmdrl.rl.metrics import peak_memory_gb as recipe_peak_memory_gb
 
     return recipe_peak_memory_gb(torch.device("cuda" if cuda else "cpu"))["memory_gb"]
 

@@ -32,10 +32,10 @@ from bench_report import Figure, fmt_ratio, write_json
 from rollout_vs_engine import model_dir_for
 
 from spmdrl.config import MultiTurnConfig, RolloutConfig
+from spmdrl.data.turns import TurnCodec
 from spmdrl.distributed.env import init_distributed
 from spmdrl.rollout.agent_loop import AgentLoop
 from spmdrl.rollout.engine import SamplingSpec, build_engine
-from spmdrl.rollout.turns import TurnCodec
 from spmdrl.tools import ParseResult, ToolCall, ToolExecutor
 from spmdrl.tools.registry import FunctionTool
 from spmdrl.tools.schema import function_schema

@@ -54,8 +54,8 @@ def _batch(rows: int, long: bool, vocab: int) -> tuple[torch.Tensor, torch.Tenso
 def _step(
     model: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor, variant: tuple[int, int, bool], budget: int
 ) -> float:
-    from spmdrl.algos.micro_batches import micro_batch_rows
     from spmdrl.models.forward import policy_logprobs
+    from spmdrl.rl.micro_batches import micro_batch_rows
 
     micro, tokens, pack = variant
     parts = micro_batch_rows(

@@ -65,7 +65,8 @@ def save_random_model(shape: str, out: Path) -> None:
 
 def grpo_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     from spmdrl.algos.aggregation import Aggregation
-    from spmdrl.algos.policy_losses import PolicyLossParams, policy_loss
+    from spmdrl.algos.policy_losses import policy_loss
+    from spmdrl.config import AlgorithmConfig
     from spmdrl.models.forward import policy_logprobs
 
     # As the recipe with entropy_coeff=0 (the default): entropy as a metric, without a gradient graph.
@@ -75,7 +76,7 @@ def grpo_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     adv_B = torch.linspace(-1, 1, ids.shape[0], device=ids.device)
     agg = Aggregation.local("token-mean", mask_BT)
     return policy_loss("vanilla")(
-        lp_BT, lp_BT.detach(), adv_B, mask_BT, agg=agg, params=PolicyLossParams()
+        lp_BT, lp_BT.detach(), adv_B, mask_BT, agg=agg, params=AlgorithmConfig()
     ).loss
 
 

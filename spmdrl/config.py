@@ -10,14 +10,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
+
+# Defined in spmdrl.errors (importable without this module); every config check raises it, and the rest of
+# the code imports it from here.
+from spmdrl.errors import ConfigError
 
 # rollout.cpu_gemm's choices (spmdrl.rollout.cpu_gemm says what each is).
 CPU_GEMM_PATHS = ("auto", "torch", "onednn", "sgl", "zentorch")
-
-
-class ConfigError(ValueError):
-    """A configuration value is wrong. The message says which key, what is wrong and how to fix it."""
 
 
 def choice(default: str, choices: tuple[str, ...] | Callable[[], tuple[str, ...]]) -> Any:
@@ -38,6 +38,16 @@ def _registry(module: str, name: str) -> Callable[[], tuple[str, ...]]:
         return tuple(getattr(importlib.import_module(module), name))
 
     return names
+
+
+def registered(default: str, module: str, registry: str) -> Any:
+    """A string field naming a function of a registry (spmdrl.registry.Registry ``module.registry``): a
+    registered name (``gspo``, or one a user's ``@register_policy_loss("my_loss")`` added), or an import
+    path (``my_pkg.losses:my_loss``, ``path/to/file.py:my_loss``). :func:`validate` resolves it through the
+    registry when it runs, after the recipe's entry module (and the registrations in it) is imported; a
+    wrong name fails there, listing the registered ones. The registry's module is imported only then,
+    which keeps this module light."""
+    return field(default=default, metadata={"registry": (module, registry)})
 
 
 @dataclass
@@ -167,6 +177,8 @@ class TrainerConfig:
     # RL: pack each micro-batch's sequences end to end (padding removed; spmdrl/models/packing.py).
     pack_sequences: bool = False
     val_every: int = 0
+    # Write a metrics row (metrics.jsonl, tensorboard, console) every log_every steps; RL also at every
+    # validation and at the last step.
     log_every: int = 1
     seed: int = 0
     # "auto" (cuda when available, else cpu), "cpu" or "cuda".
@@ -339,8 +351,9 @@ class AlgorithmConfig:
     # verl's name (docs/algorithms.md): grpo, grpo_vectorized, rloo, rloo_vectorized, reinforce_plus_plus,
     # reinforce_plus_plus_baseline, remax (one extra greedy rollout per prompt as the baseline), opo,
     # grpo_passk, gpg, gdpo (gdpo_reward_keys below), optimal_token_baseline, tir_optimal_token_baseline
-    # (both add the old-logprob pass, with the sum of squared probabilities); gae needs a critic.
-    adv_estimator: str = choice("grpo", _registry("spmdrl.algos.advantages", "ADV_ESTIMATORS"))
+    # (both add the old-logprob pass, with the sum of squared probabilities); gae needs a critic. Or one
+    # of your own, by import path or registered with @register_adv_estimator (docs/algorithms.md).
+    adv_estimator: str = registered("grpo", "spmdrl.algos.advantages", "ADV_ESTIMATORS")
     # False gives Dr. GRPO (no division by the group's reward std); verl's norm_adv_by_std_in_grpo.
     norm_adv_by_std: bool = True
     # Discount and GAE lambda (gae, reinforce_plus_plus).
@@ -361,8 +374,9 @@ class AlgorithmConfig:
     seq_mean_all_rows: bool = True
     # verl's actor.policy_loss.loss_mode: vanilla (PPO clip + dual-clip), gspo, cispo, gpg, clip_cov,
     # kl_cov, geo_mean, sapo, dppo_tv, dppo_kl, dro, bypass_mode (docs/algorithms.md); and the parameters
-    # those read, under verl's names.
-    policy_loss: str = choice("vanilla", _registry("spmdrl.algos.policy_losses", "POLICY_LOSSES"))
+    # those read, under verl's names. Or one of your own, by import path or registered with
+    # @register_policy_loss (docs/algorithms.md); the loss is called with params=this section.
+    policy_loss: str = registered("vanilla", "spmdrl.algos.policy_losses", "POLICY_LOSSES")
     clip_ratio_c: float = 3.0
     clip_cov_ratio: float = 0.0002
     clip_cov_lb: float = 1.0
@@ -380,11 +394,12 @@ class AlgorithmConfig:
     use_kl_loss: bool = True
     kl_loss_coef: float = 0.001
     # kl/k1, abs, mse/k2, low_var_kl/k3, and each with "+" (its value, k2's gradient).
-    kl_loss_type: str = choice("low_var_kl", _registry("spmdrl.algos.kl", "KINDS"))
+    # Or one of your own, by import path or registered with @register_kl_estimator (docs/algorithms.md).
+    kl_loss_type: str = registered("low_var_kl", "spmdrl.algos.kl", "KL_ESTIMATORS")
     # KL to the reference folded into the reward (verl's use_kl_in_reward), estimator kl_penalty, with a
     # fixed or adaptive coefficient (kl_ctrl).
     use_kl_in_reward: bool = False
-    kl_penalty: str = choice("kl", _registry("spmdrl.algos.kl", "KINDS"))
+    kl_penalty: str = registered("kl", "spmdrl.algos.kl", "KL_ESTIMATORS")
     kl_ctrl: KLCtrlConfig = field(default_factory=lambda: KLCtrlConfig())
     entropy_coeff: float = 0.0
     ppo_epochs: int = 1
@@ -407,8 +422,9 @@ class OverlongBufferConfig:
 
 @dataclass
 class RewardConfig:
-    # "auto" (by data_source), "gsm8k", "tiny", or a user function "pkg.module:fn" / "path/file.py:fn".
-    fn: str = "auto"
+    # "auto" (by data_source), "gsm8k", "tiny", "tiny_tools", a user function "pkg.module:fn" /
+    # "path/file.py:fn", or one registered with @register_reward_fn (docs/rewards.md).
+    fn: str = registered("auto", "spmdrl.rewards.registry", "REWARD_FNS")
     # Seconds a user function may run per sample; past that it scores error_score (counted in reward/errors).
     timeout_s: float = 10.0
     # Seconds one rank's whole batch may take: samples not scored by then score error_score (counted as
@@ -458,9 +474,52 @@ class WarmstartConfig:
     )
 
 
+T = TypeVar("T")
+
+# Config sections a recipe owns, by top-level key. A recipe declares the settings only it reads as a
+# dataclass in its own file and registers it (@register_config_section("my_section")); the loader imports
+# the recipe's entry before it builds the Config, so the YAML's my_section: block and my_section.x=1 on the
+# command line are checked against that dataclass like the built-in sections (types, unknown keys), and the
+# recipe reads it typed: cfg.section(MySection). Check values in the dataclass's __post_init__ (raise
+# ConfigError); its choice() fields are checked by validate().
+CONFIG_SECTIONS: dict[str, type] = {}
+
+
+def register_config_section(name: str) -> Callable[[type[T]], type[T]]:
+    """Registers a dataclass as the config section ``name`` (a top-level key: ``name.field=value``).
+    Registering a name again replaces it only with the same class (a module imported twice); another class
+    under a taken name, or a built-in section's name, is an error."""
+
+    def register(cls: type[T]) -> type[T]:
+        where = f"{cls.__module__}.{cls.__qualname__}"
+        if not dataclasses.is_dataclass(cls):
+            raise TypeError(f"@register_config_section({name!r}): {where} is not a dataclass")
+        if not name.isidentifier() or name in {f.name for f in dataclasses.fields(Config)}:
+            raise ValueError(
+                f"@register_config_section({name!r}): a section name is an identifier that is not a built-in "
+                f"key of the config ({', '.join(f.name for f in dataclasses.fields(Config))})"
+            )
+        old = CONFIG_SECTIONS.get(name)
+        if old is not None and f"{old.__module__}.{old.__qualname__}" != where:
+            raise ValueError(
+                f"config section {name!r} is already registered, by {old.__module__}.{old.__qualname__}; "
+                f"register {where} under another name"
+            )
+        CONFIG_SECTIONS[name] = cls
+        return cls
+
+    return register
+
+
+def _registered_sections() -> dict[str, Any]:
+    return {name: cls() for name, cls in CONFIG_SECTIONS.items()}
+
+
 @dataclass
 class Config:
-    # The recipe config's name (what recipe= selected) and the recipe module it runs (spmdrl.recipes.<entry>).
+    # The recipe config's name (what recipe= selected; a recipe YAML given by path: its file name unless
+    # it sets name) and what it runs: a shipped recipe module (spmdrl.recipes.<entry>) or a Python file's
+    # absolute path (config_loader.import_entry).
     name: str = "sft_tiny"
     entry: str = "sft"
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -474,11 +533,38 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     warmstart: WarmstartConfig = field(default_factory=WarmstartConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
+    # The registered sections' values (register_config_section), by key. Not a key itself: each section is
+    # a top-level key of the YAML and the command line, which the loader adds to the schema it composes.
+    sections: dict[str, Any] = field(
+        default_factory=_registered_sections, metadata={"omegaconf_ignore": True}
+    )
+
+    def section(self, cls: type[T]) -> T:
+        """The values of the section ``cls`` is registered as, typed as ``cls`` (no string key to repeat)."""
+        name = next((n for n, c in CONFIG_SECTIONS.items() if c is cls), None)
+        if name is None:
+            raise KeyError(
+                f"{cls.__qualname__} is not a registered config section: decorate it with "
+                '@register_config_section("my_section")'
+            )
+        if name not in self.sections:
+            raise KeyError(
+                f"this Config has no section {name!r}: it was built before {name!r} was registered"
+            )
+        return self.sections[name]
 
 
 def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ConfigError(f"{key}={value!r} is not one of {', '.join(choices)}")
+
+
+def _check_registered(key: str, value: str, module: str, registry: str) -> None:
+    """``value`` names a function of the registry: a registered name, or an import path that imports and
+    takes the kind's arguments (spmdrl.registry.Registry.get raises the ConfigError)."""
+    import importlib
+
+    getattr(importlib.import_module(module), registry).get(value, key=key)
 
 
 def _check_choices(node: Any, prefix: str) -> None:
@@ -489,6 +575,8 @@ def _check_choices(node: Any, prefix: str) -> None:
         elif "choices" in f.metadata:
             choices = f.metadata["choices"]
             _check_choice(f"{prefix}{f.name}", value, choices() if callable(choices) else choices)
+        elif "registry" in f.metadata:
+            _check_registered(f"{prefix}{f.name}", value, *f.metadata["registry"])
 
 
 def _validate_multi_turn(cfg: Config) -> None:
@@ -523,14 +611,25 @@ def _validate_multi_turn(cfg: Config) -> None:
 
 
 def _validate_loss_names(a: AlgorithmConfig) -> None:
-    """The settings a policy loss or advantage estimator name needs (dro's beta, gdpo's reward keys)."""
+    """The settings a policy loss or advantage estimator needs (dro's beta, gdpo's reward keys), and the
+    ranges of the parameters the policy losses read (spmdrl.algos.policy_losses.PolicyLossParams)."""
+    from spmdrl.algos.advantages import adv_estimator
+
+    if a.clip_ratio_low < 0 or a.clip_ratio_high < 0:
+        raise ConfigError(
+            f"algorithm.clip_ratio_low and clip_ratio_high must be >= 0, got {a.clip_ratio_low}, {a.clip_ratio_high}"
+        )
+    if a.clip_cov_ratio <= 0 or a.kl_cov_ratio <= 0:
+        raise ConfigError(
+            f"algorithm.clip_cov_ratio and kl_cov_ratio must be > 0, got {a.clip_cov_ratio}, {a.kl_cov_ratio}"
+        )
+    if a.tau_pos <= 0 or a.tau_neg <= 0:
+        raise ConfigError(f"algorithm.tau_pos and tau_neg must be > 0, got {a.tau_pos}, {a.tau_neg}")
     if a.policy_loss == "dro" and not (a.dro_beta is not None and a.dro_beta > 0):
         raise ConfigError(f"algorithm.policy_loss=dro needs algorithm.dro_beta > 0, got {a.dro_beta}")
     if a.dro_beta is not None and a.dro_beta <= 0:
         raise ConfigError(f"algorithm.dro_beta must be > 0 (or null), got {a.dro_beta}")
-    if a.adv_estimator in ("optimal_token_baseline", "tir_optimal_token_baseline") and (
-        a.rollout_correction.bypass_mode
-    ):
+    if adv_estimator(a.adv_estimator).needs_sum_pi_squared and a.rollout_correction.bypass_mode:
         raise ConfigError(
             f"algorithm.adv_estimator={a.adv_estimator} reads the old policy's sum of squared probabilities, "
             "from the old-logprob pass that algorithm.rollout_correction.bypass_mode skips (verl fails too)"
@@ -555,13 +654,43 @@ def _validate_loss_names(a: AlgorithmConfig) -> None:
         )
 
 
+def _validate_rl_entry(cfg: Config) -> None:
+    """The shipped RL recipes split the algorithms between them: a critic (PPO) is entry ppo's, DAPO's
+    dynamic sampling and the critic-free estimators are entry grpo's. A setting the entry would not run is
+    an error, not ignored."""
+    from spmdrl.algos.advantages import adv_estimator
+
+    a = cfg.algorithm
+    needs_critic = adv_estimator(a.adv_estimator).needs_critic
+    if cfg.entry == "grpo" and needs_critic:
+        raise ConfigError(
+            f"algorithm.adv_estimator={a.adv_estimator} needs a critic, and entry: grpo (recipes/grpo.py) trains "
+            f"none (recipe {cfg.name!r}): set entry: ppo, the PPO recipe with a critic (recipes/ppo.py, as in "
+            "recipe=ppo_tiny), or choose a critic-free algorithm.adv_estimator such as grpo"
+        )
+    if cfg.entry == "ppo" and not needs_critic:
+        raise ConfigError(
+            f"entry: ppo (recipes/ppo.py) trains a critic for a critic-based algorithm.adv_estimator (gae), "
+            f"got {a.adv_estimator!r} (recipe {cfg.name!r}): set algorithm.adv_estimator=gae, or entry: grpo "
+            f"for {a.adv_estimator}"
+        )
+    if cfg.entry == "ppo" and a.filter_groups.enable:
+        raise ConfigError(
+            f"algorithm.filter_groups.enable=true (DAPO's dynamic sampling) runs in entry: grpo (recipes/grpo.py), "
+            f"not in entry: ppo (recipe {cfg.name!r}): turn it off, or use entry: grpo"
+        )
+
+
 def validate(cfg: Config) -> None:
     """Checks that need no world size. Raises ConfigError naming the key."""
     _check_choices(cfg, "")
+    for name, section in cfg.sections.items():  # the recipes' own sections (register_config_section)
+        _check_choices(section, f"{name}.")
     positive = {
         "trainer.global_batch_size": cfg.trainer.global_batch_size,
         "trainer.micro_batch_size": cfg.trainer.micro_batch_size,
         "trainer.total_epochs": cfg.trainer.total_epochs,
+        "trainer.log_every": cfg.trainer.log_every,
         "data.max_prompt_length": cfg.data.max_prompt_length,
         "data.max_response_length": cfg.data.max_response_length,
         "parallel.dp_replicate": cfg.parallel.dp_replicate,
@@ -630,6 +759,7 @@ def validate(cfg: Config) -> None:
             "would ignore; set algorithm.policy_loss=vanilla or turn bypass_mode off"
         )
     _validate_loss_names(cfg.algorithm)
+    _validate_rl_entry(cfg)
     if rc.rollout_rs:
         from spmdrl.algos.correction import parse_rs_thresholds
 

@@ -41,4 +41,4 @@ def pytest_report_header(config: pytest.Config) -> str:
     active = cpu_kind.active()
     if active is None:
         return f"cpu kind: {cpu_kind.host_kind()} (this host's own)"
-    return f"cpu kind: {active.name}, emulated on a {cpu_kind.host_kind()} host"
+    return f"cpu kind: {active.name}, emulated on a host of kind {cpu_kind.host_kind()}"

@@ -12,13 +12,13 @@ import torch
 
 from spmdrl.algos.advantages import (
     ADV_ESTIMATORS,
-    NEEDS_BASELINE,
-    NEEDS_CRITIC,
     AdvantageInputs,
+    adv_estimator,
     compute_advantages,
-    grpo_advantages,
+    register_adv_estimator,
     token_level_rewards,
 )
+from spmdrl.config import AlgorithmConfig, Config, ConfigError, validate
 from spmdrl.testing.spawn import run_distributed
 
 VERL_NAMES = {
@@ -112,7 +112,13 @@ def test_inputs_check_shapes():
 
 def test_registry_has_exactly_verls_names_and_clear_errors():
     assert set(ADV_ESTIMATORS) == VERL_NAMES
-    assert set(NEEDS_CRITIC) == {"gae"} and set(NEEDS_BASELINE) == {"remax"}
+    # What each declares at registration, next to the function.
+    assert {n for n in ADV_ESTIMATORS if adv_estimator(n).needs_critic} == {"gae"}
+    assert {n for n in ADV_ESTIMATORS if adv_estimator(n).needs_baseline} == {"remax"}
+    assert {n for n in ADV_ESTIMATORS if adv_estimator(n).needs_sum_pi_squared} == {
+        "optimal_token_baseline",
+        "tir_optimal_token_baseline",
+    }
     inputs = _outcome([1.0, 0.0], [2, 2], [0, 0])
     with pytest.raises(ValueError, match="unknown advantage estimator 'ppo'.*grpo.*reinforce_plus_plus"):
         compute_advantages("ppo", inputs)
@@ -120,6 +126,62 @@ def test_registry_has_exactly_verls_names_and_clear_errors():
         compute_advantages("gae", inputs)
     with pytest.raises(ValueError, match="baseline_B"):
         compute_advantages("remax", inputs)
+
+
+def _critic_only(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """A user's estimator: the critic's values as the advantages."""
+    assert inputs.values_BT is not None
+    values_BT = torch.where(inputs.response_mask_BT.bool(), inputs.values_BT.float(), 0.0)
+    return values_BT, values_BT
+
+
+def test_a_decorated_estimator_is_selectable_and_its_declared_needs_are_checked():
+    register_adv_estimator("spmdrl_test_critic_only", needs_critic=True)(_critic_only)
+    try:
+        validate(Config(algorithm=AlgorithmConfig(adv_estimator="spmdrl_test_critic_only")))
+        assert adv_estimator("spmdrl_test_critic_only").needs_critic  # the recipe builds a critic for it
+        inputs = _outcome([1.0, 0.0], [2, 1], [0, 0], T=2)
+        with pytest.raises(ValueError, match="'spmdrl_test_critic_only' needs a critic"):
+            compute_advantages("spmdrl_test_critic_only", inputs)
+        values_BT = torch.tensor([[0.5, -1.0], [2.0, 3.0]])
+        advantages_BT, _ = compute_advantages(
+            "spmdrl_test_critic_only", dataclasses.replace(inputs, values_BT=values_BT)
+        )
+        torch.testing.assert_close(advantages_BT, torch.tensor([[0.5, -1.0], [2.0, 0.0]]))
+    finally:
+        ADV_ESTIMATORS.unregister("spmdrl_test_critic_only")
+    with pytest.raises(ConfigError, match="algorithm.adv_estimator='spmdrl_test_critic_only': unknown"):
+        validate(Config(algorithm=AlgorithmConfig(adv_estimator="spmdrl_test_critic_only")))
+
+
+def test_an_estimator_by_import_path(tmp_path, monkeypatch):
+    pkg = tmp_path / "spmdrl_test_adv_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "adv.py").write_text(
+        "import torch\n"
+        "from spmdrl.algos.advantages import register_adv_estimator\n"
+        "def raw_score(inputs):\n"
+        "    a = inputs.token_rewards_BT.float()\n"
+        "    return a, a\n"
+        "@register_adv_estimator('spmdrl_test_greedy_gap', needs_baseline=True)\n"
+        "def greedy_gap(inputs):\n"
+        "    a = inputs.token_rewards_BT.float() - inputs.baseline_B[:, None]\n"
+        "    return a, a\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        validate(Config(algorithm=AlgorithmConfig(adv_estimator="spmdrl_test_adv_pkg.adv:raw_score")))
+        inputs = _outcome([1.0, 0.5], [1, 1], [0, 0], T=1)
+        advantages_BT, _ = compute_advantages("spmdrl_test_adv_pkg.adv:raw_score", inputs)
+        torch.testing.assert_close(advantages_BT, torch.tensor([[1.0], [0.5]]))
+        # A decorated function named by path keeps what it declared.
+        assert adv_estimator("spmdrl_test_adv_pkg.adv:greedy_gap").needs_baseline
+        assert not adv_estimator("spmdrl_test_adv_pkg.adv:raw_score").needs_baseline
+        with pytest.raises(ConfigError, match="no module named 'spmdrl_test_no_pkg'.*PYTHONPATH"):
+            validate(Config(algorithm=AlgorithmConfig(adv_estimator="spmdrl_test_no_pkg.adv:raw_score")))
+    finally:
+        ADV_ESTIMATORS.unregister("spmdrl_test_greedy_gap")
 
 
 @pytest.mark.parametrize("name", sorted(VERL_NAMES))
@@ -183,21 +245,6 @@ def test_grpo_by_hand():
     torch.testing.assert_close(
         advantages_BT[:, 0], torch.tensor([s, 0.0, -s, 0.0, -s, s]), atol=1e-5, rtol=1e-5
     )
-
-
-def test_grpo_advantages_wrapper_matches_registry_and_allows_group_of_one():
-    rewards_B = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0])
-    inputs = AdvantageInputs(
-        token_rewards_BT=rewards_B.unsqueeze(1),
-        response_mask_BT=torch.ones(8, 1, dtype=torch.bool),
-        group_ids_B=torch.arange(8) // 4,
-    )
-    torch.testing.assert_close(grpo_advantages(rewards_B, 4), compute_advantages("grpo", inputs)[0][:, 0])
-    # group_size 1: no error; each sample is its own group, mean 0 and std 1, as verl.
-    torch.testing.assert_close(grpo_advantages(rewards_B, 1), rewards_B / (1 + 1e-6))
-    torch.testing.assert_close(grpo_advantages(rewards_B, 1, norm_by_std=False), rewards_B)
-    with pytest.raises(ValueError, match="group_size must be >= 1"):
-        grpo_advantages(rewards_B, 0)
 
 
 # ---------------------------------------------------------------------------------------------- rloo

@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 import torch
 
-from spmdrl.algos.batch import pack_generations
 from spmdrl.config import MultiTurnConfig
+from spmdrl.data.turns import TemplateError, TurnCodec
+from spmdrl.rl.batch import pack_generations
 from spmdrl.rollout.engine import Generation, SamplingSpec
-from spmdrl.rollout.turns import TemplateError, TurnCodec
 from spmdrl.testing.spawn import run_distributed
 
 MAX_LEN = 256
@@ -398,7 +398,7 @@ def test_logits_at_mask_zero_positions_do_not_reach_the_loss() -> None:
 
     from spmdrl.algos.aggregation import Aggregation
     from spmdrl.config import Config
-    from spmdrl.recipes.grpo_update import micro_batch_loss
+    from spmdrl.rl.update import micro_batch_loss
 
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(
@@ -417,7 +417,7 @@ def test_logits_at_mask_zero_positions_do_not_reach_the_loss() -> None:
     ]
     rows = pack_generations([[1, 2, 3], [1, 4]], gens, pad_id=0)
     assert rows.response_mask_BT[0].tolist() == [False] * 3 + [True, True, False, False, False, True, True]
-    from spmdrl.algos.batch import PolicyBatch
+    from spmdrl.rl.batch import PolicyBatch
 
     mb = PolicyBatch(
         input_ids_BT=rows.input_ids_BT,

@@ -237,3 +237,37 @@ def test_defaults_follow_verl_where_the_name_is_verls() -> None:
     assert a.rollout_correction.rollout_is_threshold == "2.0" and not a.rollout_correction.bypass_mode
     assert a.rollout_correction.loss_type == "ppo_clip" and a.seq_mean_all_rows
     assert a.dro_beta is None and a.gdpo_reward_keys is None
+
+
+def test_algorithm_and_reward_names_are_checked_at_load_against_the_registries() -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(["algorithm.policy_loss=vanila"])
+    msg = str(e.value)
+    assert msg.startswith("algorithm.policy_loss='vanila': unknown policy loss. Did you mean 'vanilla'?")
+    assert "Registered: vanilla, gspo," in msg and '@register_policy_loss("name")' in msg
+    for key, bad in [
+        ("algorithm.adv_estimator", "grpoo"),
+        ("algorithm.kl_loss_type", "k5"),
+        ("algorithm.kl_penalty", "low_var"),
+        ("reward.fn", "gsm9k"),
+    ]:
+        with pytest.raises(ConfigError, match=rf"{key}='{bad}': unknown .*Registered: "):
+            load_config([f"{key}={bad}"])
+
+
+def test_names_registered_before_load_and_import_paths_are_accepted(tmp_path) -> None:
+    from spmdrl.algos.policy_losses import POLICY_LOSSES, register_policy_loss, vanilla_policy_loss
+
+    # Registered before the config is validated (as a recipe's entry file is imported): accepted.
+    register_policy_loss("spmdrl_test_config_loss")(vanilla_policy_loss)
+    try:
+        cfg = load_config(["algorithm.policy_loss=spmdrl_test_config_loss"])
+        assert cfg.algorithm.policy_loss == "spmdrl_test_config_loss"
+    finally:
+        POLICY_LOSSES.unregister("spmdrl_test_config_loss")
+    # By file path: imported at load; one that does not resolve names the module and attribute.
+    (tmp_path / "my_estimators.py").write_text("def mine(inputs):\n    return inputs, inputs\n")
+    spec = f"{tmp_path}/my_estimators.py:mine"
+    assert load_config([f"algorithm.adv_estimator={spec}"]).algorithm.adv_estimator == spec
+    with pytest.raises(ConfigError, match=r"module '.*my_estimators.py' has no attribute 'nope'.*mine"):
+        load_config([f"algorithm.adv_estimator={tmp_path}/my_estimators.py:nope"])

@@ -8,12 +8,8 @@ import pytest
 import torch
 
 from spmdrl.algos.dapo import (
-    count_groups,
     dynamic_sampling_metrics,
-    first_groups_mask,
     groups_with_signal,
-    num_groups_to_take,
-    overlong_metrics,
     overlong_penalty,
     should_generate_more,
 )
@@ -43,7 +39,6 @@ def test_all_equal_groups_are_dropped_mixed_kept():
     keep = groups_with_signal(acc, ids)
     assert keep.dtype == torch.bool
     assert keep.tolist() == [False] * 6 + [True] * 3
-    assert count_groups(keep, ids) == (1, 2)
 
 
 def test_groups_of_one_are_kept_as_verl():
@@ -58,7 +53,6 @@ def test_non_consecutive_ids_and_interleaved_groups():
     values = torch.tensor([0.5, 2.0, 0.5, 2.0, 0.25])
     ids = _ids([42, -3, 42, -3, 42])
     assert groups_with_signal(values, ids).tolist() == [True, False, True, False, True]
-    assert count_groups(groups_with_signal(values, ids), ids) == (1, 1)
 
 
 def test_tiny_float_differences_are_signal():
@@ -139,50 +133,6 @@ def test_exceeding_the_limit_raises_naming_the_option():
     assert "3 groups" in msg and "8 prompts" in msg
 
 
-def test_more_than_needed_takes_the_first_groups_single_rank():
-    # target 3, 1 kept from batch 1; batch 2 keeps 20, 40, 60 (30, 50 all equal): take 20 and 40 only
-    values = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0])
-    ids = _ids([20, 20, 30, 30, 40, 40, 50, 50, 60, 60])
-    keep = groups_with_signal(values, ids)
-    kept, dropped = count_groups(keep, ids)
-    assert (kept, dropped) == (3, 2)
-    assert should_generate_more(1 + kept, 3, num_gen_batches=2, max_num_gen_batches=0) is False
-    take = num_groups_to_take(kept_before=1, kept_per_rank=[kept], rank=0, target_groups=3)
-    assert take == 2
-    assert first_groups_mask(keep, ids, take).tolist() == [True, True, False, False, True, True] + [False] * 4
-
-
-def test_first_groups_follow_batch_order_not_id_order():
-    keep = torch.tensor([True, True, True, True, False, True])
-    ids = _ids([9, 9, 1, 1, 5, 3])  # first appearances: 9, 1, 5 (dropped), 3
-    assert first_groups_mask(keep, ids, 2).tolist() == [True, True, True, True, False, False]
-    assert first_groups_mask(keep, ids, 0).tolist() == [False] * 6
-    assert first_groups_mask(keep, ids, 3).tolist() == keep.tolist()
-    with pytest.raises(ValueError, match="num_groups"):
-        first_groups_mask(keep, ids, 4)
-    with pytest.raises(ValueError, match="whole groups"):
-        first_groups_mask(torch.tensor([True, False]), _ids([0, 0]), 1)
-
-
-def test_take_across_ranks_sums_to_the_target_in_rank_order():
-    # 2 kept before; latest batch kept 3, 0, 4, 2 on ranks 0..3; target 8 -> need 6: 3, 0, 3, 0
-    per_rank = [3, 0, 4, 2]
-    takes = [num_groups_to_take(2, per_rank, r, 8) for r in range(4)]
-    assert takes == [3, 0, 3, 0]
-    assert sum(takes) == 8 - 2
-    # exactly enough: everyone takes all
-    assert [num_groups_to_take(0, [2, 2], r, 4) for r in range(2)] == [2, 2]
-
-
-def test_take_rejects_calls_outside_the_last_batch():
-    with pytest.raises(ValueError, match="should_generate_more"):
-        num_groups_to_take(0, [1, 1], 0, 4)  # still short: generate more first
-    with pytest.raises(ValueError, match="should_generate_more"):
-        num_groups_to_take(4, [1, 1], 0, 4)  # already enough before this batch
-    with pytest.raises(ValueError, match="rank"):
-        num_groups_to_take(0, [4], 1, 4)
-
-
 def test_metrics_names():
     m = dynamic_sampling_metrics(num_gen_batches=3, num_kept_groups=10, num_dropped_groups=30)
     assert m == {
@@ -239,10 +189,3 @@ def test_overlong_checks_options():
         overlong_penalty(torch.tensor([1]), 20, 8, -1.0)
     with pytest.raises(ValueError, match="1-D"):
         overlong_penalty(torch.tensor([[1]]), 20, 8, 1.0)
-
-
-def test_overlong_metrics():
-    m = overlong_metrics(torch.tensor([0.0, -0.5, -1.0, 0.0]))
-    assert float(m["overlong_reward"]) == pytest.approx(-0.375)
-    assert float(m["overlong"]) == pytest.approx(0.5)
-    assert float(overlong_metrics(torch.zeros(0))["overlong"]) == 0.0

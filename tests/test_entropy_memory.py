@@ -1,6 +1,6 @@
 """The policy update keeps no entropy graph when the entropy is only a metric (entropy_coeff=0).
 
-The recipe's own per-micro-batch loss (recipes/grpo_update.py's micro_batch_loss), one process, CPU, on a
+The recipe's own per-micro-batch loss (spmdrl/rl/update.py's micro_batch_loss), one process, CPU, on a
 small Qwen2 with a 4096-token vocabulary so that a B x T x V float32 tensor dominates what autograd
 saves. Saved bytes are counted with a saved-tensors pack hook, once per storage.
 """
@@ -17,11 +17,11 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from spmdrl.algos.aggregation import Aggregation
-from spmdrl.algos.batch import PolicyBatch
 from spmdrl.algos.losses import entropy_from_logits
 from spmdrl.config import AlgorithmConfig, Config
 from spmdrl.models.forward import policy_logprobs
-from spmdrl.recipes.grpo_update import MicroBatchLoss, micro_batch_loss
+from spmdrl.rl.batch import PolicyBatch
+from spmdrl.rl.update import MicroBatchLoss, micro_batch_loss
 from spmdrl.testing.models import SMALL_QWEN2
 
 B, T, V = 2, 48, 4096

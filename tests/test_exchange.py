@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spmdrl.algos.batch import PolicyBatch
 from spmdrl.distributed.exchange import RowLayout
+from spmdrl.rl.batch import PolicyBatch
 from spmdrl.testing.spawn import run_distributed
 
 

@@ -104,13 +104,13 @@ def _synthetic_batch(step: int, max_response: int) -> dict[str, torch.Tensor]:
 
 
 def _worker(rank: int, world: int, model_dir: str, cfg: Any) -> list[dict[str, float]]:
-    from spmdrl.algos.batch import PolicyBatch
-    from spmdrl.algos.micro_batches import micro_batch_rows
     from spmdrl.config import derive, derive_rl
     from spmdrl.distributed.placement import Placement
     from spmdrl.models.build import build_fsdp_model, model_spec
     from spmdrl.optim import build_lr_scheduler, build_optimizer
-    from spmdrl.recipes.grpo_update import logprobs_of, update_policy
+    from spmdrl.rl.batch import PolicyBatch
+    from spmdrl.rl.micro_batches import micro_batch_rows
+    from spmdrl.rl.update import logprobs_of, update_policy
 
     cpu = torch.device("cpu")
     derived = derive(cfg, world, PROMPTS * STEPS, samples_per_item=N)

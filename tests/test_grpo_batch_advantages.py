@@ -1,6 +1,6 @@
-"""The GRPO recipe's step 4 (``batch_advantages`` in recipes/grpo.py) against verl 0.9.1's order and scope:
-the KL in the reward from the trainer's old logprobs, then the rollout correction's rejection, then the
-advantages on the edited mask, with batch-wide statistics over all of the actor's ranks."""
+"""An RL step's advantages (``batch_advantages`` in spmdrl/rl/experience.py) against verl 0.9.1's order
+and scope: the KL in the reward from the trainer's old logprobs, then the rollout correction's rejection,
+then the advantages on the edited mask, with batch-wide statistics over all of the actor's ranks."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from spmdrl.algos.advantages import AdvantageInputs, compute_advantages
-from spmdrl.algos.batch import PolicyBatch
 from spmdrl.algos.correction import rollout_correction
 from spmdrl.algos.kl_control import FixedKLController
 from spmdrl.config import AlgorithmConfig, Config, RolloutCorrectionConfig, derive, derive_rl
-from spmdrl.recipes.grpo import batch_advantages, needs_old_logprobs
+from spmdrl.rl.batch import PolicyBatch
+from spmdrl.rl.experience import batch_advantages, needs_old_logprobs
 from spmdrl.testing.spawn import run_distributed
 
 B, T, N = 8, 10, 2  # 4 prompts x 2 samples; 2 ranks hold 2 prompts each

@@ -19,8 +19,6 @@ pytestmark = pytest.mark.slow
 def _worker(
     rank: int, world: int, model_dir: str, mini: int, epochs: int
 ) -> tuple[float, float, dict[str, float]]:
-    from spmdrl.algos.batch import PolicyBatch
-    from spmdrl.algos.micro_batches import micro_batch_rows
     from spmdrl.config import (
         AlgorithmConfig,
         Config,
@@ -34,7 +32,9 @@ def _worker(
     from spmdrl.models.build import ModelSpec, build_fsdp_model
     from spmdrl.models.forward import policy_logprobs
     from spmdrl.optim import build_optimizer
-    from spmdrl.recipes.grpo_update import logprobs_of, update_policy
+    from spmdrl.rl.batch import PolicyBatch
+    from spmdrl.rl.micro_batches import micro_batch_rows
+    from spmdrl.rl.update import logprobs_of, update_policy
 
     cfg = Config(
         trainer=TrainerConfig(global_batch_size=4, micro_batch_size=2),
@@ -103,7 +103,6 @@ def test_update_raises_positive_and_lowers_negative(tmp_path: Path, mini: int, e
 
 
 def _nonfinite_worker(rank: int, world: int, model_dir: str, mode: str) -> tuple[str, float, bool]:
-    from spmdrl.algos.batch import PolicyBatch
     from spmdrl.config import (
         AlgorithmConfig,
         Config,
@@ -116,7 +115,8 @@ def _nonfinite_worker(rank: int, world: int, model_dir: str, mode: str) -> tuple
     from spmdrl.distributed.placement import Placement
     from spmdrl.models.build import ModelSpec, build_fsdp_model
     from spmdrl.optim import build_optimizer
-    from spmdrl.recipes.grpo_update import update_policy
+    from spmdrl.rl.batch import PolicyBatch
+    from spmdrl.rl.update import update_policy
 
     cfg = Config(
         trainer=TrainerConfig(global_batch_size=2, micro_batch_size=2),

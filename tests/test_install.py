@@ -34,7 +34,7 @@ def test_non_editable_install_runs_from_elsewhere(tmp_path: Path) -> None:
         capture_output=True,
     )
     probe = (
-        "import spmdrl, spmdrl.configs, spmdrl.recipes.grpo, spmdrl.recipes.sft;"
+        "import spmdrl, spmdrl.configs, spmdrl.recipes.grpo, spmdrl.recipes.ppo, spmdrl.recipes.sft;"
         "from spmdrl.config_loader import load_config, available_recipes;"
         "print(spmdrl.__file__); print(spmdrl.configs.__file__);"
         "print(load_config(['recipe=sft_tiny', 'optim.lr=3e-4']).optim.lr); print(available_recipes())"

@@ -24,8 +24,6 @@ pytestmark = pytest.mark.slow
 def _update_worker(rank: int, world: int, model_dir: str) -> dict[str, object]:
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
-    from spmdrl.algos.batch import PolicyBatch
-    from spmdrl.algos.micro_batches import micro_batch_rows
     from spmdrl.config import (
         AlgorithmConfig,
         Config,
@@ -39,7 +37,9 @@ def _update_worker(rank: int, world: int, model_dir: str) -> dict[str, object]:
     from spmdrl.distributed.placement import Placement
     from spmdrl.models.build import build_fsdp_model, model_spec
     from spmdrl.optim import build_optimizer
-    from spmdrl.recipes.grpo_update import logprobs_of, update_policy
+    from spmdrl.rl.batch import PolicyBatch
+    from spmdrl.rl.micro_batches import micro_batch_rows
+    from spmdrl.rl.update import logprobs_of, update_policy
     from spmdrl.rollout.weight_sync import iter_full_tensors, trainer_weights
 
     def run(offload: bool) -> dict[str, object]:

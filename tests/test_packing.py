@@ -94,7 +94,7 @@ def test_sum_pi_squared_packed_equals_padded_and_the_softmax(model_dir: Path) ->
 
 
 def test_token_budget_split_is_balanced_and_covers_every_row() -> None:
-    from spmdrl.algos.micro_batches import balanced_split, micro_batch_rows, needed_parts
+    from spmdrl.rl.micro_batches import balanced_split, micro_batch_rows, needed_parts
 
     lengths = torch.tensor([40, 3, 5, 38, 7, 12, 9, 30])
     parts = micro_batch_rows(lengths, micro_batch_size=2, token_budget=50)

@@ -11,14 +11,13 @@ import torch
 
 from spmdrl.algos.aggregation import Aggregation
 from spmdrl.algos.correction import (
-    CorrectionParams,
     metric_reduction,
     parse_is_threshold,
     rollout_correction,
     rollout_is_weights,
     rollout_rejection_mask,
 )
-from spmdrl.algos.kl import KINDS, kl_penalty
+from spmdrl.algos.kl import KL_ESTIMATORS, kl_penalty, register_kl_estimator
 from spmdrl.algos.kl_control import (
     AdaptiveKLController,
     FixedKLController,
@@ -27,12 +26,16 @@ from spmdrl.algos.kl_control import (
 )
 from spmdrl.algos.policy_losses import (
     POLICY_LOSSES,
-    PolicyLossParams,
+    PolicyLossOutput,
     agg_mode_for,
     policy_loss,
+    register_policy_loss,
+    vanilla_policy_loss,
 )
+from spmdrl.config import AlgorithmConfig, Config, ConfigError, RolloutCorrectionConfig, validate
 
-PARAMS = PolicyLossParams(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, dro_beta=0.5)
+# The losses read their parameters from the algorithm's config section, which holds the defaults.
+PARAMS = AlgorithmConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, dro_beta=0.5)
 
 
 def _logprobs(ratios_BT: torch.Tensor, base: float = 0.3) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,12 +79,91 @@ def test_registry_has_verl_names_and_lists_them_on_error():
     assert agg_mode_for("gspo", "seq-mean-token-sum-norm") == "seq-mean-token-sum-norm"
 
 
-def test_params_validation():
-    with pytest.raises(ValueError, match="clip_ratio_c"):
-        PolicyLossParams(clip_ratio_c=1.0)
-    with pytest.raises(ValueError, match="tau_pos"):
-        PolicyLossParams(tau_neg=0.0)
-    assert PolicyLossParams().ppo_kl_coef == 0.1  # verl's actor.yaml default
+def test_params_are_the_algorithm_section_and_validated_there():
+    with pytest.raises(ConfigError, match="clip_ratio_c"):
+        validate(Config(algorithm=AlgorithmConfig(clip_ratio_c=1.0)))
+    with pytest.raises(ConfigError, match="tau_pos"):
+        validate(Config(algorithm=AlgorithmConfig(tau_neg=0.0)))
+    with pytest.raises(ConfigError, match="clip_cov_ratio"):
+        validate(Config(algorithm=AlgorithmConfig(kl_cov_ratio=0.0)))
+    with pytest.raises(ConfigError, match="clip_ratio_low"):
+        validate(Config(algorithm=AlgorithmConfig(clip_ratio_low=-0.1)))
+    assert AlgorithmConfig().ppo_kl_coef == 0.1  # verl's actor.yaml default
+
+
+# A user's loss, as a fork would write it: registered by a decorator next to it.
+def _halved_vanilla(logprobs_BT, old_logprobs_BT, advantages_BT, mask_BT, *, agg, params, is_weights_BT=None):
+    out = vanilla_policy_loss(
+        logprobs_BT,
+        old_logprobs_BT,
+        advantages_BT,
+        mask_BT,
+        agg=agg,
+        params=params,
+        is_weights_BT=is_weights_BT,
+    )
+    return PolicyLossOutput(0.5 * out.loss, {**out.metrics, "halved": torch.tensor(1.0)})
+
+
+@pytest.fixture
+def user_loss():
+    register_policy_loss("spmdrl_test_halved", agg_mode="seq-mean-token-sum")(_halved_vanilla)
+    yield "spmdrl_test_halved"
+    POLICY_LOSSES.unregister("spmdrl_test_halved")
+
+
+def test_a_decorated_loss_is_selectable_by_name_and_declares_its_mode(user_loss):
+    validate(Config(algorithm=AlgorithmConfig(policy_loss=user_loss)))  # accepted at config load
+    new_BT, old_BT = _logprobs(torch.tensor([[1.5, 1.0, 0.5]]))
+    adv_BT, mask_BT = torch.tensor([[1.0, 1.0, -1.0]]), torch.tensor([[1, 1, 1]])
+    out = policy_loss(user_loss)(new_BT, old_BT, adv_BT, mask_BT, agg=_token_mean(mask_BT), params=PARAMS)
+    ref = policy_loss("vanilla")(new_BT, old_BT, adv_BT, mask_BT, agg=_token_mean(mask_BT), params=PARAMS)
+    assert "halved" in out.metrics and out.loss.item() == pytest.approx(0.5 * ref.loss.item())
+    # Its declared aggregation mode overrides algorithm.loss_agg_mode for its policy term.
+    assert agg_mode_for(user_loss, "token-mean") == "seq-mean-token-sum"
+    # A taken name cannot be registered by another function; a wrong signature fails at registration.
+    with pytest.raises(ValueError, match="already registered, by .*_halved_vanilla"):
+        register_policy_loss(user_loss)(lambda *a, **k: None)
+    with pytest.raises(TypeError, match=r"does not take the arguments of a policy loss.*agg"):
+        register_policy_loss("spmdrl_test_bad")(
+            lambda logprobs_BT, old_logprobs_BT, advantages_BT, mask_BT: None
+        )
+    with pytest.raises(ValueError, match="unknown loss aggregation"):
+        register_policy_loss("spmdrl_test_bad", agg_mode="mean")
+
+
+def test_a_loss_by_import_path(tmp_path, monkeypatch):
+    (tmp_path / "spmdrl_test_losses.py").write_text(
+        "from spmdrl.algos.policy_losses import register_policy_loss, vanilla_policy_loss\n"
+        "def plain(logprobs_BT, old_logprobs_BT, advantages_BT, mask_BT, *, agg, params, is_weights_BT=None):\n"
+        "    return vanilla_policy_loss(logprobs_BT, old_logprobs_BT, advantages_BT, mask_BT, agg=agg,\n"
+        "                               params=params, is_weights_BT=is_weights_BT)\n"
+        "@register_policy_loss('spmdrl_test_seq_mean', agg_mode='seq-mean-token-mean')\n"
+        "def seq_mean(logprobs_BT, old_logprobs_BT, advantages_BT, mask_BT, *, agg, params, is_weights_BT=None):\n"
+        "    return plain(logprobs_BT, old_logprobs_BT, advantages_BT, mask_BT, agg=agg, params=params)\n"
+        "def two_args(logprobs_BT, mask_BT):\n"
+        "    return None\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        validate(Config(algorithm=AlgorithmConfig(policy_loss="spmdrl_test_losses:plain")))
+        new_BT, old_BT = _logprobs(torch.tensor([[1.5, 1.0, 0.5]]))
+        adv_BT, mask_BT = torch.tensor([[1.0, 1.0, -1.0]]), torch.tensor([[1, 1, 1]])
+        agg = _token_mean(mask_BT)
+        out = policy_loss("spmdrl_test_losses:plain")(new_BT, old_BT, adv_BT, mask_BT, agg=agg, params=PARAMS)
+        ref = policy_loss("vanilla")(new_BT, old_BT, adv_BT, mask_BT, agg=agg, params=PARAMS)
+        torch.testing.assert_close(out.loss, ref.loss)
+        # By file path too; an undecorated function has the defaults, a decorated one what it declared.
+        assert agg_mode_for(f"{tmp_path}/spmdrl_test_losses.py:plain", "token-sum") == "token-sum"
+        assert agg_mode_for("spmdrl_test_losses:seq_mean", "token-sum") == "seq-mean-token-mean"
+        with pytest.raises(
+            ConfigError, match=r"algorithm.policy_loss=.*two_args does not take the arguments"
+        ):
+            validate(Config(algorithm=AlgorithmConfig(policy_loss="spmdrl_test_losses:two_args")))
+        with pytest.raises(ConfigError, match="has no attribute 'plian'.*plain"):
+            validate(Config(algorithm=AlgorithmConfig(policy_loss="spmdrl_test_losses:plian")))
+    finally:
+        POLICY_LOSSES.unregister("spmdrl_test_seq_mean")
 
 
 @pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
@@ -129,7 +211,7 @@ def test_vanilla_dual_clip_active_by_hand():
 
 def test_vanilla_dual_clip_inactive_when_c_is_large():
     _, new_BT, old_BT, mask_BT, adv_BT = _vanilla_example()
-    params = PolicyLossParams(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=5.0)
+    params = AlgorithmConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=5.0)
     out = policy_loss("vanilla")(new_BT, old_BT, adv_BT, mask_BT, agg=_token_mean(mask_BT), params=params)
     assert out.loss.item() == pytest.approx((-1.28 - 1.0 - 0.5 + 0.8 + 1.1 + 4.0) / 6)
     assert out.metrics["pg_clipfrac_lower"].item() == 0.0
@@ -246,11 +328,16 @@ def test_clip_cov_drops_the_gradient_of_candidates_only():
     assert 2 <= len(candidates) < len(cov)  # the example exercises the selection
 
     # A ratio of 1 draws max(int(1 * valid), 1) >= all candidates: exactly the candidates drop out.
-    params = PolicyLossParams(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_cov_ratio=1.0, clip_cov_lb=lo)
+    params = AlgorithmConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_cov_ratio=1.0, clip_cov_lb=lo)
     out = policy_loss("clip_cov")(new_BT, old_BT, adv_BT, mask_BT, agg=_token_mean(mask_BT), params=params)
     (grad_BT,) = torch.autograd.grad(out.loss, new_BT)
     vanilla = policy_loss("vanilla")(
-        new_BT, old_BT, adv_BT, mask_BT, agg=_token_mean(mask_BT), params=PolicyLossParams(0.2, 0.28, 1e9)
+        new_BT,
+        old_BT,
+        adv_BT,
+        mask_BT,
+        agg=_token_mean(mask_BT),
+        params=AlgorithmConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=1e9),
     )
     (vanilla_grad_BT,) = torch.autograd.grad(vanilla.loss, new_BT)
     for b, t in cov:
@@ -259,7 +346,7 @@ def test_clip_cov_drops_the_gradient_of_candidates_only():
     assert out.metrics["pg_clipfrac"].item() == pytest.approx(len(candidates) / len(cov))
 
     # A tiny ratio draws one candidate, at random (global RNG): the same with the same seed.
-    params = PolicyLossParams(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_cov_ratio=1e-4, clip_cov_lb=lo)
+    params = AlgorithmConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_cov_ratio=1e-4, clip_cov_lb=lo)
     dropped = []
     for _ in range(2):
         torch.manual_seed(123)
@@ -277,7 +364,7 @@ def test_kl_cov_penalizes_the_top_covariance_tokens():
     new_BT, old_BT, adv_BT, mask_BT = _cov_example()
     cov = _cov_reference(adv_BT, new_BT.detach(), mask_BT)
     n_valid = len(cov)
-    params = PolicyLossParams(kl_cov_ratio=0.1, ppo_kl_coef=0.5)
+    params = AlgorithmConfig(kl_cov_ratio=0.1, ppo_kl_coef=0.5)
     k = max(1, int(n_valid * 0.1))
     top = set(sorted(cov, key=cov.get, reverse=True)[:k])
     total = 0.0
@@ -336,7 +423,7 @@ def test_sapo_soft_gates():
     new_BT, old_BT = _logprobs(ratios_BT)
     adv_BT = torch.tensor([[1.0, 1.0, -1.0, -2.0]])
     mask_BT = torch.ones(1, 4)
-    params = PolicyLossParams(tau_pos=1.0, tau_neg=1.05)
+    params = AlgorithmConfig(tau_pos=1.0, tau_neg=1.05)
 
     def sig(x):
         return 1 / (1 + math.exp(-x))
@@ -371,7 +458,40 @@ def test_kl_kinds_by_hand_with_verl_aliases():
         assert kl_penalty(logp, ref, kind + "+").item() == pytest.approx(value), kind + "+"
     with pytest.raises(ValueError, match="unknown KL estimator 'full'"):
         kl_penalty(logp, ref, "full")
-    assert "k3+" in KINDS and "low_var_kl+" in KINDS
+    assert {"k3", "low_var_kl", "k1", "kl", "k2", "mse", "abs"} == set(KL_ESTIMATORS)
+
+
+def test_a_decorated_kl_estimator_by_name_and_with_plus(tmp_path):
+    @register_kl_estimator("spmdrl_test_sq")
+    def squared(logprobs_BT, ref_logprobs_BT):
+        return (logprobs_BT - ref_logprobs_BT).square()
+
+    try:
+        for key in ("kl_loss_type", "kl_penalty"):
+            validate(Config(algorithm=AlgorithmConfig(**{key: "spmdrl_test_sq+"})))
+        logp = torch.tensor([[-1.0, -0.2]], requires_grad=True)
+        ref = torch.tensor([[-1.5, -0.1]])
+        torch.testing.assert_close(kl_penalty(logp, ref, "spmdrl_test_sq"), torch.tensor([[0.25, 0.01]]))
+        # "+": its value, k2's gradient (logp - ref).
+        value = kl_penalty(logp, ref, "spmdrl_test_sq+")
+        torch.testing.assert_close(value, torch.tensor([[0.25, 0.01]]))
+        (g,) = torch.autograd.grad(value.sum(), logp)
+        torch.testing.assert_close(g, torch.tensor([[0.5, -0.1]]))
+    finally:
+        KL_ESTIMATORS.unregister("spmdrl_test_sq")
+    # By file path, with the straight-through suffix after it.
+    (tmp_path / "my_kl.py").write_text(
+        "def half_abs(logprobs_BT, ref_logprobs_BT):\n    return 0.5 * (logprobs_BT - ref_logprobs_BT).abs()\n"
+    )
+    validate(Config(algorithm=AlgorithmConfig(kl_loss_type=f"{tmp_path}/my_kl.py:half_abs+")))
+    torch.testing.assert_close(
+        kl_penalty(logp, ref, f"{tmp_path}/my_kl.py:half_abs"), torch.tensor([[0.25, 0.05]])
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"algorithm.kl_penalty='low_var_k1': unknown KL estimator\. Did you mean 'low_var_kl'",
+    ):
+        validate(Config(algorithm=AlgorithmConfig(kl_penalty="low_var_k1")))
 
 
 @pytest.mark.parametrize("kind", ["k1+", "kl+", "abs+", "k3+", "low_var_kl+", "k2+", "mse+"])
@@ -672,7 +792,7 @@ def test_dro_quadratic_log_ratio_penalty():
     new_BT = torch.tensor([[math.log(0.5), math.log(0.2)]], requires_grad=True)
     old_BT = torch.tensor([[math.log(0.25), math.log(0.2)]])
     adv_BT, mask_BT = torch.tensor([[2.0, -1.0]]), torch.tensor([[1, 1]])
-    params = PolicyLossParams(dro_beta=0.5)
+    params = AlgorithmConfig(dro_beta=0.5)
     out = policy_loss("dro")(new_BT, old_BT, adv_BT, mask_BT, agg=_token_mean(mask_BT), params=params)
     d = math.log(2.0)  # token 0's log ratio; token 1's is 0
     expected = (-(2.0 * math.log(0.5) - 0.25 * d * d) - (-1.0 * math.log(0.2))) / 2
@@ -682,10 +802,10 @@ def test_dro_quadratic_log_ratio_penalty():
     assert out.metrics["ppo_kl"].item() == pytest.approx(-d / 2)
     with pytest.raises(ValueError, match="dro_beta"):
         policy_loss("dro")(
-            new_BT, old_BT, adv_BT, mask_BT, agg=_token_mean(mask_BT), params=PolicyLossParams()
+            new_BT, old_BT, adv_BT, mask_BT, agg=_token_mean(mask_BT), params=AlgorithmConfig()
         )
-    with pytest.raises(ValueError, match="dro_beta"):
-        PolicyLossParams(dro_beta=0.0)
+    with pytest.raises(ConfigError, match="dro_beta"):
+        validate(Config(algorithm=AlgorithmConfig(dro_beta=0.0)))
 
 
 # ---------------------------------------------------------------------------------------------- bypass mode
@@ -696,8 +816,8 @@ def test_bypass_mode_ppo_clip_is_vanilla_against_the_rollout_on_the_kept_tokens(
     # token at ratio 2.5; PPO-clip then runs on the rest with no IS weights (the ratio is the weight).
     new_BT, rollout_BT = _logprobs(torch.tensor([[1.1, 2.5, 0.9, 1.4]]))
     adv_BT, mask_BT = torch.tensor([[1.0, 1.0, -1.0, -1.0]]), torch.tensor([[1, 1, 1, 1]])
-    rc = CorrectionParams(rollout_is="token", rollout_rs="token_k1", rollout_rs_threshold="0.5_2.0")
-    params = PolicyLossParams(rollout_correction=rc)
+    rc = RolloutCorrectionConfig(rollout_is="token", rollout_rs="token_k1", rollout_rs_threshold="0.5_2.0")
+    params = AlgorithmConfig(rollout_correction=rc)
     agg = _token_mean(mask_BT)  # counted before rejection, as verl's batch_num_tokens
     out = policy_loss("bypass_mode")(
         new_BT, rollout_BT, adv_BT, mask_BT, agg=agg, params=params, is_weights_BT=torch.full((1, 4), 7.0)
@@ -714,14 +834,14 @@ def test_bypass_mode_reinforce_weights_the_policy_gradient():
     ratios = [1.5, 3.0, 0.5]
     new_BT, rollout_BT = _logprobs(torch.tensor([ratios]))
     adv_BT, mask_BT = torch.tensor([[1.0, -2.0, 0.5]]), torch.tensor([[1, 1, 1]])
-    rc = CorrectionParams(rollout_is="token", rollout_is_threshold=2.0, loss_type="reinforce")
+    rc = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold="2.0", loss_type="reinforce")
     out = policy_loss("bypass_mode")(
         new_BT,
         rollout_BT,
         adv_BT,
         mask_BT,
         agg=_token_mean(mask_BT),
-        params=PolicyLossParams(rollout_correction=rc),
+        params=AlgorithmConfig(rollout_correction=rc),
     )
     w = [min(r, 2.0) for r in ratios]
     logp = [math.log(0.3 * r) for r in ratios]
@@ -732,5 +852,41 @@ def test_bypass_mode_reinforce_weights_the_policy_gradient():
     (g_BT,) = torch.autograd.grad(out.loss, new_BT)
     torch.testing.assert_close(g_BT, torch.tensor([[-ai * wi / 3 for ai, wi in zip(a, w, strict=True)]]))
     assert out.metrics["ppo_kl"].item() == pytest.approx(-sum(math.log(r) for r in ratios) / 3, rel=1e-5)
-    with pytest.raises(ValueError, match="loss_type"):
-        CorrectionParams(loss_type="ppo")
+    bad = RolloutCorrectionConfig(bypass_mode=True, loss_type="ppo")
+    with pytest.raises(ConfigError, match="loss_type"):
+        validate(Config(algorithm=AlgorithmConfig(rollout_correction=bad)))
+
+
+def test_a_loss_that_declares_a_section_is_called_with_its_values() -> None:
+    """register_policy_loss(section=...): the update passes the section's values as ``section=``, and a
+    loss that cannot take them is refused at registration."""
+    import dataclasses
+
+    from spmdrl.algos.policy_losses import POLICY_LOSSES, register_policy_loss
+
+    @dataclasses.dataclass
+    class ScaleSection:
+        scale: float = 1.0
+
+    @register_policy_loss("scaled_for_test", section=ScaleSection)
+    def scaled(
+        logprobs_BT, old_logprobs_BT, advantages_BT, mask_BT, *, agg, params, section, is_weights_BT=None
+    ):
+        out = vanilla_policy_loss(
+            logprobs_BT,
+            old_logprobs_BT,
+            advantages_BT,
+            mask_BT,
+            agg=agg,
+            params=params,
+            is_weights_BT=is_weights_BT,
+        )
+        out.loss = out.loss * section.scale
+        return out
+
+    try:
+        assert POLICY_LOSSES.get("scaled_for_test").section is ScaleSection
+        with pytest.raises(TypeError, match="as it declared, section.*unexpected keyword argument 'section'"):
+            register_policy_loss("no_section_arg_for_test", section=ScaleSection)(vanilla_policy_loss)
+    finally:
+        POLICY_LOSSES.unregister("scaled_for_test")

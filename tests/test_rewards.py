@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from spmdrl.config import ConfigError
+from spmdrl.config import Config, ConfigError, RewardConfig, validate
+from spmdrl.imports import import_file
 from spmdrl.rewards import gsm8k, tiny
-from spmdrl.rewards.registry import RewardInput, UnknownDataSourceError, load_reward_fn
+from spmdrl.rewards.registry import REWARD_FNS, RewardInput, UnknownDataSourceError, load_reward_fn
 from spmdrl.rewards.sandbox import score_batch
 
 GSM8K_SOLUTION = (
@@ -91,6 +92,10 @@ CONST = 3
 
 def score(response, ground_truth, *, data_source, extra_info):
     return {"score": float(response.strip() == ground_truth), "length": float(len(response))}
+
+
+def positional_only(response, ground_truth):
+    return 1.0
 
 
 def raises(response, ground_truth, *, data_source, extra_info):
@@ -180,8 +185,43 @@ def test_user_function_from_module_path(tmp_path: Path, monkeypatch):
     assert _call(fn, "19")["score"] == 1.0
 
 
+def test_reward_fn_is_checked_at_config_load(user_file: Path):
+    validate(Config(reward=RewardConfig(fn=f"{user_file}:score")))
+    with pytest.raises(
+        ConfigError, match=r"reward.fn='tiny_tool': unknown reward function.*Registered: gsm8k"
+    ):
+        validate(Config(reward=RewardConfig(fn="tiny_tool")))
+    with pytest.raises(ConfigError, match="has no attribute 'scor'"):
+        validate(Config(reward=RewardConfig(fn=f"{user_file}:scor")))
+    # The signature of a reward function is checked when it is named.
+    with pytest.raises(ConfigError, match=r"does not take the arguments of a reward function.*data_source"):
+        validate(Config(reward=RewardConfig(fn=f"{user_file}:positional_only")))
+
+
+def test_a_decorated_reward_fn_by_name_runs_in_a_worker_that_imports_its_file(tmp_path: Path):
+    # As in a forked recipe file: the entry file (loaded by path) registers its own reward.
+    recipe = tmp_path / "my_recipe.py"
+    recipe.write_text(
+        "import os\n"
+        "from spmdrl.rewards.registry import register_reward_fn\n"
+        "@register_reward_fn('spmdrl_test_pid')\n"
+        "def pid_score(response, ground_truth, *, data_source, extra_info):\n"
+        "    return {'score': float(response == ground_truth), 'pid': float(os.getpid())}\n"
+    )
+    import_file(recipe, label="entry")
+    try:
+        validate(Config(reward=RewardConfig(fn="spmdrl_test_pid")))
+        fn = load_reward_fn("spmdrl_test_pid")
+        assert not fn.trusted and fn.spec == f"{recipe.resolve()}:pid_score"  # how a worker imports it
+        result = score_batch(fn, _inputs("19", "7"), timeout_s=30, error_score=-1, batch_timeout_s=60)
+        assert result.scores_B.tolist() == [1.0, 0.0]
+        assert result.extra["pid"][0] != float(os.getpid())  # scored in a worker process
+    finally:
+        REWARD_FNS.unregister("spmdrl_test_pid")
+
+
 def test_bad_specs(user_file: Path, tmp_path: Path, monkeypatch):
-    with pytest.raises(ConfigError, match="neither a built-in"):
+    with pytest.raises(ConfigError, match="reward.fn='gsm9k': unknown reward function. Did you mean 'gsm8k'"):
         load_reward_fn("gsm9k")
     with pytest.raises(ConfigError, match="no module named 'spmdrl_no_such_pkg'.*PYTHONPATH"):
         load_reward_fn("spmdrl_no_such_pkg.mod:score")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spmdrl.algos.batch import PolicyBatch
 from spmdrl.config import (
     AlgorithmConfig,
     Config,
@@ -15,6 +14,7 @@ from spmdrl.config import (
     derive,
     derive_rl,
 )
+from spmdrl.rl.batch import PolicyBatch
 
 
 def _batch() -> PolicyBatch:

@@ -13,9 +13,9 @@ from spmdrl.data import tools_task
 from spmdrl.data.parquet import DataError
 from spmdrl.data.sft import SFTDataset
 from spmdrl.data.tiny_task import resolve_data_files
+from spmdrl.data.turns import TurnCodec
 from spmdrl.rewards import tiny_tools
 from spmdrl.rewards.registry import auto_score, check_data_sources, load_reward_fn
-from spmdrl.rollout.turns import TurnCodec
 from spmdrl.tools import parse
 from spmdrl.tools.arith import evaluate
 

@@ -118,12 +118,12 @@ def _worker(
     full state dict (None elsewhere) and the metrics."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from spmdrl.algos.batch import PolicyBatch
-    from spmdrl.algos.micro_batches import micro_batch_rows
     from spmdrl.config import derive, derive_rl
     from spmdrl.distributed.placement import Placement
     from spmdrl.models.build import ModelSpec, build_fsdp_model
-    from spmdrl.recipes.grpo_update import logprobs_of, update_policy
+    from spmdrl.rl.batch import PolicyBatch
+    from spmdrl.rl.micro_batches import micro_batch_rows
+    from spmdrl.rl.update import logprobs_of, update_policy
 
     cpu, f32 = torch.device("cpu"), torch.float32
     meshes = Placement.colocated(world, dp_replicate=dp_replicate).build_meshes("cpu")

@@ -28,14 +28,27 @@ def _prompts(rank: int) -> list[list[int]]:
     return [[1, *torch.randint(3, 500, (PROMPT_LEN - 1,), generator=g).tolist()] for _ in range(2)]
 
 
+@torch.no_grad()
+def _score_tokens(
+    model: torch.nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor
+) -> torch.Tensor:
+    """The model's logprob of each token given the ones before it, (B, T) float32; position 0 is 0 (at
+    temperature 1, without top-k / top-p: what the engine reports for these samples)."""
+    from spmdrl.algos.losses import token_logprobs
+
+    logits_BTV = model(input_ids=input_ids_BT, attention_mask=attention_mask_BT).logits
+    out_BT = torch.zeros(input_ids_BT.shape, dtype=torch.float32, device=input_ids_BT.device)
+    out_BT[:, 1:] = token_logprobs(logits_BTV[:, :-1], input_ids_BT[:, 1:])
+    return out_BT
+
+
 def _mismatch(model, engine, prompts: list[list[int]], seed: int, reshard: bool = True) -> dict[str, float]:  # noqa: ANN001
-    from spmdrl.algos.batch import pack_generations
+    from spmdrl.rl.batch import pack_generations
     from spmdrl.rollout.engine import SamplingSpec
-    from spmdrl.rollout.mismatch import score_tokens
 
     gens = engine.generate(prompts, SamplingSpec(n=2, temperature=1.0, max_tokens=12, seed=seed))
     batch = pack_generations(prompts, gens, pad_id=0)
-    trainer_lp = score_tokens(model, batch.input_ids_BT, batch.attention_mask_BT, temperature=1.0)
+    trainer_lp = _score_tokens(model, batch.input_ids_BT, batch.attention_mask_BT)
     if reshard:  # the root FSDP unit stays unsharded after a forward; a perturbation must edit the shards
         model.reshard()
     return logprob_mismatch(trainer_lp, batch.engine_logprobs_BT, batch.response_mask_BT)

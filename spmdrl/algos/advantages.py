@@ -1,8 +1,19 @@
 """Advantage estimators: pure functions over reward tensors, one per verl ``algorithm.adv_estimator`` name.
 
 Each estimator takes one :class:`AdvantageInputs` and returns ``(advantages_BT, returns_BT)``, both
-float32 of shape (B, T) and 0 wherever ``response_mask_BT`` is 0. :data:`ADV_ESTIMATORS` maps verl's
-name to the function; :func:`compute_advantages` checks the inputs a name needs and calls it.
+float32 of shape (B, T) and 0 wherever ``response_mask_BT`` is 0, and is registered under its name by
+the decorator above it, which also declares the inputs it needs beyond the rewards::
+
+    @register_adv_estimator("my_estimator", needs_critic=False, needs_baseline=False,
+                            needs_sum_pi_squared=False)
+    def my_estimator(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+``needs_critic``: ``values_BT`` (the recipe builds and trains a critic); ``needs_baseline``:
+``baseline_B`` (the recipe rolls each prompt out greedily once more); ``needs_sum_pi_squared``:
+``old_logprobs_BT`` and ``sum_pi_squared_BT`` (the old-logprob pass computes both).
+``algorithm.adv_estimator`` is a registered name or an estimator given by import path
+(``my_pkg.adv:my_estimator``, ``path/to/adv.py:my_estimator``); :func:`adv_estimator` looks it up,
+:func:`compute_advantages` checks that the inputs it declared are there and calls it.
 
 The semantics follow verl's ``verl/trainer/ppo/core_algos.py`` (``compute_*_advantage*``), edge cases
 included: a group of one sample gets mean 0 and std 1, so its advantage is its own reward (there is no
@@ -24,6 +35,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from spmdrl.registry import Registered, Registry
 
 # verl's masked_whiten adds this to the variance before the rsqrt (verl/utils/torch_functional.py);
 # it is separate from the GRPO std epsilon ``AdvantageInputs.eps``.
@@ -97,6 +110,38 @@ class AdvantageInputs:
 
 
 AdvantageFn = Callable[[AdvantageInputs], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class AdvEstimator(Registered):
+    """A registered advantage estimator and the inputs it declares it needs (see the module docstring)."""
+
+    needs_critic: bool = False
+    needs_baseline: bool = False
+    needs_sum_pi_squared: bool = False
+
+
+ADV_ESTIMATORS: Registry[AdvEstimator] = Registry(
+    "advantage estimator", AdvEstimator, decorator="register_adv_estimator", args=("inputs",)
+)
+
+
+def register_adv_estimator(
+    name: str, *, needs_critic: bool = False, needs_baseline: bool = False, needs_sum_pi_squared: bool = False
+) -> Callable[[AdvantageFn], AdvantageFn]:
+    """Registers the decorated estimator as ``algorithm.adv_estimator=name``, with the inputs it needs."""
+    return ADV_ESTIMATORS.register(
+        name,
+        needs_critic=needs_critic,
+        needs_baseline=needs_baseline,
+        needs_sum_pi_squared=needs_sum_pi_squared,
+    )
+
+
+def adv_estimator(name: str) -> AdvEstimator:
+    """The estimator ``name`` (``algorithm.adv_estimator``: a registered name or an import path) and what
+    it declared."""
+    return ADV_ESTIMATORS.get(name)
 
 
 def token_level_rewards(scores_B: torch.Tensor, response_mask_BT: torch.Tensor) -> torch.Tensor:
@@ -189,6 +234,7 @@ def _broadcast(advantages_B: torch.Tensor, valid_BT: torch.Tensor) -> torch.Tens
 # ---------------------------------------------------------------------------------------------- estimators
 
 
+@register_adv_estimator("gae", needs_critic=True)
 @torch.no_grad()
 def gae_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """``gae``: Generalized Advantage Estimation (Schulman et al. 2015), PPO with a critic.
@@ -220,6 +266,7 @@ def gae_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]
     return _masked_whiten(gae_BT, valid_BT, inputs.batch_sum), returns_BT
 
 
+@register_adv_estimator("grpo")
 @torch.no_grad()
 def grpo_outcome_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """``grpo``: ``A_i = (r_i - mean_g) / (std_g + eps)``, or ``r_i - mean_g`` with ``norm_by_std=False``
@@ -238,6 +285,7 @@ def grpo_outcome_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torc
     return advantages_BT, advantages_BT
 
 
+@register_adv_estimator("grpo_vectorized")
 def grpo_vectorized_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """``grpo_vectorized``: ``grpo`` always divided by the group's std (verl's vectorized form computes the
     same numbers, and verl 0.9.1's trainer never hands it norm_adv_by_std_in_grpo; the config refuses
@@ -245,6 +293,7 @@ def grpo_vectorized_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, t
     return grpo_outcome_advantages(dataclasses.replace(inputs, norm_by_std=True))
 
 
+@register_adv_estimator("rloo")
 @torch.no_grad()
 def rloo_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """``rloo``: REINFORCE leave-one-out (Ahmadian et al., arXiv:2402.14740).
@@ -261,6 +310,7 @@ def rloo_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor
     return advantages_BT, advantages_BT
 
 
+@register_adv_estimator("reinforce_plus_plus")
 @torch.no_grad()
 def reinforce_plus_plus_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """``reinforce_plus_plus``: REINFORCE++ (Hu, arXiv:2501.03262), no critic and no groups.
@@ -282,6 +332,7 @@ def reinforce_plus_plus_advantages(inputs: AdvantageInputs) -> tuple[torch.Tenso
     return _masked_whiten(returns_BT, valid_BT, inputs.batch_sum), returns_BT
 
 
+@register_adv_estimator("reinforce_plus_plus_baseline")
 @torch.no_grad()
 def reinforce_plus_plus_baseline_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """``reinforce_plus_plus_baseline``: REINFORCE++ with the group mean as baseline (arXiv:2501.03262).
@@ -296,6 +347,7 @@ def reinforce_plus_plus_baseline_advantages(inputs: AdvantageInputs) -> tuple[to
     return advantages_BT, advantages_BT
 
 
+@register_adv_estimator("remax", needs_baseline=True)
 @torch.no_grad()
 def remax_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """``remax``: ReMax (Li et al., arXiv:2310.10505): the greedy rollout's reward is the baseline.
@@ -313,6 +365,7 @@ def remax_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tenso
     return advantages_BT, returns_BT
 
 
+@register_adv_estimator("opo")
 @torch.no_grad()
 def opo_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """``opo``: On-Policy RL with the optimal baseline (Hao et al., arXiv:2505.23585).
@@ -333,6 +386,7 @@ def opo_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]
     return advantages_BT, advantages_BT
 
 
+@register_adv_estimator("grpo_passk")
 @torch.no_grad()
 def grpo_passk_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """``grpo_passk``: Pass@k training (arXiv:2503.19595): only each group's best sample learns.
@@ -363,6 +417,7 @@ def grpo_passk_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.
     return advantages_BT, advantages_BT
 
 
+@register_adv_estimator("gpg")
 @torch.no_grad()
 def gpg_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """``gpg``: Group Policy Gradient (Chu et al., arXiv:2504.02546).
@@ -382,6 +437,7 @@ def gpg_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]
     return advantages_BT, advantages_BT
 
 
+@register_adv_estimator("rloo_vectorized")
 @torch.no_grad()
 def rloo_vectorized_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """``rloo_vectorized``: RLOO as ``rloo`` (arXiv:2402.14740) for groups of n > 1,
@@ -395,6 +451,7 @@ def rloo_vectorized_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, t
     return advantages_BT, advantages_BT
 
 
+@register_adv_estimator("gdpo")
 @torch.no_grad()
 def gdpo_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """``gdpo``: Group reward-Decoupled normalization Policy Optimization (arXiv:2601.05242; verl
@@ -495,6 +552,7 @@ def _optimal_token_baseline(
     return advantages_BT, token_returns_BT
 
 
+@register_adv_estimator("optimal_token_baseline", needs_sum_pi_squared=True)
 @torch.no_grad()
 def optimal_token_baseline_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """``optimal_token_baseline``: a baseline per time step, weighted by path variance (verl
@@ -515,6 +573,7 @@ def optimal_token_baseline_advantages(inputs: AdvantageInputs) -> tuple[torch.Te
     return _optimal_token_baseline(inputs, multi_turn=False)
 
 
+@register_adv_estimator("tir_optimal_token_baseline", needs_sum_pi_squared=True)
 @torch.no_grad()
 def tir_optimal_token_baseline_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """``tir_optimal_token_baseline``: ``optimal_token_baseline`` for multi-turn (tool-integrated)
@@ -524,80 +583,25 @@ def tir_optimal_token_baseline_advantages(inputs: AdvantageInputs) -> tuple[torc
     return _optimal_token_baseline(inputs, multi_turn=True)
 
 
-# verl's algorithm.adv_estimator name -> estimator.
-ADV_ESTIMATORS: dict[str, AdvantageFn] = {
-    "gae": gae_advantages,
-    "grpo": grpo_outcome_advantages,
-    "rloo": rloo_advantages,
-    "reinforce_plus_plus": reinforce_plus_plus_advantages,
-    "reinforce_plus_plus_baseline": reinforce_plus_plus_baseline_advantages,
-    "remax": remax_advantages,
-    "opo": opo_advantages,
-    "grpo_passk": grpo_passk_advantages,
-    "gpg": gpg_advantages,
-    # verl's vectorized GRPO (group_mean_std) computes the same numbers as its loop form.
-    "grpo_vectorized": grpo_vectorized_advantages,
-    "rloo_vectorized": rloo_vectorized_advantages,
-    "gdpo": gdpo_advantages,
-    "optimal_token_baseline": optimal_token_baseline_advantages,
-    "tir_optimal_token_baseline": tir_optimal_token_baseline_advantages,
-}
-NEEDS_CRITIC = frozenset({"gae"})
-NEEDS_BASELINE = frozenset({"remax"})
-# The old policy's logprobs and sum of squared probabilities (an old-logprob pass that computes both).
-NEEDS_SUM_PI_SQUARED = frozenset({"optimal_token_baseline", "tir_optimal_token_baseline"})
-
-
 def compute_advantages(name: str, inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run verl's estimator ``name`` (``algorithm.adv_estimator``) on ``inputs``."""
-    fn = ADV_ESTIMATORS.get(name)
-    if fn is None:
-        raise ValueError(f"unknown advantage estimator {name!r}; use one of {', '.join(ADV_ESTIMATORS)}")
-    if name in NEEDS_CRITIC and inputs.values_BT is None:
+    """Run the estimator ``name`` (``algorithm.adv_estimator``) on ``inputs``, after checking that they
+    hold what it declared it needs."""
+    estimator = adv_estimator(name)
+    if estimator.needs_critic and inputs.values_BT is None:
         raise ValueError(
             f"advantage estimator {name!r} needs a critic (values_BT): use recipe=ppo_tiny / a PPO recipe, "
             "or a critic-free estimator such as grpo"
         )
-    if name in NEEDS_BASELINE and inputs.baseline_B is None:
+    if estimator.needs_baseline and inputs.baseline_B is None:
         raise ValueError(
             f"advantage estimator {name!r} needs baseline_B, the reward of a greedy rollout of each "
             "sample's prompt"
         )
-    if name in NEEDS_SUM_PI_SQUARED and (inputs.old_logprobs_BT is None or inputs.sum_pi_squared_BT is None):
+    if estimator.needs_sum_pi_squared and (
+        inputs.old_logprobs_BT is None or inputs.sum_pi_squared_BT is None
+    ):
         raise ValueError(
             f"advantage estimator {name!r} needs old_logprobs_BT and sum_pi_squared_BT (the old policy's "
             "sum over the vocabulary of its squared probabilities at each step)"
         )
-    return fn(inputs)
-
-
-def grpo_advantages(
-    rewards_B: torch.Tensor, group_size: int, *, norm_by_std: bool = True, eps: float = 1e-6
-) -> torch.Tensor:
-    """GRPO's group-relative advantage of every sequence, as a float32 tensor of shape (B,).
-
-    ``rewards_B`` holds consecutive groups of ``group_size`` samples of one prompt each; the advantage
-    is that of :func:`grpo_outcome_advantages` (mean/unbiased std of the group; ``norm_by_std=False``
-    is Dr. GRPO). A group whose rewards are all equal gets advantage 0: it carries no learning signal.
-    ``group_size == 1`` follows verl (mean 0, std 1): each advantage is the raw reward / (1 + eps),
-    i.e. REINFORCE without a baseline.
-    """
-    if rewards_B.dim() != 1:
-        raise ValueError(
-            f"rewards_B must be 1-D (one reward per sequence), got shape {tuple(rewards_B.shape)}"
-        )
-    if group_size < 1:
-        raise ValueError(f"group_size must be >= 1, got {group_size}")
-    B = rewards_B.numel()
-    if B % group_size:
-        raise ValueError(
-            f"{B} rewards do not split into groups of {group_size}: each prompt's {group_size} samples "
-            "must be consecutive and a rank must hold whole groups"
-        )
-    scores_B = rewards_B.float()
-    group_ids_B = torch.arange(B, device=rewards_B.device) // group_size
-    mean_B, std_B, _ = _group_stats(scores_B, group_ids_B)
-    advantages_B = scores_B - mean_B
-    if norm_by_std:
-        advantages_B = advantages_B / (std_B + eps)
-    return advantages_B
+    return estimator.fn(inputs)

@@ -51,26 +51,6 @@ RS_OPTIONS = (
 BYPASS_LOSS_TYPES = ("ppo_clip", "reinforce")
 
 
-@dataclass(frozen=True)
-class CorrectionParams:
-    """verl's ``algorithm.rollout_correction`` settings as plain values, for the ``bypass_mode`` policy
-    loss, which corrects inside the loss (spmdrl.algos.policy_losses). None turns a tool off."""
-
-    rollout_is: str | None = None
-    rollout_is_threshold: str | float = 2.0
-    rollout_is_batch_normalize: bool = False
-    rollout_rs: str | None = None
-    rollout_rs_threshold: str | float | None = None
-    # bypass_mode's loss: "ppo_clip" (PPO's ratio against the rollout policy, no weights) or "reinforce".
-    loss_type: str = "ppo_clip"
-
-    def __post_init__(self) -> None:
-        if self.loss_type not in BYPASS_LOSS_TYPES:
-            raise ValueError(
-                f"unknown loss_type {self.loss_type!r}; use one of {', '.join(BYPASS_LOSS_TYPES)}"
-            )
-
-
 @dataclass
 class RolloutCorrection:
     is_weights_BT: (

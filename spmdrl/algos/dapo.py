@@ -11,22 +11,20 @@ change which samples and which rewards reach the advantage estimator:
   dropped, and the recipe generates further batches until it has ``data.train_batch_size`` (spmdrl:
   ``trainer.global_batch_size``) groups left, then takes the first ones.
   :func:`groups_with_signal` is the filter, :func:`should_generate_more` the "another batch?" decision,
-  :func:`num_groups_to_take` and :func:`first_groups_mask` the trim to exactly the target.
+  :func:`dynamic_sampling_metrics` the step's counts.
 - **Overlong reward shaping** (verl: ``reward_model.overlong_buffer.enable``, ``.len``,
   ``.penalty_factor``, ``.log``; ``verl/workers/reward_manager/dapo.py``): :func:`overlong_penalty`, a
   penalty growing linearly over the last ``len`` tokens before the maximum response length, added to
   the score.
 
-SPMD use: each rank holds whole groups (all samples of a prompt on one rank). :func:`groups_with_signal`,
-:func:`count_groups` and :func:`first_groups_mask` look at this rank's tensors only; the counts they give
-are summed over ranks (one all_reduce) or gathered (one all_gather) by the recipe before
-:func:`should_generate_more` and :func:`num_groups_to_take`, which take *global* numbers so that every
-rank reaches the same decision and the ranks together take exactly the target number of groups.
+SPMD use: each rank holds whole groups (all samples of a prompt on one rank), and every rank must end
+with the same number of rows. :func:`groups_with_signal` looks at this rank's tensors only; the GRPO
+recipe's rollout asks :func:`should_generate_more` with the *smallest* per-rank count of kept groups (one
+all_reduce MIN per batch), so every rank reaches the same decision, and each rank then trains on its own
+first ``global_batch_size / world`` kept prompts.
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import torch
 
@@ -76,37 +74,17 @@ def groups_with_signal(values_B: torch.Tensor, group_ids_B: torch.Tensor) -> tor
     return keep_G[inverse_B]
 
 
-def _group_keep(keep_B: torch.Tensor, group_ids_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(keep_G, inverse_B) over the unique ids, checking that ``keep_B`` keeps or drops whole groups."""
-    _check_groups("keep_B", keep_B, group_ids_B)
-    _, inverse_B, count_G = torch.unique(group_ids_B, return_inverse=True, return_counts=True)
-    kept_G = torch.zeros_like(count_G).index_add_(0, inverse_B, keep_B.bool().long())
-    if not bool(((kept_G == 0) | (kept_G == count_G)).all()):
-        raise ValueError("keep_B must keep or drop whole groups (it is not constant within a group id)")
-    return kept_G > 0, inverse_B
-
-
-def count_groups(keep_B: torch.Tensor, group_ids_B: torch.Tensor) -> tuple[int, int]:
-    """(kept, dropped) groups of this rank's batch under ``keep_B`` (from :func:`groups_with_signal`).
-
-    Sum both over ranks (each rank holds whole groups, so no group is counted twice): the kept sum is
-    the ``num_kept_groups`` that :func:`should_generate_more` takes.
-    """
-    keep_G, _ = _group_keep(keep_B, group_ids_B)
-    kept = int(keep_G.sum())
-    return kept, keep_G.numel() - kept
-
-
 def should_generate_more(
     num_kept_groups: int, target_groups: int, num_gen_batches: int, max_num_gen_batches: int
 ) -> bool:
     """Whether the recipe must generate another batch before it can train.
 
-    ``num_kept_groups``: groups kept so far in this step, over all generation batches and **all ranks**
-    (the recipe all_reduces its :func:`count_groups` counts first: the answer must be the same on every
-    rank, or the ranks would disagree on whether to generate and the next collective would hang).
-    ``target_groups``: prompts per step (spmdrl ``trainer.global_batch_size``, verl
-    ``data.train_batch_size``). ``num_gen_batches``: batches generated in this step, the latest included
+    ``num_kept_groups``: groups kept so far in this step, over all generation batches, a number every rank
+    agrees on (the GRPO recipe passes the smallest per-rank count, an all_reduce MIN: the answer must be the
+    same on every rank, or the ranks would disagree on whether to generate and the next collective would
+    hang). ``target_groups``: the groups the step trains on, counted alike (the recipe: a rank's prompts
+    per step, ``trainer.global_batch_size / world``; verl: ``data.train_batch_size`` over all ranks).
+    ``num_gen_batches``: batches generated in this step, the latest included
     (verl logs it as ``train/num_gen_batches``). ``max_num_gen_batches``: ``filter_groups.max_num_gen_batches``,
     <= 0 for no limit (its default, verl's; verl 0.9.1 documents the limit but its replay buffer never
     reads it, so it generates without one whatever the setting; the legacy DAPO recipe raised as here).
@@ -133,58 +111,6 @@ def should_generate_more(
         f"limit), lower trainer.global_batch_size, or check the data is not too hard or too easy for the "
         f"model (every sample of most prompts gets the same reward)"
     )
-
-
-def num_groups_to_take(kept_before: int, kept_per_rank: Sequence[int], rank: int, target_groups: int) -> int:
-    """How many of this rank's groups kept from the latest generation batch go into the training batch.
-
-    verl concatenates the kept samples of every generation batch in order and takes the first
-    ``train_batch_size * n`` of them, i.e. the first ``target_groups`` kept groups. Every earlier batch
-    left the step short, so all ``kept_before`` groups from earlier batches are taken; only the latest
-    batch is cut. Its global order is rank 0's kept groups, then rank 1's, ... (the order of an
-    all_gather), each in the rank's own order, so rank ``r`` takes
-    ``clamp(target_groups - kept_before - sum(kept_per_rank[:r]), 0, kept_per_rank[r])``, its first ones
-    (:func:`first_groups_mask`). Summed over ranks, the result is ``target_groups - kept_before``.
-
-    ``kept_before``: global kept groups of the earlier batches of this step; ``kept_per_rank``: the kept
-    groups of the latest batch on each rank (all_gathered, the same list on every rank).
-    """
-    if not 0 <= rank < len(kept_per_rank):
-        raise ValueError(f"rank {rank} is outside kept_per_rank of length {len(kept_per_rank)}")
-    if kept_before < 0 or any(k < 0 for k in kept_per_rank):
-        raise ValueError(f"kept counts must be >= 0, got kept_before={kept_before}, {list(kept_per_rank)}")
-    total = kept_before + sum(kept_per_rank)
-    if kept_before >= target_groups or total < target_groups:
-        raise ValueError(
-            f"num_groups_to_take is for the batch that reaches target_groups={target_groups}: kept_before="
-            f"{kept_before} must be below it and kept_before + sum(kept_per_rank)={total} at least it "
-            f"(see should_generate_more)"
-        )
-    before_me = kept_before + sum(kept_per_rank[:rank])
-    return max(0, min(target_groups - before_me, kept_per_rank[rank]))
-
-
-@torch.no_grad()
-def first_groups_mask(keep_B: torch.Tensor, group_ids_B: torch.Tensor, num_groups: int) -> torch.Tensor:
-    """Bool (B,): the samples of the first ``num_groups`` groups kept by ``keep_B``.
-
-    Groups are ordered by their first sample's position in the batch (verl's ``batch[:traj_bsz]`` takes
-    a prefix of the samples, and its groups are contiguous). ``keep_B`` must keep or drop whole groups,
-    and keep at least ``num_groups`` of them.
-    """
-    keep_G, inverse_B = _group_keep(keep_B, group_ids_B)
-    available = int(keep_G.sum())
-    if not 0 <= num_groups <= available:
-        raise ValueError(f"num_groups must be in [0, {available}] (the kept groups), got {num_groups}")
-    B = inverse_B.numel()
-    positions_B = torch.arange(B, device=inverse_B.device)
-    first_G = torch.full_like(keep_G, B, dtype=torch.long).scatter_reduce(0, inverse_B, positions_B, "amin")
-    order_G = torch.argsort(first_G)  # unique ids sort by value; reorder them by first appearance
-    kept_in_order_G = keep_G[order_G]
-    take_in_order_G = kept_in_order_G & (kept_in_order_G.long().cumsum(0) <= num_groups)
-    take_G = torch.empty_like(keep_G)
-    take_G[order_G] = take_in_order_G
-    return take_G[inverse_B]
 
 
 def dynamic_sampling_metrics(
@@ -236,14 +162,3 @@ def overlong_penalty(
         raise ValueError(f"overlong_buffer.penalty_factor must be >= 0, got {penalty_factor}")
     exceed_B = response_lengths_B.float() - float(max_response_length - buffer_len)
     return (-exceed_B / buffer_len * penalty_factor).clamp_max(0.0)
-
-
-def overlong_metrics(penalty_B: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Batch means of what verl records per sample when ``overlong_buffer.log`` is set:
-    ``overlong_reward`` (the penalty) and ``overlong`` (penalty < 0, here the fraction of samples).
-    Detached 0-dim tensors (no device sync here)."""
-    penalty_B = penalty_B.detach().float()
-    if penalty_B.numel() == 0:
-        zero = penalty_B.new_zeros(())
-        return {"overlong_reward": zero, "overlong": zero}
-    return {"overlong_reward": penalty_B.mean(), "overlong": (penalty_B < 0).float().mean()}

@@ -1,8 +1,9 @@
 """Policy losses by verl's names (verl's ``actor.policy_loss.loss_mode``; spmdrl: ``algorithm.policy_loss``).
 
-Every loss is a pure function with one signature::
+Every loss is a pure function with one signature, registered under its name by the decorator above it::
 
-    fn(logprobs_BT, old_logprobs_BT, advantages_BT, mask_BT, *, agg, params, is_weights_BT=None)
+    @register_policy_loss("my_loss")
+    def my_loss(logprobs_BT, old_logprobs_BT, advantages_BT, mask_BT, *, agg, params, is_weights_BT=None)
         -> PolicyLossOutput
 
 ``logprobs_BT`` carries the gradient (the policy being trained), ``old_logprobs_BT`` is the policy that
@@ -10,7 +11,13 @@ PPO's ratio ``r = exp(logprobs - old_logprobs)`` divides by, ``advantages_BT`` i
 sequence ``(B,)`` tensor is broadcast over T), ``is_weights_BT`` are detached rollout-correction weights
 (:mod:`spmdrl.algos.correction`) that multiply the per-token loss. The per-token loss is reduced by
 ``agg`` (:class:`~spmdrl.algos.aggregation.Aggregation`: sum / global count), never by a local mean, so
-the gradient does not depend on how the mini-batch is split.
+the gradient does not depend on how the mini-batch is split. ``params`` is the algorithm's config section
+(:class:`PolicyLossParams` lists what the built-in losses read of it).
+
+``algorithm.policy_loss`` is a registered name, or a loss given by import path (``my_pkg.losses:my_loss``,
+``path/to/losses.py:my_loss``). A loss whose policy term must be reduced by a mode of its own, whatever
+``algorithm.loss_agg_mode`` says, declares it: ``@register_policy_loss("sapo", agg_mode=...)``;
+:func:`agg_mode_for` gives the mode the recipe builds the policy term's ``agg`` with.
 
 Metrics are detached 0-dim tensors under verl's names (verl logs them as ``actor/<name>``), each a mean
 over this micro-batch's valid tokens; they are not ``.item()``-ed here, so computing them does not
@@ -24,11 +31,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from spmdrl.algos.aggregation import Aggregation, masked_mean
-from spmdrl.algos.correction import CorrectionParams, rollout_correction
+from spmdrl.algos.aggregation import Aggregation, check_mode, masked_mean
+from spmdrl.algos.correction import rollout_correction
+from spmdrl.registry import Registered, Registry
 
 # exp(20) ~ 5e8: far above any useful ratio, far below float32 overflow. verl clamps the log ratio to
 # this in vanilla, sapo, cispo, dppo_tv and dppo_kl (and not in gspo, clip_cov, kl_cov, geo_mean, dro:
@@ -38,49 +47,49 @@ _MAX_LOG_RATIO = 20.0
 _GSPO_MAX_LOG_RATIO = 10.0
 
 
-@dataclass(frozen=True)
-class PolicyLossParams:
-    """Plain values the losses read, with verl's names and defaults (``actor.*`` and
-    ``actor.policy_loss.*`` in verl's ``actor.yaml``). verl's symmetric ``clip_ratio`` is resolved into
-    ``clip_ratio_low`` / ``clip_ratio_high`` by whoever builds this."""
+class RolloutCorrectionParams(Protocol):
+    """bypass_mode's rollout correction: spmdrl.config.RolloutCorrectionConfig ("" turns a tool off)."""
+
+    rollout_is: str
+    rollout_is_threshold: str
+    rollout_is_batch_normalize: bool
+    rollout_rs: str
+    rollout_rs_threshold: str
+    loss_type: str  # "ppo_clip" or "reinforce"
+
+
+class PolicyLossParams(Protocol):
+    """What the built-in losses read from ``params``, under verl's names (``actor.*`` and
+    ``actor.policy_loss.*`` in verl's ``actor.yaml``).
+
+    The recipe passes ``cfg.algorithm``, spmdrl.config's ``AlgorithmConfig``: it holds the defaults and its
+    validation the ranges, so this module repeats neither (and imports no config). Any object with these
+    attributes works, e.g. a test's ``AlgorithmConfig(clip_ratio_high=0.28)``.
+    """
 
     # PPO clip range: r is clipped to [1 - clip_ratio_low, 1 + clip_ratio_high] (vanilla, gspo, cispo,
     # clip_cov; geo_mean clips the log ratio to [-clip_ratio_low, clip_ratio_high]; dppo_tv / dppo_kl
     # read them as the divergence thresholds below / above the old probability).
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    # Dual-clip (vanilla): for A < 0 the per-token loss is at most -A * clip_ratio_c. Must be > 1.
+    clip_ratio_low: float
+    clip_ratio_high: float
+    # Dual-clip (vanilla): for A < 0 the per-token loss is at most -A * clip_ratio_c (> 1).
     # dppo_tv / dppo_kl truncate their importance weight at it.
-    clip_ratio_c: float = 3.0
+    clip_ratio_c: float
     # clip_cov: fraction of valid tokens whose gradient is dropped, chosen among tokens whose
     # centered covariance (A - mean A)(logp - mean logp) lies in (clip_cov_lb, clip_cov_ub).
-    clip_cov_ratio: float = 0.0002
-    clip_cov_lb: float = 1.0
-    clip_cov_ub: float = 5.0
+    clip_cov_ratio: float
+    clip_cov_lb: float
+    clip_cov_ub: float
     # kl_cov: fraction of valid tokens (largest covariance) that get + ppo_kl_coef * |log r|.
-    kl_cov_ratio: float = 0.0002
-    ppo_kl_coef: float = 0.1  # verl's actor.yaml default (core_algos falls back to 1.0 only if unset)
+    kl_cov_ratio: float
+    ppo_kl_coef: float
     # sapo: temperatures of the soft gate for positive / non-positive advantages.
-    tau_pos: float = 1.0
-    tau_neg: float = 1.05
-    # dro: weight of the quadratic log-ratio penalty; verl's policy_loss.dro_beta (None: unset, dro raises).
-    dro_beta: float | None = None
+    tau_pos: float
+    tau_neg: float
+    # dro: weight of the quadratic log-ratio penalty (None: unset, dro raises).
+    dro_beta: float | None
     # bypass_mode: the rollout correction applied inside the loss, and its loss_type.
-    rollout_correction: CorrectionParams = CorrectionParams()
-
-    def __post_init__(self) -> None:
-        if not self.clip_ratio_c > 1.0:
-            raise ValueError(f"clip_ratio_c (dual-clip bound) must be > 1, got {self.clip_ratio_c}")
-        if self.clip_ratio_low < 0 or self.clip_ratio_high < 0:
-            raise ValueError(f"clip ratios must be >= 0, got {self.clip_ratio_low}, {self.clip_ratio_high}")
-        if self.clip_cov_ratio <= 0 or self.kl_cov_ratio <= 0:
-            raise ValueError(
-                f"clip_cov_ratio and kl_cov_ratio must be > 0, got {self.clip_cov_ratio}, {self.kl_cov_ratio}"
-            )
-        if self.tau_pos <= 0 or self.tau_neg <= 0:
-            raise ValueError(f"tau_pos and tau_neg must be > 0, got {self.tau_pos}, {self.tau_neg}")
-        if self.dro_beta is not None and self.dro_beta <= 0:
-            raise ValueError(f"dro_beta must be > 0, got {self.dro_beta}")
+    rollout_correction: RolloutCorrectionParams
 
 
 @dataclass
@@ -90,6 +99,58 @@ class PolicyLossOutput:
 
 
 PolicyLossFn = Callable[..., PolicyLossOutput]
+
+
+# ---------------------------------------------------------------------------------------------- registry
+
+
+@dataclass(frozen=True)
+class PolicyLoss(Registered):
+    """A registered policy loss and what it declares."""
+
+    # The aggregation mode of the policy term whatever algorithm.loss_agg_mode says (verl 0.9.1 forces
+    # seq-mean-token-mean on sapo and geo_mean); None: the configured mode. The entropy and KL terms
+    # always keep the configured mode, as in verl.
+    agg_mode: str | None = None
+    # A config section's dataclass (spmdrl.config.register_config_section) whose values the loss is also
+    # called with, as ``section=``: a loss's own hyperparameters, typed and validated with the config.
+    section: type | None = None
+
+    def extra_kwargs(self) -> tuple[str, ...]:
+        return ("section",) if self.section is not None else ()
+
+
+POLICY_LOSSES: Registry[PolicyLoss] = Registry(
+    "policy loss",
+    PolicyLoss,
+    decorator="register_policy_loss",
+    args=("logprobs_BT", "old_logprobs_BT", "advantages_BT", "mask_BT"),
+    kwargs=("agg", "params", "is_weights_BT"),
+)
+
+
+def register_policy_loss(
+    name: str, *, agg_mode: str | None = None, section: type | None = None
+) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Registers the decorated loss as ``algorithm.policy_loss=name``. ``agg_mode``: the loss_agg_mode
+    its policy term is always reduced with (None: algorithm.loss_agg_mode). ``section``: a registered
+    config section's dataclass; the loss is then also called with ``section=`` its values (the loss's
+    own hyperparameters: ``my_section.my_coef=0.1`` on the command line)."""
+    if agg_mode is not None:
+        check_mode(agg_mode)
+    return POLICY_LOSSES.register(name, agg_mode=agg_mode, section=section)
+
+
+def policy_loss(name: str) -> PolicyLossFn:
+    """The policy loss ``name`` (``algorithm.policy_loss``: a registered name or an import path)."""
+    return POLICY_LOSSES.get(name).fn
+
+
+def agg_mode_for(name: str, configured_mode: str) -> str:
+    """The aggregation mode of loss ``name``'s policy term given the configured ``loss_agg_mode``: the
+    one the loss declared (sapo and geo_mean, as verl 0.9.1 does), else ``configured_mode``. The entropy
+    and KL terms always use ``configured_mode``; gspo was forced up to verl 0.8 and honours it since."""
+    return POLICY_LOSSES.get(name).agg_mode or configured_mode
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -137,6 +198,7 @@ def _zero(like: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------- losses
 
 
+@register_policy_loss("vanilla")
 def vanilla_policy_loss(
     logprobs_BT: torch.Tensor,
     old_logprobs_BT: torch.Tensor,
@@ -179,6 +241,7 @@ def vanilla_policy_loss(
     return PolicyLossOutput(loss, metrics)
 
 
+@register_policy_loss("gspo")
 def gspo_policy_loss(
     logprobs_BT: torch.Tensor,
     old_logprobs_BT: torch.Tensor,
@@ -223,6 +286,7 @@ def gspo_policy_loss(
     return PolicyLossOutput(loss, metrics)
 
 
+@register_policy_loss("sapo", agg_mode="seq-mean-token-mean")
 def sapo_policy_loss(
     logprobs_BT: torch.Tensor,
     old_logprobs_BT: torch.Tensor,
@@ -242,7 +306,7 @@ def sapo_policy_loss(
 
     ``f(1) = 2 / tau`` and ``f'(r) = 4 sigmoid'(tau (r - 1))`` peaks at r = 1 and decays as r leaves 1, so
     far-off-policy tokens get a vanishing (not zero) gradient; a larger ``tau_neg`` damps negative
-    updates faster. Expects ``agg.mode == "seq-mean-token-mean"`` (verl forces it). Metrics:
+    updates faster. Declares ``agg_mode="seq-mean-token-mean"`` (verl 0.9.1 forces it). Metrics:
     ``ppo_kl``; ``pg_clipfrac`` and ``pg_clipfrac_lower`` are 0 (nothing is clipped).
     """
     advantages_BT = as_token_advantages(advantages_BT, logprobs_BT)
@@ -264,6 +328,7 @@ def sapo_policy_loss(
     return PolicyLossOutput(loss, metrics)
 
 
+@register_policy_loss("gpg")
 def gpg_policy_loss(
     logprobs_BT: torch.Tensor,
     old_logprobs_BT: torch.Tensor,
@@ -285,6 +350,7 @@ def gpg_policy_loss(
     return PolicyLossOutput(agg(_weighted(loss_BT, is_weights_BT), mask_BT), {})
 
 
+@register_policy_loss("clip_cov")
 def clip_cov_policy_loss(
     logprobs_BT: torch.Tensor,
     old_logprobs_BT: torch.Tensor,
@@ -340,6 +406,7 @@ def clip_cov_policy_loss(
     return PolicyLossOutput(loss, metrics)
 
 
+@register_policy_loss("kl_cov")
 def kl_cov_policy_loss(
     logprobs_BT: torch.Tensor,
     old_logprobs_BT: torch.Tensor,
@@ -383,6 +450,7 @@ def kl_cov_policy_loss(
     return PolicyLossOutput(loss, metrics)
 
 
+@register_policy_loss("geo_mean", agg_mode="seq-mean-token-mean")
 def geo_mean_policy_loss(
     logprobs_BT: torch.Tensor,
     old_logprobs_BT: torch.Tensor,
@@ -434,6 +502,7 @@ def geo_mean_policy_loss(
     return PolicyLossOutput(loss, metrics)
 
 
+@register_policy_loss("cispo")
 def cispo_policy_loss(
     logprobs_BT: torch.Tensor,
     old_logprobs_BT: torch.Tensor,
@@ -496,6 +565,7 @@ def _dppo_policy_loss(
     return PolicyLossOutput(loss, metrics)
 
 
+@register_policy_loss("dppo_tv")
 def dppo_tv_policy_loss(
     logprobs_BT: torch.Tensor,
     old_logprobs_BT: torch.Tensor,
@@ -533,6 +603,7 @@ def dppo_tv_policy_loss(
     )
 
 
+@register_policy_loss("dppo_kl")
 def dppo_kl_policy_loss(
     logprobs_BT: torch.Tensor,
     old_logprobs_BT: torch.Tensor,
@@ -572,6 +643,7 @@ def dppo_kl_policy_loss(
     )
 
 
+@register_policy_loss("dro")
 def dro_policy_loss(
     logprobs_BT: torch.Tensor,
     old_logprobs_BT: torch.Tensor,
@@ -602,6 +674,7 @@ def dro_policy_loss(
     return PolicyLossOutput(loss, metrics)
 
 
+@register_policy_loss("bypass_mode")
 def bypass_mode_policy_loss(
     logprobs_BT: torch.Tensor,
     old_logprobs_BT: torch.Tensor,
@@ -637,11 +710,11 @@ def bypass_mode_policy_loss(
         logprobs_BT.detach(),
         old_logprobs_BT,
         mask_BT,
-        rollout_is=rc.rollout_is,
+        rollout_is=rc.rollout_is or None,
         rollout_is_threshold=rc.rollout_is_threshold,
         rollout_is_batch_normalize=rc.rollout_is_batch_normalize,
-        rollout_rs=rc.rollout_rs,
-        rollout_rs_threshold=rc.rollout_rs_threshold,
+        rollout_rs=rc.rollout_rs or None,
+        rollout_rs_threshold=rc.rollout_rs_threshold or None,
     )
     if rc.loss_type == "reinforce":
         advantages_BT = as_token_advantages(advantages_BT, logprobs_BT)
@@ -656,46 +729,3 @@ def bypass_mode_policy_loss(
         )
     out.metrics.update({f"rollout_corr/{k}": v for k, v in corr.metrics.items()})
     return out
-
-
-# ---------------------------------------------------------------------------------------------- registry
-
-POLICY_LOSSES: dict[str, PolicyLossFn] = {
-    "vanilla": vanilla_policy_loss,
-    "gspo": gspo_policy_loss,
-    "cispo": cispo_policy_loss,
-    "gpg": gpg_policy_loss,
-    "clip_cov": clip_cov_policy_loss,
-    "kl_cov": kl_cov_policy_loss,
-    "geo_mean": geo_mean_policy_loss,
-    "sapo": sapo_policy_loss,
-    "dppo_tv": dppo_tv_policy_loss,
-    "dppo_kl": dppo_kl_policy_loss,
-    "dro": dro_policy_loss,
-    "bypass_mode": bypass_mode_policy_loss,
-}
-
-# Losses for which verl 0.9.1 ignores the configured loss_agg_mode and reduces as below (sapo:
-# agg_loss(..., "seq-mean-token-mean"); geo_mean: a plain mean over sequences, which is
-# seq-mean-token-mean of the sequence loss put on every token). The recipe builds the policy loss's
-# Aggregation (and counts its units) with :func:`agg_mode_for`; the entropy bonus and the KL loss keep
-# the configured mode, as in verl. gspo was forced up to verl 0.8 and honours loss_agg_mode since.
-VERL_FORCED_AGG_MODE: dict[str, str] = {
-    "sapo": "seq-mean-token-mean",
-    "geo_mean": "seq-mean-token-mean",
-}
-
-
-def policy_loss(name: str) -> PolicyLossFn:
-    """The policy loss called ``name`` in verl (``actor.policy_loss.loss_mode``)."""
-    try:
-        return POLICY_LOSSES[name]
-    except KeyError:
-        raise ValueError(f"unknown policy loss {name!r}; use one of {', '.join(POLICY_LOSSES)}") from None
-
-
-def agg_mode_for(name: str, configured_mode: str) -> str:
-    """The aggregation mode verl actually uses for loss ``name``'s policy term given the configured
-    ``loss_agg_mode`` (the entropy and KL terms always use ``configured_mode``)."""
-    policy_loss(name)  # validates the name
-    return VERL_FORCED_AGG_MODE.get(name, configured_mode)

@@ -9,7 +9,7 @@ lengths for the overlong filter and builds examples lazily.
 A multi-turn response (messages with ``tool`` turns, a tool-calling demonstration) becomes the ids a
 multi-turn rollout builds (spmdrl.rollout.agent_loop): each assistant message's content and the eos
 token (loss mask 1), and between them each run of other messages as the observation ids of
-:class:`spmdrl.rollout.turns.TurnCodec` (loss mask 0), the same codec the rollout uses.
+:class:`spmdrl.data.turns.TurnCodec` (loss mask 0), the same codec the rollout uses.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from spmdrl.data.prompts import (
     render_prompt,
     token_lengths,
 )
-from spmdrl.rollout.turns import TemplateError, TurnCodec
+from spmdrl.data.turns import TemplateError, TurnCodec
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -6,7 +6,7 @@ one layout to another is point-to-point sends of row slices, planned identically
 the two layouts, so nothing but the rows themselves (and, once per step, each rank's row lengths)
 crosses the wire, and no Python object is pickled.
 
-Uses under ``parallel.placement=split`` (recipes/grpo.py): the rollouts of every rank to the actor's
+Uses under ``parallel.placement=split`` (recipes/ppo.py): the rollouts of every rank to the actor's
 ranks and to the critic's ranks, the critic's values to the actor, the returns back to the critic.
 With ``parallel.balance_tokens`` the target layout is :meth:`RowLayout.balanced`: equal row counts per
 rank (the update's arithmetic needs them) with the token counts evened out.

@@ -148,8 +148,9 @@ def plan_placement(p: ParallelConfig, world_size: int, *, needs_critic: bool) ->
         return Placement.colocated(world_size, p.dp_replicate)
     if not needs_critic:
         raise ConfigError(
-            "parallel.placement=split puts the critic on ranks of its own, but this algorithm trains no "
-            "critic (set algorithm.adv_estimator=gae for PPO, or use parallel.placement=colocated)"
+            "parallel.placement=split puts the critic on ranks of its own, but this recipe trains no critic: "
+            "use parallel.placement=colocated, or PPO (entry: ppo with algorithm.adv_estimator=gae, as in "
+            "recipe=ppo_tiny)"
         )
     if world_size < 2:
         raise ConfigError(

@@ -9,23 +9,28 @@ It returns a float, or a dict with a float ``"score"`` key plus extra numeric ke
 (say ``{"score": 1.0, "format_ok": 1.0}``). :func:`load_reward_fn` turns the ``reward.fn`` config
 string into such a function:
 
-- ``"gsm8k"``, ``"tiny"``, ``"tiny_tools"``: the built-in rules (:mod:`spmdrl.rewards.gsm8k`,
-  :mod:`spmdrl.rewards.tiny`, :mod:`spmdrl.rewards.tiny_tools`);
-- ``"auto"``: the built-in rule for each sample's ``data_source`` (see :data:`DATA_SOURCE_FNS`);
+- a registered name: the built-in rules ``"gsm8k"``, ``"tiny"``, ``"tiny_tools"``
+  (:mod:`spmdrl.rewards.gsm8k`, :mod:`spmdrl.rewards.tiny`, :mod:`spmdrl.rewards.tiny_tools`), ``"auto"``
+  (the built-in rule for each sample's ``data_source``, see :data:`DATA_SOURCE_FNS`), or a user's
+  function registered with ``@register_reward_fn("my_score")`` in a module imported before the config
+  is validated (the recipe's entry file);
 - ``"my_pkg.my_mod:score"``: a function in an importable module;
 - ``"path/to/file.py:score"``: a function in a Python file (relative paths: from the working directory).
+
+A function declares ``trusted=True`` to run inline in the trainer, with no worker process, timeout or
+resource limit (the built-in rules do: they are bounded); every other one runs in the sandbox's workers
+(spmdrl.rewards.sandbox), which import it again by its module, or its file, and name.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from spmdrl.config import ConfigError
-from spmdrl.imports import import_file, import_module_named
+from spmdrl.imports import import_spec_of, is_import_path
+from spmdrl.registry import Registered, Registry
 from spmdrl.rewards import gsm8k, tiny, tiny_tools
 
 
@@ -67,14 +72,43 @@ class RewardFn:
         return (load_reward_fn, (self.spec,))
 
 
+@dataclass(frozen=True)
+class RewardFnEntry(Registered):
+    """A registered reward function and what it declares."""
+
+    # Runs inline in the trainer process: no worker, no timeout, no resource limit (the built-in rules).
+    trusted: bool = False
+
+
+REWARD_FNS: Registry[RewardFnEntry] = Registry(
+    "reward function",
+    RewardFnEntry,
+    decorator="register_reward_fn",
+    args=("response", "ground_truth"),
+    kwargs=("data_source", "extra_info"),
+    docs="docs/rewards.md",
+)
+
+
+def register_reward_fn(
+    name: str, *, trusted: bool = False
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Registers the decorated function as ``reward.fn=name``. ``trusted``: run it inline in the trainer
+    (no worker process, timeout or limits); only for functions that cannot hang or crash."""
+    return REWARD_FNS.register(name, trusted=trusted)
+
+
+@register_reward_fn("gsm8k", trusted=True)
 def gsm8k_score(response: str, ground_truth: str, *, data_source: str, extra_info: dict[str, Any]) -> float:
     return gsm8k.compute_score(response, ground_truth)
 
 
+@register_reward_fn("tiny", trusted=True)
 def tiny_score(response: str, ground_truth: str, *, data_source: str, extra_info: dict[str, Any]) -> float:
     return tiny.compute_score(response, ground_truth)
 
 
+@register_reward_fn("tiny_tools", trusted=True)
 def tiny_tools_score(
     response: str, ground_truth: str, *, data_source: str, extra_info: dict[str, Any]
 ) -> float:
@@ -89,23 +123,16 @@ DATA_SOURCE_FNS: dict[str, Callable[..., float]] = {
 }
 
 
+@register_reward_fn("auto", trusted=True)
 def auto_score(response: str, ground_truth: str, *, data_source: str, extra_info: dict[str, Any]) -> float:
     fn = DATA_SOURCE_FNS.get(data_source)
     if fn is None:
         raise UnknownDataSourceError(
             f"reward.fn=auto has no built-in reward for data_source {data_source!r} "
-            f"(known: {', '.join(sorted(DATA_SOURCE_FNS))}); set reward.fn to a built-in "
-            f"({', '.join(BUILTINS)}) or to your own function, e.g. reward.fn=my_pkg.my_mod:score"
+            f"(known: {', '.join(sorted(DATA_SOURCE_FNS))}); set reward.fn to a registered one "
+            f"({', '.join(REWARD_FNS)}) or to your own function, e.g. reward.fn=my_pkg.my_mod:score"
         )
     return fn(response, ground_truth, data_source=data_source, extra_info=extra_info)
-
-
-BUILTINS: dict[str, Callable[..., float]] = {
-    "gsm8k": gsm8k_score,
-    "tiny": tiny_score,
-    "tiny_tools": tiny_tools_score,
-    "auto": auto_score,
-}
 
 
 def check_data_sources(spec: str, data_sources: set[str]) -> None:
@@ -117,37 +144,23 @@ def check_data_sources(spec: str, data_sources: set[str]) -> None:
     if unknown:
         raise UnknownDataSourceError(
             f"reward.fn=auto has no built-in reward for data_source {', '.join(map(repr, unknown))} in the data "
-            f"(known: {', '.join(sorted(DATA_SOURCE_FNS))}); set reward.fn to a built-in "
-            f"({', '.join(BUILTINS)}) or to your own function, e.g. reward.fn=my_pkg.my_mod:score"
+            f"(known: {', '.join(sorted(DATA_SOURCE_FNS))}); set reward.fn to a registered one "
+            f"({', '.join(REWARD_FNS)}) or to your own function, e.g. reward.fn=my_pkg.my_mod:score"
         )
 
 
 def load_reward_fn(spec: str) -> RewardFn:
-    """The reward function that ``spec`` names; raises ConfigError saying what is wrong with it."""
-    spec = spec.strip()
-    if spec in BUILTINS:
-        return RewardFn(spec=spec, fn=BUILTINS[spec], trusted=True)
-    target, sep, attr = spec.rpartition(":")
-    if not sep or not target or not attr:
-        raise ConfigError(
-            f"reward.fn={spec!r} is neither a built-in ({', '.join(BUILTINS)}) nor a function given as "
-            "'my_pkg.my_mod:score' or 'path/to/file.py:score'"
-        )
-    if target.endswith(".py") or "/" in target or os.sep in target:
-        path = Path(target).expanduser().resolve()
-        module = import_file(path, label=f"reward.fn={spec!r}")
-        spec = f"{path}:{attr}"  # absolute, so a worker process with another cwd finds it too
-    else:
-        module = import_module_named(target, label=f"reward.fn={spec!r}", attr=attr)
-    fn = getattr(module, attr, None)
-    if fn is None:
-        defined = sorted(
-            name for name, value in vars(module).items() if callable(value) and not name.startswith("_")
-        )
-        raise ConfigError(
-            f"reward.fn={spec!r}: module {target!r} has no attribute {attr!r}; "
-            f"its public callables are: {', '.join(defined) or '(none)'}"
-        )
-    if not callable(fn):
-        raise ConfigError(f"reward.fn={spec!r}: {attr!r} is a {type(fn).__name__}, not a function")
-    return RewardFn(spec=spec, fn=fn, trusted=False)
+    """The reward function that ``spec`` names (``reward.fn``: a registered name or an import path);
+    raises ConfigError saying what is wrong with it."""
+    entry = REWARD_FNS.get(spec.strip(), key="reward.fn")
+    if entry.trusted:
+        return RewardFn(spec=entry.name, fn=entry.fn, trusted=True)
+    # What a worker process (a fresh interpreter) imports it by: the import path as given (a file's made
+    # absolute), or, for a name a user registered, where the function is defined.
+    where = entry.name
+    if not is_import_path(where):
+        try:
+            where = import_spec_of(entry.fn)
+        except ValueError as e:
+            raise ConfigError(f"reward.fn={spec!r}: {e}; define it at the top level of a module") from None
+    return RewardFn(spec=where, fn=entry.fn, trusted=False)

@@ -88,7 +88,7 @@ _REAP_WAIT_S = 1.0
 # join (or hang on) the training job. RANK, LOCAL_RANK and WORLD_SIZE stay: rewards may read them.
 _DROPPED_ENV = frozenset({"MASTER_ADDR", "MASTER_PORT"})
 _DROPPED_ENV_PREFIXES = ("TORCHELASTIC_",)
-_THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 # A returned value is quoted in error messages up to this many characters.
 _REPR_CHARS = 200
 _EXPECTED = "expected a finite float, or a dict with a finite float 'score' key and numeric extras"
@@ -415,12 +415,12 @@ def _worker_env() -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     # One sample at a time needs no thread pool; and OpenBLAS reserves tens of MiB of address space
     # per core, which on a many-core node alone would exceed the default RLIMIT_AS.
-    for key in _THREAD_ENV:
+    for key in THREAD_ENV:
         env.setdefault(key, "1")
     return env
 
 
-def _exit_status(code: int | None) -> str:
+def exit_status(code: int | None) -> str:
     if code is None:
         return "still running"
     if code < 0:
@@ -564,7 +564,7 @@ class _Pool:
         if w.state == "idle" and w.blob != job.blob:
             w.blob, w.state, w.deadline = job.blob, "loading", time.monotonic() + WORKER_START_TIMEOUT_S
             if not w.send(("load", list(sys.path), job.blob)):
-                raise RuntimeError(f"a reward worker process is gone ({_exit_status(w.exit_code(wait_s=5))})")
+                raise RuntimeError(f"a reward worker process is gone ({exit_status(w.exit_code(wait_s=5))})")
         return w
 
     def _receive(self, job: _Job, k: int) -> None:
@@ -576,7 +576,7 @@ class _Pool:
             if w.state != "busy":
                 raise RuntimeError(
                     f"a reward worker process exited while loading {job.name} "
-                    f"({_exit_status(w.exit_code(wait_s=5))}; {_limits_hint(job.limits)})"
+                    f"({exit_status(w.exit_code(wait_s=5))}; {_limits_hint(job.limits)})"
                 ) from None
             job.outcomes[w.task] = self._died(job, k)
             return
@@ -623,7 +623,7 @@ class _Pool:
         return _Outcome(
             None,
             error=f"the worker process running reward function {job.name} on sample {w.task} exited "
-            f"({_exit_status(w.proc.returncode)})",
+            f"({exit_status(w.proc.returncode)})",
         )
 
     def _drop(self, k: int) -> None:

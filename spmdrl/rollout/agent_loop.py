@@ -19,7 +19,7 @@ SPMD safety:
   counted), so no rank reaches the next collective minutes after the others.
 
 Token exactness: sampled ids are kept as the engine returned them (decoded only to find tool calls);
-tool results and turn boundaries come from :class:`~spmdrl.rollout.turns.TurnCodec` as ids with loss
+tool results and turn boundaries come from :class:`~spmdrl.data.turns.TurnCodec` as ids with loss
 mask 0. Each turn's prompt is the trajectory so far, so it is a prefix of the final ids. Per-turn
 ``max_tokens`` is what is left of the response budget (``data.max_response_length``) and of the
 context; a tool response that would not leave room for one more sampled token ends the trajectory
@@ -43,6 +43,7 @@ import numpy as np
 import torch.distributed as dist
 
 from spmdrl.config import MultiTurnConfig
+from spmdrl.data.turns import TurnCodec
 from spmdrl.rollout.engine import (
     Generation,
     RolloutEngine,
@@ -52,7 +53,6 @@ from spmdrl.rollout.engine import (
     check_prompt_lengths,
     request_seed,
 )
-from spmdrl.rollout.turns import TurnCodec
 from spmdrl.tools.executor import ToolCallOutcome, ToolExecutor, ToolSession, truncate_tokens
 from spmdrl.tools.parser import ParseResult
 

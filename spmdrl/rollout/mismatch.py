@@ -1,4 +1,5 @@
-"""Trainer-vs-engine logprob parity: the trainer rescoring the engine's samples, and the gap between them.
+"""Trainer-vs-engine logprob parity: the gap between the trainer's logprobs of the engine's samples and the
+engine's own.
 
 The engine samples in bf16 with its own kernels; the trainer scores the same tokens in its own precision.
 A small gap is expected. A large one means the weight sync is broken (stale or misnamed weights) or the
@@ -10,28 +11,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from spmdrl.algos.kl import k3_unclamped
-from spmdrl.algos.losses import token_logprobs
-
-
-@torch.no_grad()
-def score_tokens(
-    model: nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor, temperature: float = 1.0
-) -> torch.Tensor:
-    """The model's logprob of each token given the ones before it, (B, T) float32; position 0 is 0.
-
-    Logits are divided by ``temperature`` (the engine reports logprobs after temperature); greedy
-    (0) is scored at 1. With top-k / top-p the engine's logprobs are of the truncated, renormalized
-    distribution, which this does not reproduce: compare the two only without truncation.
-    """
-    logits_BTV = model(input_ids=input_ids_BT, attention_mask=attention_mask_BT).logits
-    if temperature > 0:
-        logits_BTV = logits_BTV / temperature
-    out_BT = torch.zeros(input_ids_BT.shape, dtype=torch.float32, device=input_ids_BT.device)
-    out_BT[:, 1:] = token_logprobs(logits_BTV[:, :-1], input_ids_BT[:, 1:])
-    return out_BT
 
 
 def logprob_mismatch(

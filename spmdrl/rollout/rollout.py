@@ -116,7 +116,7 @@ def build_agent_loop(
     mt = cfg.rollout.multi_turn
     if not mt.enable:
         return None
-    from spmdrl.rollout.turns import TurnCodec
+    from spmdrl.data.turns import TurnCodec
     from spmdrl.tools import ToolExecutor, get_parser, tool_schemas
 
     assert tools is not None

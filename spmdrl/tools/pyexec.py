@@ -46,7 +46,7 @@ import time
 from dataclasses import dataclass, field
 from typing import IO
 
-from spmdrl.rewards.sandbox import _THREAD_ENV, _exit_status
+from spmdrl.rewards.sandbox import THREAD_ENV, exit_status
 
 # How long killing a run waits to reap it (one stuck in the kernel is left to subprocess's cleanup).
 _REAP_WAIT_S = 1.0
@@ -154,7 +154,7 @@ class PythonRun:
         elif self.returncode == -signal.SIGXCPU:
             parts.append(f"Error: the code used more than {limits.cpu_s} s of CPU time and was killed.")
         elif self.returncode < 0:
-            parts.append(f"Error: the process was {_exit_status(self.returncode)}.")
+            parts.append(f"Error: the process was {exit_status(self.returncode)}.")
         elif self.returncode > 0 and not self.stderr:
             parts.append(f"(exit code {self.returncode})")
         if limits.memory_mb and "MemoryError" in self.stderr:
@@ -221,7 +221,7 @@ def _child_env(workdir: str, limits: PythonLimits) -> dict[str, str]:
     )
     # One thread per pool: fast enough for tool-sized work, and OpenBLAS reserves address space per
     # thread, which on a many-core node alone would exceed the memory limit.
-    env.update({k: "1" for k in _THREAD_ENV})
+    env.update({k: "1" for k in THREAD_ENV})
     env.update(limits.env)
     return env
 

@@ -1,6 +1,6 @@
-"""The GRPO recipe's models (recipes/grpo.py): the actor and, when a KL term needs it, its frozen
-reference (build_models), and for PPO the critic with its optimizer and schedule (Critic, build_critic),
-each FSDP2 on its role's ranks (spmdrl/distributed/placement.py) through spmdrl/models/build.py.
+"""An RL step's models: the actor and, when a KL term needs it, its frozen reference (build_models), and
+for PPO the critic with its optimizer and schedule (Critic, build_critic), each FSDP2 on its role's ranks
+(spmdrl/distributed/placement.py) through spmdrl/models/build.py.
 """
 
 from __future__ import annotations

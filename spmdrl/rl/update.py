@@ -1,5 +1,4 @@
-"""The GRPO recipe's trainer-side math (recipes/grpo.py): the forward passes before the update and the
-update itself, apart from the loop so that the loop reads as the step.
+"""An RL step's trainer-side math: the forward passes before the update and the update itself.
 
 - micro_rows, mini_batches: the schedule, PPO epochs x mini-batches (one optimizer step each) x
   micro-batches; each mini-batch's units are counted over the role's ranks once (algos/aggregation.py).
@@ -9,7 +8,8 @@ update itself, apart from the loop so that the loop reads as the step.
   actor's whole update (UpdateResult).
 - update_critic: the critic's clipped value loss over the same schedule.
 
-A fork that changes the loss copies this file with the recipe and imports its copy.
+A fork that changes the loss registers a policy loss (spmdrl/algos/policy_losses.py); one that changes
+the update itself copies this file next to its recipe and imports its copy.
 """
 
 from __future__ import annotations
@@ -23,18 +23,17 @@ import torch
 import torch.distributed as dist
 
 from spmdrl.algos.aggregation import Aggregation, count_units
-from spmdrl.algos.batch import PolicyBatch
-from spmdrl.algos.correction import CorrectionParams
 from spmdrl.algos.kl import kl_penalty
-from spmdrl.algos.micro_batches import micro_batch_rows
-from spmdrl.algos.policy_losses import PolicyLossParams, agg_mode_for, policy_loss
+from spmdrl.algos.policy_losses import POLICY_LOSSES, agg_mode_for
 from spmdrl.algos.value_loss import clipped_value_loss
 from spmdrl.config import Config, RLDerived
 from spmdrl.distributed.reduce import all_reduce_sum
 from spmdrl.models import packing
 from spmdrl.models.forward import policy_forward, policy_logprobs
 from spmdrl.optim import clip_grad_norm
-from spmdrl.recipes.grpo_models import Critic
+from spmdrl.rl.batch import PolicyBatch
+from spmdrl.rl.micro_batches import micro_batch_rows
+from spmdrl.rl.models import Critic
 
 
 def micro_rows(
@@ -224,28 +223,6 @@ def update_critic(
     return metrics
 
 
-def loss_params(cfg: Config) -> PolicyLossParams:
-    """The policy loss's parameters: the algorithm config's fields of the same (verl's) names, and the
-    rollout correction's for bypass_mode."""
-    a, rc = cfg.algorithm, cfg.algorithm.rollout_correction
-    plain = {
-        f.name: getattr(a, f.name)
-        for f in dataclasses.fields(PolicyLossParams)
-        if f.name != "rollout_correction"
-    }
-    return PolicyLossParams(
-        **plain,
-        rollout_correction=CorrectionParams(
-            rollout_is=rc.rollout_is or None,
-            rollout_is_threshold=rc.rollout_is_threshold,
-            rollout_is_batch_normalize=rc.rollout_is_batch_normalize,
-            rollout_rs=rc.rollout_rs or None,
-            rollout_rs_threshold=rc.rollout_rs_threshold or None,
-            loss_type=rc.loss_type,
-        ),
-    )
-
-
 def policy_loss_name(cfg: Config) -> str:
     """algorithm.policy_loss, or bypass_mode when the rollout correction runs in bypass mode (verl's
     apply_bypass_mode sets the loss mode so)."""
@@ -289,14 +266,18 @@ def micro_batch_loss(
         old_BT = mb.engine_logprobs_BT
     else:
         old_BT = mb.old_logprobs_BT if mb.old_logprobs_BT is not None else lp_BT.detach()
-    pg = policy_loss(policy_loss_name(cfg))(
+    loss_fn = POLICY_LOSSES.get(policy_loss_name(cfg))
+    # A loss that declared a config section of its own also gets its values.
+    own = {"section": cfg.section(loss_fn.section)} if loss_fn.section is not None else {}
+    pg = loss_fn.fn(
         lp_BT,
         old_BT,
         mb.advantages_BT,
         mask_BT,
         agg=pg_agg or agg,
-        params=loss_params(cfg),
+        params=a,  # the algorithm section: every loss parameter and its default
         is_weights_BT=mb.is_weights_BT,
+        **own,
     )
     loss = pg.loss
     stats = {"pg_loss": pg.loss.detach(), **pg.metrics}

@@ -1,7 +1,7 @@
-"""The GRPO recipe's per-step metrics (recipes/grpo.py, the log step): step_metrics reduces the rollout,
-reward, timing and peak-memory figures over all ranks, and the trainer-vs-engine logprob mismatch and the
-training speed over the actor's ranks. PHASES names every phase a step may time (its ``timing/<phase>_s``
-keys); peak_memory_gb gives ``perf/max_memory_gb``. The keys are described in docs/metrics.md.
+"""An RL step's metrics: step_metrics reduces the rollout, reward, timing and peak-memory figures over all
+ranks, and the trainer-vs-engine logprob mismatch and the training speed over the actor's ranks. PHASES
+names every phase a step may time (its ``timing/<phase>_s`` keys); peak_memory_gb gives
+``perf/max_memory_gb``. The keys are described in docs/metrics.md.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from spmdrl.algos.batch import PolicyBatch
 from spmdrl.config import Config
 from spmdrl.distributed.reduce import all_reduce_max, all_reduce_sum
 from spmdrl.logging.timer import PhaseTimer
-from spmdrl.recipes.grpo_rollout import Rollouts
+from spmdrl.rl.batch import PolicyBatch
+from spmdrl.rl.samples import ScoredSamples
 from spmdrl.rollout.mismatch import logprob_mismatch
 
 # Every phase a step may time. Ranks report the same keys (0 where a phase did not run on them: under a
@@ -65,7 +65,7 @@ def peak_memory_gb(device: torch.device) -> dict[str, float]:
 
 def step_metrics(
     cfg: Config,
-    ro: Rollouts,
+    samples: ScoredSamples,
     timer: PhaseTimer,
     device: torch.device,
     actor_part: tuple[PolicyBatch, torch.Tensor, torch.Tensor] | None,
@@ -78,7 +78,7 @@ def step_metrics(
 
     The mismatch is measured on every sampled token (the sampled mask, before rejection masked any).
     """
-    n, gens, scores_B = cfg.rollout.n, ro.gens, ro.rewards.scores_B
+    n, gens, scores_B = cfg.rollout.n, samples.gens, samples.scores_B
     sums = all_reduce_sum(
         {
             "reward": float(scores_B.sum()),
@@ -86,8 +86,8 @@ def step_metrics(
             "n": len(gens),
             "tokens": sum(len(g.token_ids) for g in gens),
             "truncated": sum(g.finish_reason == "length" for g in gens),
-            "errors": ro.rewards.num_errors,
-            "timeouts": ro.rewards.num_timeouts,
+            "errors": samples.rewards.num_errors,
+            "timeouts": samples.rewards.num_timeouts,
             "solved_groups": float((scores_B.view(-1, n).min(dim=1).values >= 1.0).sum()),
         },
         device,
@@ -112,7 +112,7 @@ def step_metrics(
         # Every sample that did not get a real score: raised, bad value, or past the timeout.
         "reward/errors": sums["errors"] + sums["timeouts"],
         "reward/timeouts": sums["timeouts"],
-        **ro.metrics,
+        **samples.metrics,
         "perf/rollout_tokens_per_s": sums["tokens"] / max(slowest.get("rollout_s", 0.0), 1e-9),
         # The largest rank's peak so far: resident memory on CPU, the allocator's peak on GPU.
         "perf/max_memory_gb": memory_gb,

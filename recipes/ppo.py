@@ -1,0 +1,284 @@
+"""PPO with a critic as one SPMD program: GRPO's step (recipes/grpo.py) plus a value model. Read it top to
+bottom.
+
+    torchrun --nproc_per_node=2 -m spmdrl.train recipe=ppo_tiny
+
+The critic is a value head on the actor's backbone (or critic.model_path), trained towards the returns;
+the advantage is GAE over its values (algorithm.adv_estimator=gae; gamma = lambda = 1 is the Monte-Carlo
+return minus the value). Every rank, every step, one function per phase:
+
+  rollout_and_score  this rank's prompts -> rollout.n samples each from the in-process engine, scored
+  make_experience    the samples as rows, on each role's ranks; old and reference logprobs on the
+                     actor's, values on the critic's; the values to the actor, where the KL in the reward,
+                     the rollout correction and GAE run; the returns back to the critic
+  update             the critic's clipped value loss and the actor's policy loss: one after the other
+                     when colocated, at the same time on their own ranks when split; during the first
+                     critic.warmup_steps steps only the critic trains
+  sync               the actor's weights into every rank's engine (split: the critic's ranks too), checked
+  log, checkpoint    as GRPO's, with the critic's metrics and state
+
+parallel.placement=split puts the critic on ranks of its own (parallel.critic_ranks): spmdrl/rl/role_rows.py
+lays the rows out for each role's ranks (balanced by tokens with parallel.balance_tokens), and the moves
+between them are this file's (to_role, values_to_actor, returns_to_critic). Only the first actor rank's
+copy of the actor's weights reaches the critic's engines (a broadcast, docs/architecture.md).
+
+Deliberately simple: the critic scores every token of the response (no per-turn values); DAPO's dynamic
+sampling and ReMax's baseline are GRPO's (entry: grpo); this file imports nothing from recipes/.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from spmdrl.config import Config
+from spmdrl.distributed.env import broadcast_object
+from spmdrl.logging.samples import write_samples
+from spmdrl.logging.timer import PhaseTimer
+from spmdrl.rl.batch import PolicyBatch
+from spmdrl.rl.experience import batch_advantages, old_and_ref_logprobs, policy_batch
+from spmdrl.rl.job import (
+    RLJob,
+    build_job,
+    draw_curves,
+    finish,
+    save_checkpoint,
+    sync_actor_weights,
+    validates_at,
+    validation,
+)
+from spmdrl.rl.metrics import step_metrics
+from spmdrl.rl.role_rows import RowPlan, plan_rows
+from spmdrl.rl.samples import (
+    OverlongShaping,
+    ScoredSamples,
+    check_reward_errors,
+    score,
+    train_samples,
+    train_sampling,
+)
+from spmdrl.rl.update import (
+    UpdateResult,
+    logprobs_of,
+    micro_rows,
+    update_critic,
+    update_policy,
+    values_of,
+)
+
+
+@dataclass
+class Step:
+    """One step on this rank: what the phases produce, in their order. Under a split placement a rank
+    holds one role: the actor's fields are None on the critic's ranks, the critic's on the actor's."""
+
+    step: int
+    timer: PhaseTimer = field(default_factory=PhaseTimer)
+    samples: ScoredSamples = field(init=False)  # rollout_and_score
+    batch: PolicyBatch | None = None  # make_experience: the actor's rows, logprobs, values, advantages
+    critic_batch: PolicyBatch | None = None  # make_experience: the critic's rows, values, returns
+    sampled_mask_BT: torch.Tensor | None = None  # make_experience: the actor's mask before any rejection
+    update: UpdateResult | None = None  # update: the actor's
+    critic_metrics: dict[str, float] = field(default_factory=dict)  # update: the critic's
+    resident_gb: float | None = None  # update: what the trainer holds on the GPU when it starts
+    metrics: dict[str, float] = field(default_factory=dict)  # make_experience's (KL in reward, correction)
+
+
+def main(cfg: Config) -> None:
+    job = build_job(cfg, with_critic=True)  # checks, data, warm-start, models, engine; resumed if saved
+    if job.start_step == 0 and validates_at(job, 0):
+        job.logger.log(0, validation(job, 0))
+    for step in range(job.start_step + 1, job.total_steps + 1):
+        s = Step(step)
+        rollout_and_score(job, s)
+        make_experience(job, s)
+        update(job, s)
+        sync(job, s)
+        log(job, s)
+        checkpoint(job, s)
+    finish(job)
+
+
+def rollout_and_score(job: RLJob, s: Step) -> None:
+    """This rank's prompts -> rollout.n samples each, grouped by prompt, with their rewards (and DAPO's
+    overlong penalty, reward.overlong_buffer)."""
+    cfg = job.cfg
+    prompts = [job.train_ds[i] for i in job.sampler.next_batch()]
+    with s.timer("rollout"):
+        gens = job.rollout.generate(prompts, train_sampling(cfg, s.step))
+    with s.timer("reward"):
+        samples = score(cfg, job.reward_fn, job.tokenizer, prompts, gens)
+    shaping = OverlongShaping(cfg, job.device) if cfg.reward.overlong_buffer.enable else None
+    if shaping is not None:
+        samples = shaping(samples)
+    samples.metrics = {**job.rollout.take_metrics(job.device), **(shaping.metrics() if shaping else {})}
+    check_reward_errors(cfg, samples.rewards, s.step, job.device)
+    s.samples = samples
+
+
+def make_experience(job: RLJob, s: Step) -> None:
+    """The rows each role trains on. Old and reference logprobs on the actor's ranks and the values on the
+    critic's (at the same time, when split); GAE on the actor's ranks, after the KL in the reward and the
+    rollout correction (verl's order), so the returns and the final response mask go back to the critic."""
+    cfg = job.cfg
+    job.engine.sleep(keep_weights=False)  # generation is over (CUDA: the next engine call is the sync)
+    local = policy_batch(s.samples, job.tokenizer.pad_token_id, job.device)
+    rows = plan_rows(cfg, job.placement, job.rl, local, job.device, job.rl_critic)
+    with s.timer.maybe("exchange", rows.moves):
+        batch, critic_batch = to_role(rows, local, "actor"), to_role(rows, local, "critic")
+    sampled_mask_BT = batch.response_mask_BT if batch is not None else None  # the mismatch metric's
+    if batch is not None:
+        with s.timer("old_ref"):
+            batch = old_and_ref_logprobs(
+                cfg, job.rl, job.actor, job.ref, batch, job.actor_group, recompute_old=job.recompute_old
+            )
+    if job.critic is not None:
+        assert critic_batch is not None
+        with s.timer("values"):
+            parts = micro_rows(cfg, job.rl_critic, critic_batch, job.critic_group)
+            values_BT = values_of(job.critic.model, critic_batch, parts, cfg.trainer.pack_sequences)
+            critic_batch = critic_batch.replace(values_BT=values_BT)
+    with s.timer.maybe("exchange", rows.moves):
+        batch = values_to_actor(rows, critic_batch, batch)
+    if batch is not None:
+        batch, s.metrics = batch_advantages(cfg, batch, None, job.kl_ctrl, job.device, job.actor_group)
+    with s.timer.maybe("exchange", rows.moves):
+        critic_batch = returns_to_critic(rows, batch, critic_batch)
+        # parallel.balance_tokens, colocated: the rows move only now, as GAE's whitening is batch-wide.
+        batch, sampled_mask_BT = rows.balance_colocated(batch, sampled_mask_BT)
+    # Colocated, the critic trains on the actor's rows: the same returns and (rejection-edited) mask.
+    s.critic_batch = critic_batch if job.placement.is_split else batch
+    s.batch, s.sampled_mask_BT = batch, sampled_mask_BT
+    s.metrics.update(rows.metrics)
+
+
+def update(job: RLJob, s: Step) -> None:
+    """The critic's update, then the actor's (colocated), or both at once on their own ranks (split)."""
+    cfg = job.cfg
+    # The engine is asleep: what is allocated now is the trainer's (parameters, moments, the batch), plus the
+    # engine's sleep-mode allocations, which the allocator counts though their memory is released.
+    if job.device.type == "cuda":
+        s.resident_gb = torch.cuda.memory_allocated(job.device) / 2**30
+    with s.timer("update"):
+        if job.critic is not None:
+            assert s.critic_batch is not None and job.critic_offload is not None
+            with s.timer("critic_update"), job.critic_offload.on_device():
+                s.critic_metrics = update_critic(
+                    cfg, job.rl_critic, job.critic, s.critic_batch, job.critic_group
+                )
+        if s.batch is not None:
+            assert job.optimizer is not None and job.scheduler is not None and job.actor_offload is not None
+            with s.timer("actor_update"):
+                if s.step <= cfg.critic.warmup_steps:
+                    s.update = actor_waits(job, s.batch)
+                else:
+                    with job.actor_offload.on_device():
+                        s.update = update_policy(
+                            cfg, job.rl, job.actor, job.optimizer, s.batch, job.actor_group
+                        )
+                    job.scheduler.step()  # once per RL step (optim.warmup_steps counts RL steps)
+
+
+def actor_waits(job: RLJob, batch: PolicyBatch) -> UpdateResult:
+    """critic.warmup_steps (verl's critic_warmup): the actor waits for values that mean something. Its
+    logprobs are still computed, for the trainer-vs-engine metrics."""
+    cfg = job.cfg
+    old_BT = batch.old_logprobs_BT
+    if old_BT is None:
+        parts = micro_rows(cfg, job.rl, batch, job.actor_group)
+        old_BT = logprobs_of(job.actor, batch, parts, cfg.rollout.temperature, cfg.trainer.pack_sequences)
+    return UpdateResult({}, old_BT)
+
+
+def sync(job: RLJob, s: Step) -> None:
+    """The new weights into every rank's engine (split: the critic's ranks receive them from the first actor
+    rank); the check proves each engine now serves exactly them, or stops the run."""
+    with s.timer("weight_sync"):
+        stats = sync_actor_weights(job, check_seed=s.step)
+    s.timer.add("weight_sync_check", stats.check_seconds)
+
+
+def log(job: RLJob, s: Step) -> None:
+    """The step's metrics (each role's reduced over its own ranks), samples and validation; a row every
+    trainer.log_every steps, at validations and at the last."""
+    cfg, step = job.cfg, s.step
+    critic_metrics = s.critic_metrics
+    if job.placement.is_split:  # the first critic rank tells rank 0, which logs
+        critic_metrics = broadcast_object(critic_metrics, src=job.placement.role("critic").first_rank)
+    actor_part = None
+    if s.batch is not None:
+        assert s.update is not None and s.sampled_mask_BT is not None
+        actor_part = (s.batch, s.sampled_mask_BT, s.update.old_logprobs_BT)
+    metrics = {
+        **step_metrics(cfg, s.samples, s.timer, job.device, actor_part, job.actor_group, s.resident_gb),
+        **(s.update.metrics if s.update is not None else {}),
+        **critic_metrics,
+        **s.metrics,
+    }
+    if job.scheduler is not None:
+        metrics["actor/lr"] = job.scheduler.get_last_lr()[0]
+    if job.env.is_main and cfg.logging.samples_every > 0 and step % cfg.logging.samples_every == 0:
+        write_samples(job.samples_path, train_samples(step, job.tokenizer, s.samples, cfg))
+    validated = validates_at(job, step)
+    if validated:
+        metrics.update(validation(job, step))
+    metrics["timing/step_s"] = s.timer.elapsed()
+    if step % cfg.trainer.log_every == 0 or validated or step == job.total_steps:
+        job.logger.log(step, metrics)
+    if validated:
+        draw_curves(job)
+
+
+def checkpoint(job: RLJob, s: Step) -> None:
+    """Every trainer.save_every steps and after the last, each role from its own ranks. Logged first, saved
+    second: a kill between the two loses no row (the resumed run logs the step again)."""
+    every = job.cfg.trainer.save_every
+    if s.step == job.total_steps or (every > 0 and s.step % every == 0):
+        save_checkpoint(job, s.step)
+
+
+# ------------------------------------------------------------ split placement: rows between the roles
+def to_role(rows: RowPlan, local: PolicyBatch, role: str) -> PolicyBatch | None:
+    """Split: ``role``'s rows on its ranks, from the ranks that generated them (None on the other role's
+    ranks). Colocated, every rank keeps the rows it generated."""
+    if not rows.placement.is_split:
+        return local
+    assert rows.world is not None and rows.actor is not None and rows.critic is not None
+    out = rows.move(
+        local.tensors(), local.field_spec(), rows.world, rows.actor if role == "actor" else rows.critic
+    )
+    return None if out is None else PolicyBatch.from_tensors(out)
+
+
+def values_to_actor(
+    rows: RowPlan, critic_batch: PolicyBatch | None, batch: PolicyBatch | None
+) -> PolicyBatch | None:
+    """The critic's values onto the actor's rows (GAE runs on the actor's ranks)."""
+    if not rows.placement.is_split:
+        assert batch is not None and critic_batch is not None
+        return batch.replace(values_BT=critic_batch.values_BT)
+    assert rows.critic is not None and rows.actor is not None
+    fields = None if critic_batch is None else {"values_BT": critic_batch.values_BT}
+    out = rows.move(fields, {"values_BT": torch.float32}, rows.critic, rows.actor)  # type: ignore[arg-type]
+    return batch if batch is None or out is None else batch.replace(values_BT=out["values_BT"])
+
+
+def returns_to_critic(
+    rows: RowPlan, batch: PolicyBatch | None, critic_batch: PolicyBatch | None
+) -> PolicyBatch | None:
+    """The returns and the response mask (after any rejection) from the actor's ranks to the critic's."""
+    if not rows.placement.is_split:
+        return critic_batch
+    assert rows.critic is not None and rows.actor is not None
+    spec = {"returns_BT": torch.float32, "response_mask_BT": torch.bool}
+    fields = None if batch is None else {k: getattr(batch, k) for k in spec}
+    out = rows.move(fields, spec, rows.actor, rows.critic)
+    return critic_batch if critic_batch is None or out is None else critic_batch.replace(**out)
+
+
+if __name__ == "__main__":
+    # A forked copy runs as a script: torchrun --nproc_per_node=2 my_ppo.py recipe=ppo_tiny ...
+    from spmdrl.train import run_recipe
+
+    run_recipe(main)

@@ -1,0 +1,249 @@
+"""Make experience: a step's ScoredSamples -> the rows the update trains on (PolicyBatch), in verl's order.
+
+- policy_batch: the samples as rows (prompt + response tokens, masks, engine logprobs) with each
+  sample's reward at its last response token.
+- needs_old_logprobs, old_and_ref_logprobs: the old policy's logprobs (a separate pass only when
+  something needs them before, or apart from, the update's first forward) and the reference's.
+- batch_advantages: the KL to the reference folded into the reward (kl_in_reward), the rollout
+  correction (correct_rollout), then algorithm.adv_estimator (advantage_estimator); a rank holds whole
+  groups, so only batch-wide statistics are summed over the actor's ranks.
+- gdpo_reward_components: gdpo's per-component rewards from the reward function's dict.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from spmdrl.algos.advantages import (
+    AdvantageInputs,
+    adv_estimator,
+    compute_advantages,
+    token_level_rewards,
+)
+from spmdrl.algos.correction import metric_reduction, rollout_correction
+from spmdrl.algos.kl_control import AdaptiveKLController, FixedKLController, apply_kl_penalty
+from spmdrl.config import Config, RLDerived
+from spmdrl.distributed.reduce import all_reduce_max, all_reduce_min, all_reduce_sum, sum_over_group
+from spmdrl.rewards.sandbox import RewardResult
+from spmdrl.rl.batch import PolicyBatch, build_policy_batch
+from spmdrl.rl.samples import ScoredSamples
+from spmdrl.rl.update import logprobs_and_sum_pi_squared_of, logprobs_of, micro_rows
+
+
+def policy_batch(samples: ScoredSamples, pad_id: int, device: torch.device) -> PolicyBatch:
+    """This rank's samples as rows, each with its training reward at its last response token (where
+    verl's reward managers put an outcome reward)."""
+    batch = build_policy_batch([p.prompt_ids for p in samples.prompts], samples.gens, pad_id=pad_id).to(
+        device
+    )
+    return batch.replace(
+        token_rewards_BT=token_level_rewards(samples.scores_B.to(device), batch.response_mask_BT)
+    )
+
+
+def old_and_ref_logprobs(
+    cfg: Config,
+    rl: RLDerived,
+    actor: torch.nn.Module,
+    ref: torch.nn.Module | None,
+    batch: PolicyBatch,
+    group: dist.ProcessGroup | None,
+    *,
+    recompute_old: bool,
+) -> PolicyBatch:
+    """No-grad passes over the actor's rows: the old policy's logprobs when ``recompute_old``
+    (needs_old_logprobs), with the sum of squared probabilities when the estimator reads it, and the
+    reference's logprobs when there is a reference (a KL term). Every rank of ``group`` calls it."""
+    temp, pack = cfg.rollout.temperature, cfg.trainer.pack_sequences
+    if recompute_old:
+        parts = micro_rows(cfg, rl, batch, group)
+        # The optimal token baseline also reads each step's sum of squared probabilities.
+        old_BT, sps_BT = logprobs_and_sum_pi_squared_of(
+            actor, batch, parts, temp, pack, adv_estimator(cfg.algorithm.adv_estimator).needs_sum_pi_squared
+        )
+        batch = batch.replace(old_logprobs_BT=old_BT, sum_pi_squared_BT=sps_BT)
+    if ref is not None:
+        parts = micro_rows(cfg, rl, batch, group)
+        batch = batch.replace(ref_logprobs_BT=logprobs_of(ref, batch, parts, temp, pack))
+    return batch
+
+
+def advantage_estimator(
+    cfg: Config,
+    num_prompts: int,
+    baseline_B: torch.Tensor | None,
+    values_BT: torch.Tensor | None = None,
+    group: dist.ProcessGroup | None = None,
+    *,
+    old_logprobs_BT: torch.Tensor | None = None,
+    sum_pi_squared_BT: torch.Tensor | None = None,
+    is_weights_BT: torch.Tensor | None = None,
+    reward_components_BK: torch.Tensor | None = None,
+) -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """algorithm.adv_estimator over this rank's rows (rollout.n consecutive samples per prompt):
+    ``(token_rewards_BT, response_mask_BT) -> (advantages_BT, returns_BT)``. Group statistics are the
+    rank's own (it holds whole groups); batch-wide ones are summed over ``group``, the actor's ranks, as
+    verl computes them over the whole batch. Every rank of ``group`` must call it. The optimal token
+    baseline reads the old logprobs, their sum of squared probabilities and any rollout-correction
+    weights; gdpo its reward components (gdpo_reward_components)."""
+    a = cfg.algorithm
+    weights_K = tuple(a.gdpo_reward_weights) if a.gdpo_reward_weights is not None else None
+
+    def advantages(
+        token_rewards_BT: torch.Tensor, response_mask_BT: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs = AdvantageInputs(
+            token_rewards_BT,
+            response_mask_BT,
+            group_ids_B=torch.arange(num_prompts).repeat_interleave(cfg.rollout.n),
+            values_BT=values_BT,
+            baseline_B=baseline_B,
+            batch_sum=sum_over_group(group),
+            old_logprobs_BT=old_logprobs_BT,
+            sum_pi_squared_BT=sum_pi_squared_BT,
+            is_weights_BT=is_weights_BT,
+            reward_components_BK=reward_components_BK,
+            reward_weights_K=weights_K,
+            gamma=a.gamma,
+            lam=a.lam,
+            norm_by_std=a.norm_adv_by_std,
+        )
+        return compute_advantages(a.adv_estimator, inputs)
+
+    return advantages
+
+
+def kl_in_reward(
+    cfg: Config,
+    batch: PolicyBatch,
+    token_rewards_BT: torch.Tensor,
+    kl_ctrl: FixedKLController | AdaptiveKLController,
+    device: torch.device,
+    group: dist.ProcessGroup | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """verl's use_kl_in_reward: rewards minus coef x KL(old policy || reference) per token on the sampled
+    mask, the old policy being verl's old_log_probs: the trainer's recomputed logprobs, or the engine's in
+    rollout_correction.bypass_mode (where verl sets old_log_probs to them). The adaptive controller moves
+    coef with the KL of the whole batch (all ranks), so every rank agrees."""
+    policy_BT = (
+        batch.engine_logprobs_BT if cfg.algorithm.rollout_correction.bypass_mode else batch.old_logprobs_BT
+    )
+    assert batch.ref_logprobs_BT is not None and policy_BT is not None, "needs_old_logprobs says when"
+    rewards_BT, mean_kl = apply_kl_penalty(
+        token_rewards_BT,
+        policy_BT,
+        batch.ref_logprobs_BT,
+        batch.response_mask_BT,
+        kl_ctrl.value,
+        cfg.algorithm.kl_penalty,
+    )
+    total = all_reduce_sum({"kl": float(mean_kl) * batch.num_rows, "n": batch.num_rows}, device, group)
+    coef = kl_ctrl.value
+    kl_ctrl.update(total["kl"] / total["n"], int(total["n"]))
+    return rewards_BT, {
+        "actor/reward_kl_penalty": total["kl"] / total["n"],
+        "actor/reward_kl_penalty_coeff": coef,
+    }
+
+
+def correct_rollout(
+    cfg: Config, batch: PolicyBatch, device: torch.device, group: dist.ProcessGroup | None = None
+) -> tuple[PolicyBatch, dict[str, float]]:
+    """verl's rollout correction: importance weights and rejection of the tokens or sequences whose
+    engine logprobs stray too far from the trainer's (spmdrl/algos/correction.py)."""
+    rc = cfg.algorithm.rollout_correction
+    assert batch.old_logprobs_BT is not None
+    corr = rollout_correction(
+        batch.old_logprobs_BT,
+        batch.engine_logprobs_BT,
+        batch.response_mask_BT,
+        rollout_is=rc.rollout_is or None,
+        rollout_is_threshold=rc.rollout_is_threshold,
+        rollout_is_batch_normalize=rc.rollout_is_batch_normalize,
+        rollout_rs=rc.rollout_rs or None,
+        rollout_rs_threshold=rc.rollout_rs_threshold or None,
+    )
+    # Over ranks: maxima by their max, minima by their min (verl computes them on the whole batch), the
+    # rest as the mean of each rank's value (each over its own tokens).
+    values = {k: float(v) for k, v in corr.metrics.items()}
+    by = {r: {k: v for k, v in values.items() if metric_reduction(k) == r} for r in ("mean", "max", "min")}
+    world = dist.get_world_size(group) if dist.is_initialized() else 1  # as all_reduce_*: one process
+    reduced = {k: v / world for k, v in all_reduce_sum(by["mean"], device, group).items()}
+    reduced.update(all_reduce_max(by["max"], device, group))
+    reduced.update(all_reduce_min(by["min"], device, group))
+    metrics = {f"rollout_corr/{k}": v for k, v in sorted(reduced.items())}
+    return batch.replace(response_mask_BT=corr.mask_BT, is_weights_BT=corr.is_weights_BT), metrics
+
+
+def batch_advantages(
+    cfg: Config,
+    batch: PolicyBatch,
+    baseline_B: torch.Tensor | None,
+    kl_ctrl: FixedKLController | AdaptiveKLController,
+    device: torch.device,
+    group: dist.ProcessGroup | None = None,
+    reward_components_BK: torch.Tensor | None = None,
+) -> tuple[PolicyBatch, dict[str, float]]:
+    """The advantages on the actor's ranks, in verl's order (its fit loop): the KL to the reference folded into
+    the reward if asked (on the sampled mask), the rollout correction (its rejection edits the response
+    mask), then algorithm.adv_estimator on the edited mask, so rejected tokens take no part in the
+    whitening and returns. A rank holds whole groups; the batch-wide statistics are summed over ``group``.
+    """
+    a = cfg.algorithm
+    assert batch.token_rewards_BT is not None
+    token_rewards_BT, metrics = batch.token_rewards_BT, {}
+    if a.use_kl_in_reward:
+        token_rewards_BT, metrics = kl_in_reward(cfg, batch, token_rewards_BT, kl_ctrl, device, group)
+    if a.rollout_correction.enabled:
+        batch, corr_metrics = correct_rollout(cfg, batch, device, group)
+        metrics.update(corr_metrics)
+    estimate = advantage_estimator(
+        cfg,
+        batch.num_rows // cfg.rollout.n,
+        baseline_B,
+        batch.values_BT,
+        group,
+        old_logprobs_BT=batch.old_logprobs_BT,
+        sum_pi_squared_BT=batch.sum_pi_squared_BT,
+        is_weights_BT=batch.is_weights_BT,
+        reward_components_BK=reward_components_BK,
+    )
+    advantages_BT, returns_BT = estimate(token_rewards_BT, batch.response_mask_BT)
+    return batch.replace(advantages_BT=advantages_BT, returns_BT=returns_BT), metrics
+
+
+def needs_old_logprobs(cfg: Config, rl: RLDerived) -> bool:
+    """Whether the old logprobs get a pass of their own (old_and_ref_logprobs). verl always does (outside its rollout-correction
+    bypass mode); here only when the update's first forward is not the old policy (several optimizer
+    steps), or when something needs them before the update: the rollout correction, and the KL in the
+    reward (verl's apply_kl_penalty reads old_log_probs: recomputed ones, the engine's only in bypass
+    mode)."""
+    a = cfg.algorithm
+    if a.rollout_correction.bypass_mode:
+        return False  # the engine's logprobs are the old ones (verl's apply_bypass_mode)
+    # The optimal token baseline reads the old policy's logprobs and sum of squared probabilities.
+    otb = adv_estimator(a.adv_estimator).needs_sum_pi_squared
+    several_steps = a.ppo_epochs > 1 or rl.mini_batches_per_step > 1
+    return several_steps or a.rollout_correction.enabled or a.use_kl_in_reward or otb
+
+
+def gdpo_reward_components(cfg: Config, rewards: RewardResult) -> torch.Tensor | None:
+    """(B, K): each sample's algorithm.gdpo_reward_keys, from the reward function's returned dict; None
+    for any other estimator."""
+    a = cfg.algorithm
+    if a.adv_estimator != "gdpo":
+        return None
+    keys = a.gdpo_reward_keys or []
+    missing = [k for k in keys if k not in rewards.extra]
+    if missing:
+        raise RuntimeError(
+            f"gdpo: the reward function returned no {missing} (algorithm.gdpo_reward_keys); it returned "
+            f"{sorted(rewards.extra) or 'a plain score'}: return a dict with a float for each key"
+        )
+    components_BK = torch.tensor([rewards.extra[k] for k in keys], dtype=torch.float32).T
+    # A sample whose reward call failed has no components: it scores reward.error_score in each, as its
+    # score does.
+    return torch.nan_to_num(components_BK, nan=cfg.reward.error_score)

@@ -1,0 +1,483 @@
+"""The RL job: what the phases of an RL step work with (RLJob), built once on every rank by build_job, and
+what happens around the steps: the weight sync, validation, checkpoints and the end of the run.
+
+build_job, in order; every check that can fail does so before the warm-start and the engine:
+  1. the run (process group, output directory) and the placement of the roles on the ranks
+  2. resume: the newest complete checkpoint of the output directory (trainer.resume=auto), rank 0 decides
+  3. data, the reward function, the batch arithmetic (derive, derive_rl) and the model's limits
+  4. the SFT warm-start (warmstart.*), whose export RL starts from
+  5. the models on their meshes (the actor, the reference when a KL term needs it, PPO's critic), their
+     optimizers, then the engine on every rank
+  6. when resuming, the checkpoint's state (models, optimizers, sampler, KL coefficient, RNG states) and
+     the engine synced to its weights; the metric logger and the checkpointer
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from spmdrl.algos.kl_control import AdaptiveKLController, FixedKLController, build_kl_controller
+from spmdrl.checkpoint.checkpointer import (
+    Checkpointer,
+    RoleState,
+    SaveStats,
+    checkpoint_root,
+    load_checkpoint,
+    plan_resume,
+)
+from spmdrl.checkpoint.export import write_hf_metadata
+from spmdrl.config import Config, ConfigError, Derived, RLDerived, derive, derive_rl
+from spmdrl.data.prompts import PromptDataset
+from spmdrl.data.sampler import DistributedSampler
+from spmdrl.data.tiny_task import resolve_data_files
+from spmdrl.distributed.env import DistEnv, broadcast_str
+from spmdrl.distributed.placement import Meshes, Placement, plan_placement
+from spmdrl.distributed.topology import check_tp_within_nodes, node_layout_from_env
+from spmdrl.logging.metrics import NullLogger, truncate_after
+from spmdrl.logging.plot import plot_curves
+from spmdrl.logging.samples import write_samples
+from spmdrl.models.load import load_tokenizer, resolve_model_path_all_ranks
+from spmdrl.optim import OptimizerOffload, build_lr_scheduler, build_optimizer
+from spmdrl.rewards.registry import check_data_sources, load_reward_fn
+from spmdrl.rl.experience import needs_old_logprobs
+from spmdrl.rl.models import Critic, build_critic, build_models
+from spmdrl.rl.samples import validate
+from spmdrl.rollout.engine import RolloutEngine, build_engine, check_engine_config
+from spmdrl.rollout.rollout import Rollout, build_agent_loop, load_multi_turn_tools
+from spmdrl.rollout.weight_sync import Fanout, SyncCheck, SyncStats, sync_weights
+from spmdrl.runtime import Run, restart_count, start_run
+from spmdrl.tools import tool_schemas
+
+log = logging.getLogger("spmdrl")
+
+CURVE_KEYS = ["rollout/reward_mean", "val/accuracy"]
+
+
+@dataclasses.dataclass
+class RLJob:
+    """Everything the phases of a step work with, on this rank. Under a split placement (PPO) a rank holds
+    only some roles: the actor's fields are None on the critic's ranks (``actor`` is a meta-device copy,
+    the shapes the engine receives its weights by) and the critic's are None on the actor's."""
+
+    run: Run
+    placement: Placement
+    meshes: Meshes
+    derived: Derived
+    rl: RLDerived  # the actor's batch arithmetic
+    tokenizer: Any
+    train_ds: PromptDataset
+    val_ds: PromptDataset | None
+    reward_fn: Any
+    sampler: DistributedSampler
+    model_dir: Path  # what RL starts from: the base model, or the warm-start's export
+    actor: torch.nn.Module
+    ref: torch.nn.Module | None  # only when a KL term needs it
+    optimizer: torch.optim.Optimizer | None
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None
+    actor_offload: OptimizerOffload | None  # model.offload_optimizer: the moments off the GPU between updates
+    engine: RolloutEngine
+    rollout: Rollout  # generates with the engine (and the multi-turn agent loop)
+    fanout: Fanout | None  # split: the actor's weights to the engines of the critic's ranks
+    kl_ctrl: FixedKLController | AdaptiveKLController  # the KL-in-reward coefficient
+    recompute_old: bool  # needs_old_logprobs: the old logprobs get a pass of their own
+    # PPO's critic (None when the job trains none, or on a rank without it).
+    rl_critic: RLDerived
+    critic: Critic | None
+    critic_offload: OptimizerOffload | None
+    # Where the loop starts (0, or the resumed checkpoint's step), where it logs and how it saves.
+    start_step: int
+    logger: NullLogger
+    checkpointer: Checkpointer
+    started_at: float  # time.perf_counter() at build_job's start
+
+    @property
+    def cfg(self) -> Config:
+        return self.run.cfg
+
+    @property
+    def env(self) -> DistEnv:
+        return self.run.env
+
+    @property
+    def device(self) -> torch.device:
+        return self.run.env.device
+
+    @property
+    def total_steps(self) -> int:
+        return self.derived.total_steps
+
+    @property
+    def is_actor(self) -> bool:
+        return self.meshes.holds("actor")
+
+    @property
+    def actor_group(self) -> dist.ProcessGroup | None:
+        return self.meshes.group("actor")
+
+    @property
+    def critic_group(self) -> dist.ProcessGroup | None:
+        return self.meshes.group("critic")
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.run.output_dir / "metrics.jsonl"
+
+    @property
+    def samples_path(self) -> Path:
+        return self.run.output_dir / "samples.jsonl"
+
+
+def build_job(cfg: Config, *, with_critic: bool = False) -> RLJob:
+    """The job on this rank (every rank calls it), in the order of the module docstring. ``with_critic``:
+    PPO's value model, its own ranks under parallel.placement=split."""
+    run = start_run(cfg)
+    env = run.env
+    started_at = time.perf_counter()
+    # An engine this machine cannot run (vLLM release, forced CPU GEMM path) fails now, not after the SFT.
+    check_engine_config(cfg.rollout, env.device.type)
+    # Which ranks run which role (a placement that cannot fit this world fails here, before any model).
+    placement = plan_placement(cfg.parallel, env.world_size, needs_critic=with_critic)
+    check_tp_within_nodes(cfg.rollout.tp, *node_layout_from_env())  # an engine never spans two nodes
+    log.info("placement %s", placement.describe())
+
+    # Resume: the newest complete checkpoint of this output directory (trainer.resume=auto), a path, or
+    # none. Rank 0 decides for everyone (every rank must agree on it).
+    restarted = restart_count() > 0
+    found = plan_resume(cfg.trainer.resume, run.output_dir, restarted=restarted) if env.is_main else None
+    resume_from = Path(p) if (p := broadcast_str(str(found or ""))) else None
+
+    # Data, rewards and batch arithmetic (the tokenizer is the base model's; the warm-start's export keeps it).
+    base_dir = resolve_model_path_all_ranks(cfg.model.path, run.cache_dir)
+    tokenizer = load_tokenizer(base_dir, cfg.model.trust_remote_code)
+    # Multi-turn tools load first: the prompts describe them to the model (the chat template's tools).
+    tools = load_multi_turn_tools(cfg) if cfg.rollout.multi_turn.enable else None
+    schemas = tool_schemas(tools) if tools else None
+    train_ds = load_prompts(run, tokenizer, cfg.data.train_files, schemas)
+    val_ds = load_prompts(run, tokenizer, cfg.data.val_files, schemas) if cfg.data.val_files else None
+    derived = derive(cfg, env.world_size, len(train_ds), samples_per_item=cfg.rollout.n)
+    if placement.is_split:
+        rl = derive_rl(cfg, derived, train_ranks=placement.role("actor").num_ranks, role="actor")
+        rl_critic = derive_rl(cfg, derived, train_ranks=placement.role("critic").num_ranks, role="critic")
+    else:
+        rl = rl_critic = derive_rl(cfg, derived)
+    check_model_fits(base_dir, rl.max_model_len, cfg.rollout.tp, cfg.model.trust_remote_code)
+    # Multi-turn: the chat template must render tool turns, the parser must load (before the warm-start).
+    agent = build_agent_loop(cfg, tokenizer, tools, max_model_len=rl.max_model_len)
+    reward_fn = load_reward_fn(cfg.reward.fn)
+    check_data_sources(cfg.reward.fn, _data_sources(train_ds, val_ds))
+
+    model_dir = warm_start(run, resume_from, restarted) if cfg.warmstart.enabled else base_dir
+
+    recompute_old = needs_old_logprobs(cfg, rl)
+    # Offloaded parameters take their optimizer state with them; on a CPU trainer there is nowhere to move it.
+    offload_optim = cfg.model.offload_optimizer and not cfg.model.offload_params and env.device.type == "cuda"
+    critic_derived = (
+        {"critic_per_rank_mini_batch_seqs": rl_critic.per_rank_mini_batch_seqs} if with_critic else {}
+    )
+    run.log_derived(
+        derived,
+        **rl.as_dict(),
+        placement=placement.describe(),
+        **critic_derived,
+        recompute_old_logprobs=recompute_old,
+        offload_optimizer_between_updates=offload_optim,
+        train_prompts=len(train_ds),
+        train_filtered_overlong=train_ds.num_filtered,
+        val_prompts=len(val_ds) if val_ds else 0,
+    )
+    sampler = DistributedSampler(
+        len(train_ds),
+        rank=env.rank,
+        world_size=env.world_size,
+        batch_size_per_rank=derived.per_rank_batch_size,
+        seed=cfg.data.seed,
+        shuffle=cfg.data.shuffle,
+    )
+
+    # Models on their meshes (colocated: the same ranks), then the engine on every rank.
+    meshes = placement.build_meshes(env.device.type)
+    is_actor, is_critic = meshes.holds("actor"), with_critic and meshes.holds("critic")
+    actor, ref = build_models(cfg, env.device, meshes, model_dir)
+    critic = build_critic(cfg, env.device, meshes, model_dir, run.cache_dir) if is_critic else None
+    optimizer = build_optimizer(actor, cfg.optim) if is_actor else None
+    # model.offload_optimizer: the moments in (pinned) host memory between updates.
+    actor_offload = OptimizerOffload(optimizer, env.device, offload_optim) if optimizer else None
+    critic_offload = OptimizerOffload(critic.optimizer, env.device, offload_optim) if critic else None
+    scheduler = build_lr_scheduler(optimizer, cfg.optim, derived.total_steps) if optimizer else None
+    fanout = (
+        Fanout(meshes.fanout_group, placement.fanout_ranks()[0], receiving=not is_actor)
+        if meshes.fanout_group is not None
+        else None
+    )
+    engine = build_engine(model_dir, cfg.rollout, max_model_len=rl.max_model_len, device_type=env.device.type)
+    a = cfg.algorithm
+    kl_ctrl = build_kl_controller(
+        a.kl_ctrl.type, a.kl_ctrl.kl_coef, target_kl=a.kl_ctrl.target_kl, horizon=a.kl_ctrl.horizon
+    )
+
+    # The state a checkpoint holds: each trained role (model, optimizer, schedule) on its own ranks, and
+    # the loop's position (step, sampler, KL coefficient); RNG states are saved per rank.
+    roles = [
+        RoleState(
+            "actor",
+            is_actor,
+            actor,
+            optimizer,
+            scheduler,
+            meshes.group("actor"),
+            _hf_writer(actor, tokenizer),
+            placement.role("actor").ranks,
+        ),
+    ]
+    if with_critic:
+        roles.append(
+            RoleState(
+                "critic",
+                is_critic,
+                *((critic.model, critic.optimizer, critic.scheduler) if critic else (None, None, None)),
+                meshes.group("critic"),
+                _hf_writer(critic.model, tokenizer) if critic else None,
+                placement.role("critic").ranks,
+            )
+        )
+    checkpointer = Checkpointer(
+        checkpoint_root(run.output_dir),
+        roles,
+        keep=cfg.trainer.keep_checkpoints,
+        async_save=cfg.trainer.async_save,
+    )
+    job = RLJob(
+        run=run,
+        placement=placement,
+        meshes=meshes,
+        derived=derived,
+        rl=rl,
+        tokenizer=tokenizer,
+        train_ds=train_ds,
+        val_ds=val_ds,
+        reward_fn=reward_fn,
+        sampler=sampler,
+        model_dir=model_dir,
+        actor=actor,
+        ref=ref,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        actor_offload=actor_offload,
+        engine=engine,
+        rollout=Rollout(engine, agent),
+        fanout=fanout,
+        kl_ctrl=kl_ctrl,
+        recompute_old=recompute_old,
+        rl_critic=rl_critic,
+        critic=critic,
+        critic_offload=critic_offload,
+        start_step=0,
+        logger=NullLogger(),  # opened by _resume_or_start, once the resumed run's later rows are dropped
+        checkpointer=checkpointer,
+        started_at=started_at,
+    )
+    _resume_or_start(job, roles, resume_from, restarted)
+    return job
+
+
+def _resume_or_start(job: RLJob, roles: list[RoleState], resume_from: Path | None, restarted: bool) -> None:
+    """Loads the checkpoint ``resume_from`` (if any) into ``roles`` and the loop's state, and syncs the
+    engine to its weights; then opens the metric logger."""
+    env = job.env
+    if resume_from is not None:
+        t_load = time.perf_counter()
+        state = load_checkpoint(resume_from, roles)
+        log.info("loaded %s in %.2f s", resume_from, time.perf_counter() - t_load)
+        job.start_step = int(state["step"])
+        job.sampler.load_state_dict(state["sampler"])
+        job.kl_ctrl.value = float(state["kl_coef"])
+        # The engine was built from the starting weights: load the checkpoint's, with the usual check.
+        sync_actor_weights(job, check_seed=0)
+        if env.is_main:  # the steps after the checkpoint are logged again
+            dropped = truncate_after(job.metrics_path, job.start_step) + truncate_after(
+                job.samples_path, job.start_step
+            )
+            log.info(
+                "resumed from %s: step %d of %d (%d later log rows dropped)",
+                resume_from,
+                job.start_step,
+                job.total_steps,
+                dropped,
+            )
+    elif restarted and env.is_main:
+        truncate_after(job.metrics_path, -1)
+        truncate_after(job.samples_path, -1)
+    if job.start_step >= job.total_steps:
+        log.info("the checkpoint is at the last step (%d): nothing left to train", job.start_step)
+    job.logger = job.run.metric_logger(job.total_steps, resume_step=job.start_step)
+
+
+# -------------------------------------------------------------------------------- around the steps
+def sync_actor_weights(job: RLJob, check_seed: int) -> SyncStats:
+    """The actor's weights into every rank's engine, in place (split: the critic's ranks receive them from
+    the first actor rank). With rollout.weight_sync_check, the check proves each engine now serves exactly
+    them, probing columns chosen by ``check_seed`` (the step), and stops the run on every rank if not."""
+    cfg = job.cfg
+    check = (
+        SyncCheck(check_seed, cfg.rollout.weight_sync_check_tol) if cfg.rollout.weight_sync_check else None
+    )
+    return sync_weights(
+        job.actor,
+        job.engine,
+        bucket_mb=cfg.rollout.weight_sync_bucket_mb,
+        check=check,
+        fanout=job.fanout,
+        device=job.device,
+    )
+
+
+def validates_at(job: RLJob, step: int) -> bool:
+    """Validation runs every trainer.val_every steps, at the last, and at step 0 of a run that starts."""
+    every = job.cfg.trainer.val_every
+    return job.val_ds is not None and every > 0 and (step % every == 0 or step == job.total_steps)
+
+
+def validation(job: RLJob, step: int) -> dict[str, float]:
+    """Greedy decoding on the held-out split (spmdrl.rl.samples.validate); rank 0 logs its samples."""
+    assert job.val_ds is not None
+    metrics, samples = validate(
+        job.run, job.rollout, job.tokenizer, job.reward_fn, job.val_ds, job.cfg.data.max_response_length
+    )
+    if job.env.is_main:
+        write_samples(job.samples_path, [dataclasses.replace(s, step=step) for s in samples])
+    return metrics
+
+
+def draw_curves(job: RLJob) -> None:
+    """curves.png from metrics.jsonl (rank 0)."""
+    if job.env.is_main and job.metrics_path.exists():
+        plot_curves(job.metrics_path, job.run.output_dir / "curves.png", CURVE_KEYS, title=job.cfg.name)
+
+
+def save_checkpoint(job: RLJob, step: int) -> None:
+    """step-<step>: every role's state on its ranks, the sampler and the KL coefficient."""
+    saved = job.checkpointer.save(
+        step,
+        {"sampler": job.sampler.state_dict(), "kl_coef": job.kl_ctrl.value},
+        meta={"placement": job.placement.describe(), "total_steps": job.total_steps},
+    )
+    _log_saved(saved)
+
+
+def finish(job: RLJob) -> None:
+    """After the last step: an asynchronous save still in flight, the HF exports (trainer.save_hf), the
+    engine closed, the curves drawn."""
+    _log_saved(job.checkpointer.finish())
+    if job.cfg.trainer.save_hf:
+        from spmdrl.checkpoint.export import export_hf
+
+        out = job.run.output_dir
+        if job.is_actor:
+            export_hf(job.actor, job.tokenizer, out / "hf_model", group=job.actor_group)
+        if job.critic is not None:
+            export_hf(job.critic.model, job.tokenizer, out / "critic_hf_model", group=job.critic_group)
+    job.engine.close()
+    job.logger.close()
+    draw_curves(job)
+    dist.barrier()
+    log.info(
+        "done: %d steps in %.0f s, outputs in %s",
+        job.total_steps,
+        time.perf_counter() - job.started_at,
+        job.run.output_dir,
+    )
+
+
+def _log_saved(saved: SaveStats | None) -> None:
+    if saved is not None:
+        log.info("checkpoint %s: %.1f MB in %.2f s", saved.path, saved.bytes / 1e6, saved.seconds)
+
+
+# ------------------------------------------------------------------------------------- the set-up
+def warmstart_config(cfg: Config) -> Config:
+    """The SFT stage's config: the RL config with the warm-start's optimizer and batch settings."""
+    ws = cfg.warmstart
+    return dataclasses.replace(
+        cfg,
+        optim=ws.optim,
+        trainer=dataclasses.replace(
+            cfg.trainer,
+            total_steps=ws.total_steps,
+            global_batch_size=ws.global_batch_size,
+            micro_batch_size=ws.micro_batch_size,
+            val_every=0,
+            save_hf=True,
+        ),
+    )
+
+
+def warm_start(run: Run, resume_from: Path | None, restarted: bool) -> Path:
+    """warmstart.*: an SFT stage in this same job, before RL; returns its HF export, which RL starts from.
+    A resumed run's warm-start is done: its export sits next to the checkpoints."""
+    done = resume_from.parent.parent / "sft" / "hf_model" if resume_from else None
+    if done is not None and (done / "config.json").is_file():
+        log.info("warm-start done earlier: %s", done)
+        return done
+    if run.env.is_main and restarted:  # an attempt that died before its first checkpoint: start over
+        truncate_after(run.output_dir / "sft" / "metrics.jsonl", -1)
+    # The SFT stage is the sft recipe's loop, run in-process on this Run.
+    from spmdrl.recipes.sft import train_sft
+
+    try:
+        return train_sft(run, warmstart_config(run.cfg), stage="sft")
+    except ConfigError as e:
+        raise ConfigError(
+            f"in the SFT warm-start (its trainer.* batch keys come from warmstart.*): {e}"
+        ) from None
+
+
+def load_prompts(
+    run: Run, tokenizer: object, files: list[str], tools: list[dict[str, Any]] | None = None
+) -> PromptDataset:
+    d = run.cfg.data
+    return PromptDataset(
+        resolve_data_files(files, run.cache_dir, d.tiny, d.tiny_tools),
+        tokenizer,
+        prompt_key=d.prompt_key,
+        max_prompt_length=d.max_prompt_length,
+        overlong=d.overlong,
+        tools=tools,
+    )
+
+
+def check_model_fits(model_dir: Path, max_model_len: int, tp: int, trust_remote_code: bool) -> None:
+    """Prompt + response must fit the model's positions, and rollout.tp must split its attention heads:
+    vLLM would refuse either only once the engine is built, after the warm-start."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and max_model_len > limit:
+        raise ConfigError(
+            f"data.max_prompt_length + data.max_response_length (or rollout.max_model_len) = {max_model_len} "
+            f"exceeds the model's max_position_embeddings={limit} ({model_dir}); shorten them"
+        )
+    heads = getattr(config, "num_attention_heads", None)
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    if heads and (heads % tp or (kv and kv % tp and tp % kv)):
+        fits = [t for t in range(1, heads + 1) if heads % t == 0 and (not kv or kv % t == 0 or t % kv == 0)]
+        raise ConfigError(
+            f"rollout.tp={tp} does not split the model's {heads} attention heads ({kv} key/value heads; "
+            f"{model_dir}); use one of {fits}"
+        )
+
+
+def _hf_writer(model: torch.nn.Module, tokenizer: object) -> Callable[[Path], None]:
+    return lambda d: write_hf_metadata(model, tokenizer, d)
+
+
+def _data_sources(*datasets: PromptDataset | None) -> set[str]:
+    return {ds[i].data_source for ds in datasets if ds is not None for i in range(len(ds))}

@@ -1,0 +1,315 @@
+"""A step's samples: the rollout (this rank's prompts -> rollout.n responses each, from the in-process
+engine) and their rewards, as ScoredSamples; DAPO's additions to them; the samples to log; validation.
+
+- train_sampling, score: the sampling settings of a step's generation batch, and the rewards of a batch
+  of generations in the sandbox (spmdrl/rewards/sandbox.py) -> ScoredSamples.
+- OverlongShaping, DynamicSampling: DAPO's overlong penalty (reward.overlong_buffer) and dynamic sampling
+  (algorithm.filter_groups), which the GRPO recipe's rollout phase applies batch by batch.
+- greedy_rollout: remax's baseline generations; check_reward_errors: the stop when too many samples got
+  no score; train_samples: the samples to log; validate: greedy decoding on the held-out split.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+from spmdrl.algos.dapo import (
+    dynamic_sampling_metrics,
+    groups_with_signal,
+    overlong_penalty,
+    should_generate_more,
+)
+from spmdrl.config import Config
+from spmdrl.data.prompts import PromptDataset, PromptExample
+from spmdrl.distributed.reduce import all_reduce_min, all_reduce_sum
+from spmdrl.logging.samples import Sample
+from spmdrl.rewards.registry import RewardInput
+from spmdrl.rewards.sandbox import RewardResult, score_batch
+from spmdrl.rollout.engine import Generation, SamplingSpec
+from spmdrl.rollout.rollout import Rollout
+from spmdrl.runtime import Run
+
+
+@dataclasses.dataclass
+class ScoredSamples:
+    """This rank's samples of a step: rollout.n per prompt, grouped by prompt, with their rewards."""
+
+    prompts: list[PromptExample]
+    gens: list[Generation]  # rollout.n per prompt, in prompt order (Generation.prompt_index)
+    rewards: RewardResult  # what the reward function gave: scores, failures, extra keys
+    responses: list[str]  # the decoded responses
+    # The reward each sample trains on: rewards.scores_B, plus any shaping (DAPO's overlong penalty).
+    scores_B: torch.Tensor
+    # The rollout's metrics (tool calls, DAPO's counts), reduced over ranks; set by the rollout phase.
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+def train_sampling(cfg: Config, step: int, gen_batch: int = 1) -> SamplingSpec:
+    """The sampling settings of the step's ``gen_batch``-th generation batch (DAPO may generate several):
+    each batch of each step samples with a seed of its own."""
+    seed = (cfg.rollout.seed * 1_000_003 + step) * 1_000 + gen_batch - 1
+    return SamplingSpec.for_training(cfg.rollout, cfg.data.max_response_length, seed=seed)
+
+
+def score(
+    cfg: Config, reward_fn: object, tokenizer: object, prompts: list[PromptExample], gens: list[Generation]
+) -> ScoredSamples:
+    """The reward of each generation (reward.fn, in the sandbox: timeouts and failures score
+    reward.error_score and are counted)."""
+    responses = tokenizer.batch_decode([g.token_ids for g in gens], skip_special_tokens=True)  # type: ignore[attr-defined]
+    inputs = [
+        RewardInput(
+            response=r,
+            ground_truth=prompts[g.prompt_index].ground_truth,
+            data_source=prompts[g.prompt_index].data_source,
+            # A multi-turn reward also sees how the trajectory went (turns, tool calls and errors).
+            extra_info=prompts[g.prompt_index].extra_info
+            if g.trajectory is None
+            else {**prompts[g.prompt_index].extra_info, **g.trajectory.as_extra_info()},
+        )
+        for r, g in zip(responses, gens, strict=True)
+    ]
+    rc = cfg.reward
+    result = score_batch(
+        reward_fn,  # type: ignore[arg-type]
+        inputs,
+        timeout_s=rc.timeout_s,
+        error_score=rc.error_score,
+        batch_timeout_s=rc.batch_timeout_s,
+        memory_mb=rc.worker_memory_mb,
+        file_size_mb=rc.worker_file_size_mb,
+    )
+    return ScoredSamples(prompts, gens, result, responses, result.scores_B)
+
+
+class OverlongShaping:
+    """DAPO's overlong reward shaping (reward.overlong_buffer): a penalty growing linearly over the last
+    ``len`` tokens before data.max_response_length, added to each sample's training reward. It keeps the
+    penalties of every batch of the step (dropped groups too) for its metrics."""
+
+    def __init__(self, cfg: Config, device: torch.device) -> None:
+        self.cfg, self.device = cfg, device
+        self.penalties: list[float] = []
+
+    def __call__(self, samples: ScoredSamples) -> ScoredSamples:
+        ob = self.cfg.reward.overlong_buffer
+        lengths_B = torch.tensor([len(g.token_ids) for g in samples.gens])
+        penalty_B = overlong_penalty(lengths_B, self.cfg.data.max_response_length, ob.len, ob.penalty_factor)
+        self.penalties += penalty_B.tolist()
+        return dataclasses.replace(samples, scores_B=samples.scores_B + penalty_B)
+
+    def metrics(self) -> dict[str, float]:
+        """Over all ranks (every rank must call it)."""
+        p = self.penalties
+        t = all_reduce_sum({"sum": sum(p), "over": sum(x < 0 for x in p), "n": len(p)}, self.device)
+        return {
+            "reward/overlong_penalty_mean": t["sum"] / max(t["n"], 1),
+            "reward/overlong_frac": t["over"] / max(t["n"], 1),
+        }
+
+
+@dataclasses.dataclass
+class _Group:
+    """One prompt's rollout.n samples, kept by DynamicSampling."""
+
+    prompt: PromptExample
+    gens: list[Generation]
+    raw_scores: list[float]
+    scores: list[float]
+    responses: list[str]
+    extra: dict[str, list[float]]
+
+
+class DynamicSampling:
+    """DAPO's dynamic sampling (algorithm.filter_groups): of each generated batch, keep the prompts whose
+    samples differ in the filter metric (a group whose samples all score alike has advantage 0 under
+    GRPO); the rollout phase generates further batches until ``enough()``, then trains on ``kept()``, each
+    rank's first prompts.
+
+    verl pools kept groups over the whole world; here each rank must end with the same number of rows
+    (the update's FSDP collectives run once per micro-batch on every rank), so the decision to generate
+    more is made on the smallest per-rank count, identical on every rank (one all_reduce per batch).
+    """
+
+    def __init__(self, cfg: Config, step: int, device: torch.device) -> None:
+        self.cfg, self.step, self.device = cfg, step, device
+        self.target = 0  # this rank's prompts per step
+        self.batches = self.generated = self.dropped = self.errors = self.timeouts = 0
+        self._kept: list[_Group] = []
+
+    def add(self, samples: ScoredSamples) -> None:
+        """One generation batch: keeps its groups with signal."""
+        n = self.cfg.rollout.n
+        self.target = len(samples.prompts)
+        self.batches += 1
+        self.generated += len(samples.prompts)
+        self.errors += samples.rewards.num_errors
+        self.timeouts += samples.rewards.num_timeouts
+        raw_B, scores_B = samples.rewards.scores_B, samples.scores_B
+        metric_B = {
+            "reward": scores_B,
+            "acc": (raw_B >= 1.0).float(),
+            "score": raw_B,
+            "seq_final_reward": scores_B,
+        }[self.cfg.algorithm.filter_groups.metric]
+        keep_B = groups_with_signal(metric_B, torch.arange(len(samples.prompts)).repeat_interleave(n))
+        for i, p in enumerate(samples.prompts):
+            if not keep_B[i * n]:
+                self.dropped += 1
+                continue
+            rows = range(i * n, (i + 1) * n)
+            self._kept.append(
+                _Group(
+                    p,
+                    [samples.gens[r] for r in rows],
+                    [float(raw_B[r]) for r in rows],
+                    [float(scores_B[r]) for r in rows],
+                    [samples.responses[r] for r in rows],
+                    {k: [v[r] for r in rows] for k, v in samples.rewards.extra.items()},
+                )
+            )
+
+    def enough(self) -> bool:
+        """Whether every rank has kept a step's worth of groups (the same answer on every rank); raises
+        when algorithm.filter_groups.max_num_gen_batches batches did not give them."""
+        fewest = int(all_reduce_min({"kept": len(self._kept)}, self.device)["kept"])
+        try:
+            return not should_generate_more(
+                fewest, self.target, self.batches, self.cfg.algorithm.filter_groups.max_num_gen_batches
+            )
+        except ValueError as e:
+            raise RuntimeError(f"step {self.step}: {e}") from None
+
+    def kept(self) -> ScoredSamples:
+        """This rank's first ``target`` kept groups; the failure counts are the whole step's."""
+        n, kept = self.cfg.rollout.n, self._kept[: self.target]
+        gens = [dataclasses.replace(g, prompt_index=i) for i, k in enumerate(kept) for g in k.gens]
+        # Extra reward keys (gdpo's components) follow their rows; NaN where a batch's samples had none.
+        keys = sorted({key for k in kept for key in k.extra})
+        extra = {key: [v for k in kept for v in k.extra.get(key, [float("nan")] * n)] for key in keys}
+        raw_B = torch.tensor([s for k in kept for s in k.raw_scores])
+        rewards = RewardResult(raw_B, self.errors, self.timeouts, extra)
+        responses = [r for k in kept for r in k.responses]
+        scores_B = torch.tensor([s for k in kept for s in k.scores])
+        return ScoredSamples([k.prompt for k in kept], gens, rewards, responses, scores_B)
+
+    def metrics(self) -> dict[str, float]:
+        """Over all ranks (every rank must call it)."""
+        totals = all_reduce_sum(
+            {"batches": self.batches, "kept": self.generated - self.dropped, "dropped": self.dropped},
+            self.device,
+        )
+        dyn = dynamic_sampling_metrics(
+            int(totals["batches"] / dist.get_world_size()), int(totals["kept"]), int(totals["dropped"])
+        )
+        return {f"rollout/{k}": v for k, v in dyn.items()}
+
+
+def greedy_rollout(
+    rollout: Rollout, prompts: list[PromptExample], cfg: Config, step: int
+) -> list[Generation]:
+    """One greedy completion per prompt (remax's baseline)."""
+    spec = SamplingSpec(
+        n=1, temperature=0.0, max_tokens=cfg.data.max_response_length, stop=list(cfg.rollout.stop), seed=step
+    )
+    return rollout.generate(prompts, spec)
+
+
+def train_samples(step: int, tokenizer: object, samples: ScoredSamples, cfg: Config) -> list[Sample]:
+    """The first logging.samples_per_log samples, to log with their training reward."""
+    return [
+        Sample(
+            step,
+            "train",
+            tokenizer.decode(samples.prompts[g.prompt_index].prompt_ids),  # type: ignore[attr-defined]
+            r,
+            samples.prompts[g.prompt_index].ground_truth,
+            s,
+            samples.prompts[g.prompt_index].data_source,
+        )
+        for g, r, s in list(zip(samples.gens, samples.responses, samples.scores_B.tolist(), strict=True))[
+            : cfg.logging.samples_per_log
+        ]
+    ]
+
+
+def validate(
+    run: Run,
+    rollout: Rollout,
+    tokenizer: object,
+    reward_fn: object,
+    val_ds: PromptDataset,
+    max_tokens: int,
+) -> tuple[dict[str, float], list[Sample]]:
+    """Greedy decoding on the whole held-out split, sharded over ranks; accuracy = reward >= 1."""
+    cfg, env = run.cfg, run.env
+    mine = [val_ds[i] for i in range(env.rank, len(val_ds), env.world_size)]
+    gens = rollout.generate(
+        mine,
+        SamplingSpec.for_validation(cfg.rollout, max_tokens, seed=cfg.rollout.seed),
+    )
+    tool_metrics = {f"val/{k}": v for k, v in rollout.take_metrics(env.device).items()}
+    scored = score(cfg, reward_fn, tokenizer, mine, gens)
+    sums: dict[str, float] = defaultdict(float)
+    for g, s in zip(gens, scored.scores_B.tolist(), strict=True):
+        src = mine[g.prompt_index].data_source or "unknown"
+        sums["n"] += 1
+        sums["reward"] += s
+        sums["correct"] += float(s >= 1.0)
+        sums[f"n/{src}"] += 1
+        sums[f"correct/{src}"] += float(s >= 1.0)
+    # Every rank must reduce the same keys: gather the set of data sources first.
+    sources: list[set[str]] = [set() for _ in range(env.world_size)]
+    dist.all_gather_object(sources, {k for k in sums if k.startswith("n/")})
+    for k in set().union(*sources):
+        sums.setdefault(k, 0.0)
+        sums.setdefault("correct/" + k[2:], 0.0)
+    total = all_reduce_sum(dict(sums), env.device)
+    metrics = {
+        "val/accuracy": total["correct"] / max(total["n"], 1),
+        "val/reward_mean": total["reward"] / max(total["n"], 1),
+        **tool_metrics,
+    }
+    for k in total:
+        if k.startswith("n/"):
+            metrics[f"val/accuracy/{k[2:]}"] = total["correct/" + k[2:]] / max(total[k], 1)
+    samples = [
+        Sample(
+            0,
+            "val",
+            tokenizer.decode(mine[g.prompt_index].prompt_ids),
+            r,
+            mine[g.prompt_index].ground_truth,
+            s,
+            mine[g.prompt_index].data_source,
+        )  # type: ignore[attr-defined]
+        for g, r, s in list(zip(gens, scored.responses, scored.scores_B.tolist(), strict=True))[
+            : cfg.logging.samples_per_log
+        ]
+    ]
+    return metrics, samples
+
+
+def check_reward_errors(cfg: Config, rewards: RewardResult, step: int, device: torch.device) -> None:
+    """Stop the run, on every rank at once, when more than reward.max_error_frac of the step's samples
+    failed to score: a reward function that always raises would otherwise train on zeros to the end."""
+    t = all_reduce_sum(
+        {
+            "bad": rewards.num_errors + rewards.num_timeouts,
+            "timeouts": rewards.num_timeouts,
+            "n": len(rewards.scores_B),
+        },
+        device,
+    )
+    frac = t["bad"] / max(t["n"], 1)
+    if frac > cfg.reward.max_error_frac:
+        raise RuntimeError(
+            f"step {step}: {int(t['bad'])} of {int(t['n'])} samples ({frac:.0%}) got no score from reward.fn="
+            f"{cfg.reward.fn} ({int(t['timeouts'])} timed out, the rest raised or returned something that is not "
+            f"a finite number), above reward.max_error_frac={cfg.reward.max_error_frac}. The first error of each "
+            "rank is logged above with its traceback; fix the function (or raise reward.max_error_frac)"
+        )
