@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from spmdrl.algos.advantages import adv_estimator
-from spmdrl.config import Config
+from spmdrl.config import Config, ConfigError
 from spmdrl.logging.samples import write_samples
 from spmdrl.logging.timer import PhaseTimer
 from spmdrl.rl.batch import PolicyBatch
@@ -78,6 +78,17 @@ class Step:
     update: UpdateResult = field(init=False)  # update
     resident_gb: float | None = None  # update: what the trainer holds on the GPU when it starts
     metrics: dict[str, float] = field(default_factory=dict)  # make_experience's (KL in reward, correction)
+
+
+def check_config(cfg: Config) -> None:
+    """Settings this recipe would not run fail at config load (spmdrl.config_loader calls this)."""
+    a = cfg.algorithm
+    if adv_estimator(a.adv_estimator).needs_critic:
+        raise ConfigError(
+            f"algorithm.adv_estimator={a.adv_estimator} needs a critic, and this recipe ({cfg.entry}) trains "
+            f"none (recipe {cfg.name!r}): set entry: ppo, the PPO recipe with a critic (recipes/ppo.py, as in "
+            "recipe=ppo_tiny), or choose a critic-free algorithm.adv_estimator such as grpo"
+        )
 
 
 def main(cfg: Config) -> None:

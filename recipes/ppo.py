@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from spmdrl.config import Config
+from spmdrl.algos.advantages import adv_estimator
+from spmdrl.config import Config, ConfigError
 from spmdrl.distributed.env import broadcast_object
 from spmdrl.logging.samples import write_samples
 from spmdrl.logging.timer import PhaseTimer
@@ -83,6 +84,22 @@ class Step:
     critic_metrics: dict[str, float] = field(default_factory=dict)  # update: the critic's
     resident_gb: float | None = None  # update: what the trainer holds on the GPU when it starts
     metrics: dict[str, float] = field(default_factory=dict)  # make_experience's (KL in reward, correction)
+
+
+def check_config(cfg: Config) -> None:
+    """Settings this recipe would not run fail at config load (spmdrl.config_loader calls this)."""
+    a = cfg.algorithm
+    if not adv_estimator(a.adv_estimator).needs_critic:
+        raise ConfigError(
+            f"this recipe ({cfg.entry}) trains a critic for a critic-based algorithm.adv_estimator (gae), "
+            f"got {a.adv_estimator!r} (recipe {cfg.name!r}): set algorithm.adv_estimator=gae, or entry: grpo "
+            f"for {a.adv_estimator}"
+        )
+    if a.filter_groups.enable:
+        raise ConfigError(
+            f"algorithm.filter_groups.enable=true (DAPO's dynamic sampling) runs in entry: grpo (recipes/grpo.py), "
+            f"not in this recipe ({cfg.entry}, recipe {cfg.name!r}): turn it off, or use entry: grpo"
+        )
 
 
 def main(cfg: Config) -> None:

@@ -654,33 +654,6 @@ def _validate_loss_names(a: AlgorithmConfig) -> None:
         )
 
 
-def _validate_rl_entry(cfg: Config) -> None:
-    """The shipped RL recipes split the algorithms between them: a critic (PPO) is entry ppo's, DAPO's
-    dynamic sampling and the critic-free estimators are entry grpo's. A setting the entry would not run is
-    an error, not ignored."""
-    from spmdrl.algos.advantages import adv_estimator
-
-    a = cfg.algorithm
-    needs_critic = adv_estimator(a.adv_estimator).needs_critic
-    if cfg.entry == "grpo" and needs_critic:
-        raise ConfigError(
-            f"algorithm.adv_estimator={a.adv_estimator} needs a critic, and entry: grpo (recipes/grpo.py) trains "
-            f"none (recipe {cfg.name!r}): set entry: ppo, the PPO recipe with a critic (recipes/ppo.py, as in "
-            "recipe=ppo_tiny), or choose a critic-free algorithm.adv_estimator such as grpo"
-        )
-    if cfg.entry == "ppo" and not needs_critic:
-        raise ConfigError(
-            f"entry: ppo (recipes/ppo.py) trains a critic for a critic-based algorithm.adv_estimator (gae), "
-            f"got {a.adv_estimator!r} (recipe {cfg.name!r}): set algorithm.adv_estimator=gae, or entry: grpo "
-            f"for {a.adv_estimator}"
-        )
-    if cfg.entry == "ppo" and a.filter_groups.enable:
-        raise ConfigError(
-            f"algorithm.filter_groups.enable=true (DAPO's dynamic sampling) runs in entry: grpo (recipes/grpo.py), "
-            f"not in entry: ppo (recipe {cfg.name!r}): turn it off, or use entry: grpo"
-        )
-
-
 def validate(cfg: Config) -> None:
     """Checks that need no world size. Raises ConfigError naming the key."""
     _check_choices(cfg, "")
@@ -759,7 +732,6 @@ def validate(cfg: Config) -> None:
             "would ignore; set algorithm.policy_loss=vanilla or turn bypass_mode off"
         )
     _validate_loss_names(cfg.algorithm)
-    _validate_rl_entry(cfg)
     if rc.rollout_rs:
         from spmdrl.algos.correction import parse_rs_thresholds
 

@@ -346,8 +346,7 @@ def load_config(overrides: list[str], *, import_entry_module: bool = True) -> Co
         entry = _resolve_entry(entry, base)
 
         # 2. The entry registers its config sections and the functions it names (policy losses, ...).
-        if import_entry_module:
-            import_entry(entry)
+        module = import_entry(entry) if import_entry_module else None
         schema = schema_class()
 
         # 3. Everything, typed.
@@ -363,6 +362,11 @@ def load_config(overrides: list[str], *, import_entry_module: bool = True) -> Co
     assert isinstance(obj, Config)
     cfg = _to_config(obj)
     validate(cfg)
+    # 4. What only the recipe knows: a setting it would not run (a critic under a recipe without one) is
+    #    an error at load, not ignored. A recipe says so in an optional check_config(cfg).
+    check = getattr(module, "check_config", None)
+    if check is not None:
+        check(cfg)
     return cfg
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from spmdrl.config import Config, ConfigError, TrainerConfig, derive, derive_rl
@@ -271,3 +273,30 @@ def test_names_registered_before_load_and_import_paths_are_accepted(tmp_path) ->
     assert load_config([f"algorithm.adv_estimator={spec}"]).algorithm.adv_estimator == spec
     with pytest.raises(ConfigError, match=r"module '.*my_estimators.py' has no attribute 'nope'.*mine"):
         load_config([f"algorithm.adv_estimator={tmp_path}/my_estimators.py:nope"])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (["recipe=grpo_tiny", "algorithm.adv_estimator=gae"], r"needs a critic.*set entry: ppo"),
+        (["recipe=ppo_tiny", "algorithm.adv_estimator=grpo"], r"trains a critic.*or entry: grpo for grpo"),
+        (
+            ["recipe=ppo_tiny", "algorithm.filter_groups.enable=true"],
+            r"dynamic sampling\) runs in entry: grpo",
+        ),
+    ],
+)
+def test_a_setting_the_recipe_would_not_run_fails_at_load(overrides: list[str], match: str) -> None:
+    """Each recipe's check_config, run by the loader after validation: not ignored, not a late failure."""
+    with pytest.raises(ConfigError, match=match):
+        load_config(overrides)
+
+
+def test_a_forked_recipe_keeps_its_check(tmp_path) -> None:  # noqa: ANN001
+    """The check lives in the recipe file, so a copy of recipes/grpo.py run by path still refuses a critic."""
+    import shutil
+
+    shutil.copy(Path(__file__).parents[1] / "recipes" / "grpo.py", tmp_path / "my_grpo.py")
+    (tmp_path / "my.yaml").write_text("defaults: [grpo_tiny, _self_]\nentry: my_grpo.py\n")
+    with pytest.raises(ConfigError, match=r"needs a critic, and this recipe \(.*my_grpo.py\) trains none"):
+        load_config([f"recipe={tmp_path / 'my.yaml'}", "algorithm.adv_estimator=gae"])
