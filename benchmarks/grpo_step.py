@@ -340,7 +340,7 @@ def tiny_prompt_rows(tokenizer: Any) -> list[dict[str, str]]:
     from spmdrl.data import tiny_task
     from spmdrl.data.prompts import render_prompt
 
-    train, _ = tiny_task.generate(load_config(["recipe=grpo_tiny"]).data.tiny)
+    train, _ = tiny_task.generate(load_config(["recipe=grpo_tiny"]).section(tiny_task.TinyTaskConfig))
     return [
         {
             "prompt": render_prompt(tokenizer, r["prompt"], where="tiny task"),

@@ -99,7 +99,7 @@ def tiny_prompts(model_dir: Path, count: int, offset: int) -> list[list[int]]:
     from spmdrl.models.load import load_tokenizer
 
     tok = load_tokenizer(model_dir)
-    train, _ = tiny_task.generate(load_config(["recipe=grpo_tiny"]).data.tiny)
+    train, _ = tiny_task.generate(load_config(["recipe=grpo_tiny"]).section(tiny_task.TinyTaskConfig))
     rows = train[offset : offset + count]
     return [encode(tok, render_prompt(tok, r["prompt"], where="tiny task")) for r in rows]
 

@@ -27,7 +27,8 @@ from spmdrl.checkpoint.export import export_hf
 from spmdrl.config import Config, derive
 from spmdrl.data.sampler import DistributedSampler
 from spmdrl.data.sft import SFTBatch, SFTDataset, collate_sft
-from spmdrl.data.tiny_task import resolve_data_files
+from spmdrl.data.tiny_task import TinyTaskConfig, resolve_data_files
+from spmdrl.data.tools_task import ToolsTaskConfig
 from spmdrl.distributed.placement import Placement
 from spmdrl.distributed.reduce import all_reduce_sum
 from spmdrl.models.build import build_fsdp_model, model_spec
@@ -43,7 +44,9 @@ log = logging.getLogger("spmdrl")
 def load_sft_dataset(run: Run, tokenizer: object, files: list[str]) -> SFTDataset:
     d = run.cfg.data
     return SFTDataset(
-        resolve_data_files(files, run.cache_dir, d.tiny, d.tiny_tools),
+        resolve_data_files(
+            files, run.cache_dir, run.cfg.section(TinyTaskConfig), run.cfg.section(ToolsTaskConfig)
+        ),
         tokenizer,
         prompt_key=d.prompt_key,
         response_key=d.response_key,

@@ -74,44 +74,10 @@ class ModelConfig:
 
 
 @dataclass
-class TinyTaskConfig:
-    """The built-in arithmetic task (see spmdrl.data.tiny_task)."""
-
-    num_train: int = 2000
-    num_test: int = 200
-    max_operand: int = 20
-    # Fraction of SFT demonstrations whose answer is right; the rest carry a wrong answer.
-    correct_fraction: float = 1.0
-    # How wrong demonstrations are wrong: 0 is a random slip of -3..+3; any other value is a
-    # systematic bias (every wrong answer is off by exactly this much), which SFT learns as the mode.
-    wrong_offset: int = 0
-    # What the test split holds out: "problems" (operand/operation combinations never seen in train)
-    # or "questions" (unseen wordings; the arithmetic facts may appear in train).
-    held_out: str = choice("problems", ("problems", "questions"))
-    seed: int = 1234
-
-
-@dataclass
-class ToolsTaskConfig:
-    """The built-in tool task: multiplication a calculator tool solves (see spmdrl.data.tools_task)."""
-
-    num_train: int = 4000
-    num_test: int = 120
-    # Digits of each operand (the count uniform in [min_digits, max_digits], then the value).
-    min_digits: int = 3
-    max_digits: int = 4
-    # SFT demonstrations call the calculator with probability tool_fraction on the first tool_phrasings
-    # of the task's 6 phrasings and other_tool_fraction on the rest; the others answer with a wrong guess.
-    tool_phrasings: int = 2
-    tool_fraction: float = 0.9
-    other_tool_fraction: float = 0.2
-    seed: int = 1234
-
-
-@dataclass
 class DataConfig:
     # Parquet files. "tiny:train" / "tiny:test" name the built-in task's generated splits,
-    # "tiny_tools:train" / "tiny_tools:test" those of the built-in tool task.
+    # "tiny_tools:train" / "tiny_tools:test" those of the built-in tool task (their settings: the
+    # tiny_task / tools_task sections, spmdrl.data.tiny_task / spmdrl.data.tools_task).
     train_files: list[str] = field(default_factory=lambda: ["tiny:train"])
     val_files: list[str] = field(default_factory=lambda: ["tiny:test"])
     # Column holding the prompt: a list of chat messages (verl's schema) or a plain string.
@@ -124,8 +90,6 @@ class DataConfig:
     overlong: str = choice("filter", ("filter", "error"))
     shuffle: bool = True
     seed: int = 0
-    tiny: TinyTaskConfig = field(default_factory=TinyTaskConfig)
-    tiny_tools: ToolsTaskConfig = field(default_factory=ToolsTaskConfig)
 
 
 @dataclass
@@ -768,10 +732,6 @@ def validate(cfg: Config) -> None:
     _validate_multi_turn(cfg)
     if cfg.algorithm.ppo_mini_batch_size < 0:
         raise ConfigError("algorithm.ppo_mini_batch_size must be >= 0 (0: the whole batch)")
-    if not 0.0 <= cfg.data.tiny.correct_fraction <= 1.0:
-        raise ConfigError(
-            f"data.tiny.correct_fraction must be in [0, 1], got {cfg.data.tiny.correct_fraction}"
-        )
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,10 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from spmdrl.config import CONFIG_SECTIONS, Config, ConfigError, validate
+
+# The built-in tasks' sections (tiny_task, tools_task) are registered by the modules that own them; imported
+# here so that every config (any recipe, import_entry_module=False too) has them. Both are light (pyarrow).
+from spmdrl.data import tiny_task, tools_task  # noqa: F401
 from spmdrl.imports import import_file
 
 _SCHEMA_NAME = "spmdrl_schema"
@@ -51,6 +55,8 @@ CONFIG_MODULE = "spmdrl.configs"
 RECIPE_MODULE = "spmdrl.recipes"
 # The ConfigStore name of a recipe YAML given by path ("file:my_grpo"): no shipped recipe's name has a colon.
 _FILE_RECIPE_PREFIX = "file:"
+# Keys that moved to a section of their own: an old config's key fails naming the new one.
+_MOVED_KEYS = {"data.tiny": "tiny_task", "data.tiny_tools": "tools_task"}
 
 
 def schema_class() -> type[Config]:
@@ -84,6 +90,10 @@ def check_key(dotted: str, schema: type = Config) -> None:
             hint = (
                 f" Did you mean {' or '.join(repr('.'.join([*walked, c])) for c in close)}?" if close else ""
             )
+            old = ".".join([*walked, part])
+            if old in _MOVED_KEYS:
+                new = _MOVED_KEYS[old] + dotted[len(old) :]
+                hint = f" '{old}' is the top-level section '{_MOVED_KEYS[old]}' now: '{new}'."
             raise ConfigError(
                 f"unknown config key '{dotted}'.{hint} Valid keys at {where}: {', '.join(sorted(fields))}"
             )

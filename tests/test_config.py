@@ -8,17 +8,19 @@ import pytest
 
 from spmdrl.config import Config, ConfigError, TrainerConfig, derive, derive_rl
 from spmdrl.config_loader import available_recipes, load_config
+from spmdrl.data.tiny_task import TinyTaskConfig
+from spmdrl.data.tools_task import ToolsTaskConfig
 
 
 def test_recipe_and_overrides_compose() -> None:
     cfg = load_config(
-        ["recipe=sft_tiny", "optim.lr=2e-5", "trainer.total_steps=50", "data.tiny.num_train=64"]
+        ["recipe=sft_tiny", "optim.lr=2e-5", "trainer.total_steps=50", "tiny_task.num_train=64"]
     )
     assert isinstance(cfg, Config)
     assert cfg.name == "sft_tiny" and cfg.entry == "sft"
     assert cfg.optim.lr == pytest.approx(2e-5)
     assert cfg.trainer.total_steps == 50
-    assert cfg.data.tiny.num_train == 64
+    assert cfg.section(TinyTaskConfig).num_train == 64
     # recipe values override the dataclass defaults
     assert cfg.optim.schedule == "cosine"
 
@@ -56,6 +58,25 @@ def test_unknown_key_names_valid_choices(override: str, expected: str) -> None:
 
 
 @pytest.mark.parametrize(
+    ("override", "new"),
+    [("data.tiny.num_train=64", "tiny_task.num_train"), ("data.tiny_tools.seed=7", "tools_task.seed")],
+)
+def test_moved_task_keys_name_their_new_key(override: str, new: str) -> None:
+    with pytest.raises(ConfigError, match=f"unknown config key .* now: '{new}'"):
+        load_config([override])
+
+
+def test_task_sections_without_importing_the_entry(tmp_path: Path) -> None:
+    # The built-in tasks' sections exist whatever the recipe imports (import_entry_module=False: a forked
+    # recipe run as a script), on the command line and in a YAML, and are saved with the config.
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text("defaults: [grpo_tools_tiny, _self_]\ntiny_task:\n  max_operand: 7\n")
+    cfg = load_config([f"recipe={recipe}", "tools_task.seed=7"], import_entry_module=False)
+    assert cfg.section(TinyTaskConfig).max_operand == 7 and cfg.section(ToolsTaskConfig).seed == 7
+    assert cfg.section(ToolsTaskConfig).num_train == 4000  # grpo_tools_tiny's value
+
+
+@pytest.mark.parametrize(
     ("override", "key"),
     [
         ("optim.lr=fast", "optim.lr"),
@@ -80,7 +101,7 @@ def test_unknown_recipe_lists_recipes() -> None:
         ("data.overlong=truncate", "data.overlong"),
         ("trainer.global_batch_size=0", "trainer.global_batch_size must be > 0"),
         ("parallel.dp_replicate=0", "parallel.dp_replicate"),
-        ("data.tiny.correct_fraction=1.5", "correct_fraction"),
+        ("tiny_task.correct_fraction=1.5", "correct_fraction"),
     ],
 )
 def test_bad_values_rejected(override: str, match: str) -> None:

@@ -383,7 +383,7 @@ def test_fork_in_another_directory_runs_two_grpo_steps(tmp_path: Path) -> None:
             "trainer.total_steps=2",
             "trainer.val_every=0",
             "trainer.save_hf=false",
-            "data.tiny.num_train=64",
+            "tiny_task.num_train=64",
             "trainer.global_batch_size=4",
             "rollout.n=2",
             "trainer.micro_batch_size=8",

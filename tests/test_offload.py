@@ -176,7 +176,7 @@ def test_recipe_with_everything_offloaded_trains_saves_and_resumes_like_the_plai
         "spmdrl.train",
         "recipe=grpo_tiny",
         "warmstart.enabled=false",
-        "data.tiny.num_train=64",
+        "tiny_task.num_train=64",
         "trainer.global_batch_size=4",
         "rollout.n=4",
         "trainer.micro_batch_size=8",

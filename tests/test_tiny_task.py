@@ -10,9 +10,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from spmdrl.config import TinyTaskConfig
 from spmdrl.data import tiny_task
-from spmdrl.data.tiny_task import generate, resolve_data_files, write_split_files, write_splits
+from spmdrl.data.tiny_task import (
+    TinyTaskConfig,
+    generate,
+    resolve_data_files,
+    write_split_files,
+    write_splits,
+)
 
 # The demonstration format the task promises: the equation, a newline, then "#### <answer>".
 DEMO = re.compile(r"(\d+) ([+-]) (\d+) = (\d+)\n#### (\d+)")

@@ -8,11 +8,11 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from spmdrl.config import TinyTaskConfig, ToolsTaskConfig
 from spmdrl.data import tools_task
 from spmdrl.data.parquet import DataError
 from spmdrl.data.sft import SFTDataset
-from spmdrl.data.tiny_task import resolve_data_files
+from spmdrl.data.tiny_task import TinyTaskConfig, resolve_data_files
+from spmdrl.data.tools_task import ToolsTaskConfig
 from spmdrl.data.turns import TurnCodec
 from spmdrl.rewards import tiny_tools
 from spmdrl.rewards.registry import auto_score, check_data_sources, load_reward_fn

@@ -26,13 +26,15 @@ import dataclasses
 import hashlib
 import json
 import random
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
 
-from spmdrl.config import TinyTaskConfig, ToolsTaskConfig
+from spmdrl.config import ConfigError, choice, register_config_section
 from spmdrl.data import tools_task
 from spmdrl.data.parquet import write_parquet_atomic
+from spmdrl.data.tools_task import ToolsTaskConfig
 
 DATA_SOURCE = "spmdrl/tiny_arith"
 INSTRUCTION = "Give the answer after ####."
@@ -40,6 +42,30 @@ INSTRUCTION = "Give the answer after ####."
 # written by an older version are not reused.
 FORMAT_VERSION = 1
 SPLITS = ("train", "test")
+
+
+@register_config_section("tiny_task")
+@dataclass
+class TinyTaskConfig:
+    """The arithmetic task's settings, the config section ``tiny_task`` (``tiny_task.num_train=64``)."""
+
+    num_train: int = 2000
+    num_test: int = 200
+    max_operand: int = 20
+    # Fraction of SFT demonstrations whose answer is right; the rest carry a wrong answer.
+    correct_fraction: float = 1.0
+    # How wrong demonstrations are wrong: 0 is a random slip of -3..+3; any other value is a
+    # systematic bias (every wrong answer is off by exactly this much), which SFT learns as the mode.
+    wrong_offset: int = 0
+    # What the test split holds out: "problems" (operand/operation combinations never seen in train)
+    # or "questions" (unseen wordings; the arithmetic facts may appear in train).
+    held_out: str = choice("problems", ("problems", "questions"))
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.correct_fraction <= 1.0:
+            raise ConfigError(f"tiny_task.correct_fraction must be in [0, 1], got {self.correct_fraction}")
+
 
 NAMES = ("Tom", "Anna", "Ben", "Mia", "Sam", "Lily", "Max", "Emma")
 # (singular, plural)
@@ -118,11 +144,10 @@ def _wrong_answer(true: int, rng: random.Random, offset: int = 0) -> int:
 
 def _check(cfg: TinyTaskConfig) -> None:
     if cfg.max_operand < 1:
-        raise ValueError(f"data.tiny.max_operand must be >= 1, got {cfg.max_operand}")
+        raise ValueError(f"tiny_task.max_operand must be >= 1, got {cfg.max_operand}")
     if cfg.num_train < 0 or cfg.num_test < 0:
-        raise ValueError(f"data.tiny.num_train / num_test must be >= 0, got {cfg.num_train} / {cfg.num_test}")
-    if not 0.0 <= cfg.correct_fraction <= 1.0:
-        raise ValueError(f"data.tiny.correct_fraction must be in [0, 1], got {cfg.correct_fraction}")
+        raise ValueError(f"tiny_task.num_train / num_test must be >= 0, got {cfg.num_train} / {cfg.num_test}")
+    # correct_fraction: TinyTaskConfig.__post_init__.
 
 
 def _sample_unique(
@@ -135,8 +160,8 @@ def _sample_unique(
     space = len(combos) * len(shapes) - len(exclude)
     if count > space:
         raise ValueError(
-            f"data.tiny: the {split} split needs {count} distinct questions but only {space} exist for "
-            f"max_operand and num_test as configured; raise data.tiny.max_operand or lower data.tiny.num_{split}"
+            f"tiny_task: the {split} split needs {count} distinct questions but only {space} exist for "
+            f"max_operand and num_test as configured; raise tiny_task.max_operand or lower tiny_task.num_{split}"
         )
     if count > space // 2:
         # Dense: enumerate everything and sample, rejection would stall near the end.
@@ -189,7 +214,7 @@ def generate(cfg: TinyTaskConfig) -> tuple[list[dict], list[dict]]:
     elif cfg.held_out == "questions":
         test_combos, train_combos = combos, combos
     else:
-        raise ValueError(f"data.tiny.held_out must be 'problems' or 'questions', got {cfg.held_out!r}")
+        raise ValueError(f"tiny_task.held_out must be 'problems' or 'questions', got {cfg.held_out!r}")
 
     test_rng = random.Random(f"tiny_arith/{cfg.seed}/test")
     test_phrasings = _sample_unique(test_combos, cfg.num_test, test_rng, "test")

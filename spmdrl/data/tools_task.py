@@ -48,11 +48,12 @@ import dataclasses
 import hashlib
 import json
 import random
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
 
-from spmdrl.config import ToolsTaskConfig
+from spmdrl.config import register_config_section
 from spmdrl.data.parquet import write_parquet_atomic
 
 DATA_SOURCE = "tiny_tools"
@@ -63,6 +64,25 @@ INSTRUCTION = "Use the calculator or answer after ####."
 FORMAT_VERSION = 1
 SPLITS = ("train", "test")
 PREFIX = "tiny_tools:"
+
+
+@register_config_section("tools_task")
+@dataclass
+class ToolsTaskConfig:
+    """The tool task's settings, the config section ``tools_task`` (``tools_task.num_train=600``)."""
+
+    num_train: int = 4000
+    num_test: int = 120
+    # Digits of each operand (the count uniform in [min_digits, max_digits], then the value).
+    min_digits: int = 3
+    max_digits: int = 4
+    # SFT demonstrations call the calculator with probability tool_fraction on the first tool_phrasings
+    # of the task's 6 phrasings and other_tool_fraction on the rest; the others answer with a wrong guess.
+    tool_phrasings: int = 2
+    tool_fraction: float = 0.9
+    other_tool_fraction: float = 0.2
+    seed: int = 1234
+
 
 # {e} is the expression "a * b"; every phrasing contains it verbatim, so the call copies it as is.
 PHRASINGS = (
@@ -144,23 +164,23 @@ def guess_demonstration(a: int, b: int) -> list[dict[str, str]]:
 def _check(cfg: ToolsTaskConfig) -> None:
     if not 1 <= cfg.min_digits <= cfg.max_digits:
         raise ValueError(
-            f"data.tiny_tools needs 1 <= min_digits <= max_digits, got {cfg.min_digits} and {cfg.max_digits}"
+            f"tools_task needs 1 <= min_digits <= max_digits, got {cfg.min_digits} and {cfg.max_digits}"
         )
     if cfg.num_train < 0 or cfg.num_test < 0:
         raise ValueError(
-            f"data.tiny_tools.num_train / num_test must be >= 0, got {cfg.num_train} / {cfg.num_test}"
+            f"tools_task.num_train / num_test must be >= 0, got {cfg.num_train} / {cfg.num_test}"
         )
     for key in ("tool_fraction", "other_tool_fraction"):
         if not 0.0 <= getattr(cfg, key) <= 1.0:
-            raise ValueError(f"data.tiny_tools.{key} must be in [0, 1], got {getattr(cfg, key)}")
+            raise ValueError(f"tools_task.{key} must be in [0, 1], got {getattr(cfg, key)}")
     if not 0 <= cfg.tool_phrasings <= len(PHRASINGS):
         raise ValueError(
-            f"data.tiny_tools.tool_phrasings must be in [0, {len(PHRASINGS)}], got {cfg.tool_phrasings}"
+            f"tools_task.tool_phrasings must be in [0, {len(PHRASINGS)}], got {cfg.tool_phrasings}"
         )
     per_operand = 10**cfg.max_digits - 10 ** (cfg.min_digits - 1)
     if cfg.num_train + cfg.num_test > per_operand * per_operand // 4:
         raise ValueError(
-            f"data.tiny_tools: {cfg.num_train + cfg.num_test} distinct problems are too many for operands "
+            f"tools_task: {cfg.num_train + cfg.num_test} distinct problems are too many for operands "
             f"of {cfg.min_digits}-{cfg.max_digits} digits; raise max_digits or lower num_train / num_test"
         )
 

@@ -37,7 +37,8 @@ from spmdrl.checkpoint.export import write_hf_metadata
 from spmdrl.config import Config, ConfigError, Derived, RLDerived, derive, derive_rl
 from spmdrl.data.prompts import PromptDataset
 from spmdrl.data.sampler import DistributedSampler
-from spmdrl.data.tiny_task import resolve_data_files
+from spmdrl.data.tiny_task import TinyTaskConfig, resolve_data_files
+from spmdrl.data.tools_task import ToolsTaskConfig
 from spmdrl.distributed.env import DistEnv, broadcast_str
 from spmdrl.distributed.placement import Meshes, Placement, plan_placement
 from spmdrl.distributed.topology import check_tp_within_nodes, node_layout_from_env
@@ -444,7 +445,9 @@ def load_prompts(
 ) -> PromptDataset:
     d = run.cfg.data
     return PromptDataset(
-        resolve_data_files(files, run.cache_dir, d.tiny, d.tiny_tools),
+        resolve_data_files(
+            files, run.cache_dir, run.cfg.section(TinyTaskConfig), run.cfg.section(ToolsTaskConfig)
+        ),
         tokenizer,
         prompt_key=d.prompt_key,
         max_prompt_length=d.max_prompt_length,
