@@ -142,7 +142,9 @@ def test_hanging_samples_time_out_in_parallel(rewards: Path):
     )
     elapsed = time.monotonic() - start
     assert result.num_timeouts == 6
-    assert elapsed < 4, f"took {elapsed:.1f} s: the timeouts ran one after another"
+    # One after another, six 1 s timeouts take at least 6 s; in parallel about 1 s plus the workers'
+    # start, which a loaded machine (CI runs suites side by side) has stretched to 4.4 s.
+    assert elapsed < 6, f"took {elapsed:.1f} s: the timeouts ran one after another"
 
 
 def test_bad_values_are_scored_errors_without_restarting_the_worker(rewards: Path, caplog):
