@@ -35,15 +35,14 @@ import torch
 from spmdrl.algos.advantages import adv_estimator
 from spmdrl.config import Config, ConfigError
 from spmdrl.distributed.env import broadcast_object
-from spmdrl.logging.samples import write_samples
 from spmdrl.logging.timer import PhaseTimer
 from spmdrl.rl.batch import PolicyBatch
 from spmdrl.rl.experience import batch_advantages, old_and_ref_logprobs, policy_batch
 from spmdrl.rl.job import (
     RLJob,
     build_job,
-    draw_curves,
     finish,
+    log_step,
     save_checkpoint,
     sync_actor_weights,
     validates_at,
@@ -56,7 +55,6 @@ from spmdrl.rl.samples import (
     ScoredSamples,
     check_reward_errors,
     score,
-    train_samples,
     train_sampling,
 )
 from spmdrl.rl.update import (
@@ -235,16 +233,7 @@ def log(job: RLJob, s: Step) -> None:
     }
     if job.scheduler is not None:
         metrics["actor/lr"] = job.scheduler.get_last_lr()[0]
-    if job.env.is_main and cfg.logging.samples_every > 0 and step % cfg.logging.samples_every == 0:
-        write_samples(job.samples_path, train_samples(step, job.tokenizer, s.samples, cfg))
-    validated = validates_at(job, step)
-    if validated:
-        metrics.update(validation(job, step))
-    metrics["timing/step_s"] = s.timer.elapsed()
-    if step % cfg.trainer.log_every == 0 or validated or step == job.total_steps:
-        job.logger.log(step, metrics)
-    if validated:
-        draw_curves(job)
+    log_step(job, step, metrics, s.samples, s.timer)
 
 
 def checkpoint(job: RLJob, s: Step) -> None:

@@ -45,12 +45,13 @@ from spmdrl.distributed.topology import check_tp_within_nodes, node_layout_from_
 from spmdrl.logging.metrics import NullLogger, truncate_after
 from spmdrl.logging.plot import plot_curves
 from spmdrl.logging.samples import write_samples
+from spmdrl.logging.timer import PhaseTimer
 from spmdrl.models.load import load_tokenizer, resolve_model_path_all_ranks
 from spmdrl.optim import OptimizerOffload, build_lr_scheduler, build_optimizer
 from spmdrl.rewards.registry import check_data_sources, load_reward_fn
 from spmdrl.rl.experience import needs_old_logprobs
 from spmdrl.rl.models import Critic, build_critic, build_models
-from spmdrl.rl.samples import validate
+from spmdrl.rl.samples import ScoredSamples, train_samples, validate
 from spmdrl.rollout.engine import RolloutEngine, build_engine, check_engine_config
 from spmdrl.rollout.rollout import Rollout, build_agent_loop, load_multi_turn_tools
 from spmdrl.rollout.weight_sync import Fanout, SyncCheck, SyncStats, sync_weights
@@ -361,6 +362,25 @@ def draw_curves(job: RLJob) -> None:
     """curves.png from metrics.jsonl (rank 0)."""
     if job.env.is_main and job.metrics_path.exists():
         plot_curves(job.metrics_path, job.run.output_dir / "curves.png", CURVE_KEYS, title=job.cfg.name)
+
+
+def log_step(
+    job: RLJob, step: int, metrics: dict[str, float], samples: ScoredSamples, timer: PhaseTimer
+) -> None:
+    """The end of every RL recipe's log phase, given the step's reduced ``metrics``: its samples
+    (logging.samples_every), validation (trainer.val_every), the step's time, a metrics row every
+    trainer.log_every steps, at validations and at the last step, and the curves after a validation."""
+    cfg = job.cfg
+    if job.env.is_main and cfg.logging.samples_every > 0 and step % cfg.logging.samples_every == 0:
+        write_samples(job.samples_path, train_samples(step, job.tokenizer, samples, cfg))
+    validated = validates_at(job, step)
+    if validated:
+        metrics.update(validation(job, step))
+    metrics["timing/step_s"] = timer.elapsed()
+    if step % cfg.trainer.log_every == 0 or validated or step == job.total_steps:
+        job.logger.log(step, metrics)
+    if validated:
+        draw_curves(job)
 
 
 def save_checkpoint(job: RLJob, step: int) -> None:
