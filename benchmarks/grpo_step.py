@@ -249,7 +249,7 @@ def spmdrl_overrides(a: argparse.Namespace, model_dir: Path, out_dir: Path) -> l
         "trainer.save_hf=false",
         "trainer.save_every=0",
         "logging.samples_every=0",
-        "logging.tensorboard=false",
+        "logging.backends=[]",
         "logging.progress_bar=false",
         f"trainer.output_dir={out_dir}",
     ]

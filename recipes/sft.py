@@ -6,10 +6,11 @@ The step: each rank takes its shard of the global batch, splits it into micro-ba
 accumulates gradients of a masked cross-entropy on response tokens only. The loss is normalized by
 the number of valid tokens in the *global* batch (counted once per step with one all_reduce), so
 the result does not depend on how the batch is split over ranks and micro-batches. Then grad-norm
-clipping, an AdamW step and the LR schedule; periodically a validation loss; at the end an HF export.
+clipping, an AdamW step and the LR schedule; periodically a validation loss with a few greedy samples
+(samples.jsonl, curves.png); checkpoints every trainer.save_every steps and after the last, from which a
+run resumes exactly (the RL recipes' format and rules, docs/checkpointing.md); at the end an HF export.
 
-Deliberately simple: no sequence packing, no resume (see the checkpoint module when it lands),
-right-padding to the longest sequence of each micro-batch.
+Deliberately simple: no sequence packing, right-padding to the longest sequence of each micro-batch.
 """
 
 from __future__ import annotations
@@ -23,22 +24,35 @@ import torch
 import torch.distributed as dist
 
 from spmdrl.algos.losses import masked_cross_entropy
-from spmdrl.checkpoint.export import export_hf
+from spmdrl.checkpoint.checkpointer import (
+    Checkpointer,
+    RoleState,
+    checkpoint_root,
+    load_checkpoint,
+    log_saved,
+    plan_resume_all_ranks,
+)
+from spmdrl.checkpoint.export import export_hf, write_hf_metadata
 from spmdrl.config import Config, derive
-from spmdrl.data.sampler import DistributedSampler
 from spmdrl.data.sft import SFTBatch, SFTDataset, collate_sft
 from spmdrl.data.tiny_task import TinyTaskConfig, resolve_data_files
 from spmdrl.data.tools_task import ToolsTaskConfig
 from spmdrl.distributed.placement import Placement
 from spmdrl.distributed.reduce import all_reduce_sum
+from spmdrl.logging.metrics import truncate_after
+from spmdrl.logging.plot import plot_curves
+from spmdrl.logging.samples import Sample, write_samples
 from spmdrl.models.build import build_fsdp_model, model_spec
+from spmdrl.models.generate import greedy_completions
 from spmdrl.models.load import load_tokenizer, resolve_model_path_all_ranks
 from spmdrl.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
 from spmdrl.rollout.rollout import load_multi_turn_tools
-from spmdrl.runtime import Run, start_run
+from spmdrl.runtime import Run, restart_count, start_run
 from spmdrl.tools import tool_schemas
 
 log = logging.getLogger("spmdrl")
+
+CURVE_KEYS = ["train/loss", "val/loss", "val/exact_match"]
 
 
 def load_sft_dataset(run: Run, tokenizer: object, files: list[str]) -> SFTDataset:
@@ -123,9 +137,18 @@ def train_sft(run: Run, cfg: Config, stage: str = "") -> Path:
     """The whole SFT run on an initialized Run; returns the exported HF model directory.
 
     ``stage`` names a sub-directory of the run's output for metrics and the export (the RL
-    recipes' warm-start uses "sft"); "" writes to the output directory itself.
+    recipes' warm-start uses "sft"); "" writes to the output directory itself. A stage saves no
+    checkpoints: the RL job that runs it resumes past it from its export.
     """
     env = run.env
+    out_dir = run.output_dir / stage
+
+    # Resume: the newest complete checkpoint here (trainer.resume=auto), a path, or none; a second run into
+    # a directory that holds one is refused (plan_resume). Rank 0 decides for everyone.
+    restarted = restart_count() > 0
+    resume_from = None
+    if not stage:
+        resume_from = plan_resume_all_ranks(cfg.trainer.resume, run.output_dir, restarted=restarted)
 
     # Model files and tokenizer (built or downloaded by rank 0 first).
     model_dir = resolve_model_path_all_ranks(cfg.model.path, run.cache_dir)
@@ -143,14 +166,7 @@ def train_sft(run: Run, cfg: Config, stage: str = "") -> Path:
         train_filtered_overlong=train_ds.num_filtered,
         val_samples=len(val_ds) if val_ds else 0,
     )
-    sampler = DistributedSampler(
-        len(train_ds),
-        rank=env.rank,
-        world_size=env.world_size,
-        batch_size_per_rank=derived.per_rank_batch_size,
-        seed=cfg.data.seed,
-        shuffle=cfg.data.shuffle,
-    )
+    sampler = run.train_sampler(len(train_ds), derived.per_rank_batch_size)
 
     # Model: meta -> FSDP2 over the actor mesh -> materialize -> load weights.
     meshes = Placement.colocated(env.world_size, cfg.parallel.dp_replicate).build_meshes(env.device.type)
@@ -158,9 +174,44 @@ def train_sft(run: Run, cfg: Config, stage: str = "") -> Path:
     model = build_fsdp_model(spec, meshes.fsdp("actor"), env.device)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_lr_scheduler(optimizer, cfg.optim, derived.total_steps)
-    logger = run.metric_logger(derived.total_steps, stage)
 
-    for step in range(1, derived.total_steps + 1):
+    # Checkpoints hold the model, optimizer, schedule, sampler and RNG (the RL recipes' format, one role).
+    role = RoleState(
+        "actor",
+        True,
+        model,
+        optimizer,
+        scheduler,
+        meshes.group("actor"),
+        lambda d: write_hf_metadata(model, tokenizer, d),
+    )
+    checkpointer = Checkpointer(
+        checkpoint_root(run.output_dir),
+        [role],
+        keep=cfg.trainer.keep_checkpoints,
+        async_save=cfg.trainer.async_save,
+    )
+    start_step = 0
+    if resume_from is not None:
+        state = load_checkpoint(resume_from, [role])
+        start_step = int(state["step"])
+        sampler.load_state_dict(state["sampler"])
+        if env.is_main:  # the steps after the checkpoint are logged again
+            dropped = truncate_after(out_dir / "metrics.jsonl", start_step)
+            dropped += truncate_after(out_dir / "samples.jsonl", start_step)
+            log.info(
+                "resumed from %s: step %d of %d (%d later log rows dropped)",
+                resume_from,
+                start_step,
+                derived.total_steps,
+                dropped,
+            )
+    elif restarted and env.is_main and not stage:  # died before its first checkpoint: start the logs over
+        truncate_after(out_dir / "metrics.jsonl", -1)
+        truncate_after(out_dir / "samples.jsonl", -1)
+    logger = run.metric_logger(derived.total_steps, stage, resume_step=start_step)
+
+    for step in range(start_step + 1, derived.total_steps + 1):
         t0 = time.perf_counter()
         examples = [train_ds[i] for i in sampler.next_batch()]
         batches = micro_batches(examples, derived.micro_batch_size, pad_id, env.device)
@@ -197,22 +248,74 @@ def train_sft(run: Run, cfg: Config, stage: str = "") -> Path:
             "perf/tokens_per_s": counts["all_tokens"] / step_s,
             "timing/step_s": step_s,
         }
-        if (
+        validated = (
             val_ds is not None
             and cfg.trainer.val_every > 0
             and (step % cfg.trainer.val_every == 0 or step == derived.total_steps)
-        ):
+        )
+        if validated:
+            assert val_ds is not None
             metrics["val/loss"] = validation_loss(run, model, val_ds, derived.micro_batch_size, pad_id)
-        if step % cfg.trainer.log_every == 0 or "val/loss" in metrics:
+            samples = generate_samples(run, model, tokenizer, val_ds, step)
+            if samples:
+                metrics["val/exact_match"] = sum(s.reward for s in samples) / len(samples)
+                if env.is_main:
+                    write_samples(out_dir / "samples.jsonl", samples)
+        if step % cfg.trainer.log_every == 0 or validated or step == derived.total_steps:
             logger.log(step, metrics)
+        if validated and env.is_main:
+            plot_curves(out_dir / "metrics.jsonl", out_dir / "curves.png", CURVE_KEYS, title=cfg.name)
+        # Logged first, saved second: a kill between the two loses no row (the resumed run logs it again).
+        every = cfg.trainer.save_every
+        if not stage and (step == derived.total_steps or (every > 0 and step % every == 0)):
+            log_saved(
+                checkpointer.save(
+                    step, {"sampler": sampler.state_dict()}, meta={"total_steps": derived.total_steps}
+                )
+            )
 
-    export_dir = run.output_dir / stage / "hf_model"
+    log_saved(checkpointer.finish())
+    export_dir = out_dir / "hf_model"
     if cfg.trainer.save_hf or stage:
         export_hf(model, tokenizer, export_dir)
     logger.close()
+    if env.is_main:
+        plot_curves(out_dir / "metrics.jsonl", out_dir / "curves.png", CURVE_KEYS, title=cfg.name)
     dist.barrier()
-    log.info("SFT done: %d steps, outputs in %s", derived.total_steps, run.output_dir / stage)
+    log.info("SFT done: %d steps, outputs in %s", derived.total_steps, out_dir)
     return export_dir
+
+
+@torch.no_grad()
+def generate_samples(
+    run: Run, model: torch.nn.Module, tokenizer: object, ds: SFTDataset, step: int
+) -> list[Sample]:
+    """Greedy completions of the first logging.samples_per_log validation prompts, each with its reference
+    response and ``reward`` 1.0 where the completion equals it exactly (val/exact_match). Every rank
+    generates the same prompts (FSDP2 needs the same forwards on every rank)."""
+    decode = tokenizer.decode  # type: ignore[attr-defined]
+    examples = [ds[i] for i in range(min(run.cfg.logging.samples_per_log, len(ds)))]
+    if not examples:
+        return []
+    starts = [ex.loss_mask.index(1) if 1 in ex.loss_mask else len(ex.input_ids) for ex in examples]
+    prompts = [ex.input_ids[:start] for ex, start in zip(examples, starts, strict=True)]
+    completions = greedy_completions(
+        model,
+        prompts,
+        max_new_tokens=run.cfg.data.max_response_length,
+        pad_id=tokenizer.pad_token_id,  # type: ignore[attr-defined]
+        device=run.env.device,
+        synced=run.env.world_size > 1,
+    )
+    samples = []
+    for ex, start, prompt, completion in zip(examples, starts, prompts, completions, strict=True):
+        response = decode(completion, skip_special_tokens=True)
+        reference = decode(ex.input_ids[start:], skip_special_tokens=True)
+        exact = float(response.strip() == reference.strip())
+        samples.append(
+            Sample(step, "val", decode(prompt, skip_special_tokens=True), response, reference, exact, "sft")
+        )
+    return samples
 
 
 if __name__ == "__main__":

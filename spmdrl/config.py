@@ -171,7 +171,16 @@ class TrainerConfig:
 
 @dataclass
 class LoggingConfig:
-    tensorboard: bool = True
+    # Where the metrics go besides metrics.jsonl (always written): "tensorboard" (output_dir/tensorboard),
+    # "console" (a table in the log every console_every steps), "wandb", "mlflow" (extras of their own;
+    # docs/metrics.md). A backend whose package is missing fails at config load, naming its extra.
+    backends: list[str] = field(default_factory=lambda: ["tensorboard"])
+    # wandb's project and MLflow's experiment (verl's trainer.project_name).
+    project: str = "spmdrl"
+    # The run's name in wandb and MLflow (verl's trainer.experiment_name); "": <recipe>-<output dir name>.
+    experiment: str = ""
+    # "": MLFLOW_TRACKING_URI if set, else a file store in output_dir/mlruns (mlflow-skinny is enough).
+    mlflow_tracking_uri: str = ""
     progress_bar: bool = True
     console_every: int = 10
     # RL recipes: every this many steps, rank 0 appends samples_per_log completions with their
@@ -429,6 +438,9 @@ class WarmstartConfig:
     """
 
     enabled: bool = False
+    # The recipe whose train_sft(run, cfg, stage) runs the stage: a shipped recipe's name, or a Python file
+    # (relative to the recipe YAML, as entry is), so a fork may bring its own SFT step.
+    entry: str = "sft"
     total_steps: int = 100
     global_batch_size: int = 64
     micro_batch_size: int = 32
@@ -636,6 +648,9 @@ def validate(cfg: Config) -> None:
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{key} must be > 0, got {value}")
+    from spmdrl.logging.backends import check_backends  # light: no torch, no tracker import
+
+    check_backends(list(cfg.logging.backends))
     if cfg.trainer.save_every < 0 or cfg.trainer.keep_checkpoints < 1:
         raise ConfigError(
             f"trainer.save_every must be >= 0 and trainer.keep_checkpoints >= 1, got {cfg.trainer.save_every}, "

@@ -57,6 +57,11 @@ RECIPE_MODULE = "spmdrl.recipes"
 _FILE_RECIPE_PREFIX = "file:"
 # Keys that moved to a section of their own: an old config's key fails naming the new one.
 _MOVED_KEYS = {"data.tiny": "tiny_task", "data.tiny_tools": "tools_task"}
+# Keys that became part of another setting: the hint says what to write instead.
+_REPLACED_KEYS = {
+    "logging.tensorboard": "metrics backends are one list now: logging.backends=[tensorboard] (the default), "
+    "logging.backends=[] for none, or any of tensorboard, console, wandb, mlflow",
+}
 
 
 def schema_class() -> type[Config]:
@@ -94,6 +99,8 @@ def check_key(dotted: str, schema: type = Config) -> None:
             if old in _MOVED_KEYS:
                 new = _MOVED_KEYS[old] + dotted[len(old) :]
                 hint = f" '{old}' is the top-level section '{_MOVED_KEYS[old]}' now: '{new}'."
+            elif old in _REPLACED_KEYS:
+                hint = f" '{old}' is gone: {_REPLACED_KEYS[old]}."
             raise ConfigError(
                 f"unknown config key '{dotted}'.{hint} Valid keys at {where}: {', '.join(sorted(fields))}"
             )
@@ -328,6 +335,15 @@ def _recipe_file(recipe: str | None) -> Path | None:
     return None
 
 
+def _check_known_keys(overrides: list[str], schema: type) -> None:
+    """check_key for each override whose top-level name is a section (or field) of ``schema``."""
+    top = set(_field_types(schema))
+    for ov in overrides:
+        key = _override_key(ov)
+        if key is not None and key.split(".", 1)[0] in top:
+            check_key(key, schema)
+
+
 def load_config(overrides: list[str], *, import_entry_module: bool = True) -> Config:
     """Composes configs/config.yaml + the selected recipe + command-line overrides into a Config.
 
@@ -355,6 +371,11 @@ def load_config(overrides: list[str], *, import_entry_module: bool = True) -> Co
         base = recipe_path.parent if recipe_path is not None and cli_entry is None else Path.cwd()
         entry = _resolve_entry(entry, base)
 
+        # A misspelled key fails before the entry's import (torch, transformers: seconds), in every section
+        # the schema has already: the built-in ones stay closed. A key under another name may be a section
+        # the entry registers; it is checked in step 3.
+        _check_known_keys(rest, schema_class())
+
         # 2. The entry registers its config sections and the functions it names (policy losses, ...).
         module = import_entry(entry) if import_entry_module else None
         schema = schema_class()
@@ -377,7 +398,25 @@ def load_config(overrides: list[str], *, import_entry_module: bool = True) -> Co
     check = getattr(module, "check_config", None)
     if check is not None:
         check(cfg)
+    if cfg.warmstart.enabled:
+        cfg = _with_warmstart_entry(cfg, recipe_path.parent if recipe_path is not None else Path.cwd())
     return cfg
+
+
+def _with_warmstart_entry(cfg: Config, base: Path) -> Config:
+    """warmstart.entry resolved as ``entry`` is, and checked at load: the recipe must have train_sft."""
+    ws = dataclasses.replace(cfg.warmstart, entry=_resolve_entry(cfg.warmstart.entry, base))
+    try:
+        module = import_entry(ws.entry)
+    except ConfigError as e:
+        raise ConfigError(f"warmstart.{e}") from None  # import_entry's message starts with "entry=..."
+    if not callable(getattr(module, "train_sft", None)):
+        raise ConfigError(
+            f"warmstart.entry={cfg.warmstart.entry!r}: {getattr(module, '__file__', None) or module.__name__} "
+            "has no train_sft(run, cfg, stage) (recipes/sft.py shows its signature); warmstart.entry=sft "
+            "runs the shipped one"
+        )
+    return dataclasses.replace(cfg, warmstart=ws)
 
 
 def to_yaml(cfg: Config) -> str:

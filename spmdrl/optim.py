@@ -1,4 +1,17 @@
-"""Optimizer and learning-rate schedule."""
+"""Optimizer and learning-rate schedule.
+
+The schedule (:func:`lr_lambda`) is a linear warm-up whose first step already trains at
+``lr / warmup_steps``, then constant or a cosine down to ``min_lr_ratio * lr``, reached at
+``total_steps`` and held after it. Why not transformers' schedulers: none gives this sequence.
+``get_constant_schedule_with_warmup`` and ``get_cosine_with_min_lr_schedule_with_warmup`` (and verl's
+own, by default) run the first warm-up step at LR 0, which in RL spends a whole rollout, reward and
+update on no change; after the warm-up the latter equals ours step for step, and its ``_lr_rate``
+variant, whose warm-up matches ours, moves the decay one step earlier and has no constant form. Taking
+either would change the LR of every recipe with a warm-up (grpo_tiny, sft_tiny, grpo_tools_tiny, whose
+results the docs quote) for no gain in function; tests/unit/test_optim.py pins the difference. The
+schedule's settings are not saved (the lambda is a plain function, so the LambdaLR state holds only the
+step count and the LRs): a resumed run rebuilds it from its config and goes on from the saved step.
+"""
 
 from __future__ import annotations
 
@@ -30,8 +43,13 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    # foreach=True: one fused kernel over the DTensor shards instead of a Python loop per parameter.
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.betas[0], cfg.betas[1]), eps=cfg.eps, foreach=True)
+    # On CUDA fused=True: one kernel for the whole update of every shard, its step counters on the device
+    # (as torchtitan runs AdamW under FSDP2). Elsewhere foreach=True: a few multi-tensor kernels instead
+    # of a Python loop per parameter; CPU runs (and their golden update) keep it. With model.offload_params
+    # the shards live in host memory, so that is foreach too.
+    on_cuda = bool(decay or no_decay) and all(p.device.type == "cuda" for p in decay + no_decay)
+    kind = {"fused": True} if on_cuda else {"foreach": True}
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.betas[0], cfg.betas[1]), eps=cfg.eps, **kind)
 
 
 def lr_lambda(step: int, *, warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: float) -> float:

@@ -15,8 +15,11 @@ import torch
 
 from spmdrl.config import Config, Derived
 from spmdrl.config_loader import to_yaml
+from spmdrl.data.sampler import DistributedSampler
 from spmdrl.distributed.env import DistEnv, broadcast_str, init_distributed
+from spmdrl.logging.backends import read_run_params
 from spmdrl.logging.metrics import MetricLogger, NullLogger
+from spmdrl.logging.trackers import Tracking
 from spmdrl.models.tiny import default_cache_dir
 
 log = logging.getLogger("spmdrl")
@@ -36,13 +39,34 @@ class Run:
         lc = self.cfg.logging
         out = self.output_dir / subdir
         out.mkdir(parents=True, exist_ok=True)
+        tracking = None
+        if {"wandb", "mlflow"} & set(lc.backends):
+            name = lc.experiment or f"{self.cfg.name}-{self.output_dir.name}"
+            tracking = Tracking(
+                project=lc.project,
+                name=f"{name}-{subdir}" if subdir else name,
+                params=read_run_params(self.output_dir / "config.yaml", out / "derived.json"),
+                mlflow_tracking_uri=lc.mlflow_tracking_uri,
+            )
         return MetricLogger(
             out,
             total_steps=total_steps,
-            tensorboard=lc.tensorboard,
+            backends=tuple(lc.backends),
             progress_bar=lc.progress_bar,
             console_every=lc.console_every,
             resume_step=resume_step,
+            tracking=tracking,
+        )
+
+    def train_sampler(self, num_samples: int, batch_size_per_rank: int) -> DistributedSampler:
+        """This rank's share of each global batch of the training data, in data.seed's order."""
+        return DistributedSampler(
+            num_samples,
+            rank=self.env.rank,
+            world_size=self.env.world_size,
+            batch_size_per_rank=batch_size_per_rank,
+            seed=self.cfg.data.seed,
+            shuffle=self.cfg.data.shuffle,
         )
 
     def log_derived(self, derived: Derived, stage: str = "", **extra: object) -> None:

@@ -4,7 +4,8 @@ Every rank runs this same program. It composes the typed config (configs/config.
 recipe YAML, then the command-line overrides), imports the recipe the config's ``entry`` names (a shipped
 recipe, spmdrl.recipes.<entry>, or a Python file: spmdrl.config_loader.import_entry) and runs its
 ``main(cfg)``. Any rank's failure ends the whole job. ``--help`` lists the recipes; ``--cfg job`` prints
-the composed config and exits.
+the composed config and exits; ``--check`` checks the config and what it points at (spmdrl.preflight)
+without torchrun and exits 0 or 2 (spmdrl.config_exit says what each exit code means).
 
 Module-level imports stay light (no torch), so that --help answers at once.
 """
@@ -14,29 +15,26 @@ from __future__ import annotations
 import faulthandler
 import os
 import sys
-import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING
 
 from spmdrl.config import ConfigError
+from spmdrl.config_exit import EXIT_CONFIG_ERROR, exit_config_error
 
 if TYPE_CHECKING:
     from spmdrl.config import Config
 
-EXIT_CONFIG_ERROR = 2
+__all__ = ["EXIT_CONFIG_ERROR", "exit_config_error", "main", "parse_config", "run_recipe", "usage"]
 
 
 # A segfault in an extension (a kernel, the engine) would otherwise show only "exit -11": print every
 # thread's Python stack on SIGSEGV / SIGFPE / SIGABRT / SIGBUS / SIGILL first.
 faulthandler.enable(all_threads=True)
 
-
-# How long a rank other than 0 waits before exiting on a config error (see exit_config_error).
-_NONZERO_RANK_EXIT_DELAY_S = 5.0
-
 _USAGE = """\
 usage: torchrun --nproc_per_node=N -m spmdrl.train recipe=<name | path/to/recipe.yaml> [key=value ...]
        python -m spmdrl.train recipe=<...> [key=value ...] --cfg job    print the composed config, exit
+       python -m spmdrl.train recipe=<...> [key=value ...] --check      check it before launching, exit
        python -m spmdrl.train --help                                     this text
 
 Shipped recipes (recipe=<name>: configs/recipe/<name>.yaml):
@@ -54,8 +52,14 @@ Overrides (Hydra's grammar; every key, its type and default: spmdrl/config.py):
                               my_coef: 0.1             # (@register_config_section("my_section"))
   my_section.key=value  a recipe's own settings, checked against its dataclass like any other key
   --cfg job             print the composed, validated config (what the run saves as config.yaml) and exit
+  --check               check the config (reward.fn's signature too), the data files (they exist, are
+                        parquet, have rows and the prompt column) and the model paths in this one process
+                        (no torchrun, no model), print one line and exit:
+                        0 fine, 2 a configuration or data error (run it before torchrun, which exits 1
+                        on any worker's failure and would retry a typo under --max-restarts)
 
-A misspelled key or a wrong type fails at once, naming the valid keys. docs/configuration.md has the
+A misspelled key or a wrong type fails at once, naming the valid keys. Exit codes: 0 done, 1 a failure while
+running, 2 a configuration or data error (torchrun turns any failure into 1). docs/configuration.md has the
 details; docs/forking.md walks through forking a recipe."""
 
 
@@ -67,35 +71,32 @@ def usage() -> str:
     return _USAGE.format(recipes="\n".join(f"  {n:<{width}}  {s}" for n, s in summaries.items()))
 
 
-def exit_config_error(message: str) -> NoReturn:
-    """Print ``message`` once for the whole job and exit 2.
-
-    Every rank reads the same config and fails the same way, so rank 0 alone prints. The others wait
-    before exiting: torchrun ends the job as soon as one rank exits, and a rank 1 that exited first could
-    get rank 0 killed before it printed (the cause was lost, intermittently). Rank 0 exits during that
-    wait, which ends the job; a rank still alive after it (its cause was local to it) prints the message.
-    """
-    if os.environ.get("RANK", "0") != "0":
-        time.sleep(_NONZERO_RANK_EXIT_DELAY_S)
-    sys.stderr.write(f"spmdrl: config error: {message}\n")
-    sys.stderr.flush()
-    sys.exit(EXIT_CONFIG_ERROR)
-
-
 def parse_config(argv: list[str], *, import_entry: bool = True) -> Config:
-    """The config, or a clean exit 2 with the message (printed once, not once per rank).
+    """The config, its data files and model paths checked (spmdrl.preflight), or a clean exit 2 with the
+    message (reported once for the job, not once per rank: spmdrl.config_exit).
 
-    ``--help`` prints :func:`usage` and exits 0; ``--cfg job`` prints the config and exits 0."""
+    ``--help`` prints :func:`usage` and exits 0; ``--cfg job`` prints the config and exits 0; ``--check``
+    prints one line and exits 0 when everything is fine."""
     from spmdrl.config_loader import load_config, to_yaml
+    from spmdrl.data.parquet import DataError
+    from spmdrl.preflight import check_inputs
 
     if "--help" in argv or "-h" in argv:
         print(usage())
         sys.exit(0)
+    check_only = "--check" in argv
+    argv = [a for a in argv if a != "--check"]
     argv, print_cfg = _pop_cfg_flag(argv)
     try:
         cfg = load_config(argv, import_entry_module=import_entry)
-    except ConfigError as e:
+        checked = check_inputs(cfg)
+    except (ConfigError, DataError) as e:
         exit_config_error(str(e))
+    if check_only:
+        print(
+            f"spmdrl: config ok: recipe {cfg.name} (entry {cfg.entry}); {'; '.join(checked)}; reward.fn={cfg.reward.fn}"
+        )
+        sys.exit(0)
     if print_cfg:
         if os.environ.get("RANK", "0") == "0":
             print(to_yaml(cfg), end="")

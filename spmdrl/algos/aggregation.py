@@ -37,6 +37,7 @@ it counts only rows with a valid token. :func:`count_units` does either (``count
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -67,6 +68,17 @@ def count_units(mask_BT: torch.Tensor, mode: str, *, count_empty_rows: bool = Fa
     if count_empty_rows:
         return int(valid_BT.shape[0])
     return int(valid_BT.any(dim=-1).sum())
+
+
+def count_units_of_rows(response_tokens: Sequence[int], mode: str, *, count_empty_rows: bool = False) -> int:
+    """:func:`count_units` from each row's number of valid tokens, known on the host: the same count
+    without reading a mask from the device (a sync on a GPU, once per micro-batch in the update)."""
+    check_mode(mode)
+    if mode in ("token-mean", "token-sum"):
+        return sum(response_tokens)
+    if count_empty_rows:
+        return len(response_tokens)
+    return sum(1 for n in response_tokens if n > 0)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ before the new one is published, and only directories named ``step-<N>`` with a 
 The directory must be on storage every rank sees (a shared file system across nodes).
 
 DCP writes each rank's shards and the planner reshards on load, so a checkpoint saved on 2 ranks loads
-on 1 or 4 (tests/test_checkpoint.py). Each role saves over its own process group, so under a split
+on 1 or 4 (tests/integration/test_checkpoint.py). Each role saves over its own process group, so under a split
 placement the actor's and the critic's ranks write at the same time.
 """
 
@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from spmdrl.config import ConfigError
+from spmdrl.distributed.env import broadcast_str
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +134,30 @@ def plan_resume(resume: str, output_dir: Path, *, restarted: bool) -> Path | Non
             f"another trainer.output_dir (or leave it empty for a new timestamped one), or delete {output_dir}"
         )
     return path
+
+
+_REFUSED = "refused:"  # no path starts so: paths broadcast here are absolute
+
+
+def plan_resume_all_ranks(resume: str, output_dir: Path, *, restarted: bool) -> Path | None:
+    """:func:`plan_resume` decided on rank 0 and told to every rank (they must all agree on it); a refusal
+    is raised on every rank, so the job reports it once (spmdrl.config_exit) rather than as rank 0's error
+    and the other ranks' broken collective."""
+    answer = ""
+    if dist.get_rank() == 0:
+        try:
+            answer = str(plan_resume(resume, output_dir, restarted=restarted) or "")
+        except ConfigError as e:
+            answer = _REFUSED + str(e)
+    answer = broadcast_str(answer)
+    if answer.startswith(_REFUSED):
+        raise ConfigError(answer[len(_REFUSED) :])
+    return Path(answer) if answer else None
+
+
+def log_saved(saved: SaveStats | None) -> None:
+    if saved is not None:
+        log.info("checkpoint %s: %.1f MB in %.2f s", saved.path, saved.bytes / 1e6, saved.seconds)
 
 
 def _rng_state() -> dict[str, Any]:

@@ -6,8 +6,16 @@ Two ways in, one writer (:func:`write_hf_dir`):
 - :func:`export_checkpoint` (``python -m spmdrl.export <checkpoint> <out_dir>``): a sharded DCP
   checkpoint, on one process, no process group, whatever world size saved it.
 
+The weights are written by ``huggingface_hub.save_torch_state_dict``, the Hub's layout: one
+``model.safetensors``, or above ``max_shard_size`` (5 GB, huggingface_hub's default) numbered shards
+``model-0000k-of-0000n.safetensors`` with a ``model.safetensors.index.json`` that maps each tensor to
+its shard, which transformers and vLLM both read.
+
 Written into a temporary sibling directory and renamed into place, so a crash mid-export never
-leaves a half-written model where a user (or vLLM) would load it.
+leaves a half-written model where a user (or vLLM) would load it. The weight files get the mode any
+other new file gets under the process's umask (0644 under the usual 022), so other accounts can load
+the export: safetensors 0.8 writes through a private temporary file and leaves them 0600
+(https://github.com/safetensors/safetensors/issues/782).
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
+from huggingface_hub import save_torch_state_dict
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -36,19 +44,27 @@ def write_hf_dir(
     tokenizer: object | None = None,
     generation_config: object | None = None,
     dtype: torch.dtype | None = None,
+    max_shard_size: int | str = "5GB",
 ) -> None:
-    """An HF model directory from full tensors, atomically (temporary sibling, then one rename)."""
+    """An HF model directory from full tensors, atomically (temporary sibling, then one rename).
+
+    ``max_shard_size`` (bytes, or a string such as ``"500MB"``) splits the weights into shards with an
+    index when they are larger; a tensor larger than it gets a shard of its own."""
     if getattr(config, "tie_word_embeddings", False):
         tensors = {
             k: v for k, v in tensors.items() if k != "lm_head.weight"
         }  # stored once, as transformers does
     tensors = {
-        k: (v.to(dtype) if dtype is not None else v).detach().cpu().contiguous() for k, v in tensors.items()
+        k: _own_storage((v.to(dtype) if dtype is not None else v).detach().cpu()) for k, v in tensors.items()
     }
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    save_torch_state_dict(tensors, tmp, max_shard_size=max_shard_size)
+    # The directory was just made with 0o777 & ~umask: a plain new file's mode is that without the x bits.
+    file_mode = tmp.stat().st_mode & 0o666
+    for f in tmp.glob("*.safetensors"):
+        f.chmod(file_mode)
     if dtype is not None:
         config.dtype = dtype  # type: ignore[attr-defined]
     config.save_pretrained(tmp)  # type: ignore[attr-defined]
@@ -60,6 +76,14 @@ def write_hf_dir(
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)
     log.info("exported HF model to %s", out_dir)
+
+
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t``, copied if it is a view of a larger buffer: safetensors refuses those, and a gathered tensor
+    whose rows do not split evenly over the ranks is one (the padding rows of the gather buffer)."""
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size() or not t.is_contiguous():
+        return t.clone(memory_format=torch.contiguous_format)
+    return t
 
 
 def write_hf_metadata(model: nn.Module, tokenizer: object, out_dir: Path) -> None:

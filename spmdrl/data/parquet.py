@@ -61,6 +61,29 @@ def _missing_column(path: Path, column: str, have: list[str], column_keys: Mappi
     return DataError(f"data file {path} has no column {column!r} (it has: {', '.join(have)}); {fix}")
 
 
+def open_checked(
+    paths: Sequence[str | os.PathLike[str]],
+    columns: Sequence[str],
+    column_keys: Mapping[str, str] | None = None,
+) -> list[pq.ParquetFile]:
+    """Each file opened (its footer only, no rows read) and checked to exist, be parquet, have rows and
+    hold ``columns``: what :func:`read_source` checks first, and what spmdrl.preflight checks before a run
+    starts. ``column_keys`` as in :func:`read_source`."""
+    column_keys = column_keys or {}
+    paths = [Path(p) for p in paths]
+    if not paths:
+        raise DataError("no data files given; set data.train_files / data.val_files to parquet files")
+    files = [_open(p) for p in paths]
+    for path, f in zip(paths, files, strict=True):
+        have = f.schema_arrow.names
+        for column in columns:
+            if column not in have:
+                raise _missing_column(path, column, have, column_keys)
+        if f.metadata.num_rows == 0:
+            raise DataError(f"data file {path} has no rows; remove it from the file list")
+    return files
+
+
 def read_source(
     paths: Sequence[str | os.PathLike[str]],
     columns: Sequence[str],
@@ -73,16 +96,9 @@ def read_source(
     ``column_keys`` maps a column to the config key that selects it, so that a missing column's error
     says which key to set (e.g. ``{"prompt": "data.prompt_key"}``).
     """
-    column_keys = column_keys or {}
     paths = [Path(p) for p in paths]
-    if not paths:
-        raise DataError("no data files given; set data.train_files / data.val_files to parquet files")
-    files = [_open(p) for p in paths]
+    files = open_checked(paths, columns, column_keys)
     names = [f.schema_arrow.names for f in files]
-    for path, have in zip(paths, names, strict=True):
-        for column in columns:
-            if column not in have:
-                raise _missing_column(path, column, have, column_keys)
     wanted = list(dict.fromkeys(columns))
     for column in optional_columns:
         if column in wanted:

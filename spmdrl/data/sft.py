@@ -1,7 +1,9 @@
 """SFT datasets: (prompt, response) pairs tokenized with an exact prompt/response boundary, and collation.
 
 The text of one example is the chat-templated prompt (ending with the assistant's generation prompt),
-then the response, then the tokenizer's eos token. The prompt and the response are tokenized apart and
+then the response, then the token the chat template ends an assistant turn with (the tokenizer's eos,
+or Llama 3's ``<|eot_id|>`` / Gemma's ``<end_of_turn>`` where the template ends turns with another token:
+spmdrl.data.turns.end_of_turn_ids, the token rollouts stop on). The prompt and the response are tokenized apart and
 concatenated, so the loss mask marks exactly the response tokens; tokenizing the joined string could
 merge tokens across the boundary. As for RL prompts (see spmdrl.data.prompts), every rank computes all
 lengths for the overlong filter and builds examples lazily.
@@ -33,7 +35,7 @@ from spmdrl.data.prompts import (
     render_prompt,
     token_lengths,
 )
-from spmdrl.data.turns import TemplateError, TurnCodec
+from spmdrl.data.turns import TemplateError, TurnCodec, end_of_turn_ids
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -103,6 +105,10 @@ class SFTDataset:
         self.prompt_key = prompt_key
         self.response_key = response_key
         self.eos_id = int(tokenizer.eos_token_id)
+        # A single-turn demonstration ends where the chat template ends an assistant turn, the token the
+        # engine stops rollouts on: Llama 3's <|eot_id|> or Gemma's <end_of_turn> where they differ from
+        # the eos (a warm-start that taught the eos would teach a token the template never writes there).
+        self.response_end_id = (end_of_turn_ids(tokenizer) or [self.eos_id])[0]
         self._codec: TurnCodec | None = None  # built on the first multi-turn row
         self.source = read_source(
             paths,
@@ -223,7 +229,7 @@ class SFTDataset:
         # A multi-turn demonstration ends each turn with the template's end-of-turn token, which the
         # rollout stops on (the eos for ChatML instruct tokenizers; not for a base model's eos).
         multi_turn = any(not isinstance(p, str) for p in parts)
-        end_id = self._turn_end_id() if multi_turn else self.eos_id
+        end_id = self._turn_end_id() if multi_turn else self.response_end_id
         for p in parts:
             if isinstance(p, str):
                 ids = encode(self.tokenizer, p) + [end_id]

@@ -131,3 +131,21 @@ class TurnCodec:
         without = self._render(probe, generation_prompt=False)
         with_prompt = self._render(probe, generation_prompt=True)
         return list(self.tokenizer.encode(with_prompt[len(without) :], add_special_tokens=False))
+
+
+def end_of_turn_ids(tokenizer: Any) -> list[int]:
+    """The token the chat template closes an assistant message with, when it is not the tokenizer's eos
+    (Llama 3's ``<|eot_id|>`` beside ``<|end_of_text|>``, Gemma's ``<end_of_turn>`` beside ``<eos>``);
+    empty when it is the eos (ChatML instruct, Mistral) or the template shows none.
+
+    A response ends there: the engine stops on it (vLLM itself stops only on the eos and on
+    generation_config.json's ``eos_token_id``, which a checkpoint may not list it in), and an SFT
+    demonstration ends with it (spmdrl.data.sft), so a warm-started model learns the token rollouts stop on.
+    """
+    if getattr(tokenizer, "chat_template", None) is None:
+        return []
+    try:
+        end = TurnCodec(tokenizer).turn_end_id
+    except TemplateError:
+        return []
+    return [] if end == tokenizer.eos_token_id else [end]

@@ -13,7 +13,7 @@ rank (the update's arithmetic needs them) with the token counts evened out.
 
 Wire format: one message per (source, destination) pair, every field of the moved rows packed side by
 side into a float64 buffer of shape (rows, width, fields). float64 holds int64 token ids below 2**53,
-booleans and float32 values exactly, so the round trip is bit-exact (tests/test_exchange.py).
+booleans and float32 values exactly, so the round trip is bit-exact (tests/unit/distributed/test_exchange.py).
 """
 
 from __future__ import annotations

@@ -21,8 +21,16 @@ EXIT_FAILURE = 1
 
 
 def run_or_die(fn: Callable[[], T]) -> T:
+    from spmdrl.config_exit import exit_config_error
+    from spmdrl.data.parquet import DataError
+    from spmdrl.errors import ConfigError
+
     try:
         return fn()
+    except (ConfigError, DataError) as e:
+        # A wrong setting or data file found once the run started (the output directory holds a run, a
+        # row that does not parse): the user's to fix, so it ends like one found at load, once and exit 2.
+        exit_config_error(str(e))
     except SystemExit as e:
         if e.code in (0, None):
             raise

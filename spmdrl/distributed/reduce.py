@@ -28,6 +28,20 @@ def all_reduce_sum(
     return _all_reduce(values, device, group, dist.ReduceOp.SUM)
 
 
+def all_reduce_sum_tensors(
+    values: dict[str, torch.Tensor], group: dist.ProcessGroup | None = None
+) -> dict[str, float]:
+    """Sums every 0-dim tensor over the group with one all_reduce, in float64, and reads the sums on the
+    host once: statistics accumulated on the device stay there until this one read."""
+    if not values:
+        return {}
+    keys = sorted(values)  # every rank must pack the same keys in the same order
+    t = torch.stack([values[k].detach().to(torch.float64) for k in keys])
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return dict(zip(keys, t.tolist(), strict=True))
+
+
 def all_reduce_min(
     values: dict[str, float], device: torch.device, group: dist.ProcessGroup | None = None
 ) -> dict[str, float]:

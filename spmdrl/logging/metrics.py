@@ -1,4 +1,5 @@
-"""Metric outputs: metrics.jsonl, tensorboard, console and a progress bar, written by rank 0 only.
+"""Metric outputs: metrics.jsonl (always), the backends of ``logging.backends`` (tensorboard, console,
+wandb, mlflow; spmdrl.logging.backends) and a progress bar, written by rank 0 only.
 
 Reductions across ranks live in spmdrl.distributed.reduce; by the time values reach a logger they are
 plain floats that every rank agrees on. Other ranks get a :class:`NullLogger`, so call sites need
@@ -14,6 +15,10 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from spmdrl.logging.console import format_table
+from spmdrl.logging.progress import Progress
+from spmdrl.logging.trackers import Tracking, open_tracker
 
 log = logging.getLogger("spmdrl")
 
@@ -34,28 +39,40 @@ class MetricLogger(NullLogger):
         output_dir: Path,
         *,
         total_steps: int,
-        tensorboard: bool = True,
+        backends: tuple[str, ...] = ("tensorboard",),
         progress_bar: bool = True,
         console_every: int = 10,
         resume_step: int = 0,
+        tracking: Tracking | None = None,
     ) -> None:
         self.output_dir = output_dir
         self.console_every = max(console_every, 1)
+        self._table = "console" in backends
         # Line-buffered so `tail -f metrics.jsonl` works; closed in close().
         self._jsonl = open(output_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
         self._tb: Any = None
-        if tensorboard:
+        if "tensorboard" in backends:
             from torch.utils.tensorboard import SummaryWriter
 
             # A resumed run rewrites the steps after its checkpoint: tensorboard drops its old events.
             purge = resume_step + 1 if resume_step else None
             self._tb = SummaryWriter(log_dir=str(output_dir / "tensorboard"), purge_step=purge)
+        self._trackers: list[Any] = []
+        for name in ("wandb", "mlflow"):
+            if name in backends:
+                if tracking is None:
+                    raise ValueError(
+                        f"the {name} backend needs tracking settings (the run's name and parameters)"
+                    )
+                self._trackers.append(open_tracker(name, output_dir, tracking))
         self._bar: Any = None
         if progress_bar and sys.stderr.isatty():
             from tqdm import tqdm
 
             self._bar = tqdm(total=total_steps, desc="train", dynamic_ncols=True)
         self._start = time.time()
+        # Without a terminal (Slurm, nohup) the console lines say how far the run is and when it ends.
+        self._progress = Progress(total_steps, start_step=resume_step)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         clean = {k: float(v) for k, v in metrics.items()}
@@ -63,16 +80,26 @@ class MetricLogger(NullLogger):
         if self._tb is not None:
             for k, v in clean.items():
                 self._tb.add_scalar(k, v, step)
+        for tracker in self._trackers:
+            tracker.log(step, clean)
+        due = step % self.console_every == 0 or step == 1
+        if self._table and due:
+            # Under a progress bar the bar says how far the run is; without one, the table's header does.
+            header = "" if self._bar is not None else self._progress.line(step)
+            log.info("%s", format_table(step, clean, header))
         if self._bar is not None:
             self._bar.n = step
             self._bar.set_postfix(_short(clean), refresh=True)
-        elif step % self.console_every == 0 or step == 1:
-            log.info("step %d  %s", step, "  ".join(f"{k}={_fmt(v)}" for k, v in sorted(clean.items())))
+        elif due and not self._table:
+            values = "  ".join(f"{k}={_fmt(v)}" for k, v in sorted(clean.items()))
+            log.info("%s  %s", self._progress.line(step), values)
 
     def close(self) -> None:
         self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+        for tracker in self._trackers:
+            tracker.close()
         if self._bar is not None:
             self._bar.close()
 

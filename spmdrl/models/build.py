@@ -114,7 +114,12 @@ def build_fsdp_model(spec: ModelSpec, mesh: DeviceMesh, device: torch.device) ->
         hf_config.num_labels, hf_config.classifier_dropout = 1, 0.0
         auto = AutoModelForTokenClassification
     with _params_on_meta():
-        model = auto.from_config(hf_config, trust_remote_code=spec.trust_remote_code, dtype=torch.float32)
+        model = auto.from_config(
+            hf_config,
+            trust_remote_code=spec.trust_remote_code,
+            dtype=torch.float32,
+            **attention_kwargs(hf_config),
+        )
     # Sharded params are the fp32 master copy; FSDP2 casts to param_dtype for compute.
     # Keep (owner module, name, value) rather than dotted names: activation checkpointing renames paths.
     buffers = [
@@ -157,6 +162,17 @@ def build_fsdp_model(spec: ModelSpec, mesh: DeviceMesh, device: torch.device) ->
     n_params = sum(p.numel() for p in model.parameters())
     log.info("built %s from %s: %.2fM parameters", type(model).__name__, spec.path, n_params / 1e6)
     return model
+
+
+def attention_kwargs(hf_config: object) -> dict[str, str]:
+    """transformers' attention implementation for this config, where its default is wrong.
+
+    Gemma 2 soft-caps attention scores (``attn_logit_softcapping``); transformers' SDPA path (its default)
+    silently drops the cap, which the engine applies, so the trainer would score another model than the
+    one that sampled. Eager attention applies it."""
+    if getattr(hf_config, "attn_logit_softcapping", None) is not None:
+        return {"attn_implementation": "eager"}
+    return {}
 
 
 def build_meta_model(spec: ModelSpec) -> nn.Module:

@@ -5,12 +5,40 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from spmdrl.models.families import check_architecture
+
 log = logging.getLogger(__name__)
 
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
 
 
-def resolve_model_path(path: str, cache_dir: Path) -> Path:
+def check_model_path(path: str, *, key: str = "model.path", critic: bool = False) -> Path | None:
+    """The local model directory ``path`` names, checked to hold config.json and safetensors of a supported
+    family (spmdrl.models.families; ``critic``: one a critic can be built on); None for a hub id
+    (org/name). Raises FileNotFoundError for a missing directory that is not a hub id either, ConfigError
+    for an unsupported architecture. No download, no heavy import: spmdrl.preflight calls it before a run
+    starts. ``key`` starts the messages."""
+    local = Path(path).expanduser()
+    if local.exists():
+        if not (local / "config.json").is_file():
+            raise FileNotFoundError(
+                f"{key}={path}: no config.json in {local}; point it at an HF model directory"
+            )
+        if not any(local.glob("*.safetensors")):
+            raise FileNotFoundError(
+                f"{key}={path}: no *.safetensors in {local}; spmdrl loads safetensors only "
+                "(convert with transformers' save_pretrained(safe_serialization=True))"
+            )
+        check_architecture(local, key=key, critic=critic)
+        return local
+    if path.startswith(("/", ".", "~")) or path.count("/") != 1:
+        raise FileNotFoundError(
+            f"{key}={path}: no such directory, and it does not look like a hub id (org/name)"
+        )
+    return None
+
+
+def resolve_model_path(path: str, cache_dir: Path, *, critic: bool = False) -> Path:
     """A local directory holding config.json + *.safetensors (and the tokenizer).
 
     ``"tiny"`` builds (once, cached) the deterministic tiny Qwen2; an existing directory is used
@@ -20,35 +48,25 @@ def resolve_model_path(path: str, cache_dir: Path) -> Path:
         from spmdrl.models.tiny import ensure_tiny_model
 
         return ensure_tiny_model(cache_dir)
-    local = Path(path).expanduser()
-    if local.exists():
-        if not (local / "config.json").is_file():
-            raise FileNotFoundError(
-                f"model.path={path}: no config.json in {local}; point it at an HF model directory"
-            )
-        if not any(local.glob("*.safetensors")):
-            raise FileNotFoundError(
-                f"model.path={path}: no *.safetensors in {local}; spmdrl loads safetensors only "
-                "(convert with transformers' save_pretrained(safe_serialization=True))"
-            )
+    key = "critic.model_path" if critic else "model.path"
+    local = check_model_path(path, key=key, critic=critic)
+    if local is not None:
         return local
-    if path.startswith(("/", ".", "~")) or path.count("/") != 1:
-        raise FileNotFoundError(
-            f"model.path={path}: no such directory, and it does not look like a hub id (org/name)"
-        )
     from huggingface_hub import snapshot_download
 
     log.info("downloading %s from the hub (safetensors and tokenizer files)", path)
     try:
-        return Path(snapshot_download(path, allow_patterns=_HUB_PATTERNS))
+        downloaded = Path(snapshot_download(path, allow_patterns=_HUB_PATTERNS))
     except Exception as e:  # noqa: BLE001 - re-raised with the fix
         raise RuntimeError(
             f"model.path={path}: could not download from the hub ({type(e).__name__}: {e}). Offline? "
             "Download it elsewhere and set model.path to the local directory."
         ) from e
+    check_architecture(downloaded, key=key, critic=critic)
+    return downloaded
 
 
-def resolve_model_path_all_ranks(path: str, cache_dir: Path) -> Path:
+def resolve_model_path_all_ranks(path: str, cache_dir: Path, *, critic: bool = False) -> Path:
     """resolve_model_path with rank 0 going first (one download / one build), the others after it (waiting
     outside any collective, so a long download does not count against the collective timeout)."""
     import torch.distributed as dist
@@ -57,10 +75,10 @@ def resolve_model_path_all_ranks(path: str, cache_dir: Path) -> Path:
 
     main = not dist.is_initialized() or dist.get_rank() == 0
     if main:
-        resolved = resolve_model_path(path, cache_dir)
+        resolved = resolve_model_path(path, cache_dir, critic=critic)
     wait_for("model-files", writer=main)
     if not main:
-        resolved = resolve_model_path(path, cache_dir)
+        resolved = resolve_model_path(path, cache_dir, critic=critic)
     return resolved
 
 

@@ -6,7 +6,7 @@ decreasing), each sequence's position ids restarting at 0. With no attention mas
 the restarts as sequence boundaries and attends only within each sequence (a block-diagonal causal
 mask; varlen kernels where the attention backend has them, flash-attention on GPUs). Rotary positions
 are the same as in the padded row, so the logprobs equal the padded computation's up to float
-rounding (tests/test_packing.py).
+rounding (tests/unit/models/test_packing.py).
 
 The capacity defaults to the micro-batch's longest sequence: on backends without varlen attention
 (CPU's SDPA) the attention still costs capacity^2 per row, which then stays what a padded row costs.
@@ -14,9 +14,12 @@ The capacity defaults to the micro-batch's longest sequence: on backends without
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from spmdrl.transfer import to_device
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,9 @@ class Packed:
     padded_idx_N: torch.Tensor
     packed_idx_N: torch.Tensor
     shape_BT: tuple[int, int]
+    # Which segment each packed position belongs to (each sequence, and each row's tail, its own): the
+    # block-diagonal attention mask transformers derives from the position ids, without reading them.
+    segment_ids_RC: torch.Tensor
 
     def unpack(self, t_RC: torch.Tensor) -> torch.Tensor:
         """A per-token (R, C) tensor back to the padded (B, T) layout, 0 at padding (differentiable)."""
@@ -53,34 +59,47 @@ def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
 
 
 def pack(
-    input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor, *, pad_id: int = 0, capacity: int = 0
+    input_ids_BT: torch.Tensor,
+    attention_mask_BT: torch.Tensor,
+    *,
+    pad_id: int = 0,
+    capacity: int = 0,
+    lengths_B: Sequence[int] | None = None,
 ) -> Packed:
-    """Pack right-padded rows; ``capacity`` 0 means the longest sequence."""
+    """Pack right-padded rows; ``capacity`` 0 means the longest sequence.
+
+    ``lengths_B``: each row's tokens when the caller knows them on the host (read from the mask
+    otherwise, a sync on a GPU). The plan (positions, index maps) is built on the host and moved to the
+    device in one asynchronous copy; the token ids are gathered on the device.
+    """
     B, T = input_ids_BT.shape
-    lengths = attention_mask_BT.sum(dim=1).tolist()
+    device = input_ids_BT.device
+    lengths = [int(n) for n in (attention_mask_BT.sum(dim=1).tolist() if lengths_B is None else lengths_B)]
     C = capacity or max(lengths, default=1) or 1
     if max(lengths, default=0) > C:
         raise ValueError(f"a sequence of {max(lengths)} tokens does not fit a packed row of {C}")
-    bins = first_fit_decreasing([int(n) for n in lengths], C)
+    bins = first_fit_decreasing(lengths, C)
     R = len(bins)
-    ids_RC = torch.full((R, C), pad_id, dtype=input_ids_BT.dtype, device=input_ids_BT.device)
-    pos_RC = torch.zeros((R, C), dtype=torch.long, device=input_ids_BT.device)
-    padded, packed = [], []
+    pos: list[int] = []
+    seg: list[int] = []
+    padded: list[int] = []
+    packed: list[int] = []
     for r, rows in enumerate(bins):
         off = 0
         for b in rows:
-            n = int(lengths[b])
-            ids_RC[r, off : off + n] = input_ids_BT[b, :n]
-            pos_RC[r, off : off + n] = torch.arange(n)
-            padded.append(torch.arange(b * T, b * T + n))
-            packed.append(torch.arange(r * C + off, r * C + off + n))
+            n = lengths[b]
+            pos.extend(range(n))
+            seg.extend([len(padded)] * n)  # a number no other segment of the row has
+            padded.extend(range(b * T, b * T + n))
+            packed.extend(range(r * C + off, r * C + off + n))
             off += n
         # The tail restarts its positions too: a segment of its own, attended by no real token.
-        pos_RC[r, off:] = torch.arange(C - off)
-    device = input_ids_BT.device
-    cat = (
-        (lambda xs: torch.cat(xs).to(device))
-        if padded
-        else (lambda xs: torch.zeros(0, dtype=torch.long, device=device))
-    )
-    return Packed(ids_RC, pos_RC, cat(padded), cat(packed), (B, T))
+        pos.extend(range(C - off))
+        seg.extend([-1] * (C - off))
+    N = len(padded)
+    plan = to_device(torch.tensor(pos + seg + padded + packed, dtype=torch.long), device)
+    pos_RC, seg_RC = plan[: R * C].view(R, C), plan[R * C : 2 * R * C].view(R, C)
+    padded_N, packed_N = plan[2 * R * C : 2 * R * C + N], plan[2 * R * C + N :]
+    ids_flat = torch.full((R * C,), pad_id, dtype=input_ids_BT.dtype, device=device)
+    ids_flat[packed_N] = input_ids_BT.reshape(-1)[padded_N]
+    return Packed(ids_flat.view(R, C), pos_RC, padded_N, packed_N, (B, T), seg_RC)

@@ -5,7 +5,9 @@ A reward function has this signature (the one users write)::
     def score(response: str, ground_truth: str, *, data_source: str, extra_info: dict) -> float:
         ...
 
-It returns a float, or a dict with a float ``"score"`` key plus extra numeric keys that are logged
+or verl's, ``compute_score(data_source, solution_str, ground_truth, extra_info=None)``: which one is
+told from the signature when the function loads (spmdrl.rewards.signature). It returns a float, or a dict
+with a float ``"score"`` key plus extra keys, whose numeric ones are logged as ``reward/extra/<key>``
 (say ``{"score": 1.0, "format_ok": 1.0}``). :func:`load_reward_fn` turns the ``reward.fn`` config
 string into such a function:
 
@@ -31,7 +33,8 @@ from typing import Any
 from spmdrl.config import ConfigError
 from spmdrl.imports import import_spec_of, is_import_path
 from spmdrl.registry import Registered, Registry
-from spmdrl.rewards import gsm8k, tiny, tiny_tools
+from spmdrl.rewards import gsm8k, math_answers, tiny, tiny_tools
+from spmdrl.rewards.signature import CallStyle, call, call_style
 
 
 class UnknownDataSourceError(ConfigError):
@@ -62,11 +65,13 @@ class RewardFn:
     spec: str
     fn: Callable[..., Any]
     trusted: bool
+    # spmdrl's signature or verl's, from fn's signature (spmdrl.rewards.signature); called as spmdrl's.
+    style: CallStyle = CallStyle.SPMDRL
 
     def __call__(
         self, response: str, ground_truth: str, *, data_source: str, extra_info: dict[str, Any]
     ) -> Any:
-        return self.fn(response, ground_truth, data_source=data_source, extra_info=extra_info)
+        return call(self.fn, self.style, response, ground_truth, data_source, extra_info)
 
     def __reduce__(self) -> tuple[Callable[[str], RewardFn], tuple[str]]:
         return (load_reward_fn, (self.spec,))
@@ -80,7 +85,18 @@ class RewardFnEntry(Registered):
     trusted: bool = False
 
 
-REWARD_FNS: Registry[RewardFnEntry] = Registry(
+class _RewardRegistry(Registry[RewardFnEntry]):
+    """A Registry whose functions take spmdrl's reward arguments or verl's."""
+
+    def _call_problem(self, fn: Callable[..., Any], extra: tuple[str, ...] = ()) -> str | None:
+        try:
+            call_style(fn)
+        except TypeError as e:
+            return str(e)
+        return None
+
+
+REWARD_FNS: Registry[RewardFnEntry] = _RewardRegistry(
     "reward function",
     RewardFnEntry,
     decorator="register_reward_fn",
@@ -115,11 +131,19 @@ def tiny_tools_score(
     return tiny_tools.compute_score(response, ground_truth)
 
 
+# Not trusted: sympy has no time or memory bound of its own, and math-verify's time limits need a main
+# thread; it runs in the sandbox's workers, under reward.fn=auto too (spmdrl.rewards.math_answers).
+@register_reward_fn("math")
+def math_score(response: str, ground_truth: str, *, data_source: str, extra_info: dict[str, Any]) -> float:
+    return math_answers.compute_score(response, ground_truth)
+
+
 # data_source column value -> the built-in rule that ``reward.fn=auto`` uses for it.
 DATA_SOURCE_FNS: dict[str, Callable[..., float]] = {
     "openai/gsm8k": gsm8k_score,
     tiny.DATA_SOURCE: tiny_score,
     tiny_tools.DATA_SOURCE: tiny_tools_score,
+    **dict.fromkeys(math_answers.DATA_SOURCES, math_score),
 }
 
 
@@ -138,6 +162,7 @@ def auto_score(response: str, ground_truth: str, *, data_source: str, extra_info
 def check_data_sources(spec: str, data_sources: set[str]) -> None:
     """``reward.fn=auto`` must know every data_source in the data: checked at start, not at the first
     sample (after a warm-start and an engine build)."""
+    math_answers.check_available(spec, data_sources)
     if spec.strip() != "auto":
         return
     unknown = sorted(data_sources - set(DATA_SOURCE_FNS))
@@ -153,8 +178,9 @@ def load_reward_fn(spec: str) -> RewardFn:
     """The reward function that ``spec`` names (``reward.fn``: a registered name or an import path);
     raises ConfigError saying what is wrong with it."""
     entry = REWARD_FNS.get(spec.strip(), key="reward.fn")
+    style = call_style(entry.fn)  # the registry checked it takes one of the two signatures
     if entry.trusted:
-        return RewardFn(spec=entry.name, fn=entry.fn, trusted=True)
+        return RewardFn(spec=entry.name, fn=entry.fn, trusted=True, style=style)
     # What a worker process (a fresh interpreter) imports it by: the import path as given (a file's made
     # absolute), or, for a name a user registered, where the function is defined.
     where = entry.name
@@ -163,4 +189,4 @@ def load_reward_fn(spec: str) -> RewardFn:
             where = import_spec_of(entry.fn)
         except ValueError as e:
             raise ConfigError(f"reward.fn={spec!r}: {e}; define it at the top level of a module") from None
-    return RewardFn(spec=where, fn=entry.fn, trusted=False)
+    return RewardFn(spec=where, fn=entry.fn, trusted=False, style=style)

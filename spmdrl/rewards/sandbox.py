@@ -70,7 +70,14 @@ from multiprocessing import connection
 from typing import TYPE_CHECKING, Any
 
 from spmdrl.config import ConfigError
-from spmdrl.rewards.registry import RewardFn, RewardInput
+from spmdrl.rewards.registry import (
+    DATA_SOURCE_FNS,
+    REWARD_FNS,
+    RewardFn,
+    RewardInput,
+    auto_score,
+    load_reward_fn,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -91,7 +98,7 @@ _DROPPED_ENV_PREFIXES = ("TORCHELASTIC_",)
 THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 # A returned value is quoted in error messages up to this many characters.
 _REPR_CHARS = 200
-_EXPECTED = "expected a finite float, or a dict with a finite float 'score' key and numeric extras"
+_EXPECTED = "expected a finite float, or a dict with a finite float 'score' key and finite numeric extras"
 
 
 @dataclass
@@ -145,23 +152,45 @@ def score_batch(
     name = describe(fn)
     if trusted is None:
         trusted = isinstance(fn, RewardFn) and fn.trusted
-    if not inputs:
-        outcomes: list[_Outcome] = []
-    elif trusted:
-        outcomes = [_call_one(fn, name, i, inp) for i, inp in enumerate(inputs)]
-    else:
+    # What scores each sample: fn; or, for a trusted fn that dispatches (reward.fn=auto), the rule of the
+    # sample's data source when that rule is not trusted (math-verify): those samples go to the workers.
+    rules = {ds: _untrusted_rule(fn, ds) for ds in {inp.data_source for inp in inputs}} if trusted else {}
+    runs: list[Callable[..., Any]] = [rules.get(inp.data_source) or fn for inp in inputs]
+    outcomes: list[_Outcome | None] = [
+        _call_one(fn, name, i, inp) if trusted and run is fn else None
+        for i, (inp, run) in enumerate(zip(inputs, runs, strict=True))
+    ]
+    for run in dict.fromkeys(r for r, o in zip(runs, outcomes, strict=True) if o is None):
+        run_name = describe(run)
         job = _Job(
-            blob=_pickle_fn(fn, name),
-            name=name,
+            blob=_pickle_fn(run, run_name),
+            name=run_name,
             inputs=list(inputs),
             timeout_s=timeout_s,
             batch_timeout_s=batch_timeout_s,
             deadline=deadline,
             limits=_Limits(memory_mb, file_size_mb),
+            indices=[
+                i for i, (r, o) in enumerate(zip(runs, outcomes, strict=True)) if o is None and r == run
+            ],
         )
         with _POOL_LOCK:
-            outcomes = _pool().run(job, num_workers)
-    return _collect(outcomes, name, error_score, timeout_s, batch_timeout_s)
+            scored = _pool().run(job, num_workers)
+        for i in job.indices:
+            outcomes[i] = scored[i]
+    return _collect(outcomes, name, error_score, timeout_s, batch_timeout_s)  # type: ignore[arg-type]
+
+
+def _untrusted_rule(fn: Callable[..., Any], data_source: str) -> RewardFn | None:
+    """For reward.fn=auto: the rule of ``data_source`` if it is registered untrusted (it then runs in a
+    worker, not inline with auto), else None."""
+    if not (isinstance(fn, RewardFn) and fn.fn is auto_score):
+        return None
+    rule = DATA_SOURCE_FNS.get(data_source)
+    for name in REWARD_FNS:
+        if REWARD_FNS[name] is rule and not REWARD_FNS.get(name).trusted:
+            return load_reward_fn(name)
+    return None
 
 
 def _check_args(
@@ -230,6 +259,8 @@ def _check_value(value: Any, name: str, index: int) -> _Outcome:
             )
         extra: dict[str, float] = {}
         for key, v in value.items():
+            if key != "score" and not isinstance(v, numbers.Real):
+                continue  # text (verl functions return the parsed answer too): not a metric, left out
             f = _as_finite(v)
             if f is None:
                 return _Outcome(
@@ -485,12 +516,14 @@ class _Job:
     batch_timeout_s: float | None
     deadline: float  # time.monotonic() by which the batch is over; inf: no batch deadline
     limits: _Limits
+    # The samples of ``inputs`` this job scores (with reward.fn=auto, the others may be scored inline).
+    indices: list[int]
     outcomes: list[_Outcome | None] = field(init=False)
     pending: deque[int] = field(init=False)  # samples not yet handed to a worker
 
     def __post_init__(self) -> None:
         self.outcomes = [None] * len(self.inputs)
-        self.pending = deque(range(len(self.inputs)))
+        self.pending = deque(self.indices)
 
     def timed_out(self, index: int, why: str) -> None:
         self.outcomes[index] = _Outcome(
@@ -505,7 +538,8 @@ class _Pool:
         self.slots: list[_Worker | None] = []
 
     def run(self, job: _Job, num_workers: int) -> list[_Outcome]:
-        m = min(num_workers, len(job.inputs))
+        """The outcome of each of ``job.indices`` (at its index; the others stay None)."""
+        m = min(num_workers, len(job.indices))
         self.slots += [None] * (m - len(self.slots))
         try:
             self._loop(job, m)
@@ -516,7 +550,7 @@ class _Pool:
                     self._drop(k)
             raise
         self._stop(job, m)
-        assert all(o is not None for o in job.outcomes), "every sample gets an outcome"
+        assert all(job.outcomes[i] is not None for i in job.indices), "every sample gets an outcome"
         return job.outcomes  # type: ignore[return-value]
 
     def _workers(self, m: int) -> Iterator[tuple[int, _Worker]]:

@@ -104,11 +104,21 @@ class PolicyBatch:
         cols = torch.nonzero(self.response_mask_BT.any(dim=0)).flatten()
         return int(cols[0]) if cols.numel() else self.input_ids_BT.shape[1]
 
-    def take(self, index_B: torch.Tensor) -> PolicyBatch:
-        """The rows at ``index_B``, trimmed to their longest sequence (a micro-batch)."""
+    def take(self, index_B: torch.Tensor, width: int | None = None) -> PolicyBatch:
+        """The rows at ``index_B``, trimmed to their longest sequence (a micro-batch).
+
+        ``width``: that longest sequence when the caller knows it from host-side lengths
+        (:class:`RowLengths`); without it, it is read from the device (a sync on a GPU), and so is
+        ``index_B`` copied there if it is on the host.
+        """
         index_B = index_B.to(self.input_ids_BT.device)
-        width = int(self.attention_mask_BT.index_select(0, index_B).sum(dim=1).max())
+        if width is None:
+            width = int(self.attention_mask_BT.index_select(0, index_B).sum(dim=1).max())
         return self._map(lambda t: t.index_select(0, index_B)[:, :width])
+
+    def row_lengths(self) -> RowLengths:
+        """Each row's sizes on the host, read from the device in one copy (see :class:`RowLengths`)."""
+        return RowLengths.of(self.attention_mask_BT, self.response_mask_BT)
 
     def select(self, index_B: torch.Tensor) -> PolicyBatch:
         """The rows at ``index_B`` (in that order), full width."""
@@ -160,6 +170,43 @@ class PolicyBatch:
                 for f in dataclasses.fields(self)
             }
         )
+
+
+@dataclass(frozen=True)
+class RowLengths:
+    """A batch's per-row sizes on the host: what a pass over micro-batches needs to know of the rows
+    (widths, the first trained column, unit counts) without reading the device inside its loop, where
+    every read would stop the CPU until the GPU has caught up. Rows are right-padded, so a row's tokens
+    are its first ``tokens[i]`` columns and its sampled tokens lie among them.
+    """
+
+    tokens: list[int]  # attention-mask tokens (prompt + response)
+    first_response: list[int]  # the first column with a sampled token; the batch's width if none
+    response_tokens: list[int]  # sampled tokens (the response mask's ones)
+
+    @staticmethod
+    def of(attention_mask_BT: torch.Tensor, response_mask_BT: torch.Tensor) -> RowLengths:
+        B, T = response_mask_BT.shape
+        resp_BT = response_mask_BT.bool()
+        # argmax gives the first maximal index: the first sampled column of a row that has one.
+        first_B = torch.where(resp_BT.any(dim=1), resp_BT.to(torch.uint8).argmax(dim=1), T)
+        stats_3B = torch.stack([attention_mask_BT.sum(dim=1), first_B, resp_BT.sum(dim=1)]).long()
+        tokens, first, response = stats_3B.tolist()  # the one device read
+        return RowLengths(tokens, first, response)
+
+    def width(self, rows: Sequence[int]) -> int:
+        """The longest sequence among ``rows`` (a micro-batch's width, as PolicyBatch.take trims it)."""
+        return max((self.tokens[i] for i in rows), default=0)
+
+    def first_column(self, rows: Sequence[int]) -> int:
+        """The first column any of ``rows`` samples a token in, at most their width (as
+        PolicyBatch.first_response_column of their micro-batch)."""
+        return min([self.width(rows), *(self.first_response[i] for i in rows)])
+
+    def padded(self, rows: Sequence[int]) -> bool:
+        """Whether any of ``rows`` is shorter than their micro-batch's width."""
+        width = self.width(rows)
+        return any(self.tokens[i] < width for i in rows)
 
 
 def build_policy_batch(

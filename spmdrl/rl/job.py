@@ -28,18 +28,19 @@ from spmdrl.algos.kl_control import AdaptiveKLController, FixedKLController, bui
 from spmdrl.checkpoint.checkpointer import (
     Checkpointer,
     RoleState,
-    SaveStats,
     checkpoint_root,
     load_checkpoint,
-    plan_resume,
+    log_saved,
+    plan_resume_all_ranks,
 )
 from spmdrl.checkpoint.export import write_hf_metadata
 from spmdrl.config import Config, ConfigError, Derived, RLDerived, derive, derive_rl
+from spmdrl.config_loader import import_entry
 from spmdrl.data.prompts import PromptDataset
 from spmdrl.data.sampler import DistributedSampler
 from spmdrl.data.tiny_task import TinyTaskConfig, resolve_data_files
 from spmdrl.data.tools_task import ToolsTaskConfig
-from spmdrl.distributed.env import DistEnv, broadcast_str
+from spmdrl.distributed.env import DistEnv
 from spmdrl.distributed.placement import Meshes, Placement, plan_placement
 from spmdrl.distributed.topology import check_tp_within_nodes, node_layout_from_env
 from spmdrl.logging.metrics import NullLogger, truncate_after
@@ -153,8 +154,7 @@ def build_job(cfg: Config, *, with_critic: bool = False) -> RLJob:
     # Resume: the newest complete checkpoint of this output directory (trainer.resume=auto), a path, or
     # none. Rank 0 decides for everyone (every rank must agree on it).
     restarted = restart_count() > 0
-    found = plan_resume(cfg.trainer.resume, run.output_dir, restarted=restarted) if env.is_main else None
-    resume_from = Path(p) if (p := broadcast_str(str(found or ""))) else None
+    resume_from = plan_resume_all_ranks(cfg.trainer.resume, run.output_dir, restarted=restarted)
 
     # Data, rewards and batch arithmetic (the tokenizer is the base model's; the warm-start's export keeps it).
     base_dir = resolve_model_path_all_ranks(cfg.model.path, run.cache_dir)
@@ -195,14 +195,7 @@ def build_job(cfg: Config, *, with_critic: bool = False) -> RLJob:
         train_filtered_overlong=train_ds.num_filtered,
         val_prompts=len(val_ds) if val_ds else 0,
     )
-    sampler = DistributedSampler(
-        len(train_ds),
-        rank=env.rank,
-        world_size=env.world_size,
-        batch_size_per_rank=derived.per_rank_batch_size,
-        seed=cfg.data.seed,
-        shuffle=cfg.data.shuffle,
-    )
+    sampler = run.train_sampler(len(train_ds), derived.per_rank_batch_size)
 
     # Models on their meshes (colocated: the same ranks), then the engine on every rank.
     meshes = placement.build_meshes(env.device.type)
@@ -390,13 +383,13 @@ def save_checkpoint(job: RLJob, step: int) -> None:
         {"sampler": job.sampler.state_dict(), "kl_coef": job.kl_ctrl.value},
         meta={"placement": job.placement.describe(), "total_steps": job.total_steps},
     )
-    _log_saved(saved)
+    log_saved(saved)
 
 
 def finish(job: RLJob) -> None:
     """After the last step: an asynchronous save still in flight, the HF exports (trainer.save_hf), the
     engine closed, the curves drawn."""
-    _log_saved(job.checkpointer.finish())
+    log_saved(job.checkpointer.finish())
     if job.cfg.trainer.save_hf:
         from spmdrl.checkpoint.export import export_hf
 
@@ -415,11 +408,6 @@ def finish(job: RLJob) -> None:
         time.perf_counter() - job.started_at,
         job.run.output_dir,
     )
-
-
-def _log_saved(saved: SaveStats | None) -> None:
-    if saved is not None:
-        log.info("checkpoint %s: %.1f MB in %.2f s", saved.path, saved.bytes / 1e6, saved.seconds)
 
 
 # ------------------------------------------------------------------------------------- the set-up
@@ -449,9 +437,9 @@ def warm_start(run: Run, resume_from: Path | None, restarted: bool) -> Path:
         return done
     if run.env.is_main and restarted:  # an attempt that died before its first checkpoint: start over
         truncate_after(run.output_dir / "sft" / "metrics.jsonl", -1)
-    # The SFT stage is the sft recipe's loop, run in-process on this Run.
-    from spmdrl.recipes.sft import train_sft
-
+    # The SFT stage is a recipe's loop (warmstart.entry, the sft recipe by default, checked at config load),
+    # run in-process on this Run: the library names it through the config, as spmdrl.train does.
+    train_sft = import_entry(run.cfg.warmstart.entry).train_sft
     try:
         return train_sft(run, warmstart_config(run.cfg), stage="sft")
     except ConfigError as e:

@@ -63,6 +63,23 @@ def peak_memory_gb(device: torch.device) -> dict[str, float]:
     return {"memory_gb": host_peak_memory_gb()}
 
 
+def reward_extra_metrics(extra: dict[str, list[float]], device: torch.device) -> dict[str, float]:
+    """``reward/extra/<key>``: the mean over all ranks' samples of each numeric key the reward function
+    returned in its dict besides "score" (NaN, where a sample had no such key, is left out). Every rank must
+    call it: the keys are gathered first, since a rank whose samples never returned a key has none."""
+    gathered: list[list[str]] = [sorted(extra)]
+    if dist.is_initialized():
+        gathered = [[] for _ in range(dist.get_world_size())]
+        dist.all_gather_object(gathered, sorted(extra))
+    keys = sorted(set().union(*gathered))
+    sums: dict[str, float] = {}
+    for k in keys:
+        values = [v for v in extra.get(k, []) if not math.isnan(v)]
+        sums[f"sum/{k}"], sums[f"n/{k}"] = sum(values), len(values)
+    total = all_reduce_sum(sums, device)
+    return {f"reward/extra/{k}": total[f"sum/{k}"] / total[f"n/{k}"] for k in keys if total[f"n/{k}"] > 0}
+
+
 def step_metrics(
     cfg: Config,
     samples: ScoredSamples,
@@ -113,6 +130,7 @@ def step_metrics(
         "reward/errors": sums["errors"] + sums["timeouts"],
         "reward/timeouts": sums["timeouts"],
         **samples.metrics,
+        **reward_extra_metrics(samples.rewards.extra, device),
         "perf/rollout_tokens_per_s": sums["tokens"] / max(slowest.get("rollout_s", 0.0), 1e-9),
         # The largest rank's peak so far: resident memory on CPU, the allocator's peak on GPU.
         "perf/max_memory_gb": memory_gb,

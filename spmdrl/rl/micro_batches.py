@@ -12,11 +12,15 @@ loss normalization does not change: every term is divided by the mini-batch's gl
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from spmdrl.distributed.reduce import all_reduce_max
+from spmdrl.rl.batch import RowLengths
+from spmdrl.transfer import to_device
 
 
 def balanced_split(lengths: list[int], parts: int) -> list[list[int]]:
@@ -56,3 +60,35 @@ def micro_batch_rows(
     # Never more micro-batches than rows (ranks hold equal row counts, so all agree on this clamp).
     parts = max(1, min(parts, n))
     return [torch.tensor(g, dtype=torch.long) for g in balanced_split(lengths, parts)]
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch's rows, planned on the host before a pass's loop: the loop then reads nothing
+    from the device to slice, trim or score it (docs/performance.md, "No sync in the micro-batch loop")."""
+
+    rows: list[int]  # row numbers in the batch
+    index_B: torch.Tensor  # the same, on the batch's device
+    width: int  # the longest sequence of these rows: PolicyBatch.take(index_B, width)
+    first_column: int  # the first column any of them samples a token in
+    lengths: list[int]  # each row's tokens (prompt + response)
+
+
+def plan_micro_batches(
+    parts: Sequence[torch.Tensor], lengths: RowLengths, device: torch.device
+) -> list[MicroBatch]:
+    """One :class:`MicroBatch` per part of ``parts`` (host row-index tensors, as micro_batch_rows gives
+    them), with all their indices moved to ``device`` in one asynchronous copy."""
+    rows = [[int(i) for i in p.tolist()] for p in parts]
+    flat = torch.tensor([i for r in rows for i in r], dtype=torch.long)
+    index = to_device(flat, device).split([len(r) for r in rows]) if rows else ()
+    return [
+        MicroBatch(
+            rows=r,
+            index_B=idx,
+            width=lengths.width(r),
+            first_column=lengths.first_column(r),
+            lengths=[lengths.tokens[i] for i in r],
+        )
+        for r, idx in zip(rows, index, strict=True)
+    ]

@@ -56,7 +56,9 @@ def build_critic(
 ) -> Critic:
     """The value model (FSDP2 like the actor, on the critic's ranks), its optimizer and schedule."""
     path = (
-        resolve_model_path_all_ranks(cfg.critic.model_path, cache_dir) if cfg.critic.model_path else actor_dir
+        resolve_model_path_all_ranks(cfg.critic.model_path, cache_dir, critic=True)
+        if cfg.critic.model_path
+        else actor_dir
     )
     spec = model_spec(cfg.model, path, device, train=True, head="value")
     model = build_fsdp_model(spec, meshes.fsdp("critic"), device)

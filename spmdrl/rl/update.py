@@ -16,23 +16,22 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections import defaultdict
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
-from spmdrl.algos.aggregation import Aggregation, count_units
+from spmdrl.algos.aggregation import Aggregation, count_units_of_rows
 from spmdrl.algos.kl import kl_penalty
 from spmdrl.algos.policy_losses import POLICY_LOSSES, agg_mode_for
 from spmdrl.algos.value_loss import clipped_value_loss
 from spmdrl.config import Config, RLDerived
-from spmdrl.distributed.reduce import all_reduce_sum
+from spmdrl.distributed.reduce import all_reduce_sum, all_reduce_sum_tensors
 from spmdrl.models import packing
-from spmdrl.models.forward import policy_forward, policy_logprobs
+from spmdrl.models.forward import attention_mask_for, packed_attention_mask, policy_forward, policy_logprobs
 from spmdrl.optim import clip_grad_norm
 from spmdrl.rl.batch import PolicyBatch
-from spmdrl.rl.micro_batches import micro_batch_rows
+from spmdrl.rl.micro_batches import MicroBatch, micro_batch_rows, plan_micro_batches
 from spmdrl.rl.models import Critic
 
 
@@ -78,8 +77,9 @@ def logprobs_and_sum_pi_squared_of(
     each predicting distribution's squared probabilities, (B, T): the optimal token baseline's input."""
     out_BT = torch.zeros_like(batch.engine_logprobs_BT)
     sps_BT = torch.zeros_like(batch.engine_logprobs_BT) if with_sum_pi_squared else None
-    for idx in parts:
-        mb = batch.take(idx)
+    # Sizes read once, indices moved once: nothing inside the loop waits for the device.
+    for plan in plan_micro_batches(parts, batch.row_lengths(), out_BT.device):
+        mb = batch.take(plan.index_B, plan.width)
         fwd = policy_forward(
             model,
             mb.input_ids_BT,
@@ -87,12 +87,12 @@ def logprobs_and_sum_pi_squared_of(
             temperature=temperature,
             with_sum_pi_squared=with_sum_pi_squared,
             pack_sequences=pack,
-            first_column=mb.first_response_column(),
+            first_column=plan.first_column,
+            lengths_B=plan.lengths,
         )
-        rows = idx.to(out_BT.device)
-        out_BT[rows, : fwd.logprobs_BT.shape[1]] = fwd.logprobs_BT
+        out_BT[plan.index_B, : fwd.logprobs_BT.shape[1]] = fwd.logprobs_BT
         if sps_BT is not None and fwd.sum_pi_squared_BT is not None:
-            sps_BT[rows, : fwd.sum_pi_squared_BT.shape[1]] = fwd.sum_pi_squared_BT
+            sps_BT[plan.index_B, : fwd.sum_pi_squared_BT.shape[1]] = fwd.sum_pi_squared_BT
     return out_BT, sps_BT
 
 
@@ -105,20 +105,27 @@ class MicroBatchLoss:
     stats: dict[str, torch.Tensor]  # detached scalars: pg_loss, entropy, pg_clipfrac, ppo_kl (+ kl_loss)
 
 
-def _shifted_values(critic: torch.nn.Module, mb: PolicyBatch, pack: bool = False) -> torch.Tensor:
+def _shifted_values(
+    critic: torch.nn.Module, mb: PolicyBatch, pack: bool = False, lengths_B: list[int] | None = None
+) -> torch.Tensor:
     """The critic's value of the state each token was sampled in, at the token's own position, (B, T).
 
     The output at position t sees tokens 0..t, the state before token t + 1 is sampled, so it is the
-    value of token t + 1: shifted by one, as the logprobs are.
+    value of token t + 1: shifted by one, as the logprobs are. ``lengths_B``: the rows' tokens on the
+    host (policy_forward's: nothing is read from the device then).
     """
     if pack:
-        p = packing.pack(mb.input_ids_BT, mb.attention_mask_BT)
-        v_RC = critic(input_ids=p.input_ids_RC, position_ids=p.position_ids_RC, use_cache=False).logits[
-            ..., 0
-        ]
+        p = packing.pack(mb.input_ids_BT, mb.attention_mask_BT, lengths_B=lengths_B)
+        v_RC = critic(
+            input_ids=p.input_ids_RC,
+            position_ids=p.position_ids_RC,
+            attention_mask=packed_attention_mask(critic, p.segment_ids_RC),
+            use_cache=False,
+        ).logits[..., 0]
         v_BT = p.unpack(v_RC.float())
     else:
-        v_BT = critic(input_ids=mb.input_ids_BT, attention_mask=mb.attention_mask_BT).logits[..., 0].float()
+        mask = attention_mask_for(critic, mb.attention_mask_BT, lengths_B)
+        v_BT = critic(input_ids=mb.input_ids_BT, attention_mask=mask).logits[..., 0].float()
     out_BT = torch.zeros_like(mb.engine_logprobs_BT)
     out_BT[:, 1:] = v_BT[:, :-1]
     return out_BT
@@ -130,9 +137,9 @@ def values_of(
 ) -> torch.Tensor:
     """A no-grad pass over the rank's batch: the critic's values (see _shifted_values), (B, T)."""
     out_BT = torch.zeros_like(batch.engine_logprobs_BT)
-    for idx in parts:
-        v_BT = _shifted_values(critic, batch.take(idx), pack)
-        out_BT[idx.to(out_BT.device), : v_BT.shape[1]] = v_BT
+    for plan in plan_micro_batches(parts, batch.row_lengths(), out_BT.device):
+        v_BT = _shifted_values(critic, batch.take(plan.index_B, plan.width), pack, plan.lengths)
+        out_BT[plan.index_B, : v_BT.shape[1]] = v_BT
     return out_BT
 
 
@@ -142,41 +149,51 @@ def mini_batches(
     batch: PolicyBatch,
     modes: tuple[str, ...],
     group: dist.ProcessGroup | None = None,
-) -> Iterator[tuple[int, int, list[torch.Tensor], list[PolicyBatch], tuple[Aggregation, ...]]]:
-    """``(epoch, mini-batch, rows of each micro-batch, micro-batches, one aggregation per mode)`` for
+) -> Iterator[tuple[int, int, list[MicroBatch], list[PolicyBatch], tuple[Aggregation, ...]]]:
+    """``(epoch, mini-batch, plan of each micro-batch, micro-batches, one aggregation per mode)`` for
     each optimizer step.
 
     Each mini-batch's units (tokens or sequences, per mode in ``modes``) are counted on all ranks with one
-    all_reduce over the role's ``group`` before its micro-batches run: every loss term is its sum / that
-    count (spmdrl/algos/aggregation.py). The actor's and the critic's updates walk the same schedule.
-    seq-mean-token-sum-norm divides by algorithm.loss_scale_factor or data.max_response_length: verl's
-    default is its response mask's width, which is the maximum response length (its rollout pads to it).
+    all_reduce over the role's ``group``, for all mini-batches at once before the first runs: every loss
+    term is its sum / that count (spmdrl/algos/aggregation.py). The actor's and the critic's updates walk
+    the same schedule. seq-mean-token-sum-norm divides by algorithm.loss_scale_factor or
+    data.max_response_length: verl's default is its response mask's width, which is the maximum response
+    length (its rollout pads to it).
+
+    The rows' sizes are read from the device once, here, and every micro-batch is planned from them on
+    the host (the same plan every epoch): the loops over micro-batches read nothing from the device.
     """
     a = cfg.algorithm
     norm_length = float(a.loss_scale_factor or cfg.data.max_response_length)
     device = batch.input_ids_BT.device
+    lengths = batch.row_lengths()
+    per_mini = rl.per_rank_mini_batch_seqs
+    plans = []
+    local: dict[str, float] = {}
+    for m in range(rl.mini_batches_per_step):
+        lo = m * per_mini
+        parts = micro_batch_rows(
+            torch.tensor(lengths.tokens[lo : lo + per_mini], dtype=torch.long),
+            micro_batch_size=rl.micro_batch_size,
+            token_budget=cfg.trainer.micro_batch_tokens,
+            group=group,
+        )
+        plans.append(plan_micro_batches([lo + idx for idx in parts], lengths, device))
+        rows = range(lo, lo + per_mini)
+        for mode in set(modes):
+            local[f"{m}/{mode}"] = count_units_of_rows(
+                [lengths.response_tokens[i] for i in rows], mode, count_empty_rows=a.seq_mean_all_rows
+            )
+    counts = all_reduce_sum(local, device, group)
     for epoch in range(a.ppo_epochs):
         for m in range(rl.mini_batches_per_step):
-            lo = m * rl.per_rank_mini_batch_seqs
-            rows = [
-                lo + idx
-                for idx in micro_rows(cfg, rl, batch.rows(lo, lo + rl.per_rank_mini_batch_seqs), group)
-            ]
-            micro_batches = [batch.take(idx) for idx in rows]
-            local = {
-                mode: sum(
-                    count_units(mb.response_mask_BT, mode, count_empty_rows=a.seq_mean_all_rows)
-                    for mb in micro_batches
-                )
-                for mode in set(modes)
-            }
-            counts = all_reduce_sum(local, device, group)
+            micro_batches = [batch.take(p.index_B, p.width) for p in plans[m]]
             yield (
                 epoch,
                 m,
-                rows,
+                plans[m],
                 micro_batches,
-                tuple(Aggregation(mode, counts[mode], norm_length) for mode in modes),
+                tuple(Aggregation(mode, counts[f"{m}/{mode}"], norm_length) for mode in modes),
             )
 
 
@@ -186,12 +203,11 @@ def update_critic(
     """The clipped value loss towards the returns, over the same mini-batches and epochs as the actor."""
     a = cfg.algorithm
     assert batch.values_BT is not None and batch.returns_BT is not None
-    device = batch.input_ids_BT.device
-    sums: dict[str, float] = defaultdict(float)
+    sums = _DeviceSums()
     grad_norms = []
-    for _, _, _, micro_batches, (agg,) in mini_batches(cfg, rl, batch, (a.loss_agg_mode,), group):
-        for mb in micro_batches:
-            values_BT = _shifted_values(critic.model, mb, cfg.trainer.pack_sequences)
+    for _, _, plans, micro_batches, (agg,) in mini_batches(cfg, rl, batch, (a.loss_agg_mode,), group):
+        for plan, mb in zip(plans, micro_batches, strict=True):
+            values_BT = _shifted_values(critic.model, mb, cfg.trainer.pack_sequences, plan.lengths)
             assert mb.values_BT is not None and mb.returns_BT is not None
             loss, stats = clipped_value_loss(
                 values_BT,
@@ -202,9 +218,9 @@ def update_critic(
                 cliprange=cfg.critic.cliprange_value,
             )
             loss.backward()
-            sums["vf_loss"] += float(loss.detach())
+            sums.add("vf_loss", loss)
             for k, v in stats.items():
-                sums[k] += float(v) / len(micro_batches)
+                sums.add(k, v, len(micro_batches))
         grad_norm = clip_grad_norm(critic.model, cfg.critic.optim.grad_clip)
         if not math.isfinite(grad_norm):
             raise FloatingPointError(
@@ -215,7 +231,7 @@ def update_critic(
         critic.optimizer.zero_grad(set_to_none=True)
     critic.scheduler.step()
     updates = a.ppo_epochs * rl.mini_batches_per_step
-    reduced = all_reduce_sum(dict(sums), device, group)
+    reduced = sums.all_reduce(group)
     world = dist.get_world_size(group)
     metrics = {f"critic/{k}": v / updates / (1 if k == "vf_loss" else world) for k, v in reduced.items()}
     metrics["critic/grad_norm"] = sum(grad_norms) / len(grad_norms)
@@ -237,7 +253,12 @@ def loss_modes(cfg: Config) -> tuple[str, str]:
 
 
 def micro_batch_loss(
-    cfg: Config, actor: torch.nn.Module, mb: PolicyBatch, agg: Aggregation, pg_agg: Aggregation | None = None
+    cfg: Config,
+    actor: torch.nn.Module,
+    mb: PolicyBatch,
+    agg: Aggregation,
+    pg_agg: Aggregation | None = None,
+    plan: MicroBatch | None = None,
 ) -> MicroBatchLoss:
     """Policy loss (+ KL loss) (- entropy bonus) of one micro-batch: each term ``agg(per-token term)``,
     the policy term ``pg_agg(...)`` when given (sapo and geo_mean reduce theirs by a mode of their own,
@@ -247,6 +268,9 @@ def micro_batch_loss(
     current one. The entropy gets a gradient only when it enters the loss (algorithm.entropy_coeff > 0);
     as a mere metric it is computed without one, since its graph would keep a B x T x V float32 softmax
     alive.
+
+    ``plan``: the micro-batch's host-side sizes (mini_batches plans them); without one, its first
+    response column is read from the device (a sync on a GPU).
     """
     a = cfg.algorithm
     entropy_in_loss = a.entropy_coeff > 0
@@ -258,7 +282,8 @@ def micro_batch_loss(
         with_entropy=True,
         entropy_grad=entropy_in_loss,
         pack_sequences=cfg.trainer.pack_sequences,
-        first_column=mb.first_response_column(),
+        first_column=mb.first_response_column() if plan is None else plan.first_column,
+        lengths_B=None if plan is None else plan.lengths,
     )
     assert ent_BT is not None
     mask_BT = mb.response_mask_BT
@@ -300,6 +325,28 @@ class UpdateResult:
     old_logprobs_BT: torch.Tensor
 
 
+class _DeviceSums:
+    """Per-micro-batch statistics summed on the device, read on the host once, after the loop.
+
+    ``float(v)`` per statistic per micro-batch was a sync each on a GPU. The sums are float64, as the
+    Python floats they replace, and add the same values in the same order, so the metrics are the same
+    to the last bit.
+    """
+
+    def __init__(self) -> None:
+        self.sums: dict[str, torch.Tensor] = {}
+
+    def add(self, key: str, value: torch.Tensor, divisor: int = 1) -> None:
+        term = value.detach().double()
+        if divisor != 1:
+            term = term / divisor
+        self.sums[key] = term if key not in self.sums else self.sums[key] + term
+
+    def all_reduce(self, group: dist.ProcessGroup | None) -> dict[str, float]:
+        """Every sum added over ``group``'s ranks: one all_reduce and one read."""
+        return all_reduce_sum_tensors(self.sums, group)
+
+
 # Summed over micro-batches and ranks, these are the mini-batch's loss terms (each micro-batch is already
 # divided by the mini-batch's global count); the others are micro-batch means, averaged.
 _SUMMED = ("pg_loss", "kl_loss", "entropy")
@@ -320,20 +367,19 @@ def update_policy(
     the gradient of the whole mini-batch's loss, however it is split (spmdrl/algos/aggregation.py).
     """
     a = cfg.algorithm
-    device = batch.input_ids_BT.device
     modes = loss_modes(cfg)
     old_BT = batch.old_logprobs_BT.clone() if batch.old_logprobs_BT is not None else None
     captured_BT = torch.zeros_like(batch.engine_logprobs_BT)
-    sums: dict[str, float] = defaultdict(float)
+    sums = _DeviceSums()
     grad_norms, skipped = [], 0
-    for epoch, m, rows, micro_batches, (pg_agg, agg) in mini_batches(cfg, rl, batch, modes, group):
-        for idx, mb in zip(rows, micro_batches, strict=True):
-            out = micro_batch_loss(cfg, actor, mb, agg, pg_agg)
+    for epoch, m, plans, micro_batches, (pg_agg, agg) in mini_batches(cfg, rl, batch, modes, group):
+        for plan, mb in zip(plans, micro_batches, strict=True):
+            out = micro_batch_loss(cfg, actor, mb, agg, pg_agg, plan)
             if old_BT is None and epoch == 0:  # on-policy: this forward is the old policy
-                captured_BT[idx.to(captured_BT.device), : out.logprobs_BT.shape[1]] = out.logprobs_BT
+                captured_BT[plan.index_B, : out.logprobs_BT.shape[1]] = out.logprobs_BT
             out.loss.backward()
             for k, v in out.stats.items():
-                sums[k] += float(v) if k in _SUMMED else float(v) / len(micro_batches)
+                sums.add(k, v, 1 if k in _SUMMED else len(micro_batches))
             # The last reference to this micro-batch's graph: dropped before the next forward, not
             # when `out` is reassigned after it, so no part of it can add to the next one's peak.
             del out
@@ -351,7 +397,7 @@ def update_policy(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     updates = a.ppo_epochs * rl.mini_batches_per_step
-    reduced = all_reduce_sum(dict(sums), device, group)
+    reduced = sums.all_reduce(group)
     world = dist.get_world_size(group)
     metrics = {f"actor/{k}": v / updates / (1 if k in _SUMMED else world) for k, v in reduced.items()}
     metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")

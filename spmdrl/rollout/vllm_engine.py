@@ -204,8 +204,11 @@ def _request_seed(base: int, dp_index: int, prompt_index: int) -> int:
     return request_seed(base, dp_index, prompt_index)
 
 
-def _sampling_params(spec: SamplingSpec, *, final_only: bool = False) -> Any:
-    """vLLM's SamplingParams for a spec whose ``seed`` is the request's own."""
+def _sampling_params(
+    spec: SamplingSpec, *, final_only: bool = False, end_of_turn_ids: Iterable[int] = ()
+) -> Any:
+    """vLLM's SamplingParams for a spec whose ``seed`` is the request's own; ``end_of_turn_ids`` end a
+    sample too (:func:`spmdrl.data.turns.end_of_turn_ids`)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -219,7 +222,7 @@ def _sampling_params(spec: SamplingSpec, *, final_only: bool = False) -> Any:
         top_k=spec.top_k,
         max_tokens=spec.max_tokens,
         stop=list(spec.stop) or None,
-        stop_token_ids=list(spec.stop_token_ids) or None,
+        stop_token_ids=sorted({*spec.stop_token_ids, *end_of_turn_ids}) or None,
         seed=spec.seed,
         logprobs=0 if spec.logprobs else None,
         flat_logprobs=True,
@@ -236,13 +239,16 @@ class _ExpectedReloadWarnings(logging.Filter):
     ``finalize_layerwise_processing`` (``model_executor/model_loader/reload/layerwise.py``) warns for
     every layer that received nothing and puts its old tensors back. That is right for the rotary
     embedding (a computed cache, not in checkpoints) and for a tied lm_head (it shares the embedding's
-    tensor, which was loaded); warning about them on every sync would teach users to ignore warnings.
-    Real omissions are caught by VLLMEngine.load_weights's own name check.
+    tensor, which was loaded), and for vLLM 0.32's Gemma2Model, whose own tensor is the embedding scale
+    ``normalizer`` (a buffer computed from the config, not in checkpoints); warning about them on every
+    sync would teach users to ignore warnings. Real omissions are caught by VLLMEngine.load_weights's own
+    name check.
     """
 
     def __init__(self, tied: bool) -> None:
         super().__init__()
-        self.layers = ("RotaryEmbedding", "ParallelLMHead") if tied else ("RotaryEmbedding",)
+        always = ("RotaryEmbedding", "Gemma2Model")
+        self.layers = (*always, "ParallelLMHead") if tied else always
 
     def filter(self, record: logging.LogRecord) -> bool:
         msg = record.getMessage()
@@ -260,6 +266,22 @@ def _checkpoint_names(model_dir: Path, tied: bool) -> set[str]:
     if tied:
         names.discard("lm_head.weight")
     return names
+
+
+def _end_of_turn_ids(model_dir: Path) -> list[int]:
+    """The chat template's end-of-turn token when it is not the eos (spmdrl.data.turns.end_of_turn_ids)."""
+    from transformers import AutoTokenizer
+
+    from spmdrl.data.turns import end_of_turn_ids
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError):  # no tokenizer files (benchmark checkpoints): no chat template either
+        return []
+    ids = end_of_turn_ids(tokenizer)
+    if ids:
+        log.info("the engine also stops on the chat template's end-of-turn token id(s) %s", ids)
+    return ids
 
 
 # Prefill tokens per engine step on CPU (chunked prefill off): large enough to admit a whole
@@ -340,6 +362,11 @@ class VLLMEngine:
         )
         with _isolated_rng(device_type), _keep_thread_settings(), self._settings.building():
             self.llm = LLM(**kwargs)
+        # A response ends where the chat template ends an assistant turn. vLLM stops on the tokenizer's eos
+        # and generation_config.json's eos ids only; a checkpoint whose template ends turns with another
+        # token that neither lists (a base Llama 3 tokenizer under the instruct template, a Gemma 2
+        # generation config) would otherwise run every sample past its turn to max_tokens.
+        self.end_of_turn_ids = _end_of_turn_ids(model_dir)
         hf_config = self.llm.llm_engine.model_config.hf_config
         self.tied_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.expected_weights = _checkpoint_names(model_dir, self.tied_embeddings)
@@ -368,7 +395,10 @@ class VLLMEngine:
         self._wake(("weights", "kv_cache"))
         base = params.seed if params.seed is not None else self.seed * 1_000_003 + self._calls
         sampling = [
-            _sampling_params(replace(params, seed=_request_seed(base, self.groups.dp_index, i)))
+            _sampling_params(
+                replace(params, seed=_request_seed(base, self.groups.dp_index, i)),
+                end_of_turn_ids=self.end_of_turn_ids,
+            )
             for i in range(len(gathered.prompts))
         ]
         with _isolated_rng(self.device_type), self._settings.engine_call():
@@ -391,7 +421,7 @@ class VLLMEngine:
         for multi-turn rollouts; the same RNG and settings isolation as :meth:`generate`."""
         self._require_weights("stepper")
         self._wake(("weights", "kv_cache"))
-        stepper = _Stepper(self.llm.llm_engine)
+        stepper = _Stepper(self.llm.llm_engine, self.end_of_turn_ids)
         with _isolated_rng(self.device_type), self._settings.engine_call():
             try:
                 yield stepper
@@ -564,8 +594,9 @@ class VLLMEngine:
 class _Stepper:
     """One multi-turn rollout's view of the in-process ``LLMEngine`` (see ``VLLMEngine.stepper``)."""
 
-    def __init__(self, llm_engine: Any) -> None:
+    def __init__(self, llm_engine: Any, end_of_turn_ids: list[int]) -> None:
         self.engine = llm_engine
+        self.end_of_turn_ids = end_of_turn_ids
         self.unfinished: set[str] = set()
 
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingSpec) -> None:
@@ -575,7 +606,7 @@ class _Stepper:
             raise ValueError(f"EngineStepper.add: one sample per request, got n={params.n}")
         if request_id in self.unfinished:
             raise ValueError(f"EngineStepper.add: request {request_id!r} is already running")
-        sampling = _sampling_params(params, final_only=True)
+        sampling = _sampling_params(params, final_only=True, end_of_turn_ids=self.end_of_turn_ids)
         self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt_ids), sampling)
         self.unfinished.add(request_id)
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from spmdrl.rollout import cpu_gemm
-from spmdrl.rollout.fingerprint import Fingerprint, matrix_key, probe_columns
+from spmdrl.rollout.fingerprint import Fingerprint, matrix_key, probe_columns, vector_key
 
 
 def _model(worker: Any) -> nn.Module:
@@ -57,17 +57,24 @@ def fingerprint(worker: Any, seed: int, tp_rank: int, dtype: torch.dtype) -> Fin
     sum over the group is then the whole model's, whatever the split.
     """
     from vllm.model_executor.layers.linear import LinearBase
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
     model = _model(worker)
     device = next(model.parameters()).device
     fp = Fingerprint()
     probed: set[int] = set()
+    # A model with no LM head module computes its logits from the input embedding itself (vLLM 0.32's
+    # Gemma 2: logits_processor(model.embed_tokens, ...); 0.24's tied Qwen2: lm_head = model.embed_tokens). That embedding is then two layers, as the
+    # trainer counts a tied embedding: the lookup (read directly below) and the output projection, probed
+    # here through the kernel that computes the logits (on CPU, a packed copy the reload must rebuild).
+    head_less = not any(isinstance(m, ParallelLMHead) for m in model.modules())
     for name, m in model.named_modules():
         if isinstance(m, LinearBase):
             k_global, k_local = int(m.input_size), int(m.input_size_per_partition)
             start = int(getattr(m, "tp_rank", 0)) * k_local if k_local < k_global else 0
-        elif isinstance(m, ParallelLMHead):
+        elif isinstance(m, ParallelLMHead) or (
+            head_less and isinstance(m, VocabParallelEmbedding) and vector_key(name).startswith("top")
+        ):
             k_global = k_local = int(m.embedding_dim)
             start = 0
         else:
@@ -80,19 +87,17 @@ def fingerprint(worker: Any, seed: int, tp_rank: int, dtype: torch.dtype) -> Fin
         y = m.quant_method.apply(m, x)
         times = 1 if _is_sliced(m) or tp_rank == 0 else 0
         fp.add(matrix_key(name, k_global), name, y, times)
-        probed.add(id(m))
+        if isinstance(m, (ParallelLMHead, LinearBase)):
+            probed.add(id(m))  # (a head-less model's embedding is also read directly, as the lookup)
     for name, m in model.named_modules():
         for pname, p in m.named_parameters(recurse=False):
             full = f"{name}.{pname}" if name else pname
             if pname == "weight" and id(m) in probed:
                 continue
             if p.dim() == 2:  # an embedding table (vocab-parallel when TP splits it)
+                # (A tied LM head that *is* the embedding module, vLLM 0.24's Qwen2: lm_head =
+                # model.embed_tokens, makes the model head-less: its LM-head use was probed above.)
                 times = 1 if _is_sliced(m) or tp_rank == 0 else 0
-                # A tied LM head that *is* the embedding module (vLLM 0.24's Qwen2: lm_head =
-                # model.embed_tokens; 0.32 keeps a ParallelLMHead sharing the weight, probed above) is one
-                # module to named_modules, but two layers compute from it, as the trainer counts it.
-                if m is getattr(model, "lm_head", None):
-                    times *= 2
                 fp.add_matrix(full, p, seed, times)
             elif p.dim() == 1:
                 sliced = _output_sliced(m) and hasattr(p, "output_dim")

@@ -1,8 +1,8 @@
 """verl 0.9.1's own algorithm code, imported from its released wheel, for the parity tests.
 
 spmdrl re-implements verl's advantage estimators, policy losses, loss aggregation, KL terms, rollout
-correction, DAPO pieces and value loss under verl's names; ``tests/test_verl_parity.py`` runs verl's
-functions and spmdrl's on the same inputs. verl is not a dependency of spmdrl and its package cannot be
+correction, DAPO pieces and value loss under verl's names; ``tests/unit/algos/test_verl_parity.py`` runs
+verl's functions and spmdrl's on the same inputs. verl is not a dependency of spmdrl and its package cannot be
 imported here (``verl/__init__.py`` imports ray through ``verl.protocol``), so this module:
 
 1. fetches the pinned wheel once (``pip download --no-deps``, sha256 checked) and unzips it into the

@@ -15,6 +15,17 @@ errors; the well-formed calls of the same turn still run.
 Another parser: a function ``parse(text: str) -> ParseResult`` (or an object with such a ``parse``
 method), registered by name with :func:`register_parser` or named by import path
 (``"my_pkg.my_mod:parse"``, ``"path/to/file.py:parse"``) wherever a parser name is accepted.
+
+Why not vLLM's Hermes parser (``vllm.tool_parsers.hermes_tool_parser.Hermes2ProToolParser``, checked
+against vLLM 0.32): it serves the OpenAI server, so it needs a tokenizer to be built and a chat request
+per call, pulls in the server's imports, and gives OpenAI tool calls whose arguments are JSON text. Its
+answers are not the ones the multi-turn loop needs. It is all or nothing: one malformed call in a turn,
+or one without ``"arguments"``, and it reports no calls at all with the whole turn as content, where
+here the turn's good calls run and each bad one is counted and answered with an error. A
+``</tool_call>`` inside a JSON string (code that prints it) ends the call early, so that turn fails
+too; a call cut off at the length limit after complete JSON is run as if closed; a stray
+``</tool_call>``, an empty name, and arguments that are a list or a JSON-encoded string go through
+unchecked; and the content is only the text before the first call.
 """
 
 from __future__ import annotations

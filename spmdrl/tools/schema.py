@@ -13,6 +13,19 @@ Type hints map to JSON schema types: str, int, float, bool, list[T], dict[str, T
 (an enum), ``T | None`` (optional, not required), an Enum class (its values). The argument check
 covers what models get wrong in practice (missing or unknown arguments, wrong JSON types, values
 outside an enum), not all of JSON Schema.
+
+Why not ``transformers.utils.get_json_schema``: it derives a schema from the same hints, but not the
+one our users' functions need (checked against transformers 5.19). It raises unless every parameter
+has a description in a Google-style ``Args:`` section in exactly ``name: text`` form (an undocumented
+parameter, ``days (int): ...`` or Sphinx ``:param x:`` all fail), where a description here is optional;
+it turns hints it does not know (an ``Enum`` class, ``bytes``, a custom class) into
+``{"type": "object"}`` without a word, so the model is asked for an object the function cannot take,
+where here an Enum gives its values and the rest is a ConfigError at load; ``x: str | None`` without a
+default stays required (with a non-standard ``"nullable"``); the description is all text before
+``Args:``, not the first paragraph; it adds a ``"return"`` entry, which templates that print the
+schema (Qwen's) put in the prompt; and it has no way to hide ``create_kwargs`` or to refuse
+positional-only parameters. It checks no arguments either: :func:`validate_arguments` has no
+counterpart there.
 """
 
 from __future__ import annotations

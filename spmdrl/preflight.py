@@ -1,0 +1,135 @@
+"""What a run's inputs are checked for before anything heavy starts, on every rank and by ``--check``.
+
+The config itself is validated when it loads (spmdrl.config_loader: keys, types, choices, and the
+functions it names, reward.fn's signature among them). What the config points at is checked here, each
+check cheap (no torch, no model, no row of data read):
+
+- the data files (data.train_files, data.val_files): each exists, is parquet, has rows and holds the
+  prompt column (data.prompt_key), from its footer alone. The built-in tasks' names (``tiny:train``) are
+  generated files: their split names are checked. The other columns a recipe needs (RL's reward_model,
+  SFT's response) and every cell are checked when the recipe loads the data;
+- the model paths (model.path, critic.model_path): ``tiny``; a local directory with config.json and
+  safetensors, of a supported family (spmdrl.models.families: an unsupported architecture is refused
+  here, with the list of supported ones, before any process group or model); or a hub id (org/name) that is in the local hub cache, or that the hub can serve now (one
+  TCP connection; none when the hub is set offline or a proxy is in use: the download then tells).
+
+Without these a missing file or an offline hub surfaced 30-50 seconds in, after the process group, the
+tiny model's build and the tokenizer, once per rank.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import urllib.parse
+from pathlib import Path
+
+from spmdrl.config import Config, ConfigError
+from spmdrl.data import tiny_task, tools_task
+from spmdrl.data.parquet import open_checked
+from spmdrl.models.families import check_architecture
+from spmdrl.models.load import check_model_path
+
+# A TCP connection to the hub takes milliseconds when it is reachable; a firewall that drops packets would
+# otherwise hold every rank for the system's connect timeout (minutes).
+_HUB_CONNECT_TIMEOUT_S = 3.0
+_PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+
+
+def check_inputs(cfg: Config) -> list[str]:
+    """Checks the data files and model paths ``cfg`` names; returns what was checked, for ``--check``'s
+    line. Raises spmdrl.data.parquet.DataError (a data file) or ConfigError (a model path), each naming
+    the key, the file and the fix."""
+    checked = [f"data ({', '.join(check_data_files(cfg))})"]
+    checked.append(check_model(cfg.model.path, "model.path"))
+    if cfg.critic.model_path:
+        checked.append(check_model(cfg.critic.model_path, "critic.model_path", critic=True))
+    elif cfg.model.path != "tiny":
+        _check_actor_as_critic(cfg)
+    return checked
+
+
+def _check_actor_as_critic(cfg: Config) -> None:
+    """Without critic.model_path a critic starts from the actor's checkpoint: its family needs a
+    token-classification class (Gemma 3 has none), checked when the advantage estimator needs a critic."""
+    local = Path(cfg.model.path).expanduser()
+    if not (local / "config.json").is_file():
+        return  # a hub id: checked after the download
+    from spmdrl.algos.advantages import adv_estimator
+
+    if adv_estimator(cfg.algorithm.adv_estimator).needs_critic:
+        check_architecture(local, key="model.path (the critic's start, critic.model_path unset)", critic=True)
+
+
+def check_data_files(cfg: Config) -> list[str]:
+    """The data files' footers: they exist, are parquet, have rows and the prompt column. Returns the
+    files checked."""
+    d = cfg.data
+    names: list[str] = []
+    for key, files in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
+        on_disk = [f for f in files if not _builtin_task_file(f, key)]
+        if on_disk:
+            open_checked(on_disk, [d.prompt_key], {d.prompt_key: "data.prompt_key"})
+        names += files
+    return names
+
+
+def _builtin_task_file(name: str, key: str) -> bool:
+    """Whether ``name`` is a built-in task's generated split (``tiny:train``); an unknown split is an error."""
+    for prefix, splits in (("tiny:", tiny_task.SPLITS), (tools_task.PREFIX, tools_task.SPLITS)):
+        if name.startswith(prefix):
+            split = name.removeprefix(prefix)
+            if split not in splits:
+                raise ConfigError(
+                    f"{key}: {name!r} names no split of the built-in task; use one of "
+                    f"{', '.join(prefix + s for s in splits)}"
+                )
+            return True
+    return False
+
+
+def check_model(path: str, key: str, *, critic: bool = False) -> str:
+    """``path`` is ``tiny``, a local model directory of a supported family (spmdrl.models.families;
+    ``critic``: one a critic can be built on), or a hub id the run can get; returns a few words on which,
+    for ``--check``'s line. Raises ConfigError with one line saying what to do."""
+    if path == "tiny":
+        return f"{key}=tiny (built in)"
+    try:
+        local = check_model_path(path, key=key, critic=critic)
+    except FileNotFoundError as e:
+        raise ConfigError(str(e)) from None
+    if local is not None:
+        return f"{key}={path} (a local directory)"
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    cached = try_to_load_from_cache(path, "config.json")
+    if isinstance(cached, str):
+        check_architecture(Path(cached).parent, key=key, critic=critic)
+        return f"{key}={path} (in the hub cache {constants.HF_HUB_CACHE})"
+    fix = "download it where the hub is reachable and set {key} to its directory (or copy the hub cache here)"
+    if constants.HF_HUB_OFFLINE:
+        raise ConfigError(
+            f"{key}={path} is a hub id that is not in the hub cache ({constants.HF_HUB_CACHE}), and the hub "
+            f"is set offline (HF_HUB_OFFLINE); {fix.format(key=key)}"
+        )
+    if any(os.environ.get(v) for v in _PROXY_VARIABLES):
+        return f"{key}={path} (a hub id, not cached: downloaded through the proxy at start)"
+    endpoint = constants.ENDPOINT
+    problem = _unreachable(endpoint)
+    if problem:
+        raise ConfigError(
+            f"{key}={path} is a hub id that is not in the hub cache ({constants.HF_HUB_CACHE}), and the hub "
+            f"({endpoint}) is unreachable ({problem}); {fix.format(key=key)}"
+        )
+    return f"{key}={path} (a hub id, not cached: downloaded at start)"
+
+
+def _unreachable(endpoint: str) -> str | None:
+    """Why a TCP connection to ``endpoint``'s host fails (None: it opens)."""
+    url = urllib.parse.urlparse(endpoint)
+    host, port = url.hostname or "", url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((host, port), timeout=_HUB_CONNECT_TIMEOUT_S).close()
+    except OSError as e:
+        return f"{type(e).__name__}: {e}"
+    return None

