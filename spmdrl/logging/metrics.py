@@ -73,6 +73,9 @@ class MetricLogger(NullLogger):
         self._start = time.time()
         # Without a terminal (Slurm, nohup) the console lines say how far the run is and when it ends.
         self._progress = Progress(total_steps, start_step=resume_step)
+        # The first step this process logs goes to the console too (step 1, or the one after a resume's
+        # checkpoint), so a restarted job's log shows at once where it picked up.
+        self._first_step = resume_step + 1
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         clean = {k: float(v) for k, v in metrics.items()}
@@ -82,7 +85,7 @@ class MetricLogger(NullLogger):
                 self._tb.add_scalar(k, v, step)
         for tracker in self._trackers:
             tracker.log(step, clean)
-        due = step % self.console_every == 0 or step == 1
+        due = step % self.console_every == 0 or step == self._first_step
         if self._table and due:
             # Under a progress bar the bar says how far the run is; without one, the table's header does.
             header = "" if self._bar is not None else self._progress.line(step)

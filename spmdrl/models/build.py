@@ -120,6 +120,9 @@ def build_fsdp_model(spec: ModelSpec, mesh: DeviceMesh, device: torch.device) ->
             dtype=torch.float32,
             **attention_kwargs(hf_config),
         )
+    # The class actually built, for the config that checkpoints and exports write: a critic built from a
+    # causal LM's config would otherwise be exported as that causal LM (and misread by vLLM or AutoModel).
+    model.config.architectures = [type(model).__name__]
     # Sharded params are the fp32 master copy; FSDP2 casts to param_dtype for compute.
     # Keep (owner module, name, value) rather than dotted names: activation checkpointing renames paths.
     buffers = [

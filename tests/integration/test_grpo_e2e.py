@@ -283,6 +283,8 @@ def test_ppo_split_placement_actor_and_critic_on_their_own_ranks(tmp_path: Path)
     # The critic trained on its own rank and was exported from there.
     critic = load_file(out / "critic_hf_model" / "model.safetensors")
     assert float(critic["score.weight"].abs().sum()) > 0  # the value head starts at 0
+    critic_config = json.loads((out / "critic_hf_model" / "config.json").read_text())
+    assert critic_config["architectures"] == ["Qwen2ForTokenClassification"]  # not the actor's causal LM
     assert (out / "hf_model" / "model.safetensors").exists()
 
     # Both roles were checkpointed from their own ranks; the same command with one more step resumes

@@ -282,6 +282,11 @@ def test_ppo_step_with_a_critic_on_llama(tmp_path: Path) -> None:
 
     critic = AutoModelForTokenClassification.from_pretrained(out / "critic_hf_model")
     assert type(critic).__name__ == "LlamaForTokenClassification" and critic.config.num_labels == 1
+    # The export says what it holds: vLLM and AutoModel read the class from architectures.
+    assert json.loads((out / "critic_hf_model" / "config.json").read_text())["architectures"] == [
+        "LlamaForTokenClassification"
+    ]
+    assert json.loads((out / "hf_model" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     assert float(load_file(out / "critic_hf_model" / "model.safetensors")["score.weight"].abs().sum()) > 0
 
 

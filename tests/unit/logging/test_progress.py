@@ -53,3 +53,15 @@ def test_the_metric_logger_writes_progress_lines_without_a_terminal(
         "step 20/20 (100%)",
     ]
     assert "ETA 0:00:00" in lines[-1] and "train/loss=0.05" in lines[-1]
+
+
+def test_a_resumed_run_logs_its_first_step_to_the_console(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    logger = MetricLogger(tmp_path, total_steps=20, backends=(), console_every=10, resume_step=4)
+    with caplog.at_level(logging.INFO, logger="spmdrl"):
+        for step in range(5, 21):
+            logger.log(step, {"train/loss": 1.0})
+    logger.close()
+    heads = [r.getMessage().split("  ")[0] for r in caplog.records]
+    assert heads == ["step 5/20 (25%)", "step 10/20 (50%)", "step 20/20 (100%)"]
