@@ -16,6 +16,7 @@ outcome depends on what the engine picks for the CPU) once as each kind this mac
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -64,3 +65,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             misplaced.append(item.nodeid)
     if misplaced:
         raise pytest.UsageError(f"slow tests outside tests/integration/ (move them there): {misplaced}")
+
+
+@pytest.fixture
+def rewards(tmp_path: Path) -> Iterator[Path]:
+    """tests/sandbox_rewards.py's reward functions as a file; each test starts and ends with no worker
+    processes."""
+    from spmdrl.rewards import sandbox
+    from tests.sandbox_rewards import REWARDS
+
+    path = tmp_path / "sandbox_rewards.py"
+    path.write_text(REWARDS)
+    sandbox._pool().shutdown()
+    yield path
+    sandbox._pool().shutdown()

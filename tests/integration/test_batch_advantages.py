@@ -14,14 +14,10 @@ from spmdrl.algos.advantages import (
     token_level_rewards,
 )
 from spmdrl.algos.kl_control import FixedKLController
-from spmdrl.config import (
-    AlgorithmConfig,
-    Config,
-    RolloutCorrectionConfig,
-)
 from spmdrl.rl.batch import PolicyBatch
 from spmdrl.rl.experience import batch_advantages
 from spmdrl.testing.spawn import run_distributed
+from tests.unit.rl.advantage_batches import CPU, REJECT, B, cfg_with_n, scored_batch
 
 # ---------------------------------------------------------------------------------------------- two ranks
 
@@ -81,53 +77,13 @@ def test_batch_wide_statistics_over_two_ranks_equal_the_whole_batch():
         assert torch.allclose(alone_BT, want_adv) == (name == "grpo"), name
 
 
-B, T, N = 8, 10, 2  # 4 prompts x 2 samples; 2 ranks hold 2 prompts each
-
-
-CPU = torch.device("cpu")
-
-
-# token_k1 keeps 0.8 <= pi_rollout / pi_trainer <= 1.25: with the noise below, about 15% of the tokens go.
-REJECT = RolloutCorrectionConfig(rollout_rs="token_k1", rollout_rs_threshold="0.8_1.25")
-
-
-def _cfg(**algorithm: object) -> Config:
-    cfg = Config(algorithm=AlgorithmConfig(**algorithm))  # type: ignore[arg-type]
-    return dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, n=N))
-
-
-def _scored_batch() -> PolicyBatch:
-    """Rewards on the last response token (the first 4 rows mostly 0, so each half's statistics differ
-    from the whole batch's), critic values, and engine logprobs that stray from the trainer's."""
-    g = torch.Generator().manual_seed(0)
-    lengths_B = torch.randint(6, T + 1, (B,), generator=g)
-    attn = (torch.arange(T) < lengths_B[:, None]).long()
-    resp = attn.bool() & (torch.arange(T) >= 3)
-    last_B = lengths_B - 1
-    scores_B = torch.tensor([0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0])
-    rewards = torch.zeros(B, T).index_put_((torch.arange(B), last_B), scores_B)
-    old = -torch.rand(B, T, generator=g) * resp
-    engine = (old + 0.15 * torch.randn(B, T, generator=g)) * resp
-    return PolicyBatch(
-        input_ids_BT=torch.randint(0, 64, (B, T), generator=g) * attn,
-        attention_mask_BT=attn,
-        response_mask_BT=resp,
-        engine_logprobs_BT=engine,
-        advantages_BT=torch.zeros(B, T),
-        old_logprobs_BT=old,
-        ref_logprobs_BT=(old - 0.2 * torch.rand(B, T, generator=g)) * resp,
-        values_BT=torch.randn(B, T, generator=g) * resp,
-        token_rewards_BT=rewards,
-    )
-
-
 def _step4_on_rank(rank: int, world: int, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    batch = _scored_batch()
+    batch = scored_batch()
     rows = B // world
     shard = PolicyBatch.from_tensors(
         {k: v[rank * rows : (rank + 1) * rows] for k, v in batch.tensors().items()}
     )
-    cfg = _cfg(adv_estimator=name, rollout_correction=REJECT, gamma=0.9, lam=0.8)
+    cfg = cfg_with_n(adv_estimator=name, rollout_correction=REJECT, gamma=0.9, lam=0.8)
     out, _ = batch_advantages(cfg, shard, None, FixedKLController(0.0), CPU, group=None)
     assert out.returns_BT is not None
     return out.response_mask_BT, out.advantages_BT, out.returns_BT
@@ -138,8 +94,8 @@ def test_batch_advantages_on_two_ranks_equal_the_whole_batch() -> None:
     # GAE's whitening over the whole batch (verl's), summed over the actor's ranks by the recipe.
     name = "gae"
     per_rank = run_distributed(_step4_on_rank, 2, name, timeout_s=90)
-    cfg = _cfg(adv_estimator=name, rollout_correction=REJECT, gamma=0.9, lam=0.8)
-    want, _ = batch_advantages(cfg, _scored_batch(), None, FixedKLController(0.0), CPU)
+    cfg = cfg_with_n(adv_estimator=name, rollout_correction=REJECT, gamma=0.9, lam=0.8)
+    want, _ = batch_advantages(cfg, scored_batch(), None, FixedKLController(0.0), CPU)
     for got, field in zip(
         (torch.cat(parts) for parts in zip(*per_rank, strict=True)),
         ("response_mask_BT", "advantages_BT", "returns_BT"),

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import shutil
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from spmdrl.config import Config, ConfigError
 from spmdrl.config_loader import available_recipes, import_entry, load_config, to_yaml
 from spmdrl.data.tiny_task import TinyTaskConfig
 from spmdrl.data.tools_task import ToolsTaskConfig
+from tests.unit.forks import ENTRY, FORK_YAML, fork_files
 
 
 def test_recipe_and_overrides_compose() -> None:
@@ -160,60 +160,13 @@ def test_a_forked_recipe_keeps_its_check(tmp_path) -> None:  # noqa: ANN001
 REPO = Path(__file__).resolve().parents[2]
 
 
-# An entry file as small as a recipe can be: a section of its own and a main.
-ENTRY = textwrap.dedent(
-    """
-    from dataclasses import dataclass
-
-    from spmdrl.config import Config, choice, register_config_section
-
-
-    @register_config_section("{section}")
-    @dataclass
-    class MySection:
-        my_coef: float = 0.1
-        mode: str = choice("fast", ("fast", "slow"))
-
-
-    def main(cfg: Config) -> None:
-        print("my_coef", cfg.section(MySection).my_coef)
-    """
-)
-
-
-@pytest.fixture(autouse=True)
-def _restore_sections() -> Iterator[None]:
-    """Each test's entry files register sections; forget them afterwards (the registry is process-wide)."""
-    saved = dict(config_module.CONFIG_SECTIONS)
-    yield
-    config_module.CONFIG_SECTIONS.clear()
-    config_module.CONFIG_SECTIONS.update(saved)
-
-
-def _fork(
-    tmp_path: Path, yaml_text: str, *, section: str = "my_section", entry: str = "my_recipe.py"
-) -> Path:
-    (tmp_path / entry).parent.mkdir(parents=True, exist_ok=True)
-    (tmp_path / entry).write_text(ENTRY.format(section=section))
-    path = tmp_path / "my_grpo.yaml"
-    path.write_text(textwrap.dedent(yaml_text))
-    return path
-
-
-FORK_YAML = """\
-    defaults: [grpo_tiny, _self_]
-    entry: my_recipe.py
-    optim:
-      lr: 0.5
-    my_section:
-      my_coef: 0.2
-    """
+pytestmark = pytest.mark.usefixtures("restore_sections")
 
 
 def test_recipe_yaml_by_path_starts_from_a_shipped_recipe(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    path = _fork(tmp_path, FORK_YAML)
+    path = fork_files(tmp_path, FORK_YAML)
     shipped = load_config(["recipe=grpo_tiny"], import_entry_module=False)
     for recipe in (str(path), os.path.relpath(path, tmp_path.parent)):  # absolute, and relative to the cwd
         monkeypatch.chdir(tmp_path.parent)
@@ -239,7 +192,7 @@ def test_defaults_list_finds_yamls_beside_the_fork_and_a_fork_may_shadow_a_shipp
     tmp_path: Path,
 ) -> None:
     (tmp_path / "my_base.yaml").write_text("rollout:\n  n: 3\n")
-    _fork(tmp_path, "")
+    fork_files(tmp_path, "")
     # Named like the shipped recipe, and starting from it: the file given is the one loaded.
     (tmp_path / "grpo_tiny.yaml").write_text(
         "defaults: [grpo_tiny, my_base, _self_]\nentry: my_recipe.py\noptim:\n  lr: 0.25\n"
@@ -251,7 +204,7 @@ def test_defaults_list_finds_yamls_beside_the_fork_and_a_fork_may_shadow_a_shipp
 
 
 def test_defaults_entry_that_names_no_recipe(tmp_path: Path) -> None:
-    path = _fork(tmp_path, "defaults: [grpo_tny, _self_]\nentry: my_recipe.py\n")
+    path = fork_files(tmp_path, "defaults: [grpo_tny, _self_]\nentry: my_recipe.py\n")
     with pytest.raises(ConfigError, match=r"names 'grpo_tny', which is neither.*Did you mean grpo_tiny"):
         load_config([f"recipe={path}"])
     with pytest.raises(ConfigError, match="no such file"):
@@ -262,7 +215,7 @@ def test_entry_by_path_resolves_and_fails_naming_the_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     (tmp_path / "conf").mkdir()
-    path = _fork(
+    path = fork_files(
         tmp_path / "conf", "defaults: [grpo_tiny, _self_]\nentry: ../code/rec.py\n", entry="../code/rec.py"
     )
     cfg = load_config([f"recipe={path}"])
@@ -281,7 +234,7 @@ def test_entry_by_path_resolves_and_fails_naming_the_path(
 
 
 def test_recipe_section_is_validated_and_typed(tmp_path: Path) -> None:
-    path = _fork(tmp_path, FORK_YAML)
+    path = fork_files(tmp_path, FORK_YAML)
     cfg = load_config([f"recipe={path}", "my_section.mode=slow"])
     section_cls = import_entry(cfg.entry).MySection
     section = cfg.section(section_cls)
@@ -335,7 +288,7 @@ def test_a_section_name_is_taken_once() -> None:
 def test_saved_config_loads_again_to_the_same_config(tmp_path: Path) -> None:
     """A run's config.yaml (spmdrl.runtime writes to_yaml(cfg)) holds the sections and the entry's absolute
     path, and loads again as a recipe, from anywhere, to the same Config."""
-    cfg = load_config([f"recipe={_fork(tmp_path, FORK_YAML)}", "my_section.my_coef=0.3"])
+    cfg = load_config([f"recipe={fork_files(tmp_path, FORK_YAML)}", "my_section.my_coef=0.3"])
     saved = tmp_path / "run" / "config.yaml"
     saved.parent.mkdir()
     saved.write_text(to_yaml(cfg))
@@ -347,7 +300,7 @@ def test_a_policy_loss_registered_in_the_entry_is_accepted(tmp_path: Path) -> No
     """The entry is imported before the config is validated: its @register_policy_loss names are known."""
     from spmdrl.algos.policy_losses import POLICY_LOSSES
 
-    path = _fork(tmp_path, "defaults: [grpo_tiny, _self_]\nentry: my_recipe.py\n")
+    path = fork_files(tmp_path, "defaults: [grpo_tiny, _self_]\nentry: my_recipe.py\n")
     with pytest.raises(ConfigError, match="unknown policy loss"):
         load_config([f"recipe={path}", "algorithm.policy_loss=fork_test_loss"])
     (tmp_path / "my_recipe.py").write_text(

@@ -6,67 +6,18 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
 
-from spmdrl import config as config_module
 from spmdrl.config_loader import available_recipes
+from tests.unit.forks import FORK_YAML, fork_files
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-# An entry file as small as a recipe can be: a section of its own and a main.
-ENTRY = textwrap.dedent(
-    """
-    from dataclasses import dataclass
-
-    from spmdrl.config import Config, choice, register_config_section
-
-
-    @register_config_section("{section}")
-    @dataclass
-    class MySection:
-        my_coef: float = 0.1
-        mode: str = choice("fast", ("fast", "slow"))
-
-
-    def main(cfg: Config) -> None:
-        print("my_coef", cfg.section(MySection).my_coef)
-    """
-)
-
-
-@pytest.fixture(autouse=True)
-def _restore_sections() -> Iterator[None]:
-    """Each test's entry files register sections; forget them afterwards (the registry is process-wide)."""
-    saved = dict(config_module.CONFIG_SECTIONS)
-    yield
-    config_module.CONFIG_SECTIONS.clear()
-    config_module.CONFIG_SECTIONS.update(saved)
-
-
-def _fork(
-    tmp_path: Path, yaml_text: str, *, section: str = "my_section", entry: str = "my_recipe.py"
-) -> Path:
-    (tmp_path / entry).parent.mkdir(parents=True, exist_ok=True)
-    (tmp_path / entry).write_text(ENTRY.format(section=section))
-    path = tmp_path / "my_grpo.yaml"
-    path.write_text(textwrap.dedent(yaml_text))
-    return path
-
-
-FORK_YAML = """\
-    defaults: [grpo_tiny, _self_]
-    entry: my_recipe.py
-    optim:
-      lr: 0.5
-    my_section:
-      my_coef: 0.2
-    """
+pytestmark = pytest.mark.usefixtures("restore_sections")
 
 
 # ---------------------------------------------------------------------------------------------- command line
@@ -98,7 +49,7 @@ def test_help_lists_the_recipes_without_importing_torch() -> None:
 
 
 def test_cfg_job_prints_the_composed_config(tmp_path: Path) -> None:
-    path = _fork(tmp_path, FORK_YAML)
+    path = fork_files(tmp_path, FORK_YAML)
     res = _train_cli(f"recipe={path}", "my_section.my_coef=0.4", "--cfg", "job", cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]
     printed = yaml.safe_load(res.stdout)
@@ -108,7 +59,7 @@ def test_cfg_job_prints_the_composed_config(tmp_path: Path) -> None:
 
 
 def test_config_errors_exit_2_naming_the_path(tmp_path: Path) -> None:
-    path = _fork(tmp_path, "defaults: [grpo_tiny, _self_]\nentry: missing.py\n")
+    path = fork_files(tmp_path, "defaults: [grpo_tiny, _self_]\nentry: missing.py\n")
     res = _train_cli(f"recipe={path}", cwd=tmp_path)
     assert res.returncode == 2
     assert f"spmdrl: config error: entry='{tmp_path / 'missing.py'}': no such file" in res.stderr

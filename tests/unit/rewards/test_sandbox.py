@@ -8,98 +8,10 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
-from spmdrl.rewards import sandbox
-from spmdrl.rewards.registry import RewardFn, RewardInput, load_reward_fn
 from spmdrl.rewards.sandbox import score_batch
-
-REWARDS = """
-import math
-import os
-import signal
-import subprocess
-import time
-
-
-def sleeps(response, ground_truth, *, data_source, extra_info):
-    time.sleep(1000)
-
-
-def values(response, ground_truth, *, data_source, extra_info):
-    if response == "ok":  # the worker's pid: a sample after a bad value shows whether it was restarted
-        return {"score": 1.0, "pid": float(os.getpid())}
-    return {
-        "big_int": 10**400,  # too large for a float
-        "float32_overflow": 1e39,  # finite as a Python float, inf as float32
-        "dict_float32_overflow": {"score": -1e39},
-        "nan": math.nan,
-        "inf": -math.inf,
-    }[response]
-
-
-def exits(response, ground_truth, *, data_source, extra_info):
-    if response == "exit":
-        os._exit(3)
-    return 1.0
-
-
-def kills_its_group(response, ground_truth, *, data_source, extra_info):
-    if response == "killpg":
-        os.killpg(os.getpgrp(), signal.SIGKILL)
-    return 1.0
-
-
-def starts_a_child_and_hangs(response, ground_truth, *, data_source, extra_info):
-    child = subprocess.Popen(["sleep", "1000"])
-    with open(extra_info["pid_file"], "w") as f:
-        f.write(str(child.pid))
-    time.sleep(1000)
-
-
-def allocates(response, ground_truth, *, data_source, extra_info):
-    if response == "alloc":
-        return float(len(bytes(8 << 30)))  # 8 GiB (calloc: not touched, so cheap when it is allowed)
-    return {"score": 1.0, "pid": float(os.getpid())}
-
-
-def writes(response, ground_truth, *, data_source, extra_info):
-    if response == "write":
-        with open(extra_info["path"], "wb") as f:
-            f.write(b"x" * (2 << 20))
-    return {"score": 1.0, "pid": float(os.getpid())}
-
-
-def environment(response, ground_truth, *, data_source, extra_info):
-    rendezvous = [k for k in os.environ if k in ("MASTER_ADDR", "MASTER_PORT") or k.startswith("TORCHELASTIC_")]
-    return {
-        "score": 1.0,
-        "rendezvous": float(len(rendezvous)),
-        "rank": float(os.environ["RANK"]),
-        "nccl": float(os.environ["NCCL_DEBUG"] == "WARN"),
-    }
-"""
-
-
-@pytest.fixture
-def rewards(tmp_path: Path) -> Iterator[Path]:
-    """The file of reward functions; each test starts and ends with no worker processes."""
-    path = tmp_path / "sandbox_rewards.py"
-    path.write_text(REWARDS)
-    sandbox._pool().shutdown()
-    yield path
-    sandbox._pool().shutdown()
-
-
-def _fn(path: Path, name: str) -> RewardFn:
-    return load_reward_fn(f"{path}:{name}")
-
-
-def _inputs(*responses: str, **extra_info: str) -> list[RewardInput]:
-    return [RewardInput(r, "19", "spmdrl/tiny_arith", dict(extra_info)) for r in responses]
+from tests.sandbox_rewards import reward_fn, reward_inputs
 
 
 def _gone(pid: int, wait_s: float = 3.0) -> bool:
@@ -123,7 +35,11 @@ def test_bad_values_are_scored_errors_without_restarting_the_worker(rewards: Pat
     bad = ["big_int", "float32_overflow", "dict_float32_overflow", "nan", "inf"]
     with caplog.at_level(logging.WARNING, logger="spmdrl.rewards.sandbox"):
         result = score_batch(
-            _fn(rewards, "values"), _inputs("ok", *bad, "ok"), timeout_s=5, error_score=-1, num_workers=1
+            reward_fn(rewards, "values"),
+            reward_inputs("ok", *bad, "ok"),
+            timeout_s=5,
+            error_score=-1,
+            num_workers=1,
         )
     assert result.scores_B.tolist() == [1.0] + [-1.0] * len(bad) + [1.0]
     assert (result.num_errors, result.num_timeouts) == (len(bad), 0)
@@ -133,16 +49,16 @@ def test_bad_values_are_scored_errors_without_restarting_the_worker(rewards: Pat
 
 
 def test_worker_that_exits_is_an_error_and_is_replaced(rewards: Path):
-    fn = _fn(rewards, "exits")
-    result = score_batch(fn, _inputs("exit"), timeout_s=5, error_score=-1, num_workers=1)
+    fn = reward_fn(rewards, "exits")
+    result = score_batch(fn, reward_inputs("exit"), timeout_s=5, error_score=-1, num_workers=1)
     assert (result.scores_B.tolist(), result.num_errors, result.num_timeouts) == ([-1.0], 1, 0)
-    result = score_batch(fn, _inputs("a", "b"), timeout_s=5, error_score=-1, num_workers=1)
+    result = score_batch(fn, reward_inputs("a", "b"), timeout_s=5, error_score=-1, num_workers=1)
     assert (result.scores_B.tolist(), result.num_errors) == ([1.0, 1.0], 0)
 
 
 def test_killpg_in_user_code_cannot_reach_the_trainer(rewards: Path):
-    fn = _fn(rewards, "kills_its_group")
-    result = score_batch(fn, _inputs("a", "killpg", "b"), timeout_s=5, error_score=-1, num_workers=1)
+    fn = reward_fn(rewards, "kills_its_group")
+    result = score_batch(fn, reward_inputs("a", "killpg", "b"), timeout_s=5, error_score=-1, num_workers=1)
     # Still here: the worker's process group is not this process's.
     assert result.scores_B.tolist() == [1.0, -1.0, 1.0]
     assert (result.num_errors, result.num_timeouts) == (1, 0)
@@ -151,8 +67,8 @@ def test_killpg_in_user_code_cannot_reach_the_trainer(rewards: Path):
 def test_timeout_kills_what_the_function_started(rewards: Path, tmp_path: Path):
     pid_file = tmp_path / "child_pid"
     result = score_batch(
-        _fn(rewards, "starts_a_child_and_hangs"),
-        _inputs("x", pid_file=str(pid_file)),
+        reward_fn(rewards, "starts_a_child_and_hangs"),
+        reward_inputs("x", pid_file=str(pid_file)),
         timeout_s=1,
         error_score=-1,
     )
@@ -168,8 +84,8 @@ def test_timeout_kills_what_the_function_started(rewards: Path, tmp_path: Path):
 def test_memory_limit_turns_a_huge_allocation_into_a_scored_error(rewards: Path, caplog):
     with caplog.at_level(logging.WARNING, logger="spmdrl.rewards.sandbox"):
         result = score_batch(
-            _fn(rewards, "allocates"),
-            _inputs("a", "alloc", "b"),
+            reward_fn(rewards, "allocates"),
+            reward_inputs("a", "alloc", "b"),
             timeout_s=10,
             error_score=-1,
             num_workers=1,
@@ -184,8 +100,8 @@ def test_memory_limit_turns_a_huge_allocation_into_a_scored_error(rewards: Path,
 def test_file_size_limit_turns_a_huge_write_into_a_scored_error(rewards: Path, tmp_path: Path, caplog):
     with caplog.at_level(logging.WARNING, logger="spmdrl.rewards.sandbox"):
         result = score_batch(
-            _fn(rewards, "writes"),
-            _inputs("a", "write", "b", path=str(tmp_path / "big")),
+            reward_fn(rewards, "writes"),
+            reward_inputs("a", "write", "b", path=str(tmp_path / "big")),
             timeout_s=10,
             error_score=-1,
             num_workers=1,
@@ -206,6 +122,6 @@ def test_worker_environment_has_no_rendezvous(rewards: Path, monkeypatch):
         "NCCL_DEBUG": "WARN",
     }.items():
         monkeypatch.setenv(key, value)
-    result = score_batch(_fn(rewards, "environment"), _inputs("a"), timeout_s=10, error_score=-1)
+    result = score_batch(reward_fn(rewards, "environment"), reward_inputs("a"), timeout_s=10, error_score=-1)
     assert result.num_errors == 0
     assert result.extra == {"rendezvous": [0.0], "rank": [5.0], "nccl": [1.0]}

@@ -12,44 +12,10 @@ import torch
 from spmdrl.algos.advantages import AdvantageInputs, compute_advantages
 from spmdrl.algos.correction import rollout_correction
 from spmdrl.algos.kl_control import FixedKLController
-from spmdrl.config import AlgorithmConfig, Config, RolloutCorrectionConfig, derive, derive_rl
+from spmdrl.config import Config, RolloutCorrectionConfig, derive, derive_rl
 from spmdrl.rl.batch import PolicyBatch
 from spmdrl.rl.experience import batch_advantages, needs_old_logprobs
-
-B, T, N = 8, 10, 2  # 4 prompts x 2 samples; 2 ranks hold 2 prompts each
-CPU = torch.device("cpu")
-# token_k1 keeps 0.8 <= pi_rollout / pi_trainer <= 1.25: with the noise below, about 15% of the tokens go.
-REJECT = RolloutCorrectionConfig(rollout_rs="token_k1", rollout_rs_threshold="0.8_1.25")
-
-
-def _cfg(**algorithm: object) -> Config:
-    cfg = Config(algorithm=AlgorithmConfig(**algorithm))  # type: ignore[arg-type]
-    return dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, n=N))
-
-
-def _scored_batch() -> PolicyBatch:
-    """Rewards on the last response token (the first 4 rows mostly 0, so each half's statistics differ
-    from the whole batch's), critic values, and engine logprobs that stray from the trainer's."""
-    g = torch.Generator().manual_seed(0)
-    lengths_B = torch.randint(6, T + 1, (B,), generator=g)
-    attn = (torch.arange(T) < lengths_B[:, None]).long()
-    resp = attn.bool() & (torch.arange(T) >= 3)
-    last_B = lengths_B - 1
-    scores_B = torch.tensor([0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0])
-    rewards = torch.zeros(B, T).index_put_((torch.arange(B), last_B), scores_B)
-    old = -torch.rand(B, T, generator=g) * resp
-    engine = (old + 0.15 * torch.randn(B, T, generator=g)) * resp
-    return PolicyBatch(
-        input_ids_BT=torch.randint(0, 64, (B, T), generator=g) * attn,
-        attention_mask_BT=attn,
-        response_mask_BT=resp,
-        engine_logprobs_BT=engine,
-        advantages_BT=torch.zeros(B, T),
-        old_logprobs_BT=old,
-        ref_logprobs_BT=(old - 0.2 * torch.rand(B, T, generator=g)) * resp,
-        values_BT=torch.randn(B, T, generator=g) * resp,
-        token_rewards_BT=rewards,
-    )
+from tests.unit.rl.advantage_batches import CPU, REJECT, B, N, cfg_with_n, scored_batch
 
 
 def _verl_order(cfg: Config, batch: PolicyBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -76,8 +42,8 @@ def _verl_order(cfg: Config, batch: PolicyBatch) -> tuple[torch.Tensor, torch.Te
 
 @pytest.mark.parametrize("name", ["gae", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "grpo"])
 def test_advantages_follow_the_rejection_as_in_verl(name: str) -> None:
-    cfg = _cfg(adv_estimator=name, rollout_correction=REJECT, gamma=0.9, lam=0.8)
-    batch = _scored_batch()
+    cfg = cfg_with_n(adv_estimator=name, rollout_correction=REJECT, gamma=0.9, lam=0.8)
+    batch = scored_batch()
     out, metrics = batch_advantages(cfg, batch, None, FixedKLController(0.0), CPU)
     mask_BT, advantages_BT, returns_BT = _verl_order(cfg, batch)
     rejected = float((batch.response_mask_BT & ~mask_BT).sum() / batch.response_mask_BT.sum())
@@ -103,16 +69,16 @@ def test_advantages_follow_the_rejection_as_in_verl(name: str) -> None:
 def test_kl_in_reward_reads_the_trainers_old_logprobs() -> None:
     # verl's apply_kl_penalty reads old_log_probs, which it recomputes unless in bypass mode (where they
     # are the engine's): the old-logprob pass must run for it even on a single on-policy update.
-    plain = _cfg()
+    plain = cfg_with_n()
     rl = derive_rl(plain, derive(plain, 1, 64, samples_per_item=N))
     assert rl.mini_batches_per_step == 1 and plain.algorithm.ppo_epochs == 1
     assert not needs_old_logprobs(plain, rl)
-    cfg = _cfg(use_kl_in_reward=True, kl_penalty="kl", adv_estimator="grpo")
+    cfg = cfg_with_n(use_kl_in_reward=True, kl_penalty="kl", adv_estimator="grpo")
     assert needs_old_logprobs(cfg, rl)
     bypass = dataclasses.replace(cfg.algorithm, rollout_correction=RolloutCorrectionConfig(bypass_mode=True))
     assert not needs_old_logprobs(dataclasses.replace(cfg, algorithm=bypass), rl)
 
-    batch = _scored_batch()
+    batch = scored_batch()
     assert batch.old_logprobs_BT is not None and batch.ref_logprobs_BT is not None
     mask_BT = batch.response_mask_BT
     # k1 per token, each sequence's mean over its tokens, averaged over the sequences.

@@ -1,5 +1,5 @@
-"""Tools for multi-turn rollouts: the call parser, tool loading (verl YAML, functions), the built-in
-calculator and python runner (with real child processes), and the executor's bounds."""
+"""The tool-call parser (spmdrl/tools/parser.py): calls among text, malformed and unclosed calls, stray
+tags, garbage, and registering parsers of one's own."""
 
 from __future__ import annotations
 
