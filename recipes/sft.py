@@ -39,7 +39,7 @@ from spmdrl.data.tiny_task import TinyTaskConfig, resolve_data_files
 from spmdrl.data.tools_task import ToolsTaskConfig
 from spmdrl.distributed.placement import Placement
 from spmdrl.distributed.reduce import all_reduce_sum
-from spmdrl.logging.metrics import truncate_after
+from spmdrl.logging.metrics import rewind_logs
 from spmdrl.logging.plot import plot_curves
 from spmdrl.logging.samples import Sample, write_samples
 from spmdrl.models.build import build_fsdp_model, model_spec
@@ -197,8 +197,7 @@ def train_sft(run: Run, cfg: Config, stage: str = "") -> Path:
         start_step = int(state["step"])
         sampler.load_state_dict(state["sampler"])
         if env.is_main:  # the steps after the checkpoint are logged again
-            dropped = truncate_after(out_dir / "metrics.jsonl", start_step)
-            dropped += truncate_after(out_dir / "samples.jsonl", start_step)
+            dropped = rewind_logs(out_dir, start_step)
             log.info(
                 "resumed from %s: step %d of %d (%d later log rows dropped)",
                 resume_from,
@@ -207,8 +206,7 @@ def train_sft(run: Run, cfg: Config, stage: str = "") -> Path:
                 dropped,
             )
     elif restarted and env.is_main and not stage:  # died before its first checkpoint: start the logs over
-        truncate_after(out_dir / "metrics.jsonl", -1)
-        truncate_after(out_dir / "samples.jsonl", -1)
+        rewind_logs(out_dir, -1)
     logger = run.metric_logger(derived.total_steps, stage, resume_step=start_step)
 
     for step in range(start_step + 1, derived.total_steps + 1):

@@ -154,3 +154,11 @@ def truncate_after(path: Path, step: int) -> int:
     tmp.write_text("".join(k + "\n" for k in kept))
     tmp.replace(path)
     return len(lines) - len(kept)
+
+
+def rewind_logs(directory: Path, step: int) -> int:
+    """A run that continues after ``step`` (its checkpoint's; -1: from the start) logs the later steps again:
+    ``directory``'s metrics.jsonl and samples.jsonl keep their rows up to ``step``. Returns the rows dropped."""
+    return truncate_after(directory / "metrics.jsonl", step) + truncate_after(
+        directory / "samples.jsonl", step
+    )

@@ -43,7 +43,7 @@ from spmdrl.data.tools_task import ToolsTaskConfig
 from spmdrl.distributed.env import DistEnv
 from spmdrl.distributed.placement import Meshes, Placement, plan_placement
 from spmdrl.distributed.topology import check_tp_within_nodes, node_layout_from_env
-from spmdrl.logging.metrics import NullLogger, truncate_after
+from spmdrl.logging.metrics import NullLogger, rewind_logs
 from spmdrl.logging.plot import plot_curves
 from spmdrl.logging.samples import write_samples
 from spmdrl.logging.timer import PhaseTimer
@@ -297,9 +297,7 @@ def _resume_or_start(job: RLJob, roles: list[RoleState], resume_from: Path | Non
         # The engine was built from the starting weights: load the checkpoint's, with the usual check.
         sync_actor_weights(job, check_seed=0)
         if env.is_main:  # the steps after the checkpoint are logged again
-            dropped = truncate_after(job.metrics_path, job.start_step) + truncate_after(
-                job.samples_path, job.start_step
-            )
+            dropped = rewind_logs(job.run.output_dir, job.start_step)
             log.info(
                 "resumed from %s: step %d of %d (%d later log rows dropped)",
                 resume_from,
@@ -308,8 +306,7 @@ def _resume_or_start(job: RLJob, roles: list[RoleState], resume_from: Path | Non
                 dropped,
             )
     elif restarted and env.is_main:
-        truncate_after(job.metrics_path, -1)
-        truncate_after(job.samples_path, -1)
+        rewind_logs(job.run.output_dir, -1)
     if job.start_step >= job.total_steps:
         log.info("the checkpoint is at the last step (%d): nothing left to train", job.start_step)
     job.logger = job.run.metric_logger(job.total_steps, resume_step=job.start_step)
@@ -436,7 +433,7 @@ def warm_start(run: Run, resume_from: Path | None, restarted: bool) -> Path:
         log.info("warm-start done earlier: %s", done)
         return done
     if run.env.is_main and restarted:  # an attempt that died before its first checkpoint: start over
-        truncate_after(run.output_dir / "sft" / "metrics.jsonl", -1)
+        rewind_logs(run.output_dir / "sft", -1)
     # The SFT stage is a recipe's loop (warmstart.entry, the sft recipe by default, checked at config load),
     # run in-process on this Run: the library names it through the config, as spmdrl.train does.
     train_sft = import_entry(run.cfg.warmstart.entry).train_sft
