@@ -125,4 +125,8 @@ def test_sft_checkpoints_resume_exactly_and_refuse_a_second_run(tmp_path: Path) 
     )
     assert again.returncode != 0
     assert "already holds a run" in again.output, again.output[-3000:]
+    # A refusal is the user's to fix: reported once, as a configuration error (exit 2 in torchrun's summary).
+    assert again.output.count("already holds a run") == 1 and "exitcode  : 2" in again.output, again.output[
+        -3000:
+    ]
     assert [r["step"] for r in read_metrics(straight / "metrics.jsonl")] == list(range(1, 9))  # untouched
