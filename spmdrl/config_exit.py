@@ -35,11 +35,12 @@ _MIN_NONZERO_RANK_DELAY_S = 5.0
 _STARTED = time.monotonic()
 
 
-def exit_config_error(message: str) -> NoReturn:
-    """Reports ``message`` (``spmdrl: config error: ...``) once for the job and exits 2."""
+def exit_config_error(message: str, kind: str = "config") -> NoReturn:
+    """Reports ``message`` (``spmdrl: config error: ...``, or ``data error`` with ``kind="data"``: a data
+    file that does not read or fit) once for the job and exits 2."""
     if os.environ.get("RANK", "0") != "0":
         time.sleep(max(_MIN_NONZERO_RANK_DELAY_S, time.monotonic() - _STARTED))
-    text = f"spmdrl: config error: {message}"
+    text = f"spmdrl: {kind} error: {message}"
     if not _write_error_file(text):
         sys.stderr.write(text + "\n")
     sys.stderr.flush()

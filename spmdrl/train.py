@@ -91,7 +91,7 @@ def parse_config(argv: list[str], *, import_entry: bool = True) -> Config:
         cfg = load_config(argv, import_entry_module=import_entry)
         checked = check_inputs(cfg)
     except (ConfigError, DataError) as e:
-        exit_config_error(str(e))
+        exit_config_error(str(e), "data" if isinstance(e, DataError) else "config")
     if check_only:
         print(
             f"spmdrl: config ok: recipe {cfg.name} (entry {cfg.entry}); {'; '.join(checked)}; reward.fn={cfg.reward.fn}"

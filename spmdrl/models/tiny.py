@@ -199,6 +199,10 @@ def ensure_tiny_model(cache_dir: Path) -> Path:
         try:
             logger.info("building the tiny model into %s", target)
             build_tiny_model(tmp)
+            # Some writers create their files private (safetensors' 0600): a shared cache must be readable.
+            for f in tmp.iterdir():
+                if f.is_file():
+                    f.chmod(0o644)
             try:
                 os.replace(tmp, target)
             except OSError:

@@ -61,7 +61,7 @@ def test_a_wrong_value_and_a_missing_data_file_exit_2(tmp_path: Path) -> None:
     assert res.returncode == 2 and "full_key: trainer.micro_batch_size" in res.stderr
     res = _check("recipe=sft_tiny", "data.train_files=[nowhere.parquet]", cwd=tmp_path)
     assert res.returncode == 2
-    assert "spmdrl: config error: data file nowhere.parquet does not exist" in res.stderr
+    assert "spmdrl: data error: data file nowhere.parquet does not exist" in res.stderr
 
 
 def test_reward_signatures_are_checked(tmp_path: Path) -> None:

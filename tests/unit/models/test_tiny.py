@@ -120,6 +120,13 @@ def test_ensure_reuses_the_built_directory(tmp_path: Path):
     assert (path / "model.safetensors").stat().st_mtime_ns == mtime
 
 
+def test_the_cached_files_are_readable_by_everyone(tmp_path: Path):
+    # A cache shared by several users (or read by a container's other uid) must not hold private files.
+    path = ensure_tiny_model(tmp_path)
+    modes = {f.name: f.stat().st_mode & 0o777 for f in path.iterdir() if f.is_file()}
+    assert modes and all(m == 0o644 for m in modes.values()), modes
+
+
 def test_ensure_refuses_an_incomplete_directory(tmp_path: Path):
     (tmp_path / TINY_MODEL_DIRNAME).mkdir()
     (tmp_path / TINY_MODEL_DIRNAME / "config.json").write_text("{}")
