@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
-# The GPU benchmark suite: three measurements on one CUDA GPU, about 9 minutes on an H100 (grpo_step with
-# its two offload variants about 5 of them; SUITE_PARTS splits it).
+# The GPU benchmark suite: four measurements on one CUDA GPU, at most about 12.7 minutes on an H100 (the sum
+# of the parts' time limits; SUITE_PARTS splits it).
 #
 #   bash benchmarks/gpu_suite.sh          # after installing vLLM for CUDA (a release from 0.24 to 0.32)
 #   OUT=/some/dir bash benchmarks/gpu_suite.sh
 #
 # 1. grpo_step.py: one whole GRPO step of the real recipe (spmdrl on 1 rank) against TRL's GRPOTrainer at
 #    equal work (64 completions of <= 128 tokens, one optimizer step), on a random Qwen2 with
-#    Qwen2.5-0.5B's decoder (24 x 896, ~0.36B parameters) and the tiny tokenizer (--shape qwen2.5-0.5b).
+#    Qwen2.5-0.5B's decoder (24 x 896, ~0.36B parameters) and the tiny tokenizer (--shape qwen2.5-0.5b);
+#    TRL twice: generating with model.generate, and with its colocated vLLM (vllm_mode="colocate").
 # 2. rollout_vs_engine.py (1 rank): the recipe's rollout call against bare vllm.LLM.generate on the same
 #    engine, same requests and seeds: grpo_tiny's rollout (16x8x24) and grpo_step's (16x4x128).
 # 3. weight_sync.py --device cuda (1 rank): the FSDP2 -> vLLM sync (plain and checked) on the same model,
 #    against a copy of the same bytes (the engine built eager: the sync does not depend on CUDA graphs).
+# 4. update_profile.py, once per shape (qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b with the real vocabulary,
+#    random weights): the actor's update and no-grad forward under FSDP2 on the GPU: MFU, GPU busy
+#    fraction, kernel launches and syncs per micro-batch (parts update_profile-<shape>).
 #
 # Each part runs on its own, under its own time limit (a failing part does not stop the others; what
 # it left running is ended before the next one starts), and writes to $OUT (default:
@@ -24,10 +28,13 @@
 # repository's root, if any, are installed first into a private folder put on PYTHONPATH (for a
 # machine without network). spmdrl itself runs from this working tree; it need not be installed.
 # Environment: PYTHON (default python3), SUITE_SCALE (multiplies every time limit; default 1), SUITE_PARTS
-# (the parts to run, by name; default all three), SUITE_GRPO_STEPS (grpo_step's measured steps),
-# SUITE_GRPO_VARIANTS (grpo_step's spmdrl variants, ";"-separated NAME=OVERRIDES, each measured against the
-# default run: by default the two offload settings, model.offload_optimizer and model.offload_params),
-# SUITE_NO_TRL=1 (grpo_step without its TRL baseline). A dry run
+# (the parts to run, by name; default all four: grpo_step rollout_vs_engine weight_sync update_profile),
+# SUITE_GRPO_STEPS (grpo_step's measured steps), SUITE_GRPO_VARIANTS (grpo_step's spmdrl variants,
+# ";"-separated NAME=OVERRIDES, each measured against the default run; default none, e.g.
+# 'offload_optim=model.offload_optimizer=true;offload_params=model.offload_params=true', T_VARIANT more
+# seconds each), SUITE_NO_TRL=1 (grpo_step without its TRL baselines), SUITE_TRL_MODES (TRL's modes, default
+# generate,vllm_colocate), SUITE_PROFILE_SHAPES (update_profile's shapes), SUITE_PROFILE_ARGS (more
+# arguments for each of them, split on spaces, e.g. '--set trainer.pack_sequences=true'). A dry run
 # of the suite's plumbing on a CPU machine (small model, slow, same steps):
 #   SUITE_DEVICE=cpu SUITE_SHAPE=tiny SUITE_SCALE=5 bash benchmarks/gpu_suite.sh
 
@@ -41,20 +48,31 @@ SCALE=${SUITE_SCALE:-1}
 DEVICE=${SUITE_DEVICE:-cuda}
 SHAPE=${SUITE_SHAPE:-qwen2.5-0.5b}
 # Which parts run (SUITE_PARTS="grpo_step" for the step against TRL alone) and grpo_step's measured steps.
-WANT=" ${SUITE_PARTS:-grpo_step rollout_vs_engine weight_sync} "
+WANT=" ${SUITE_PARTS:-grpo_step rollout_vs_engine weight_sync update_profile} "
 GRPO_STEPS=${SUITE_GRPO_STEPS:-5}
-GRPO_VARIANTS=${SUITE_GRPO_VARIANTS-offload_optim=model.offload_optimizer=true;offload_params=model.offload_params=true}
+GRPO_VARIANTS=${SUITE_GRPO_VARIANTS-}
+TRL_MODES=${SUITE_TRL_MODES:-generate,vllm_colocate}
+# The profiler's shapes: the three Qwen2.5 sizes on a GPU, the tiny one in the CPU dry run.
+if [ "$SHAPE" = tiny ]; then
+    PROFILE_SHAPES=${SUITE_PROFILE_SHAPES:-tiny}
+else
+    PROFILE_SHAPES=${SUITE_PROFILE_SHAPES:-qwen2.5-0.5b qwen2.5-1.5b qwen2.5-7b}
+fi
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/spmdrl-gpu-suite.XXXXXX")
 SUITE_T0=$(date +%s)
 
-# Seconds for each part (x SUITE_SCALE); grpo_step gets T_VARIANT more for each variant.
+# Seconds for each part (x SUITE_SCALE); grpo_step gets T_VARIANT more for each variant and T_TRL_VLLM for
+# TRL's colocated-vLLM run. Their sum, the whole suite's bound on an H100, is 760 s (12.7 minutes):
+# 40 + 205 + 120 + 110 + 60 + 3 x 75.
 T_MODEL=40
 T_GRPO=205
-T_VARIANT=100  # each grpo_step variant: one more spmdrl job
+T_VARIANT=100     # each grpo_step variant: one more spmdrl job
+T_TRL_VLLM=120    # TRL with vLLM colocated: its engine's start (CUDA graphs) and the same steps
 T_ROLLOUT=110
 T_SYNC=60
+T_PROFILE=75      # each update_profile shape: start, build, 12 passes, the profiler's trace (7B: ~1 minute)
 
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # No network is needed: models are made on the fly, nothing is downloaded.
@@ -143,7 +161,7 @@ setup() {
     cp -r "$REPO/spmdrl" "$WORK/pkg/spmdrl"
     cp -r "$REPO/recipes" "$WORK/pkg/spmdrl/recipes"
     cp -r "$REPO/configs" "$WORK/pkg/spmdrl/configs"
-    export PYTHONPATH="$WORK/pkg:$PYTHONPATH"
+    export PYTHONPATH="$WORK/pkg${PYTHONPATH:+:$PYTHONPATH}"
 
     command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L
     (cd "$WORK" && timeout 120 "$PY" - <<'EOF'
@@ -181,10 +199,11 @@ summary() {
     done
     echo
     # Each benchmark's own table, as it printed it (vLLM's and torch's log lines left out).
-    for name in grpo_step rollout_vs_engine weight_sync; do
+    for name in "${PARTS[@]}"; do
+        [ "$name" = make_model ] && continue
         [ -f "$OUT/$name.log" ] || continue
         awk '
-            !on && /^(GRPO step: |rollout path vs bare vLLM: |weight sync: )/ { on = 1 }
+            !on && /^(GRPO step: |rollout path vs bare vLLM: |weight sync: |update profile: [^ ,]+ on )/ { on = 1 }
             on && /^====/ { exit }
             on && !/^(INFO|WARNING|DEBUG|ERROR|[WIE][0-9][0-9][0-9][0-9] |\[|\(|\/|  warnings\.warn)/ { print; if (++n >= 30) exit }
             END { if (n) print "" }
@@ -197,7 +216,7 @@ import pathlib
 import sys
 
 out = pathlib.Path(sys.argv[1])
-for name in [p for p in ("grpo_step", "rollout_vs_engine", "weight_sync") if p in sys.argv[2:]]:
+for name in [p for p in sys.argv[2:] if p != "make_model"]:
     path = out / f"{name}.json"
     if not path.exists():
         print(f"{name}: no JSON (the part failed or timed out; see {name}.log)")
@@ -236,9 +255,11 @@ main() {
     for v in ${variants[@]+"${variants[@]}"}; do
         [ -n "$v" ] && variant_args+=(--variant "$v")
     done
-    grpo_secs=$(scaled $((T_GRPO + T_VARIANT * ${#variant_args[@]} / 2)))
+    local trl_vllm_secs=0
+    [[ ",$TRL_MODES," == *",vllm_colocate,"* && -z "${SUITE_NO_TRL:-}" ]] && trl_vllm_secs=$T_TRL_VLLM
+    grpo_secs=$(scaled $((T_GRPO + T_VARIANT * ${#variant_args[@]} / 2 + trl_vllm_secs)))
     [[ $WANT == *" grpo_step "* ]] && run_part grpo_step "$grpo_secs" "$PY" "$REPO/benchmarks/grpo_step.py" --shape "$SHAPE" --nproc 1 \
-        --steps "$GRPO_STEPS" --warmup 1 --timeout "$(scaled $((T_GRPO * 4 / 5)))" \
+        --steps "$GRPO_STEPS" --warmup 1 --timeout "$(scaled $((T_GRPO * 4 / 5)))" --trl-modes "$TRL_MODES" \
         ${variant_args[@]+"${variant_args[@]}"} ${SUITE_NO_TRL:+--no-trl} --spmdrl-log "$WORK/spmdrl_job.log" --json "$OUT/grpo_step.json"
     if [ -f "$WORK/spmdrl_job.log" ]; then
         {
@@ -256,6 +277,15 @@ main() {
     [[ $WANT == *" weight_sync "* ]] && run_part weight_sync "$(scaled $T_SYNC)" "$PY" -m torch.distributed.run --standalone \
         --nproc_per_node=1 "$REPO/benchmarks/weight_sync.py" --device "$DEVICE" ${sync_args[@]+"${sync_args[@]}"} \
         --enforce-eager --repeats 5 --json "$OUT/weight_sync.json"
+
+    local shape profile_args=()
+    read -r -a profile_args <<<"${SUITE_PROFILE_ARGS:-}"
+    if [[ $WANT == *" update_profile "* ]]; then
+        for shape in $PROFILE_SHAPES; do
+            run_part "update_profile-$shape" "$(scaled $T_PROFILE)" "$PY" "$REPO/benchmarks/update_profile.py" \
+                --shape "$shape" ${profile_args[@]+"${profile_args[@]}"} --json "$OUT/update_profile-$shape.json"
+        done
+    fi
 
     summary
 }

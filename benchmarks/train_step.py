@@ -10,6 +10,7 @@ writes them as figures (benchmarks/bench_report.py) with the first variant as th
 
     torchrun --nproc_per_node=1 benchmarks/train_step.py --shape qwen2.5-0.5b --seq 1024 --batch 8   # one GPU
     torchrun --nproc_per_node=2 benchmarks/train_step.py --shape tiny --seq 128 --batch 8             # CPU, gloo
+    torchrun --nproc_per_node=2 benchmarks/train_step.py --shape tiny --compile                       # + model.compile
 """
 
 from __future__ import annotations
@@ -95,14 +96,16 @@ def time_variant(
     batch: int,
     steps: int,
     loss_fn=ce_loss,
+    compile: bool = False,
 ) -> tuple[float, float]:
-    model = build_fsdp_model(ModelSpec(path, dtype, torch.float32, activation_checkpointing=ac), mesh, device)
+    spec = ModelSpec(path, dtype, torch.float32, activation_checkpointing=ac, compile=compile)
+    model = build_fsdp_model(spec, mesh, device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (batch, seq), device=device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    for i in range(steps + 2):  # two warm-up steps
+    for i in range(steps + 2):  # two warm-up steps (model.compile compiles in the first)
         if i == 2:
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -130,6 +133,9 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--loss", default="ce", choices=["ce", "grpo"])
+    p.add_argument(
+        "--compile", action="store_true", help="add a variant with model.compile (per-block torch.compile)"
+    )
     p.add_argument("--json", default="", help="also write the figures (baseline: fp32) to this JSON file")
     args = p.parse_args()
     env = init_distributed("auto")
@@ -142,15 +148,17 @@ def main() -> None:
         dist.barrier()
         low = torch.bfloat16 if env.device.type == "cuda" else torch.float32
         variants = [
-            ("fp32", torch.float32, False),
-            (f"{str(low)[6:]} params", low, False),
-            (f"{str(low)[6:]} + AC", low, True),
+            ("fp32", torch.float32, False, False),
+            (f"{str(low)[6:]} params", low, False, False),
+            (f"{str(low)[6:]} + AC", low, True, False),
         ]
+        if args.compile:
+            variants.append((f"{str(low)[6:]} + compile", low, False, True))
         rows = []
-        for name, dtype, ac in variants:
+        for name, dtype, ac, compile in variants:
             loss_fn = grpo_loss if args.loss == "grpo" else ce_loss
             tps, peak = time_variant(
-                path, mesh, env.device, dtype, ac, args.seq, args.batch, args.steps, loss_fn
+                path, mesh, env.device, dtype, ac, args.seq, args.batch, args.steps, loss_fn, compile
             )
             rows.append((name, tps, peak))
         dist.barrier()

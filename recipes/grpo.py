@@ -50,6 +50,7 @@ from spmdrl.rl.job import (
     validation,
 )
 from spmdrl.rl.metrics import step_metrics
+from spmdrl.rl.perf import actor_perf_metrics
 from spmdrl.rl.role_rows import plan_rows
 from spmdrl.rl.samples import (
     DynamicSampling,
@@ -121,6 +122,8 @@ def rollout_and_score(job: RLJob, s: Step) -> None:
             gens = job.rollout.generate(prompts, train_sampling(cfg, s.step, gen_batch))
         with s.timer("reward"):
             samples = score(cfg, job.reward_fn, job.tokenizer, prompts, gens)
+            if job.model_rewards is not None:  # reward_model.*: weighted with the rule (docs/rewards.md)
+                samples = job.model_rewards(samples, s.step)
         if shaping is not None:
             samples = shaping(samples)
         if dynamic is None:
@@ -133,6 +136,7 @@ def rollout_and_score(job: RLJob, s: Step) -> None:
         **job.rollout.take_metrics(job.device),  # multi-turn: turns, tool calls
         **(dynamic.metrics() if dynamic else {}),
         **(shaping.metrics() if shaping else {}),
+        **(job.model_rewards.metrics() if job.model_rewards else {}),  # reward/rm_score, ...
     }
     check_reward_errors(cfg, samples.rewards, s.step, job.device)
     s.samples = samples
@@ -144,7 +148,10 @@ def remax_baseline(job: RLJob, s: Step) -> None:
     with s.timer("rollout"):
         greedy = greedy_rollout(job.rollout, prompts, cfg, s.step)
     with s.timer("reward"):
-        scores_B = score(cfg, job.reward_fn, job.tokenizer, prompts, greedy).scores_B
+        baseline = score(cfg, job.reward_fn, job.tokenizer, prompts, greedy)
+        if job.model_rewards is not None:  # the same reward as the samples'
+            baseline = job.model_rewards(baseline, s.step, record=False)
+        scores_B = baseline.scores_B
     s.baseline_B = scores_B.repeat_interleave(cfg.rollout.n)
 
 
@@ -159,7 +166,9 @@ def make_experience(job: RLJob, s: Step) -> None:
     batch = policy_batch(s.samples, job.tokenizer.pad_token_id, job.device)
     rows = plan_rows(cfg, job.placement, job.rl, batch, job.device)  # parallel.balance_tokens' layout
     sampled_mask_BT = batch.response_mask_BT  # the mismatch metric reads every sampled token
-    with s.timer("old_ref"):
+    # Timed only when a pass runs (the old logprobs, the reference's): an on-policy step without a
+    # reference runs neither, and logs no timing/old_ref_s.
+    with s.timer.maybe("old_ref", job.recompute_old or job.ref is not None):
         batch = old_and_ref_logprobs(
             cfg, job.rl, job.actor, job.ref, batch, job.actor_group, recompute_old=job.recompute_old
         )
@@ -191,7 +200,8 @@ def sync(job: RLJob, s: Step) -> None:
     now serves exactly them, or stops the run instead of training on stale rollouts."""
     with s.timer("weight_sync"):
         stats = sync_actor_weights(job, check_seed=s.step)
-    s.timer.add("weight_sync_check", stats.check_seconds)
+    for phase, seconds in stats.phases().items():  # its parts: wake, load, prefix-cache reset, check
+        s.timer.add(phase, seconds)
 
 
 def log(job: RLJob, s: Step) -> None:
@@ -206,6 +216,13 @@ def log(job: RLJob, s: Step) -> None:
         **s.metrics,
         "actor/lr": job.scheduler.get_last_lr()[0],
     }
+    # Tokens/s and MFU of the update and of the old/ref passes (spmdrl/logging/flops.py counts the FLOPs).
+    passes = int(job.recompute_old) + int(job.ref is not None)
+    metrics.update(
+        actor_perf_metrics(
+            cfg, job.actor, s.batch, metrics, forward_passes=passes, device=job.device, group=job.actor_group
+        )
+    )
     log_step(job, step, metrics, s.samples, s.timer)
 
 

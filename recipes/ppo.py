@@ -36,6 +36,7 @@ from spmdrl.algos.advantages import adv_estimator
 from spmdrl.config import Config, ConfigError
 from spmdrl.distributed.env import broadcast_object
 from spmdrl.logging.timer import PhaseTimer
+from spmdrl.models.head import fused_chunk_for
 from spmdrl.rl.batch import PolicyBatch
 from spmdrl.rl.experience import batch_advantages, old_and_ref_logprobs, policy_batch
 from spmdrl.rl.job import (
@@ -124,10 +125,16 @@ def rollout_and_score(job: RLJob, s: Step) -> None:
         gens = job.rollout.generate(prompts, train_sampling(cfg, s.step))
     with s.timer("reward"):
         samples = score(cfg, job.reward_fn, job.tokenizer, prompts, gens)
+        if job.model_rewards is not None:  # reward_model.*: weighted with the rule (docs/rewards.md)
+            samples = job.model_rewards(samples, s.step)
     shaping = OverlongShaping(cfg, job.device) if cfg.reward.overlong_buffer.enable else None
     if shaping is not None:
         samples = shaping(samples)
-    samples.metrics = {**job.rollout.take_metrics(job.device), **(shaping.metrics() if shaping else {})}
+    samples.metrics = {
+        **job.rollout.take_metrics(job.device),
+        **(shaping.metrics() if shaping else {}),
+        **(job.model_rewards.metrics() if job.model_rewards else {}),  # reward/rm_score, ...
+    }
     check_reward_errors(cfg, samples.rewards, s.step, job.device)
     s.samples = samples
 
@@ -144,7 +151,9 @@ def make_experience(job: RLJob, s: Step) -> None:
         batch, critic_batch = to_role(rows, local, "actor"), to_role(rows, local, "critic")
     sampled_mask_BT = batch.response_mask_BT if batch is not None else None  # the mismatch metric's
     if batch is not None:
-        with s.timer("old_ref"):
+        # Timed only when a pass runs (the old logprobs, the reference's): an on-policy step without a
+        # reference runs neither, and logs no timing/old_ref_s.
+        with s.timer.maybe("old_ref", job.recompute_old or job.ref is not None):
             batch = old_and_ref_logprobs(
                 cfg, job.rl, job.actor, job.ref, batch, job.actor_group, recompute_old=job.recompute_old
             )
@@ -202,7 +211,10 @@ def actor_waits(job: RLJob, batch: PolicyBatch) -> UpdateResult:
     old_BT = batch.old_logprobs_BT
     if old_BT is None:
         parts = micro_rows(cfg, job.rl, batch, job.actor_group)
-        old_BT = logprobs_of(job.actor, batch, parts, cfg.rollout.temperature, cfg.trainer.pack_sequences)
+        fused = fused_chunk_for(cfg.model, job.actor, batch.input_ids_BT.device)
+        old_BT = logprobs_of(
+            job.actor, batch, parts, cfg.rollout.temperature, cfg.trainer.pack_sequences, fused
+        )
     return UpdateResult({}, old_BT)
 
 
@@ -211,7 +223,8 @@ def sync(job: RLJob, s: Step) -> None:
     rank); the check proves each engine now serves exactly them, or stops the run."""
     with s.timer("weight_sync"):
         stats = sync_actor_weights(job, check_seed=s.step)
-    s.timer.add("weight_sync_check", stats.check_seconds)
+    for phase, seconds in stats.phases().items():  # its parts: wake, load, prefix-cache reset, check
+        s.timer.add(phase, seconds)
 
 
 def log(job: RLJob, s: Step) -> None:

@@ -16,6 +16,9 @@ from typing import Any, TypeVar
 # the code imports it from here.
 from spmdrl.errors import ConfigError
 
+# trainer.ppo_max_token_len_per_gpu / log_prob_max_token_len_per_gpu: the budget from the card's memory.
+AUTO_TOKENS = -1
+
 # rollout.cpu_gemm's choices (spmdrl.rollout.cpu_gemm says what each is).
 CPU_GEMM_PATHS = ("auto", "torch", "onednn", "sgl", "zentorch")
 
@@ -51,6 +54,32 @@ def registered(default: str, module: str, registry: str) -> Any:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters on the actor (docs/models.md#lora): the base weights frozen, only the adapters trained,
+    the engine served the merged weights W + (alpha / rank) B A. verl's actor_rollout_ref.model.lora_rank,
+    lora_alpha and target_modules."""
+
+    # The adapters' rank r; 0: no LoRA (every weight trains).
+    rank: int = 0
+    # The adapter output is scaled by alpha / rank.
+    alpha: float = 16.0
+    # Linear module names (the last part of their path, e.g. q_proj, down_proj), or ["all-linear"]: every
+    # linear layer of the decoder (the LM head excluded, as PEFT does).
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    # Dropout on the adapter's input, in every forward of the trained model (its log-prob passes too, as for
+    # the model's own dropout): keep 0 for RL, where the trainer's log-probs must match the engine's.
+    dropout: float = 0.0
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+@dataclass
 class ModelConfig:
     # A local directory with an HF causal LM (config.json + safetensors), a hub id, or "tiny": the
     # built-in deterministic tiny Qwen2 model, built on first use and cached (no network needed).
@@ -58,7 +87,16 @@ class ModelConfig:
     # Training dtypes (FSDP2 mixed precision). "auto": bfloat16 params on CUDA, float32 on CPU.
     param_dtype: str = choice("auto", ("auto", "float32", "bfloat16", "float16"))
     reduce_dtype: str = choice("float32", ("float32", "bfloat16"))
-    activation_checkpointing: bool = False
+    # Recompute activations in backward instead of keeping them (memory for compute; docs/performance.md,
+    # "Activation checkpointing where memory needs it"): off; full (each checkpointed decoder layer keeps only
+    # its input); mlp (only each checkpointed layer's MLP is recomputed: its intermediate activations, the
+    # widest a layer keeps, are dropped, attention's kept). true / false: full / off (its former boolean form).
+    activation_checkpointing: str = "off"
+    # Checkpoint every k-th decoder layer only (the k-th, 2k-th, ...): 1 = every layer.
+    activation_checkpointing_every: int = 1
+    # torch.compile each decoder block of the trained models (spmdrl.models.parallelize.apply_compile); the
+    # frozen reference runs eager. Each new micro-batch shape compiles on first use (docs/performance.md).
+    compile: bool = False
     # Host-memory offload (docs/performance.md#memory). offload_params: FSDP2's CPUOffloadPolicy for the
     # trained models (actor, critic): their sharded parameters, gradients and optimizer state live in host
     # memory, each layer's parameters are copied to the GPU for its forward and backward, and AdamW steps on
@@ -71,6 +109,38 @@ class ModelConfig:
     trust_remote_code: bool = False
     # Where the tiny model and generated data are cached. "": $SPMDRL_CACHE or ~/.cache/spmdrl.
     cache_dir: str = ""
+    # LoRA on the actor (rank 0: off). The reference and the PPO critic are not adapted: the critic trains
+    # every weight.
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    # The LM head of the trainer's logprob passes (verl's actor_rollout_ref.model.use_fused_kernels): true
+    # computes logprobs, entropy and sum pi^2 fused_chunk_tokens positions at a time, recomputing each
+    # chunk's logits in backward (spmdrl/models/fused_logprob.py: memory chunk x V instead of tokens x V);
+    # false computes every scored position's logits at once. auto: true on CUDA or where the vocabulary
+    # has >= FUSED_AUTO_MIN_VOCAB tokens, false otherwise (the tiny CPU models). Either way the head runs
+    # on the positions that predict a response token only (docs/performance.md#the-lm-head-on-response-positions).
+    use_fused_kernels: str = "auto"
+    fused_chunk_tokens: int = 512
+
+    def fused_head_chunk(self, vocab_size: int, device_type: str) -> int:
+        """The chunk policy_forward's head runs in for a model of ``vocab_size`` tokens on ``device_type``:
+        fused_chunk_tokens when fused, 0 for the plain head."""
+        mode = fused_kernels_mode(self.use_fused_kernels)
+        on = mode == "true" or (
+            mode == "auto" and (vocab_size >= FUSED_AUTO_MIN_VOCAB or device_type == "cuda")
+        )
+        return self.fused_chunk_tokens if on else 0
+
+
+# model.use_fused_kernels=auto fuses the LM head from this vocabulary size on (Llama 3, Qwen2.5, Gemma all
+# have 128k-256k; a plain head on N positions keeps N x V float32 logits and their softmax for backward).
+FUSED_AUTO_MIN_VOCAB = 32768
+FUSED_KERNELS_MODES = ("auto", "true", "false")
+
+
+def fused_kernels_mode(value: str | bool) -> str:
+    """model.use_fused_kernels as one of FUSED_KERNELS_MODES: a YAML or command-line boolean (which the
+    string field holds as "True" / "False") is its lower-case name."""
+    return str(value).lower()
 
 
 @dataclass
@@ -135,11 +205,32 @@ class TrainerConfig:
     global_batch_size: int = 32
     # Sequences per forward/backward on one rank.
     micro_batch_size: int = 8
-    # RL: > 0 bounds each micro-batch by tokens instead (sequences of any count up to this many tokens;
-    # every rank of a role runs the same number of micro-batches). 0: micro_batch_size sequences.
+    # RL, verl's names: tokens per micro-batch on one GPU (sequences of any count up to this many tokens;
+    # every rank of a role runs the same number of micro-batches). ppo_max_token_len_per_gpu: the update's
+    # forward + backward (actor and critic); log_prob_max_token_len_per_gpu: the no-grad passes (old and
+    # reference logprobs, the critic's values), which keep no activations and so fit more. AUTO_TOKENS (-1):
+    # on CUDA from the card's free memory (spmdrl/models/memory_model.py; logged, in derived.json); on CPU
+    # the update runs micro_batch_size sequences and the no-grad passes the update's micro-batches. 0:
+    # micro_batch_size sequences. N > 0: N tokens, at least the longest sequence (prompt + response).
+    ppo_max_token_len_per_gpu: int = AUTO_TOKENS
+    log_prob_max_token_len_per_gpu: int = AUTO_TOKENS
+    # CUDA, automatic budgets: GiB of the free memory they leave alone (CUDA and NCCL buffers, allocator
+    # fragmentation, the engine's sleep-mode residue, the chunked float32 log-softmax temporaries).
+    memory_reserve_gib: float = 4.0
+    # The older name of one budget for every pass: N > 0 is ppo_max_token_len_per_gpu=N and
+    # log_prob_max_token_len_per_gpu=N (with the new keys left at -1). 0: unset.
     micro_batch_tokens: int = 0
     # RL: pack each micro-batch's sequences end to end (padding removed; spmdrl/models/packing.py).
     pack_sequences: bool = False
+    # RL updates: reduce-scatter the gradients once per optimizer step, after the last micro-batch, instead
+    # of after each (FSDP2's set_requires_gradient_sync). Costs memory: each rank keeps the unsharded
+    # gradients (reduce_dtype, the whole trained model) between micro-batches (docs/performance.md).
+    defer_grad_sync: bool = False
+    # How packed rows attend (spmdrl/models/varlen.py): "mask", a block-diagonal (R, 1, C, C) mask through
+    # the model's own attention; "varlen", each sequence within its segment with no mask (on CUDA torch's
+    # varlen_attn, flash_attn or flex attention where the model's features allow, on CPU an exact reference
+    # per segment); "auto", varlen on CUDA where such a kernel exists, mask elsewhere. Needs pack_sequences.
+    packed_attention: str = choice("auto", ("auto", "mask", "varlen"))
     val_every: int = 0
     # Write a metrics row (metrics.jsonl, tensorboard, console) every log_every steps; RL also at every
     # validation and at the last step.
@@ -376,6 +467,12 @@ class AlgorithmConfig:
     kl_ctrl: KLCtrlConfig = field(default_factory=lambda: KLCtrlConfig())
     entropy_coeff: float = 0.0
     ppo_epochs: int = 1
+    # The old policy's logprobs: auto computes them in a no-grad pass of their own only where the update's
+    # own forward is not the old policy (several optimizer steps) or something reads them before the
+    # update (rollout correction, the KL in the reward, the optimal token baseline); otherwise the update's
+    # first forward, detached, is them (the same numbers, one forward fewer). always: the pass every step,
+    # as verl does (outside its rollout-correction bypass mode, where the engine's are the old ones).
+    recompute_old_logprobs: str = choice("auto", ("auto", "always"))
     # Prompts per optimizer step over the whole job (each brings rollout.n samples); 0: the whole batch.
     ppo_mini_batch_size: int = 0
     # Importance weights and rejection for the engine-vs-trainer mismatch (verl's rollout correction).
@@ -412,6 +509,58 @@ class RewardConfig:
     worker_memory_mb: int = 4096
     worker_file_size_mb: int = 64
     overlong_buffer: OverlongBufferConfig = field(default_factory=lambda: OverlongBufferConfig())
+    # The rule reward's weight in a step's training reward when a reward model or judge also scores
+    # (reward = rule_weight * rule + reward_model.weight * rm + reward_model.judge.weight * judge;
+    # docs/rewards.md#reward-models). Validation's accuracy is always the rule's alone.
+    rule_weight: float = 1.0
+
+
+# The judge's default prompt: the policy is asked for a 0-10 grade; the regex below reads it.
+JUDGE_TEMPLATE = (
+    "Rate the answer to the question from 0 to 10.\nQuestion: {prompt}\nAnswer: {response}\n"
+    "Reply with 'Score: <number>'."
+)
+
+
+@dataclass
+class JudgeConfig:
+    """A generative reward: an LLM judge served by the run's own engine (spmdrl/rewards/judge.py)."""
+
+    enable: bool = False
+    # The judge's model. "": the policy itself, served by the run's in-process engine (the only one
+    # supported for now; a separate judge engine is refused at config load).
+    path: str = ""
+    # Rendered as the user turn of the judge's chat: {prompt} (the sample's prompt, its last user
+    # message), {response}, and optionally {ground_truth}.
+    template: str = JUDGE_TEMPLATE
+    # The score is the regex's first group, as a float, in the judge's reply (its first match). A reply
+    # without a match scores reward.error_score and is counted in reward/errors.
+    score_regex: str = r"[Ss]core:\s*(-?\d+(?:\.\d+)?)"
+    temperature: float = 0.0
+    max_tokens: int = 16
+    weight: float = 1.0
+
+
+@dataclass
+class RewardModelConfig:
+    """A sequence-classification reward model (num_labels=1) scoring every sample, weighted with the rule
+    reward (spmdrl/rewards/reward_model.py; docs/rewards.md#reward-models). verl's reward_model.enable,
+    .model.path (here ``path``), .micro_batch_size_per_gpu and .max_length."""
+
+    enable: bool = False
+    # An HF directory of a *ForSequenceClassification model with its tokenizer and chat template (an
+    # rm_tiny export, say).
+    path: str = ""
+    # Sequences per no-grad forward on one rank.
+    micro_batch_size_per_gpu: int = 8
+    # Tokens of a rendered (prompt, response) the model reads; longer ones keep their end (where the score
+    # is read). 0: the model's max_position_embeddings.
+    max_length: int = 0
+    # "colocated": every rank holds the model sharded with FSDP2 over the actor's ranks and scores its own
+    # samples. A reward model on ranks of its own is not supported yet.
+    placement: str = choice("colocated", ("colocated", "separate"))
+    weight: float = 1.0
+    judge: JudgeConfig = field(default_factory=lambda: JudgeConfig())
 
 
 @dataclass
@@ -444,6 +593,9 @@ class WarmstartConfig:
     total_steps: int = 100
     global_batch_size: int = 64
     micro_batch_size: int = 32
+    # With model.lora on: false trains every weight in the warm-start (its export, which RL starts from and
+    # adapts, is a full model); true trains the warm-start's own adapters too, merged into that export.
+    lora: bool = False
     # The SFT stage's own optimizer and schedule (the RL stage's are optim.*).
     optim: OptimConfig = field(
         default_factory=lambda: OptimConfig(lr=1e-3, schedule="cosine", warmup_steps=10, min_lr_ratio=0.1)
@@ -509,6 +661,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     warmstart: WarmstartConfig = field(default_factory=WarmstartConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     # The registered sections' values (register_config_section), by key. Not a key itself: each section is
     # a top-level key of the YAML and the command line, which the loader adds to the schema it composes.
     sections: dict[str, Any] = field(
@@ -528,6 +681,17 @@ class Config:
                 f"this Config has no section {name!r}: it was built before {name!r} was registered"
             )
         return self.sections[name]
+
+
+# model.activation_checkpointing's modes (spmdrl.models.parallelize.apply_ac), and its former booleans.
+AC_MODES = ("off", "full", "mlp")
+_AC_BOOLEANS = {"true": "full", "false": "off"}
+
+
+def ac_mode(value: str | bool) -> str:
+    """model.activation_checkpointing as one of AC_MODES: true / false (a YAML or command-line boolean, which
+    the string field holds as "True" / "False") are full / off."""
+    return _AC_BOOLEANS.get(str(value).lower(), str(value))
 
 
 def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
@@ -586,6 +750,105 @@ def _validate_multi_turn(cfg: Config) -> None:
         )
 
 
+def _validate_reward_model(cfg: Config) -> None:
+    """reward_model.* and its judge: what is not supported yet, and values that cannot work."""
+    import re
+    import string
+
+    rm, judge = cfg.reward_model, cfg.reward_model.judge
+    if rm.enable and not rm.path:
+        raise ConfigError(
+            "reward_model.enable=true needs reward_model.path: an HF sequence-classification model directory "
+            "(e.g. the hf_model of a recipe=rm_tiny run)"
+        )
+    if rm.placement != "colocated" and (rm.enable or judge.enable):
+        raise ConfigError(
+            f"reward_model.placement={rm.placement!r} is not supported yet: use colocated (every rank holds "
+            "the reward model sharded with FSDP2 and scores its own samples)"
+        )
+    if (rm.enable or judge.enable) and cfg.parallel.placement != "colocated":
+        raise ConfigError(
+            "reward_model.enable / reward_model.judge.enable need parallel.placement=colocated (every rank "
+            f"scores the samples it generated); got parallel.placement={cfg.parallel.placement}"
+        )
+    if rm.micro_batch_size_per_gpu <= 0 or rm.max_length < 0:
+        raise ConfigError(
+            f"reward_model.micro_batch_size_per_gpu must be > 0 and reward_model.max_length >= 0 (0: the model's "
+            f"limit), got {rm.micro_batch_size_per_gpu}, {rm.max_length}"
+        )
+    if not judge.enable:
+        return
+    if judge.path:
+        raise ConfigError(
+            f"reward_model.judge.path={judge.path!r}: a separate judge engine is not supported yet; leave it "
+            "empty to judge with the policy's own engine"
+        )
+    if judge.max_tokens <= 0 or judge.temperature < 0:
+        raise ConfigError(
+            f"reward_model.judge.max_tokens must be > 0 and temperature >= 0, got {judge.max_tokens}, "
+            f"{judge.temperature}"
+        )
+    try:
+        fields = {name for _, name, _, _ in string.Formatter().parse(judge.template) if name is not None}
+    except ValueError as e:
+        raise ConfigError(f"reward_model.judge.template does not parse as a format string: {e}") from None
+    unknown = fields - {"prompt", "response", "ground_truth"}
+    if unknown or "response" not in fields:
+        raise ConfigError(
+            f"reward_model.judge.template must contain {{response}} and may contain {{prompt}} and "
+            f"{{ground_truth}} only (double other braces: {{{{ }}}}); it has {sorted(fields)}"
+        )
+    try:
+        groups = re.compile(judge.score_regex).groups
+    except re.error as e:
+        raise ConfigError(
+            f"reward_model.judge.score_regex={judge.score_regex!r} is not a regex: {e}"
+        ) from None
+    if groups < 1:
+        raise ConfigError(
+            f"reward_model.judge.score_regex={judge.score_regex!r} needs a group around the number, e.g. "
+            r"'Score:\s*(\d+)'"
+        )
+
+
+def max_sequence_length(cfg: Config) -> int:
+    """The longest row a pass may see: rollout.max_model_len, or prompt + response."""
+    return cfg.rollout.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length
+
+
+def _validate_token_budgets(cfg: Config) -> None:
+    """trainer's token budgets: -1 (auto), 0 (sequence counts) or at least one longest sequence."""
+    t = cfg.trainer
+    if t.micro_batch_tokens < 0:
+        raise ConfigError(
+            f"trainer.micro_batch_tokens must be >= 0 (0: unset), got {t.micro_batch_tokens}; its "
+            "replacements are trainer.ppo_max_token_len_per_gpu and trainer.log_prob_max_token_len_per_gpu"
+        )
+    longest = max_sequence_length(cfg)
+    for key in ("ppo_max_token_len_per_gpu", "log_prob_max_token_len_per_gpu"):
+        value = getattr(t, key)
+        if value < AUTO_TOKENS:
+            raise ConfigError(
+                f"trainer.{key}={value}: use {AUTO_TOKENS} (from the GPU's memory), 0 (micro_batch_size "
+                "sequences) or a number of tokens"
+            )
+        if value != AUTO_TOKENS and t.micro_batch_tokens > 0:
+            raise ConfigError(
+                f"trainer.micro_batch_tokens={t.micro_batch_tokens} and trainer.{key}={value} both set a token "
+                "budget: micro_batch_tokens is the older name of trainer.ppo_max_token_len_per_gpu and "
+                "trainer.log_prob_max_token_len_per_gpu together; set those and drop micro_batch_tokens"
+            )
+        if 0 < value < longest:
+            raise ConfigError(
+                f"trainer.{key}={value} is smaller than one sequence of the longest length, {longest} tokens "
+                "(rollout.max_model_len, or data.max_prompt_length + data.max_response_length); set it to at "
+                f"least {longest}, {AUTO_TOKENS} to size it from the GPU's memory, or 0 for micro_batch_size "
+                "sequences"
+            )
+    if t.memory_reserve_gib < 0:
+        raise ConfigError(f"trainer.memory_reserve_gib must be >= 0, got {t.memory_reserve_gib}")
+
+
 def _validate_loss_names(a: AlgorithmConfig) -> None:
     """The settings a policy loss or advantage estimator needs (dro's beta, gdpo's reward keys), and the
     ranges of the parameters the policy losses read (spmdrl.algos.policy_losses.PolicyLossParams)."""
@@ -630,6 +893,24 @@ def _validate_loss_names(a: AlgorithmConfig) -> None:
         )
 
 
+def _validate_lora(lora: LoraConfig) -> None:
+    """The values alone; target module names are checked against the model (spmdrl.models.lora)."""
+    if lora.rank < 0:
+        raise ConfigError(f"model.lora.rank must be >= 0 (0: LoRA off), got {lora.rank}")
+    if not lora.enabled:
+        return
+    if lora.alpha <= 0:
+        raise ConfigError(
+            f"model.lora.alpha must be > 0 (the adapter is scaled by alpha / rank), got {lora.alpha}"
+        )
+    if not 0.0 <= lora.dropout < 1.0:
+        raise ConfigError(f"model.lora.dropout must be in [0, 1), got {lora.dropout}")
+    if not lora.target_modules:
+        raise ConfigError(
+            "model.lora.target_modules is empty; name linear modules (q_proj, v_proj, ...) or use [all-linear]"
+        )
+
+
 def validate(cfg: Config) -> None:
     """Checks that need no world size. Raises ConfigError naming the key."""
     _check_choices(cfg, "")
@@ -648,6 +929,26 @@ def validate(cfg: Config) -> None:
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{key} must be > 0, got {value}")
+    _validate_lora(cfg.model.lora)
+    if ac_mode(cfg.model.activation_checkpointing) not in AC_MODES:
+        raise ConfigError(
+            f"model.activation_checkpointing={cfg.model.activation_checkpointing!r} is not one of "
+            f"{', '.join(AC_MODES)} (or true / false, which mean full / off)"
+        )
+    if cfg.model.activation_checkpointing_every < 1:
+        raise ConfigError(
+            f"model.activation_checkpointing_every must be >= 1 (1: every decoder layer, k: every k-th), got "
+            f"{cfg.model.activation_checkpointing_every}"
+        )
+    if fused_kernels_mode(cfg.model.use_fused_kernels) not in FUSED_KERNELS_MODES:
+        raise ConfigError(
+            f"model.use_fused_kernels={cfg.model.use_fused_kernels!r} is not one of {', '.join(FUSED_KERNELS_MODES)}"
+        )
+    if cfg.model.fused_chunk_tokens < 1:
+        raise ConfigError(
+            f"model.fused_chunk_tokens must be >= 1 (positions per chunk of the fused LM head), got "
+            f"{cfg.model.fused_chunk_tokens}"
+        )
     from spmdrl.logging.backends import check_backends  # light: no torch, no tracker import
 
     check_backends(list(cfg.logging.backends))
@@ -664,9 +965,11 @@ def validate(cfg: Config) -> None:
         )
     if not 0.0 <= cfg.reward.max_error_frac <= 1.0:
         raise ConfigError(f"reward.max_error_frac must be in [0, 1], got {cfg.reward.max_error_frac}")
-    if cfg.trainer.micro_batch_tokens < 0:
+    _validate_token_budgets(cfg)
+    if cfg.trainer.packed_attention == "varlen" and not cfg.trainer.pack_sequences:
         raise ConfigError(
-            f"trainer.micro_batch_tokens must be >= 0 (0: micro_batch_size sequences), got {cfg.trainer.micro_batch_tokens}"
+            "trainer.packed_attention=varlen needs packed micro-batches: set trainer.pack_sequences=true, or "
+            "trainer.packed_attention=auto (varlen only where rows are packed)"
         )
     if cfg.parallel.critic_ranks < 0:
         raise ConfigError(
@@ -745,6 +1048,7 @@ def validate(cfg: Config) -> None:
     if cfg.rollout.temperature < 0 or cfg.rollout.val_temperature < 0:
         raise ConfigError("rollout.temperature and rollout.val_temperature must be >= 0 (0 is greedy)")
     _validate_multi_turn(cfg)
+    _validate_reward_model(cfg)
     if cfg.algorithm.ppo_mini_batch_size < 0:
         raise ConfigError("algorithm.ppo_mini_batch_size must be >= 0 (0: the whole batch)")
 
@@ -826,15 +1130,38 @@ class RLDerived:
     grad_accum_steps: int
     optimizer_steps_per_step: int
     max_model_len: int
+    # Tokens per micro-batch of the update and of the no-grad passes (trainer.ppo_max_token_len_per_gpu,
+    # trainer.log_prob_max_token_len_per_gpu, resolved); 0: micro_batch_size sequences. With a budget the
+    # two counts above are those of sequence-count micro-batches, not the number each step runs.
+    ppo_max_token_len: int = 0
+    log_prob_max_token_len: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-def derive_rl(cfg: Config, derived: Derived, *, train_ranks: int = 0, role: str = "actor") -> RLDerived:
+def _resolve_budget(value: int, legacy: int, measured: int | None, otherwise: int) -> int:
+    """A token budget key's value: itself when set; at AUTO_TOKENS the older micro_batch_tokens when set,
+    else the budget from the GPU's memory when there is one, else ``otherwise``."""
+    if value != AUTO_TOKENS:
+        return value
+    if legacy > 0:
+        return legacy
+    return measured if measured is not None else otherwise
+
+
+def derive_rl(
+    cfg: Config,
+    derived: Derived,
+    *,
+    train_ranks: int = 0,
+    role: str = "actor",
+    memory_budgets: tuple[int, int] | None = None,
+) -> RLDerived:
     """The update's batch arithmetic for a role trained on ``train_ranks`` ranks (0: every rank, each
     training on the rollouts it generated; under a split placement rows move, so only sequence counts
-    must divide)."""
+    must divide). ``memory_budgets``: the (update, no-grad) token budgets the GPU's free memory allows
+    (spmdrl/rl/token_budgets.py), for the keys at AUTO_TOKENS; None (CPU): those keep sequence counts."""
     n = cfg.rollout.n
     mini_prompts = cfg.algorithm.ppo_mini_batch_size or cfg.trainer.global_batch_size
     if cfg.trainer.global_batch_size % mini_prompts:
@@ -862,11 +1189,18 @@ def derive_rl(cfg: Config, derived: Derived, *, train_ranks: int = 0, role: str 
         )
     if derived.world_size % cfg.rollout.tp:
         raise ConfigError(f"rollout.tp={cfg.rollout.tp} must divide the world size {derived.world_size}")
-    max_len = cfg.rollout.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length
+    max_len = max_sequence_length(cfg)
     if max_len < cfg.data.max_prompt_length + 1:
         raise ConfigError(
             f"rollout.max_model_len={max_len} leaves no room for a response after data.max_prompt_length"
         )
+    t = cfg.trainer
+    measured_train, measured_no_grad = memory_budgets if memory_budgets is not None else (None, None)
+    train_tokens = _resolve_budget(t.ppo_max_token_len_per_gpu, t.micro_batch_tokens, measured_train, 0)
+    # Without a budget of their own (CPU, auto), the no-grad passes run the update's micro-batches.
+    no_grad_tokens = _resolve_budget(
+        t.log_prob_max_token_len_per_gpu, t.micro_batch_tokens, measured_no_grad, train_tokens
+    )
     return RLDerived(
         samples_per_prompt=n,
         train_ranks=ranks,
@@ -877,4 +1211,6 @@ def derive_rl(cfg: Config, derived: Derived, *, train_ranks: int = 0, role: str 
         grad_accum_steps=per_rank_mini // micro,
         optimizer_steps_per_step=cfg.trainer.global_batch_size // mini_prompts * cfg.algorithm.ppo_epochs,
         max_model_len=max_len,
+        ppo_max_token_len=train_tokens,
+        log_prob_max_token_len=no_grad_tokens,
     )

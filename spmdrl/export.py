@@ -1,7 +1,8 @@
 """``python -m spmdrl.export <checkpoint> <out_dir>``: a Hugging Face model directory from a checkpoint.
 
 <checkpoint> is a ``step-<N>`` directory under a run's ``checkpoints/`` (or the run's output directory:
-its newest complete checkpoint). Runs on one process, whatever world size saved it.
+its newest complete checkpoint). Runs on one process, whatever world size saved it. A LoRA run's actor is
+written merged into its base model, or with ``--adapter`` as the adapter alone in PEFT's format.
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out_dir", type=Path, help="where to write the HF model directory")
     ap.add_argument("--role", default="actor", choices=("actor", "critic"))
     ap.add_argument(
+        "--adapter",
+        action="store_true",
+        help="a LoRA run: write its adapter alone, in PEFT's format (default: merged into the base model)",
+    )
+    ap.add_argument(
         "--dtype", default="", choices=("", *DTYPES), help="cast the weights (default: as saved, fp32)"
     )
     args = ap.parse_args(argv)
@@ -33,8 +39,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {str(e).replace('trainer.resume=', '')}", file=sys.stderr)
         return 2
     assert path is not None
-    export_checkpoint(path, args.out_dir, role=args.role, dtype=DTYPES[args.dtype] if args.dtype else None)
-    print(f"exported {path} ({args.role}) to {args.out_dir}")
+    try:
+        export_checkpoint(
+            path,
+            args.out_dir,
+            role=args.role,
+            dtype=DTYPES[args.dtype] if args.dtype else None,
+            adapter_only=args.adapter,
+        )
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    what = "LoRA adapter" if args.adapter else "model"
+    print(f"exported {path} ({args.role} {what}) to {args.out_dir}")
     return 0
 
 

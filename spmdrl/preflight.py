@@ -27,7 +27,7 @@ from pathlib import Path
 from spmdrl.config import Config, ConfigError
 from spmdrl.data import tiny_task, tools_task
 from spmdrl.data.parquet import open_checked
-from spmdrl.models.families import check_architecture
+from spmdrl.models.families import LINEAR_MODULES, check_architecture
 from spmdrl.models.load import check_model_path
 
 # A TCP connection to the hub takes milliseconds when it is reachable; a firewall that drops packets would
@@ -46,7 +46,25 @@ def check_inputs(cfg: Config) -> list[str]:
         checked.append(check_model(cfg.critic.model_path, "critic.model_path", critic=True))
     elif cfg.model.path != "tiny":
         _check_actor_as_critic(cfg)
+    if cfg.model.lora.enabled:
+        checked.append(check_lora_targets(list(cfg.model.lora.target_modules)))
+    if cfg.reward_model.enable:
+        from spmdrl.rewards.reward_model_path import check_reward_model_dir
+
+        check_reward_model_dir(cfg.reward_model.path)
+        checked.append(f"reward_model.path={cfg.reward_model.path}")
     return checked
+
+
+def check_lora_targets(names: list[str]) -> str:
+    """model.lora.target_modules names linear modules every supported family has (or all-linear)."""
+    unknown = sorted(set(names) - {*LINEAR_MODULES, "all-linear"})
+    if unknown:
+        raise ConfigError(
+            f"model.lora.target_modules: {unknown} name no linear module of the supported models; their "
+            f"linear modules are {list(LINEAR_MODULES)} (or use [all-linear]; the LM head is never adapted)"
+        )
+    return f"model.lora.target_modules={','.join(names)}"
 
 
 def _check_actor_as_critic(cfg: Config) -> None:

@@ -42,10 +42,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from spmdrl.config import ConfigError
 from spmdrl.distributed.env import broadcast_str
+from spmdrl.models.lora import is_adapter_param, lora_scale
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +75,18 @@ class RoleState:
 
     def _state(self) -> dict[str, Any]:
         assert self.model is not None and self.optimizer is not None and self.scheduler is not None
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        options = self._options()
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=options)
+        if options.ignore_frozen_params:
+            # A tied LM head is no parameter of its own, so get_state_dict keeps it: the adapters alone.
+            model_sd = {k: v for k, v in model_sd.items() if is_adapter_param(k)}
         return {"model": model_sd, "optim": optim_sd, "scheduler": self.scheduler.state_dict()}
+
+    def _options(self) -> StateDictOptions:
+        """A LoRA model's frozen base is not saved: only its adapters (and their optimizer state) change,
+        and a resumed run rebuilds the base from model.path as the first run did (docs/checkpointing.md)."""
+        frozen_base = self.model is not None and lora_scale(self.model) is not None
+        return StateDictOptions(ignore_frozen_params=frozen_base, strict=not frozen_base)
 
 
 @dataclass(frozen=True)
@@ -391,7 +402,11 @@ def load_checkpoint(path: Path, roles: list[RoleState]) -> dict[str, Any]:
         dcp.load(state, checkpoint_id=str(path / role.name), process_group=role.group)
         assert role.model is not None and role.optimizer is not None and role.scheduler is not None
         set_state_dict(
-            role.model, role.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+            role.model,
+            role.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=role._options(),
         )
         role.scheduler.load_state_dict(state["scheduler"])
     rng = path / "rng" / f"rank-{dist.get_rank()}.pt"

@@ -31,7 +31,10 @@ from huggingface_hub import save_torch_state_dict
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from spmdrl.checkpoint import adapter
 from spmdrl.distributed.env import wait_for
+from spmdrl.models.build import read_safetensors
+from spmdrl.models.lora import is_adapter_param, lora_scale, merge_state_dict
 
 log = logging.getLogger(__name__)
 
@@ -87,9 +90,13 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
 
 
 def write_hf_metadata(model: nn.Module, tokenizer: object, out_dir: Path) -> None:
-    """Config, generation config and tokenizer, without weights: what a checkpoint keeps for export."""
+    """Config, generation config and tokenizer, without weights: what a checkpoint keeps for export. A LoRA
+    model's also gets its adapter_config.json, which names the base model its adapters apply to."""
     out_dir.mkdir(parents=True, exist_ok=True)
     model.config.save_pretrained(out_dir)  # type: ignore[attr-defined]
+    lora = adapter.model_adapter_config(model)
+    if lora is not None:
+        adapter.write_config(lora, out_dir)
     gen = getattr(model, "generation_config", None)
     if gen is not None:
         gen.save_pretrained(out_dir)
@@ -106,7 +113,8 @@ def export_hf(
 ) -> None:
     """Gathers the full weights to the group's first rank (CPU) and writes an HF model directory.
 
-    Every rank of ``group`` (the ranks the model is sharded over; None: the world) must call it.
+    Every rank of ``group`` (the ranks the model is sharded over; None: the world) must call it. A LoRA
+    model is written merged (W + alpha/r B A): the base model's architecture and names.
     """
     # Collective: every rank takes part in gathering the shards. With cpu_offload only *global* rank 0
     # receives them (torch's rule); a group without it (the critic's ranks under a split placement)
@@ -114,9 +122,10 @@ def export_hf(
     offload = group is None or dist.get_global_rank(group, 0) == 0
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=offload))
     writer = dist.get_rank(group) == 0
+    scale = lora_scale(model)
     if writer:
         write_hf_dir(
-            state,
+            merge_state_dict(state, scale) if scale is not None else state,
             model.config,  # type: ignore[attr-defined]
             out_dir,
             tokenizer=tokenizer,
@@ -128,9 +137,17 @@ def export_hf(
 
 
 def export_checkpoint(
-    checkpoint: Path, out_dir: Path, *, role: str = "actor", dtype: torch.dtype | None = None
+    checkpoint: Path,
+    out_dir: Path,
+    *,
+    role: str = "actor",
+    dtype: torch.dtype | None = None,
+    adapter_only: bool = False,
 ) -> None:
-    """A sharded checkpoint's ``role`` model as an HF directory, on one process (no process group)."""
+    """A sharded checkpoint's ``role`` model as an HF directory, on one process (no process group).
+
+    A LoRA run's checkpoint holds the adapters only: they are merged into the base model its
+    ``adapter_config.json`` names, or with ``adapter_only`` written alone in PEFT's format."""
     import torch.distributed.checkpoint as dcp
     from transformers import (
         AutoConfig,
@@ -148,14 +165,35 @@ def export_checkpoint(
             "directory of a run's checkpoints/ and --role actor or critic"
         )
     config = AutoConfig.from_pretrained(meta_dir)
-    auto = AutoModelForTokenClassification if role == "critic" else AutoModelForCausalLM
-    with torch.device("meta"):
-        model = auto.from_config(config, dtype=torch.float32)
-    # The checkpoint's keys are the model's own (get_state_dict strips the FSDP / checkpointing wrappers).
-    state = {k: torch.empty(v.shape, dtype=torch.float32) for k, v in model.state_dict().items()}
-    if getattr(config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)
-    dcp.load({"model": state}, checkpoint_id=str(checkpoint / role), no_dist=True)
+    lora = adapter.read_config(meta_dir)
+    if adapter_only and lora is None:
+        raise ValueError(
+            f"{checkpoint}: its {role} trained every weight (no LoRA adapters, model.lora.rank=0); "
+            "export it without --adapter"
+        )
+    if lora is not None:
+        adapters = _load_adapters(checkpoint / role)
+        if adapter_only:
+            adapter.write_adapter_dir(adapters, lora, out_dir)
+            log.info("exported the LoRA adapter to %s", out_dir)
+            return
+        base = Path(lora["base_model_name_or_path"])
+        if not (base / "config.json").is_file():
+            raise FileNotFoundError(
+                f"{checkpoint} holds LoRA adapters of the base model {base} (model.path), which is not there "
+                "any more; restore it, or export the adapter alone with --adapter"
+            )
+        base_state = {k: v.float() for k, v in read_safetensors(base).items()}
+        state = merge_state_dict({**base_state, **adapters}, adapter.scale_of(lora))
+    else:
+        auto = AutoModelForTokenClassification if role == "critic" else AutoModelForCausalLM
+        with torch.device("meta"):
+            model = auto.from_config(config, dtype=torch.float32)
+        # The checkpoint's keys are the model's own (get_state_dict strips the FSDP / checkpointing wrappers).
+        state = {k: torch.empty(v.shape, dtype=torch.float32) for k, v in model.state_dict().items()}
+        if getattr(config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)
+        dcp.load({"model": state}, checkpoint_id=str(checkpoint / role), no_dist=True)
     gen = (
         GenerationConfig.from_pretrained(meta_dir)
         if (meta_dir / "generation_config.json").is_file()
@@ -169,3 +207,18 @@ def export_checkpoint(
         generation_config=gen,
         dtype=dtype,
     )
+
+
+def _load_adapters(dcp_dir: Path) -> dict[str, torch.Tensor]:
+    """The adapter tensors of a LoRA checkpoint's DCP state, full, by trainer name (its keys and shapes
+    come from the checkpoint's own metadata: no model needs to be built)."""
+    import torch.distributed.checkpoint as dcp
+
+    metadata = dcp.FileSystemReader(str(dcp_dir)).read_metadata().state_dict_metadata
+    state = {
+        k.removeprefix("model."): torch.empty(tuple(m.size), dtype=torch.float32)  # type: ignore[union-attr]
+        for k, m in metadata.items()
+        if k.startswith("model.") and is_adapter_param(k)
+    }
+    dcp.load({"model": state}, checkpoint_id=str(dcp_dir), no_dist=True)
+    return state

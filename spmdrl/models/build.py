@@ -17,10 +17,16 @@ from safetensors import safe_open
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+)
 
-from spmdrl.config import ModelConfig
-from spmdrl.models.parallelize import apply_ac, apply_fsdp
+from spmdrl.config import LoraConfig, ModelConfig, ac_mode
+from spmdrl.models.lora import apply_lora, initial_adapter_weights
+from spmdrl.models.parallelize import apply_ac, apply_compile, apply_fsdp
 
 log = logging.getLogger(__name__)
 
@@ -39,14 +45,22 @@ class ModelSpec:
     path: Path
     param_dtype: torch.dtype
     reduce_dtype: torch.dtype
-    activation_checkpointing: bool = False
+    # model.activation_checkpointing: off / full / mlp, or true / false (full / off); on every
+    # ac_every-th decoder layer (spmdrl.models.parallelize.apply_ac).
+    activation_checkpointing: str | bool = False
+    ac_every: int = 1
+    compile: bool = False  # model.compile: torch.compile per decoder block (apply_compile)
     trust_remote_code: bool = False
     train: bool = True
     # "lm": the causal LM (actor, reference). "value": the same backbone with a scalar value head per
     # token instead of the LM head (the critic), built from a causal-LM checkpoint or a critic's own.
+    # "reward": one scalar per sequence (*ForSequenceClassification, num_labels=1: a reward model), from a
+    # reward model's checkpoint or a causal LM's backbone (recipes/rm.py trains its head from 0).
     head: str = "lm"
     # FSDP2 CPU offload: the sharded parameters live in host memory (spmdrl.models.parallelize.apply_fsdp).
     offload: bool = False
+    # LoRA adapters (spmdrl.models.lora): only they train. None: every weight trains (or none, frozen).
+    lora: LoraConfig | None = None
 
 
 def model_spec(
@@ -55,16 +69,20 @@ def model_spec(
     """The ModelSpec for ``cfg`` (dtypes resolved for ``device``); frozen models skip activation checkpointing.
 
     A trained model is offloaded under ``offload_params``, a frozen one (the reference) under ``offload_ref``.
+    ``model.lora`` adapts a trained causal LM (the actor, an SFT model), never the reference or a critic.
     """
     return ModelSpec(
         path=path,
         param_dtype=resolve_dtype(cfg.param_dtype, device),
         reduce_dtype=resolve_dtype(cfg.reduce_dtype, device),
-        activation_checkpointing=cfg.activation_checkpointing and train,
+        activation_checkpointing=ac_mode(cfg.activation_checkpointing) if train else "off",
+        ac_every=cfg.activation_checkpointing_every,
+        compile=cfg.compile and train,
         trust_remote_code=cfg.trust_remote_code,
         train=train,
         head=head,
         offload=cfg.offload_params if train else cfg.offload_ref,
+        lora=cfg.lora if cfg.lora.enabled and train and head == "lm" else None,
     )
 
 
@@ -106,13 +124,16 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 def build_fsdp_model(spec: ModelSpec, mesh: DeviceMesh, device: torch.device) -> nn.Module:
     hf_config = AutoConfig.from_pretrained(spec.path, trust_remote_code=spec.trust_remote_code)
     # 1. Build on meta: the architecture without memory.
-    if spec.head not in ("lm", "value"):
-        raise ValueError(f"ModelSpec.head must be 'lm' or 'value', got {spec.head!r}")
+    if spec.head not in ("lm", "value", "reward"):
+        raise ValueError(f"ModelSpec.head must be 'lm', 'value' or 'reward', got {spec.head!r}")
     auto = AutoModelForCausalLM
     if spec.head == "value":
         # One output per token, no dropout (values must be deterministic); verl's critic is the same class.
         hf_config.num_labels, hf_config.classifier_dropout = 1, 0.0
         auto = AutoModelForTokenClassification
+    elif spec.head == "reward":  # one scalar per sequence, no dropout (scores must be deterministic)
+        hf_config.num_labels, hf_config.classifier_dropout = 1, 0.0
+        auto = AutoModelForSequenceClassification
     with _params_on_meta():
         model = auto.from_config(
             hf_config,
@@ -123,16 +144,27 @@ def build_fsdp_model(spec: ModelSpec, mesh: DeviceMesh, device: torch.device) ->
     # The class actually built, for the config that checkpoints and exports write: a critic built from a
     # causal LM's config would otherwise be exported as that causal LM (and misread by vLLM or AutoModel).
     model.config.architectures = [type(model).__name__]
-    # Sharded params are the fp32 master copy; FSDP2 casts to param_dtype for compute.
+    # 1b. LoRA: adapters around the target linears, everything else frozen, before FSDP2 reads requires_grad.
+    if spec.lora is not None:
+        adapted = apply_lora(model, spec.lora)
+        log.info("LoRA rank %d, alpha %g on %d linear modules", spec.lora.rank, spec.lora.alpha, len(adapted))
+    # A trained model's sharded params are the fp32 master copy; FSDP2 casts to param_dtype for compute.
     # Keep (owner module, name, value) rather than dotted names: activation checkpointing renames paths.
     buffers = [
         (mod, name, buf.detach().clone())
         for mod in model.modules()
         for name, buf in mod.named_buffers(recurse=False)
     ]
-    # 2. Parallelize: activation checkpointing inside, FSDP2 outside.
-    if spec.activation_checkpointing:
-        apply_ac(model)
+    # 1c. A frozen model (the reference) needs no fp32 master copy: its shards are stored in param_dtype, the
+    # dtype FSDP2 would otherwise cast them to at every forward (the same rounding, once, at load): in bf16
+    # half the memory and no cast per forward. Buffers (rotary frequencies) keep their values, set below.
+    if not spec.train and spec.param_dtype != torch.float32:
+        model.to(spec.param_dtype)
+    # 2. Parallelize: activation checkpointing inside, then compile, FSDP2 outside.
+    if ac_mode(spec.activation_checkpointing) != "off":
+        apply_ac(model, ac_mode(spec.activation_checkpointing), every=spec.ac_every)
+    if spec.compile:
+        apply_compile(model)
     apply_fsdp(
         model, mesh, param_dtype=spec.param_dtype, reduce_dtype=spec.reduce_dtype, offload=spec.offload
     )
@@ -146,12 +178,16 @@ def build_fsdp_model(spec: ModelSpec, mesh: DeviceMesh, device: torch.device) ->
     # 4. Load weights: each rank reads the (memory-mapped) files and keeps its own slices.
     state = read_safetensors(spec.path)
     new_head: list[str] = []
-    if spec.head == "value":
+    if spec.head in ("value", "reward"):
         # From a causal-LM checkpoint: its LM head has no place here, and the value head starts at 0, so
         # the first values are 0 (a neutral baseline) rather than random.
         state.pop("lm_head.weight", None)
-        new_head = [k for k in VALUE_HEAD_KEYS if k not in state]
+        # (A sequence-classification head has no bias.)
+        names = {n.replace("._checkpoint_wrapped_module", "") for n, _ in model.named_parameters()}
+        new_head = [k for k in VALUE_HEAD_KEYS if k not in state and k in names]
         state.update({k: torch.zeros_like(_full_shape_tensor(model, k)) for k in new_head})
+    if spec.lora is not None:  # the adapters are not in the base checkpoint: B = 0 starts at the base model
+        state.update(initial_adapter_weights(model, seed=0))
     _check_keys(model, state, spec.path)
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
     if new_head:
@@ -163,7 +199,14 @@ def build_fsdp_model(spec: ModelSpec, mesh: DeviceMesh, device: torch.device) ->
     if not spec.train:
         model.requires_grad_(False)
     n_params = sum(p.numel() for p in model.parameters())
-    log.info("built %s from %s: %.2fM parameters", type(model).__name__, spec.path, n_params / 1e6)
+    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    log.info(
+        "built %s from %s: %.2fM parameters, %.2fM trained",
+        type(model).__name__,
+        spec.path,
+        n_params / 1e6,
+        n_train / 1e6,
+    )
     return model
 
 

@@ -52,6 +52,9 @@ FAMILIES = (
 )
 
 SUPPORTED_ARCHITECTURES = tuple(f.architecture for f in FAMILIES)
+# Every family's decoder linear modules, by their last name: what model.lora.target_modules may name (checked
+# here, at start, before any model; spmdrl.models.lora checks the built model itself).
+LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _BY_ARCHITECTURE = {f.architecture: f for f in FAMILIES}
 _BY_MODEL_TYPE = {f.model_type: f for f in FAMILIES}
 _BY_CRITIC_ARCHITECTURE = {f.critic_architecture: f for f in FAMILIES if f.critic_architecture}

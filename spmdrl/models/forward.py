@@ -5,17 +5,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
-from spmdrl.algos.losses import entropy_from_logits, sum_pi_squared_from_logits, token_logprobs
-from spmdrl.models.packing import pack
+from spmdrl.models.head import head_on_positions
+from spmdrl.models.packing import Packed, pack
+from spmdrl.models.varlen import uses_varlen, varlen_kwargs
+from spmdrl.transfer import to_device
 
 
 @dataclass
 class PolicyForward:
-    """What one forward gives, each (B, T) float32 at the token's own position, 0 before first_column."""
+    """What one forward gives, each (B, T) float32 at the token's own position, 0 where not scored
+    (before a row's first column, and at padding when the lengths are given)."""
 
     logprobs_BT: torch.Tensor
     entropy_BT: torch.Tensor | None = None
@@ -34,6 +38,8 @@ def policy_logprobs(
     pack_sequences: bool = False,
     first_column: int = 1,
     lengths_B: Sequence[int] | None = None,
+    first_columns_B: Sequence[int] | None = None,
+    fused_chunk_tokens: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprob of each token given the ones before it, at the token's own position (column 0 is 0).
 
@@ -55,7 +61,11 @@ def policy_logprobs(
 
     ``lengths_B``: each row's tokens, known on the host (spmdrl.rl.batch.RowLengths). With them nothing
     is read from the device: the attention mask is built here (:func:`attention_mask_for`) instead of by
-    transformers, which checks the 2-D mask's values to choose its path (two syncs per forward on a GPU).
+    transformers, which checks the 2-D mask's values to choose its path (two syncs per forward on a GPU),
+    and the LM head runs on each row's own tokens only (padding is left at 0).
+
+    ``first_columns_B``, ``fused_chunk_tokens``: each row's first scored column, and the fused LM head's
+    chunk (0: plain), see :func:`policy_forward`.
     """
     out = policy_forward(
         model,
@@ -67,6 +77,8 @@ def policy_logprobs(
         pack_sequences=pack_sequences,
         first_column=first_column,
         lengths_B=lengths_B,
+        first_columns_B=first_columns_B,
+        fused_chunk_tokens=fused_chunk_tokens,
     )
     return out.logprobs_BT, out.entropy_BT
 
@@ -83,58 +95,80 @@ def policy_forward(
     pack_sequences: bool = False,
     first_column: int = 1,
     lengths_B: Sequence[int] | None = None,
+    first_columns_B: Sequence[int] | None = None,
+    fused_chunk_tokens: int = 0,
 ) -> PolicyForward:
     """:func:`policy_logprobs`, and with ``with_sum_pi_squared`` the sum over the vocabulary of the
     squared (temperature-scaled) probabilities of each position's distribution, computed without a
-    gradient."""
-    if pack_sequences:
-        p = pack(input_ids_BT, attention_mask_BT, lengths_B=lengths_B)
-        packed = policy_forward(
-            _Positions(model, p.position_ids_RC, packed_attention_mask(model, p.segment_ids_RC)),
-            p.input_ids_RC,
-            None,  # type: ignore[arg-type]
-            temperature=temperature,
-            with_entropy=with_entropy,
-            entropy_grad=entropy_grad,
-            with_sum_pi_squared=with_sum_pi_squared,
-        )
+    gradient.
 
-        def unpack(x_RC: torch.Tensor | None) -> torch.Tensor | None:
-            if x_RC is None:
-                return None
-            # A sequence's first token has no prediction (packed, it reads the previous sequence's).
-            x_BT = p.unpack(x_RC)
-            x_BT[:, 0] = 0.0
-            return x_BT
-
-        lp_BT = unpack(packed.logprobs_BT)
-        assert lp_BT is not None
-        return PolicyForward(lp_BT, unpack(packed.entropy_BT), unpack(packed.sum_pi_squared_BT))
+    The LM head runs only on the positions that predict a scored token: row b's columns from its first
+    sampled one (``first_columns_B[b]``, spmdrl.rl.batch.RowLengths; ``first_column`` for every row
+    without them) up to its length, padded or packed; the decoder runs without its head
+    (spmdrl.models.head). Everything else is 0. ``fused_chunk_tokens`` > 0: the head is fused and
+    chunked (spmdrl.models.fused_logprob; model.use_fused_kernels), memory chunk x V instead of N x V.
+    Without ``lengths_B`` padded rows are scored up to column T, their padding too (nothing is read from
+    the device), and packed rows' lengths are read from the mask (a sync on a GPU).
+    """
     B, T = input_ids_BT.shape
-    # Only columns >= first_column are needed: the LM head (and the log-softmax over the vocabulary) runs
-    # on the positions that predict them, not on the prompt (transformers' logits_to_keep, as TRL does).
-    first = max(1, min(first_column, T))
-    mask = attention_mask_for(model, attention_mask_BT, lengths_B) if attention_mask_BT is not None else None
-    out = model(input_ids=input_ids_BT, attention_mask=mask, logits_to_keep=T - first + 1)
-    logits_BKV = out.logits  # positions first-1 .. T-1
-    if temperature > 0 and temperature != 1.0:
-        logits_BKV = logits_BKV / temperature
-    lp_BT = torch.zeros((B, T), dtype=torch.float32, device=input_ids_BT.device)
-    lp_BT[:, first:] = token_logprobs(logits_BKV[:, :-1], input_ids_BT[:, first:])
-    ent_BT = None
-    if with_entropy:
-        ent_BT = torch.zeros((B, T), dtype=torch.float32, device=input_ids_BT.device)
-        if entropy_grad:
-            ent_BT[:, first:] = entropy_from_logits(logits_BKV[:, :-1])
-        else:
-            with torch.no_grad():
-                ent_BT[:, first:] = entropy_from_logits(logits_BKV[:, :-1].detach())
-    sps_BT = None
-    if with_sum_pi_squared:
-        sps_BT = torch.zeros((B, T), dtype=torch.float32, device=input_ids_BT.device)
-        with torch.no_grad():
-            sps_BT[:, first:] = sum_pi_squared_from_logits(logits_BKV[:, :-1].detach())
-    return PolicyForward(lp_BT, ent_BT, sps_BT)
+    device = input_ids_BT.device
+    if lengths_B is not None:
+        lengths = [int(n) for n in lengths_B]
+    elif pack_sequences:
+        lengths = [int(n) for n in attention_mask_BT.sum(dim=1).tolist()]
+    else:
+        lengths = [T] * B
+    firsts = list(first_columns_B) if first_columns_B is not None else [first_column] * B
+    # The scored tokens as flat indices into (B, T), built on the host and moved in one asynchronous copy.
+    target_N = to_device(torch.tensor(scored_positions(T, lengths, firsts), dtype=torch.long), device)
+    call: Any = model
+    if pack_sequences:
+        p = pack(input_ids_BT, attention_mask_BT, lengths_B=lengths)
+        # Each real token's packed position, looked up on the device (nothing is read); a token's
+        # predecessor is the position before it in its packed row, as in its padded one.
+        packed_of = torch.zeros(B * T, dtype=torch.long, device=device).index_put_(
+            (p.padded_idx_N,), p.packed_idx_N
+        )
+        source_N = packed_of[target_N] - 1
+        call = _Positions(model, p)
+        kwargs: dict[str, Any] = {"input_ids": p.input_ids_RC, "attention_mask": None}
+    else:
+        source_N = target_N - 1
+        mask = (
+            attention_mask_for(model, attention_mask_BT, lengths_B) if attention_mask_BT is not None else None
+        )
+        kwargs = {"input_ids": input_ids_BT, "attention_mask": mask}
+    out = head_on_positions(
+        model,
+        call,
+        kwargs,
+        source_N,
+        input_ids_BT.reshape(-1)[target_N],
+        temperature=temperature,
+        with_entropy=with_entropy,
+        entropy_grad=entropy_grad,
+        with_sum_pi_squared=with_sum_pi_squared,
+        chunk_tokens=fused_chunk_tokens,
+    )
+
+    def scatter(x_N: torch.Tensor | None) -> torch.Tensor | None:
+        if x_N is None:
+            return None
+        flat = torch.zeros(B * T, dtype=torch.float32, device=device)
+        return flat.index_put((target_N,), x_N.float()).view(B, T)
+
+    lp_BT = scatter(out.logprobs_N)
+    assert lp_BT is not None
+    return PolicyForward(lp_BT, scatter(out.entropy_N), scatter(out.sum_pi_squared_N))
+
+
+def scored_positions(T: int, lengths_B: Sequence[int], first_columns_B: Sequence[int]) -> list[int]:
+    """Flat indices into (B, T) of the tokens a forward scores: row b's columns from
+    ``max(1, first_columns_B[b])`` (column 0 has no prediction) to its length."""
+    out: list[int] = []
+    for b, (n, first) in enumerate(zip(lengths_B, first_columns_B, strict=True)):
+        out.extend(range(b * T + max(1, first), b * T + n))
+    return out
 
 
 def attention_mask_for(
@@ -165,8 +199,9 @@ def attention_mask_for(
 def packed_attention_mask(model: nn.Module, segment_ids_RC: torch.Tensor) -> torch.Tensor | None:
     """Packed rows' block-diagonal causal mask (R, 1, C, C) from their segment ids, for SDPA models whose
     layers all attend fully: the mask transformers derives from the position-id restarts, which it finds
-    by reading them (a sync per forward on a GPU). None for other models: transformers then derives it."""
-    if not _sdpa_full_attention(model):
+    by reading them (a sync per forward on a GPU). None for other models: transformers then derives it.
+    A varlen model (spmdrl.models.varlen) called with this mask instead of the boundaries attends with it."""
+    if not (_sdpa_full_attention(model) or uses_varlen(model)):
         return None
     C = segment_ids_RC.shape[1]
     pos_C = torch.arange(C, device=segment_ids_RC.device)
@@ -189,18 +224,18 @@ def _sdpa_full_attention(model: nn.Module) -> bool:
 
 
 class _Positions:
-    """``model`` called with the packed rows' position ids and, when given, their block-diagonal
-    mask; with none, transformers reads the position-id restarts as sequence boundaries."""
+    """``model`` called on packed rows ``p``: their position ids, and either their segments' boundaries for
+    varlen attention (a model switched to it by spmdrl.models.varlen.apply_packed_attention) or their
+    block-diagonal mask; with neither, transformers reads the position-id restarts as sequence boundaries."""
 
-    def __init__(self, model: nn.Module, position_ids_RC: torch.Tensor, mask: torch.Tensor | None) -> None:
-        self.model, self.position_ids_RC, self.mask = model, position_ids_RC, mask
+    def __init__(self, model: nn.Module, p: Packed) -> None:
+        self.model = model
+        self.inputs: dict[str, Any] = {"position_ids": p.position_ids_RC}
+        if uses_varlen(model):
+            self.inputs.update(varlen_kwargs(p))
+        else:
+            self.inputs["attention_mask"] = packed_attention_mask(model, p.segment_ids_RC)
 
     def __call__(self, *, input_ids: torch.Tensor, attention_mask: None, logits_to_keep: int = 0) -> object:
         # No KV cache: transformers reads position-id restarts as sequence boundaries only without one.
-        return self.model(
-            input_ids=input_ids,
-            position_ids=self.position_ids_RC,
-            attention_mask=self.mask,
-            use_cache=False,
-            logits_to_keep=logits_to_keep,
-        )
+        return self.model(input_ids=input_ids, use_cache=False, logits_to_keep=logits_to_keep, **self.inputs)

@@ -6,7 +6,8 @@ decreasing), each sequence's position ids restarting at 0. With no attention mas
 the restarts as sequence boundaries and attends only within each sequence (a block-diagonal causal
 mask; varlen kernels where the attention backend has them, flash-attention on GPUs). Rotary positions
 are the same as in the padded row, so the logprobs equal the padded computation's up to float
-rounding (tests/unit/models/test_packing.py).
+rounding (tests/unit/models/test_packing.py). The segments' boundaries (``cu_seqlens``) are what varlen
+attention (trainer.packed_attention; spmdrl/models/varlen.py) takes instead of a mask.
 
 The capacity defaults to the micro-batch's longest sequence: on backends without varlen attention
 (CPU's SDPA) the attention still costs capacity^2 per row, which then stays what a padded row costs.
@@ -33,6 +34,14 @@ class Packed:
     # Which segment each packed position belongs to (each sequence, and each row's tail, its own): the
     # block-diagonal attention mask transformers derives from the position ids, without reading them.
     segment_ids_RC: torch.Tensor
+    # The sequences as boundaries in the flattened R * C tokens, row by row, each row's tail in its last
+    # sequence's segment (after every real token, so attended by none): what varlen attention kernels take
+    # (spmdrl/models/varlen.py). Built on the host from the lengths ``pack`` already knows, so nothing is
+    # read from the device: cu_seqlens_S1 (int32, on the device, S + 1 entries from 0 to R * C), the same
+    # on the host, and the longest segment.
+    cu_seqlens_S1: torch.Tensor
+    cu_seqlens_host: tuple[int, ...]
+    max_seqlen: int
 
     def unpack(self, t_RC: torch.Tensor) -> torch.Tensor:
         """A per-token (R, C) tensor back to the padded (B, T) layout, 0 at padding (differentiable)."""
@@ -84,6 +93,7 @@ def pack(
     seg: list[int] = []
     padded: list[int] = []
     packed: list[int] = []
+    cu = [0]
     for r, rows in enumerate(bins):
         off = 0
         for b in rows:
@@ -93,13 +103,21 @@ def pack(
             padded.extend(range(b * T, b * T + n))
             packed.extend(range(r * C + off, r * C + off + n))
             off += n
+            cu.append(r * C + off)
         # The tail restarts its positions too: a segment of its own, attended by no real token.
         pos.extend(range(C - off))
         seg.extend([-1] * (C - off))
+        # For varlen attention the tail joins the row's last sequence: its tokens come after every real
+        # one, so no real token attends to them, and one segment fewer per row.
+        cu[-1] = (r + 1) * C
     N = len(padded)
-    plan = to_device(torch.tensor(pos + seg + padded + packed, dtype=torch.long), device)
+    plan = to_device(torch.tensor(pos + seg + padded + packed + cu, dtype=torch.long), device)
     pos_RC, seg_RC = plan[: R * C].view(R, C), plan[R * C : 2 * R * C].view(R, C)
-    padded_N, packed_N = plan[2 * R * C : 2 * R * C + N], plan[2 * R * C + N :]
+    padded_N, packed_N = plan[2 * R * C : 2 * R * C + N], plan[2 * R * C + N : 2 * R * C + 2 * N]
+    cu_S1 = plan[2 * R * C + 2 * N :].to(torch.int32)  # flash kernels take int32 boundaries
     ids_flat = torch.full((R * C,), pad_id, dtype=input_ids_BT.dtype, device=device)
     ids_flat[packed_N] = input_ids_BT.reshape(-1)[padded_N]
-    return Packed(ids_flat.view(R, C), pos_RC, padded_N, packed_N, (B, T), seg_RC)
+    max_seqlen = max((b - a for a, b in zip(cu[:-1], cu[1:], strict=True)), default=1)
+    return Packed(
+        ids_flat.view(R, C), pos_RC, padded_N, packed_N, (B, T), seg_RC, cu_S1, tuple(cu), max_seqlen
+    )

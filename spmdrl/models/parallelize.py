@@ -1,4 +1,5 @@
-"""Parallelism as free functions over a mesh, applied in a fixed order: activation checkpointing, then FSDP2.
+"""Parallelism as free functions over a mesh, applied in a fixed order: activation checkpointing, compile,
+then FSDP2.
 
 Each takes the model, a mesh and plain values (never the whole config) and logs what it did.
 """
@@ -34,12 +35,43 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
-def apply_ac(model: nn.Module) -> None:
-    """Recompute each decoder layer's activations in backward: memory for ~30% more compute."""
+def apply_ac(model: nn.Module, mode: str = "full", every: int = 1) -> None:
+    """Recompute activations in backward instead of keeping them, on every ``every``-th decoder layer (the
+    every-th, 2 x every-th, ...: torchtitan's frequency), so only as many layers pay as memory needs.
+
+    ``mode`` full: the whole layer (it keeps only its input; ~30% more compute). mlp: only the layer's MLP,
+    whose activations (gate, its activation, up, their product: four of intermediate_size per token, each
+    4-5x the hidden size in Llama/Qwen shapes) are the widest the layer keeps, for the recompute of one MLP forward; attention
+    keeps its own.
+    """
+    if mode not in ("full", "mlp") or every < 1:
+        raise ValueError(f"apply_ac: mode must be full or mlp and every >= 1, got {mode!r}, {every}")
     layers = decoder_layers(model)
-    for i, layer in enumerate(layers):
-        layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
-    log.info("activation checkpointing on %d decoder layers", len(layers))
+    chosen = [i for i in range(len(layers)) if (i + 1) % every == 0]
+    for i in chosen:
+        if mode == "full":
+            layers[i] = checkpoint_wrapper(layers[i], preserve_rng_state=False)
+        else:
+            mlp = getattr(layers[i], "mlp", None)
+            if not isinstance(mlp, nn.Module):
+                raise TypeError(
+                    f"{type(layers[i]).__name__} has no .mlp module: use activation_checkpointing=full"
+                )
+            layers[i].mlp = checkpoint_wrapper(mlp, preserve_rng_state=False)
+    log.info("activation checkpointing (%s) on %d of %d decoder layers", mode, len(chosen), len(layers))
+
+
+def apply_compile(model: nn.Module) -> None:
+    """torch.compile each decoder block in place (``Module.compile``: parameter names keep no ``_orig_mod``
+    prefix, so checkpoints, the weight sync and LoRA see the eager names), after activation checkpointing
+    and before fully_shard, as torchtitan orders them. Per block rather than the whole model: the blocks
+    share one compiled graph (their parameters are graph inputs), and FSDP2's per-block all-gathers stay
+    outside it. The first step of each new micro-batch shape compiles (tens of seconds on a CPU); after a
+    second shape dynamo marks the sizes dynamic."""
+    layers = decoder_layers(model)
+    for layer in layers:
+        layer.compile()
+    log.info("torch.compile on %d decoder layers", len(layers))
 
 
 def apply_fsdp(
@@ -58,6 +90,11 @@ def apply_fsdp(
     backward needs it at once. ``offload``: the sharded parameters (and so their gradients and the
     optimizer state built on them) stay in host memory; FSDP2 copies each unit's shard to the compute
     device before its all-gather, and moves the reduced gradient shard back.
+
+    The layers are resharded after forward on a one-rank mesh too, where their "all-gather" is a copy of
+    their own shard that backward could reuse: kept, that copy would stay alive after every no-grad pass
+    (the reference's, the old logprobs') until the next forward, a param_dtype copy of the whole model
+    beside a waking engine, and ``reshard()`` on the root would no longer leave only DTensors.
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     # Pinned host memory makes the copies asynchronous; there is nothing to pin for on a CPU mesh.
@@ -80,11 +117,13 @@ def apply_fsdp(
             if hasattr(module, "set_force_sum_reduction_for_comms"):
                 module.set_force_sum_reduction_for_comms(True)
     log.info(
-        "FSDP2 over mesh %s (%s): %d layer units + root, param %s, reduce %s, gradients summed over ranks%s",
+        "FSDP2 over mesh %s (%s): %d layer units + root, param %s, reduce %s, gradients summed over ranks, "
+        "layers resharded after forward: %s%s",
         tuple(mesh.shape),
         ",".join(mesh.mesh_dim_names or ()),
         len(layers),
         param_dtype,
         reduce_dtype,
+        reshard_after_forward,
         ", parameters offloaded to host memory" if offload else "",
     )

@@ -27,6 +27,7 @@ from spmdrl.algos.correction import metric_reduction, rollout_correction
 from spmdrl.algos.kl_control import AdaptiveKLController, FixedKLController, apply_kl_penalty
 from spmdrl.config import Config, RLDerived
 from spmdrl.distributed.reduce import all_reduce_max, all_reduce_min, all_reduce_sum, sum_over_group
+from spmdrl.models.head import fused_chunk_for
 from spmdrl.rewards.sandbox import RewardResult
 from spmdrl.rl.batch import PolicyBatch, build_policy_batch
 from spmdrl.rl.samples import ScoredSamples
@@ -62,12 +63,19 @@ def old_and_ref_logprobs(
         parts = micro_rows(cfg, rl, batch, group)
         # The optimal token baseline also reads each step's sum of squared probabilities.
         old_BT, sps_BT = logprobs_and_sum_pi_squared_of(
-            actor, batch, parts, temp, pack, adv_estimator(cfg.algorithm.adv_estimator).needs_sum_pi_squared
+            actor,
+            batch,
+            parts,
+            temp,
+            pack,
+            adv_estimator(cfg.algorithm.adv_estimator).needs_sum_pi_squared,
+            fused_chunk_tokens=fused_chunk_for(cfg.model, actor, batch.input_ids_BT.device),
         )
         batch = batch.replace(old_logprobs_BT=old_BT, sum_pi_squared_BT=sps_BT)
     if ref is not None:
         parts = micro_rows(cfg, rl, batch, group)
-        batch = batch.replace(ref_logprobs_BT=logprobs_of(ref, batch, parts, temp, pack))
+        fused = fused_chunk_for(cfg.model, ref, batch.input_ids_BT.device)
+        batch = batch.replace(ref_logprobs_BT=logprobs_of(ref, batch, parts, temp, pack, fused))
     return batch
 
 
@@ -224,6 +232,11 @@ def needs_old_logprobs(cfg: Config, rl: RLDerived) -> bool:
     a = cfg.algorithm
     if a.rollout_correction.bypass_mode:
         return False  # the engine's logprobs are the old ones (verl's apply_bypass_mode)
+    if a.recompute_old_logprobs == "always":
+        return True
+    # Every other reader takes the update's first forward, detached, which is the old policy when it runs
+    # before any optimizer step: the policy loss's ratio (kl_cov / clip_cov too), the mismatch metrics
+    # (UpdateResult.old_logprobs_BT). What reads them before the update, or a later optimizer step, cannot.
     # The optimal token baseline reads the old policy's logprobs and sum of squared probabilities.
     otb = adv_estimator(a.adv_estimator).needs_sum_pi_squared
     several_steps = a.ppo_epochs > 1 or rl.mini_batches_per_step > 1

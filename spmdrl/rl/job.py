@@ -51,8 +51,10 @@ from spmdrl.models.load import load_tokenizer, resolve_model_path_all_ranks
 from spmdrl.optim import OptimizerOffload, build_lr_scheduler, build_optimizer
 from spmdrl.rewards.registry import check_data_sources, load_reward_fn
 from spmdrl.rl.experience import needs_old_logprobs
+from spmdrl.rl.model_rewards import ModelRewards, build_model_rewards, check_model_rewards
 from spmdrl.rl.models import Critic, build_critic, build_models
 from spmdrl.rl.samples import ScoredSamples, train_samples, validate
+from spmdrl.rl.token_budgets import measure_token_budgets, wants_memory_budgets
 from spmdrl.rollout.engine import RolloutEngine, build_engine, check_engine_config
 from spmdrl.rollout.rollout import Rollout, build_agent_loop, load_multi_turn_tools
 from spmdrl.rollout.weight_sync import Fanout, SyncCheck, SyncStats, sync_weights
@@ -100,6 +102,8 @@ class RLJob:
     logger: NullLogger
     checkpointer: Checkpointer
     started_at: float  # time.perf_counter() at build_job's start
+    # reward_model.*: the reward model and/or the judge, weighted with the rule reward (None: rule only).
+    model_rewards: ModelRewards | None = None
 
     @property
     def cfg(self) -> Config:
@@ -165,15 +169,31 @@ def build_job(cfg: Config, *, with_critic: bool = False) -> RLJob:
     train_ds = load_prompts(run, tokenizer, cfg.data.train_files, schemas)
     val_ds = load_prompts(run, tokenizer, cfg.data.val_files, schemas) if cfg.data.val_files else None
     derived = derive(cfg, env.world_size, len(train_ds), samples_per_item=cfg.rollout.n)
+    # CUDA: the token budgets left at auto, from the free memory before any model or engine is allocated.
+    memory = (
+        measure_token_budgets(cfg, base_dir, env.device, placement, needs_critic=with_critic)
+        if wants_memory_budgets(cfg, env.device)
+        else None
+    )
+    budgets = (memory.train, memory.no_grad) if memory else None
     if placement.is_split:
-        rl = derive_rl(cfg, derived, train_ranks=placement.role("actor").num_ranks, role="actor")
-        rl_critic = derive_rl(cfg, derived, train_ranks=placement.role("critic").num_ranks, role="critic")
+        rl = derive_rl(
+            cfg, derived, train_ranks=placement.role("actor").num_ranks, role="actor", memory_budgets=budgets
+        )
+        rl_critic = derive_rl(
+            cfg,
+            derived,
+            train_ranks=placement.role("critic").num_ranks,
+            role="critic",
+            memory_budgets=budgets,
+        )
     else:
-        rl = rl_critic = derive_rl(cfg, derived)
+        rl = rl_critic = derive_rl(cfg, derived, memory_budgets=budgets)
     check_model_fits(base_dir, rl.max_model_len, cfg.rollout.tp, cfg.model.trust_remote_code)
     # Multi-turn: the chat template must render tool turns, the parser must load (before the warm-start).
     agent = build_agent_loop(cfg, tokenizer, tools, max_model_len=rl.max_model_len)
     reward_fn = load_reward_fn(cfg.reward.fn)
+    check_model_rewards(cfg)  # reward_model.path's files, before the warm-start
     check_data_sources(cfg.reward.fn, _data_sources(train_ds, val_ds))
 
     model_dir = warm_start(run, resume_from, restarted) if cfg.warmstart.enabled else base_dir
@@ -189,6 +209,7 @@ def build_job(cfg: Config, *, with_critic: bool = False) -> RLJob:
         **rl.as_dict(),
         placement=placement.describe(),
         **critic_derived,
+        **(memory.as_dict() if memory else {}),
         recompute_old_logprobs=recompute_old,
         offload_optimizer_between_updates=offload_optim,
         train_prompts=len(train_ds),
@@ -213,6 +234,9 @@ def build_job(cfg: Config, *, with_critic: bool = False) -> RLJob:
         else None
     )
     engine = build_engine(model_dir, cfg.rollout, max_model_len=rl.max_model_len, device_type=env.device.type)
+    model_rewards = build_model_rewards(
+        cfg, meshes.fsdp("actor"), engine, tokenizer, env.device, max_model_len=rl.max_model_len
+    )
     a = cfg.algorithm
     kl_ctrl = build_kl_controller(
         a.kl_ctrl.type, a.kl_ctrl.kl_coef, target_kl=a.kl_ctrl.target_kl, horizon=a.kl_ctrl.horizon
@@ -278,6 +302,7 @@ def build_job(cfg: Config, *, with_critic: bool = False) -> RLJob:
         logger=NullLogger(),  # opened by _resume_or_start, once the resumed run's later rows are dropped
         checkpointer=checkpointer,
         started_at=started_at,
+        model_rewards=model_rewards,
     )
     _resume_or_start(job, roles, resume_from, restarted)
     return job
@@ -409,10 +434,13 @@ def finish(job: RLJob) -> None:
 
 # ------------------------------------------------------------------------------------- the set-up
 def warmstart_config(cfg: Config) -> Config:
-    """The SFT stage's config: the RL config with the warm-start's optimizer and batch settings."""
+    """The SFT stage's config: the RL config with the warm-start's optimizer and batch settings; every
+    weight trains unless warmstart.lora keeps model.lora's adapters (merged into the stage's export)."""
     ws = cfg.warmstart
+    lora = cfg.model.lora if ws.lora else dataclasses.replace(cfg.model.lora, rank=0)
     return dataclasses.replace(
         cfg,
+        model=dataclasses.replace(cfg.model, lora=lora),
         optim=ws.optim,
         trainer=dataclasses.replace(
             cfg.trainer,

@@ -31,6 +31,9 @@ PHASES = (
     "actor_update",
     "update",
     "weight_sync",
+    "weight_sync_wake",
+    "weight_sync_load",
+    "weight_sync_prefix_reset",
     "weight_sync_check",
 )
 

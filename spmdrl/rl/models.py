@@ -15,6 +15,7 @@ from spmdrl.config import Config
 from spmdrl.distributed.placement import Meshes
 from spmdrl.models.build import build_fsdp_model, build_meta_model, model_spec
 from spmdrl.models.load import resolve_model_path_all_ranks
+from spmdrl.models.varlen import apply_packed_attention
 from spmdrl.optim import build_lr_scheduler, build_optimizer
 
 log = logging.getLogger("spmdrl")
@@ -31,14 +32,19 @@ def build_models(
     a = cfg.algorithm
     if not meshes.holds("actor"):
         return build_meta_model(model_spec(cfg.model, model_dir, device, train=False)), None
-    actor = build_fsdp_model(
-        model_spec(cfg.model, model_dir, device, train=True), meshes.fsdp("actor"), device
-    )
+    actor_spec = model_spec(cfg.model, model_dir, device, train=True)
+    actor = build_fsdp_model(actor_spec, meshes.fsdp("actor"), device)
+    # How packed rows attend (trainer.packed_attention): the actor's and the reference's packed forwards
+    # pass the segments' boundaries (spmdrl.models.forward); the critic's keep their mask.
+    t = cfg.trainer
+    attention = dict(packed=t.pack_sequences, device=device, dtype=actor_spec.param_dtype)
+    apply_packed_attention(actor, t.packed_attention, **attention)
     ref = None
     if a.use_kl_loss or a.use_kl_in_reward:
         ref = build_fsdp_model(
             model_spec(cfg.model, model_dir, device, train=False), meshes.fsdp("ref"), device
         )
+        apply_packed_attention(ref, t.packed_attention, **attention)
     elif cfg.model.offload_ref:
         log.warning("model.offload_ref=true does nothing here: no KL term, so no reference model is built")
     return actor, ref

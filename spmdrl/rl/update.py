@@ -20,6 +20,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from spmdrl.algos.aggregation import Aggregation, count_units_of_rows
 from spmdrl.algos.kl import kl_penalty
@@ -29,6 +30,7 @@ from spmdrl.config import Config, RLDerived
 from spmdrl.distributed.reduce import all_reduce_sum, all_reduce_sum_tensors
 from spmdrl.models import packing
 from spmdrl.models.forward import attention_mask_for, packed_attention_mask, policy_forward, policy_logprobs
+from spmdrl.models.head import fused_chunk_for
 from spmdrl.optim import clip_grad_norm
 from spmdrl.rl.batch import PolicyBatch
 from spmdrl.rl.micro_batches import MicroBatch, micro_batch_rows, plan_micro_batches
@@ -38,13 +40,15 @@ from spmdrl.rl.models import Critic
 def micro_rows(
     cfg: Config, rl: RLDerived, batch: PolicyBatch, group: dist.ProcessGroup | None = None
 ) -> list[torch.Tensor]:
-    """This rank's rows of ``batch`` per micro-batch: rl.micro_batch_size sequences, or up to
-    trainer.micro_batch_tokens tokens (the same number of micro-batches on every rank of ``group``)."""
+    """This rank's rows of ``batch`` per micro-batch of a no-grad pass (logprobs_of, values_of):
+    rl.micro_batch_size sequences, or up to rl.log_prob_max_token_len tokens (the same number of
+    micro-batches on every rank of ``group``). The update's are planned by :func:`mini_batches`."""
     return micro_batch_rows(
         batch.attention_mask_BT.sum(dim=1).cpu(),
         micro_batch_size=rl.micro_batch_size,
-        token_budget=cfg.trainer.micro_batch_tokens,
+        token_budget=rl.log_prob_max_token_len,
         group=group,
+        padded=not cfg.trainer.pack_sequences,
     )
 
 
@@ -55,11 +59,19 @@ def logprobs_of(
     parts: list[torch.Tensor],
     temperature: float,
     pack: bool = False,
+    fused_chunk_tokens: int = 0,
 ) -> torch.Tensor:
     """A no-grad pass over the rank's batch, micro-batch by micro-batch (``parts``, see micro_rows):
-    each token's logprob under ``model``, shape (B, T)."""
+    each token's logprob under ``model``, shape (B, T). ``fused_chunk_tokens``: policy_forward's (0: the
+    plain LM head; spmdrl.models.head.fused_chunk_for gives model.use_fused_kernels' value)."""
     logprobs_BT, _ = logprobs_and_sum_pi_squared_of(
-        model, batch, parts, temperature, pack, with_sum_pi_squared=False
+        model,
+        batch,
+        parts,
+        temperature,
+        pack,
+        with_sum_pi_squared=False,
+        fused_chunk_tokens=fused_chunk_tokens,
     )
     return logprobs_BT
 
@@ -72,6 +84,7 @@ def logprobs_and_sum_pi_squared_of(
     temperature: float,
     pack: bool = False,
     with_sum_pi_squared: bool = True,
+    fused_chunk_tokens: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`logprobs_of`, and (verl's actor.calculate_sum_pi_squared) the sum over the vocabulary of
     each predicting distribution's squared probabilities, (B, T): the optimal token baseline's input."""
@@ -89,6 +102,8 @@ def logprobs_and_sum_pi_squared_of(
             pack_sequences=pack,
             first_column=plan.first_column,
             lengths_B=plan.lengths,
+            first_columns_B=plan.first_columns,
+            fused_chunk_tokens=fused_chunk_tokens,
         )
         out_BT[plan.index_B, : fwd.logprobs_BT.shape[1]] = fwd.logprobs_BT
         if sps_BT is not None and fwd.sum_pi_squared_BT is not None:
@@ -143,6 +158,16 @@ def values_of(
     return out_BT
 
 
+def gradient_sync(model: torch.nn.Module, defer: bool, *, last: bool) -> None:
+    """trainer.defer_grad_sync: FSDP2 reduce-scatters the gradients only in the backward of a mini-batch's
+    last micro-batch (one reduce-scatter per optimizer step instead of one per micro-batch); the ones
+    before accumulate into each rank's unsharded gradients, which stay allocated until then (a
+    reduce_dtype copy of the trained parameters per rank). Every rank runs the same number of micro-batches
+    (micro_batch_rows), so the collectives still pair up."""
+    if defer and isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(last)
+
+
 def mini_batches(
     cfg: Config,
     rl: RLDerived,
@@ -175,8 +200,9 @@ def mini_batches(
         parts = micro_batch_rows(
             torch.tensor(lengths.tokens[lo : lo + per_mini], dtype=torch.long),
             micro_batch_size=rl.micro_batch_size,
-            token_budget=cfg.trainer.micro_batch_tokens,
+            token_budget=rl.ppo_max_token_len,
             group=group,
+            padded=not cfg.trainer.pack_sequences,
         )
         plans.append(plan_micro_batches([lo + idx for idx in parts], lengths, device))
         rows = range(lo, lo + per_mini)
@@ -206,7 +232,8 @@ def update_critic(
     sums = _DeviceSums()
     grad_norms = []
     for _, _, plans, micro_batches, (agg,) in mini_batches(cfg, rl, batch, (a.loss_agg_mode,), group):
-        for plan, mb in zip(plans, micro_batches, strict=True):
+        for i, (plan, mb) in enumerate(zip(plans, micro_batches, strict=True)):
+            gradient_sync(critic.model, cfg.trainer.defer_grad_sync, last=i == len(micro_batches) - 1)
             values_BT = _shifted_values(critic.model, mb, cfg.trainer.pack_sequences, plan.lengths)
             assert mb.values_BT is not None and mb.returns_BT is not None
             loss, stats = clipped_value_loss(
@@ -284,6 +311,8 @@ def micro_batch_loss(
         pack_sequences=cfg.trainer.pack_sequences,
         first_column=mb.first_response_column() if plan is None else plan.first_column,
         lengths_B=None if plan is None else plan.lengths,
+        first_columns_B=None if plan is None else plan.first_columns,
+        fused_chunk_tokens=fused_chunk_for(cfg.model, actor, mb.input_ids_BT.device),
     )
     assert ent_BT is not None
     mask_BT = mb.response_mask_BT
@@ -373,7 +402,8 @@ def update_policy(
     sums = _DeviceSums()
     grad_norms, skipped = [], 0
     for epoch, m, plans, micro_batches, (pg_agg, agg) in mini_batches(cfg, rl, batch, modes, group):
-        for plan, mb in zip(plans, micro_batches, strict=True):
+        for i, (plan, mb) in enumerate(zip(plans, micro_batches, strict=True)):
+            gradient_sync(actor, cfg.trainer.defer_grad_sync, last=i == len(micro_batches) - 1)
             out = micro_batch_loss(cfg, actor, mb, agg, pg_agg, plan)
             if old_BT is None and epoch == 0:  # on-policy: this forward is the old policy
                 captured_BT[plan.index_B, : out.logprobs_BT.shape[1]] = out.logprobs_BT

@@ -152,6 +152,15 @@ class EngineStepper(Protocol):
     def num_unfinished(self) -> int: ...
 
 
+@dataclass(frozen=True)
+class LoadSeconds:
+    """Where an engine's load_weights spent its time, for the sync's timing metrics."""
+
+    wake: float = 0.0  # taking the weights' device memory back (CUDA sleep mode; 0 where it never sleeps)
+    load: float = 0.0  # the reload, which pulls the trainer's gathered buckets as it goes (lazy)
+    prefix_cache_reset: float = 0.0  # dropping KV blocks computed with the old weights
+
+
 def check_prompt_lengths(prompts: list[list[int]], max_model_len: int) -> None:
     """Every prompt of an engine's batch must leave room for one sampled token. Called on a TP group's
     gathered prompts, so every rank of the group raises together (not one rank while the others wait
@@ -190,8 +199,9 @@ class RolloutEngine(Protocol):
         still unfinished when the context exits are aborted."""
         ...
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Replace the weights in place from (HF checkpoint name, full tensor) pairs, consumed once, lazily."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> LoadSeconds:
+        """Replace the weights in place from (HF checkpoint name, full tensor) pairs, consumed once, lazily;
+        returns where the time went."""
         ...
 
     def weight_fingerprint(self, seed: int) -> Fingerprint:

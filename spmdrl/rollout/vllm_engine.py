@@ -39,11 +39,13 @@ On CPU vLLM's worker has nothing to free, so the calls are skipped (logged once)
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import os
 import random
 import sys
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -55,7 +57,14 @@ import torch.distributed as dist
 
 from spmdrl.config import ConfigError, RolloutConfig
 from spmdrl.rollout import cpu_gemm, vllm_worker
-from spmdrl.rollout.engine import Generation, SamplingSpec, TurnOutput, check_prompt_lengths, request_seed
+from spmdrl.rollout.engine import (
+    Generation,
+    LoadSeconds,
+    SamplingSpec,
+    TurnOutput,
+    check_prompt_lengths,
+    request_seed,
+)
 from spmdrl.rollout.fingerprint import Fingerprint
 from spmdrl.rollout.groups import TPGroups
 from spmdrl.rollout.vllm_version import require_supported_vllm
@@ -430,7 +439,7 @@ class VLLMEngine:
 
     # ---- weights ----------------------------------------------------------------------------------------
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> LoadSeconds:
         """All weights in one ``reload_weights`` call, pulled lazily from ``weights``.
 
         vLLM's checkpoint-format reload (0.32: ``model_executor/model_loader/reload/inplace.py``; 0.24:
@@ -445,7 +454,9 @@ class VLLMEngine:
         device or at old values (garbage after a level-2 sleep), and ``generate`` then refuses to run.
         """
         self._weights_discarded = True
+        t0 = time.perf_counter()
         self._wake(("weights",))
+        t_wake = time.perf_counter()
         seen: set[str] = set()
 
         def tracked() -> Iterator[tuple[str, torch.Tensor]]:
@@ -455,6 +466,7 @@ class VLLMEngine:
 
         # vllm_worker.reload_weights also rebuilds the packed CPU GEMM copies the reload left stale.
         self.last_refreshed = self.llm.collective_rpc(vllm_worker.reload_weights, args=(tracked(),))[0]
+        t_load = time.perf_counter()
         missing = sorted(self.expected_weights - seen)
         if missing:
             raise RuntimeError(
@@ -469,6 +481,7 @@ class VLLMEngine:
                 "vLLM refused to reset its prefix cache after a weight load (requests running?)"
             )
         self._weights_discarded = False
+        return LoadSeconds(t_wake - t0, t_load - t_wake, time.perf_counter() - t_load)
 
     def weight_fingerprint(self, seed: int) -> Fingerprint:
         """The engine's weights as its kernels see them (spmdrl.rollout.fingerprint), summed over the TP group."""
@@ -559,11 +572,12 @@ class VLLMEngine:
         business: it alone clears ``_weights_discarded``, after a load that succeeded)."""
         todo = [t for t in tags if t in self._sleeping]
         if todo:
-            if self.device_type == "cuda":
+            if self.device_type == "cuda" and not _wake_empties_cache():
                 # The blocks the trainer freed stay reserved by PyTorch's caching allocator, while vLLM maps
                 # its sleep-mode memory with cuMemCreate outside that cache: without this the wake can run
-                # out of memory that is free in all but name. vLLM 0.32's CuMemAllocator.wake_up empties
-                # the cache itself; 0.24's does not.
+                # out of memory that is free in all but name. Only here, before a wake, is that memory
+                # needed. vLLM 0.32's CuMemAllocator.wake_up empties the cache itself (a second call would
+                # be one more device sync for nothing); 0.24's does not, nor, unchecked, those between.
                 torch.cuda.empty_cache()
             self.llm.wake_up(tags=todo)
             self._sleeping.difference_update(todo)
@@ -589,6 +603,17 @@ class VLLMEngine:
             log.info("vLLM sleep/wake skipped: %s", why)
             self._warned_no_sleep = True
         return False
+
+
+@functools.cache
+def _wake_empties_cache() -> bool:
+    """Whether the installed vLLM's sleep-mode wake empties PyTorch's CUDA cache itself (0.32 does)."""
+    from packaging.version import Version
+
+    from spmdrl.rollout.vllm_version import installed_vllm
+
+    found = installed_vllm()
+    return found is not None and Version(found[1]).release[:2] >= (0, 32)
 
 
 class _Stepper:

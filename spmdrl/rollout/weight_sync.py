@@ -30,7 +30,7 @@ import logging
 import math
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -39,7 +39,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from spmdrl.distributed.reduce import all_reduce_max
-from spmdrl.rollout.engine import RolloutEngine
+from spmdrl.models.lora import adapted_weight_names, lora_scale, merge_weights
+from spmdrl.rollout.engine import LoadSeconds, RolloutEngine
 from spmdrl.rollout.fingerprint import Fingerprint, WeightSyncError, compare, observe, sync_error
 
 log = logging.getLogger(__name__)
@@ -92,6 +93,17 @@ class SyncStats:
     # Of ``seconds``: the check's share, and how many (layer, input size) groups it compared (0: no check).
     check_seconds: float = 0.0
     checked_groups: int = 0
+    # Of ``seconds``: the engine's load_weights, split (LoadSeconds); the gather runs inside ``load``.
+    load: LoadSeconds = field(default_factory=LoadSeconds)
+
+    def phases(self) -> dict[str, float]:
+        """The sync's parts as timing phases (timing/weight_sync_<part>_s), for a step's PhaseTimer."""
+        return {
+            "weight_sync_wake": self.load.wake,
+            "weight_sync_load": self.load.load,
+            "weight_sync_prefix_reset": self.load.prefix_cache_reset,
+            "weight_sync_check": self.check_seconds,
+        }
 
 
 @dataclass
@@ -240,6 +252,25 @@ def trainer_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         yield name, p
 
 
+def engine_weights(
+    model: nn.Module, full: Iterator[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The engine's tensors from the full tensors of :func:`trainer_weights`: a LoRA model's adapters merged
+    into their weights (W + alpha/r B A, spmdrl.models.lora), so the engine serves the base model's names and
+    needs no LoRA support of its own. Without adapters, ``full`` itself."""
+    scale = lora_scale(model)
+    if scale is None:
+        return full
+    return merge_weights(full, adapted_weight_names(n for n, _ in trainer_weights(model)), scale)
+
+
+def engine_shapes(model: nn.Module) -> list[tuple[str, torch.Size]]:
+    """(name, shape) of what :func:`engine_weights` yields, in its order: the same merge run over
+    meta-device stand-ins (no memory, no collective)."""
+    stand_ins = ((n, torch.empty(p.shape, device="meta")) for n, p in trainer_weights(model))
+    return [(n, t.shape) for n, t in engine_weights(model, stand_ins)]
+
+
 def _tied_uses(model: nn.Module) -> dict[str, int]:
     """Trainer tensors that more than one engine layer computes from: a tied input embedding is also the
     engine's LM head (a layer of its own, with its own packed copy on CPU)."""
@@ -328,22 +359,25 @@ def sync_weights(
     with torch.no_grad():
         weights: Iterator[tuple[str, torch.Tensor]] | None = None
         if fanout is None or not fanout.receiving:
-            weights = iter_full_tensors(
-                trainer_weights(model),
-                dtype=engine.dtype,
-                bucket_mb=bucket_mb,
-                counter=counter,
-                device=device,
+            weights = engine_weights(
+                model,
+                iter_full_tensors(
+                    trainer_weights(model),
+                    dtype=engine.dtype,
+                    bucket_mb=bucket_mb,
+                    counter=counter,
+                    device=device,
+                ),
             )
         if fanout is not None and (fanout.receiving or dist.get_rank() == fanout.src):
-            shapes = [(name, p.shape) for name, p in trainer_weights(model)]
+            shapes = engine_shapes(model)
             weights = _forward(weights, shapes, engine.dtype, fanout, int(bucket_mb * 1e6), device)
             if fanout.receiving:
                 weights = _count(weights, counter)
         assert weights is not None
         if check is not None:
             weights = observe(weights, sent, check.seed, _tied_uses(model))
-        engine.load_weights(weights)
+        load = engine.load_weights(weights)
     t_check = time.perf_counter()
     groups = 0
     if check is not None:
@@ -366,6 +400,7 @@ def sync_weights(
         counter.num_tensors,
         check_seconds=done - t_check,
         checked_groups=groups,
+        load=load if isinstance(load, LoadSeconds) else LoadSeconds(),  # an engine that does not say
     )
     log.debug("weight sync: %s", stats)
     return stats

@@ -109,26 +109,31 @@ def test_entropy_metric_keeps_no_graph(model: torch.nn.Module, temperature: floa
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_entropy_bonus_gets_its_gradient(model: torch.nn.Module, temperature: float) -> None:
-    """d loss / d logits moves by exactly -coeff * d entropy / d logits when the bonus is on."""
+    """d loss / d logits moves by exactly -coeff * d entropy / d logits when the bonus is on.
+
+    The LM head runs only on the positions that predict a scored token (spmdrl.models.head): its output
+    is (N, V), row n the n-th of those positions in row-major order. Without a plan every row is scored
+    from the batch's first response column to T."""
     mb, coeff = _batch(), 0.5
     captured: list[torch.Tensor] = []
 
-    def keep_logits(_m: torch.nn.Module, _args: object, output: object) -> None:
-        logits = output.logits  # type: ignore[attr-defined]
-        logits.retain_grad()
-        captured.append(logits)
+    def keep_logits(_m: torch.nn.Module, _args: object, output: torch.Tensor) -> None:
+        if output.numel():  # the model's own head call gets an empty index (logits_to_keep): skip it
+            output.retain_grad()
+            captured.append(output)
 
     grads = []
-    handle = model.register_forward_hook(keep_logits)
+    handle = model.get_output_embeddings().register_forward_hook(keep_logits)
     try:
         for c in (0.0, coeff):
             out = micro_batch_loss(_cfg(c, temperature), model, mb, _agg(mb))
             out.loss.backward()
+            assert len(captured) == 1, "the head ran once on the scored positions"
             grads.append(captured.pop().grad)
     finally:
         handle.remove()
         model.zero_grad(set_to_none=True)
-    # The entropy term alone, from its definition, on the same logits.
+    # The entropy term alone, from its definition, on the full logits of the same model.
     with torch.no_grad():
         z_BTV = model(input_ids=mb.input_ids_BT, attention_mask=mb.attention_mask_BT).logits
     z_BTV.requires_grad_()
@@ -137,10 +142,12 @@ def test_entropy_bonus_gets_its_gradient(model: torch.nn.Module, temperature: fl
     ent = _agg(mb)(ent_BT, mb.response_mask_BT)
     (d_ent,) = torch.autograd.grad(ent, z_BTV)
     assert d_ent.abs().max() > 0
-    # The loss's logits start at the position that predicts the first response token.
-    kept = grads[0].shape[1]
-    assert not d_ent[:, : T - kept].any()  # the prompt's positions: no entropy gradient either way
-    torch.testing.assert_close(grads[1] - grads[0], -coeff * d_ent[:, T - kept :], rtol=1e-4, atol=1e-7)
+    first = mb.first_response_column()
+    assert not d_ent[:, : first - 1].any()  # the prompt's positions: no entropy gradient either way
+    # The head's rows: the positions first - 1 .. T - 2 of each row, which predict columns first .. T - 1.
+    d_ent_NV = d_ent[:, first - 1 : T - 1].reshape(-1, V)
+    assert grads[0].shape == d_ent_NV.shape
+    torch.testing.assert_close(grads[1] - grads[0], -coeff * d_ent_NV, rtol=1e-4, atol=1e-7)
 
 
 def test_graph_is_freed_by_backward(model: torch.nn.Module) -> None:

@@ -19,6 +19,7 @@ def test_logits_at_mask_zero_positions_do_not_reach_the_loss() -> None:
 
     from spmdrl.algos.aggregation import Aggregation
     from spmdrl.config import Config
+    from spmdrl.models.forward import scored_positions
     from spmdrl.rl.update import micro_batch_loss
 
     torch.manual_seed(0)
@@ -58,10 +59,18 @@ def test_logits_at_mask_zero_positions_do_not_reach_the_loss() -> None:
         if noise:
 
             def hook(module, args, out):  # noqa: ANN001, ANN202
-                T_out, T = out.shape[1], mask.shape[1]
-                offset = T - T_out
-                pos = torch.arange(T_out) + offset + 1  # the position each logit column predicts
-                hit = (pos < T) & ~mask[:, pos.clamp(max=T - 1)]
+                # The head runs on the positions that predict a scored token (spmdrl.models.head): row n
+                # of its (N, V) output predicts the token at flat index scored[n] of (B, T). Without a
+                # plan every row is scored from the batch's first response column to T. The model's own
+                # head call gets an empty index and is left alone.
+                if not out.numel():
+                    return out
+                B, T = mask.shape
+                first = mb.first_response_column()
+                scored = torch.tensor(scored_positions(T, [T] * B, [first] * B))
+                assert out.shape[0] == scored.numel()
+                hit = ~mask.reshape(-1)[scored]
+                assert hit.any(), "no scored position predicts a tool token: the test would test nothing"
                 return out + 5.0 * torch.randn_like(out) * hit.unsqueeze(-1)
 
             handle = model.lm_head.register_forward_hook(hook)

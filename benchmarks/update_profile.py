@@ -1,0 +1,478 @@
+"""The actor's update path profiled on one device: MFU, device busy fraction, launches and syncs.
+
+    python benchmarks/update_profile.py --shape tiny                        # CPU, under a minute
+    python benchmarks/update_profile.py --shape qwen2.5-7b --json p.json    # one GPU (H100: ~1-2 minutes)
+    python benchmarks/update_profile.py --shape qwen2.5-0.5b --set trainer.pack_sequences=true
+    python benchmarks/update_profile.py --shape qwen2.5-1.5b --variant 'ac=model.activation_checkpointing=full'
+
+A random decoder of a named shape (Qwen2.5's config.json numbers with the real vocabulary; ``tiny`` for CPU)
+is built on the meta device, sharded with FSDP2 on one rank as the RL job shards its actor (spmdrl's
+apply_ac / apply_fsdp) and materialized on the device with random weights (fp32 master weights, bf16
+compute on a GPU: ``model.param_dtype=auto``). On a synthetic batch of ``--rows`` rows of ``--length``
+tokens (the first ``--prompt`` of each a prompt, the rest sampled), it runs spmdrl's own passes:
+
+- ``update_policy``: the actor's update (one optimizer step over the micro-batches, the configured loss);
+- ``logprobs_of``: the no-grad forward the old and reference logprobs take.
+
+Each is timed (median of ``--steps`` after one warm-up, the device synchronized around each), then run once
+under torch.profiler and once more counting host-device syncs. Reported per pass:
+
+- MFU: model FLOPs (spmdrl.logging.flops: dense matmuls, causal attention, the LM head on the sampled
+  positions; training 3 x forward) / time / the device's dense bf16 peak (its table; ``--peak-tflops`` for
+  another device); HFU adds activation checkpointing's recomputation. No peak (CPU): no MFU;
+- GPU busy: the union of the device's kernel and copy intervals / the profiled pass's wall time (the
+  profiler's own overhead lowers it a little); CUDA only;
+- launches per micro-batch: CUDA kernels; on CPU the leaf ATen ops (ops calling no other ATen op), a proxy
+  for the kernels the same pass would launch on a GPU, labelled so;
+- syncs per micro-batch: on CUDA the synchronizing calls ``torch.cuda.set_sync_debug_mode("warn")``
+  reports; on CPU spmdrl.testing.syncs.SyncCounter's model of them.
+
+The config is ``recipe=grpo_tiny``'s with the batch arithmetic above (one mini-batch, ``rollout.n=1``) and
+``--set KEY=VALUE`` overrides (repeatable) on top: any setting of the config (token budgets, fused kernels,
+compile, activation checkpointing...) as the RL job reads it. ``--variant 'NAME=KEY=VALUE ...'``
+(repeatable) measures the same again with those overrides added, each in its own model, figures
+``update_profile/NAME/...`` with the default run's as baseline.
+
+Memory, Qwen2.5-7B on one 80 GB card (7.62B parameters): fp32 master weights 30.5 GB + fp32 gradients
+30.5 GB = 61 GB (56.8 GiB). AdamW's two fp32 moments would add 61 GB more: they do not fit, so 7B steps
+with stateless SGD (``--optimizer sgd``, its default there; the forward and backward are the same, the step
+an elementwise pass). With activation checkpointing (its default there) a micro-batch of 4 x 1024 tokens
+keeps the 28 layers' inputs (4096 x 3584 x 2 B x 28 = 0.8 GB) and one layer's activations (~0.8 GB), plus
+the bf16 copies FSDP2 gathers (embeddings and LM head 2.2 GB, a layer 0.5 GB) and the LM head's logits over
+3072 sampled positions (152064 wide: 0.9 GB in bf16, ~2 GB each in fp32 for the log-softmax and its
+gradient): ~66 GiB in all, under the card's 79 GiB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import re
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from bench_report import Figure, write_json
+
+SHAPES: dict[str, dict[str, Any]] = {
+    # A CPU's: train_step.py's tiny shape (~0.3M parameters without the embeddings), GQA 4/2 like Qwen2.5.
+    "tiny": dict(
+        hidden_size=128,
+        intermediate_size=352,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        tie_word_embeddings=True,
+    ),
+    # Qwen2.5-0.5B / 1.5B / 7B config.json (hub model cards).
+    "qwen2.5-0.5b": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "qwen2.5-1.5b": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "qwen2.5-7b": dict(
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+        tie_word_embeddings=False,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A shape's default batch: rows x length tokens (prompt first), rows per micro-batch, checkpointing,
+    optimizer. Sized for an H100 (80 GB) in well under a minute of steps; tiny for a CPU."""
+
+    rows: int
+    length: int
+    prompt: int
+    micro: int
+    ac: str = "off"
+    optimizer: str = "adamw"
+
+
+WORKLOADS = {
+    "tiny": Workload(rows=8, length=64, prompt=16, micro=2),
+    "qwen2.5-0.5b": Workload(rows=32, length=1024, prompt=256, micro=8),
+    "qwen2.5-1.5b": Workload(rows=32, length=1024, prompt=256, micro=4),
+    "qwen2.5-7b": Workload(rows=16, length=1024, prompt=256, micro=4, ac="full", optimizer="sgd"),
+}
+PREFIX = "update_profile/"
+VARIANT_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
+
+
+def _args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
+    p.add_argument("--rows", type=int, default=0, help="sequences in the batch (default: the shape's)")
+    p.add_argument("--length", type=int, default=0, help="tokens per sequence (default: the shape's)")
+    p.add_argument("--prompt", type=int, default=-1, help="prompt tokens per sequence (default: the shape's)")
+    p.add_argument("--micro", type=int, default=0, help="trainer.micro_batch_size (default: the shape's)")
+    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="", help="default: the shape's")
+    p.add_argument("--steps", type=int, default=3, help="timed passes of each kind after one warm-up")
+    p.add_argument(
+        "--peak-tflops", type=float, default=0.0, help="the device's dense peak, if not in the table"
+    )
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override")
+    p.add_argument("--variant", action="append", default=[], metavar="'NAME=KEY=VALUE ...'")
+    p.add_argument("--json", default="", help="also write the figures to this JSON file")
+    a = p.parse_args()
+    w = WORKLOADS[a.shape]
+    a.rows, a.length, a.micro = a.rows or w.rows, a.length or w.length, a.micro or w.micro
+    a.prompt = w.prompt if a.prompt < 0 else a.prompt
+    a.optimizer = a.optimizer or w.optimizer
+    if not 0 < a.prompt < a.length:
+        p.error(f"--prompt {a.prompt} must be between 0 and --length {a.length} (exclusive)")
+    for s in a.set:
+        if "=" not in s:
+            p.error(f"--set {s!r}: expected KEY=VALUE")
+    a.variants = {}
+    for text in a.variant:
+        name, _, rest = text.partition("=")
+        if not VARIANT_NAME.fullmatch(name) or name == "default" or name in a.variants:
+            p.error(f"--variant {text!r}: NAME must be a new word (letters, digits, _ or -), not 'default'")
+        a.variants[name] = rest.split()
+    return a
+
+
+def config_overrides(a: argparse.Namespace) -> list[str]:
+    """The batch arithmetic of one mini-batch of --rows sequences, before --set (which wins)."""
+    w = WORKLOADS[a.shape]
+    return [
+        "recipe=grpo_tiny",
+        "rollout.n=1",
+        f"trainer.global_batch_size={a.rows}",
+        f"algorithm.ppo_mini_batch_size={a.rows}",
+        f"trainer.micro_batch_size={a.micro}",
+        f"data.max_prompt_length={a.prompt}",
+        f"data.max_response_length={a.length - a.prompt}",
+        f"model.activation_checkpointing={w.ac}",
+        "algorithm.use_kl_loss=true",  # the reference's KL term, as GRPO runs it
+    ]
+
+
+# ------------------------------------------------------------------------------------------- the model
+def build_random_actor(shape: str, cfg: Any, device: torch.device) -> torch.nn.Module:
+    """The RL job's actor build (spmdrl.models.build.build_fsdp_model's steps 1-3: meta, checkpointing and
+    FSDP2, materialize) with random weights instead of step 4's checkpoint: no file of 15-30 GB to write."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from spmdrl.config import ac_mode
+    from spmdrl.distributed.placement import Placement
+    from spmdrl.models.build import _params_on_meta, attention_kwargs, model_spec
+    from spmdrl.models.parallelize import apply_ac, apply_fsdp
+
+    spec = model_spec(cfg.model, Path(shape), device, train=True)
+    hf = Qwen2Config(**SHAPES[shape], max_position_embeddings=32768)
+    with _params_on_meta():  # parameters on meta, buffers (rotary frequencies) computed for real
+        model = AutoModelForCausalLM.from_config(hf, dtype=torch.float32, **attention_kwargs(hf))
+    buffers = [(m, n, b.detach().clone()) for m in model.modules() for n, b in m.named_buffers(recurse=False)]
+    if ac_mode(spec.activation_checkpointing) != "off":
+        apply_ac(model, ac_mode(spec.activation_checkpointing), every=spec.ac_every)
+    mesh = Placement.colocated(1).build_meshes(device.type).fsdp("actor")
+    apply_fsdp(
+        model, mesh, param_dtype=spec.param_dtype, reduce_dtype=spec.reduce_dtype, offload=spec.offload
+    )
+    model.to_empty(device=torch.device("cpu") if spec.offload else device)
+    g = torch.Generator(device=device if not spec.offload else "cpu").manual_seed(0)
+    with torch.no_grad():
+        for m, n, b in buffers:
+            m._buffers[n] = b.to(device)
+        for name, p in model.named_parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            if name.endswith("norm.weight"):
+                local.fill_(1.0)
+            elif name.endswith(".bias"):
+                local.zero_()
+            else:
+                local.normal_(0.0, 0.02, generator=g)
+    model.config.use_cache = False
+    model.train()
+    return model
+
+
+def synthetic_batch(a: argparse.Namespace, vocab: int, device: torch.device) -> Any:
+    """--rows rows of --length tokens, the last --length - --prompt sampled; random advantages per row."""
+    from spmdrl.rl.batch import PolicyBatch
+
+    g = torch.Generator().manual_seed(0)
+    B, T = a.rows, a.length
+    ids = torch.randint(0, vocab, (B, T), generator=g)
+    attn = torch.ones(B, T, dtype=torch.long)
+    resp = torch.zeros(B, T, dtype=torch.bool)
+    resp[:, a.prompt :] = True
+    engine = -torch.rand(B, T, generator=g) * resp
+    adv = torch.randn(B, 1, generator=g) * resp
+    ref = engine + 0.05 * torch.randn(B, T, generator=g) * resp
+    batch = PolicyBatch(ids, attn, resp, engine, adv, ref_logprobs_BT=ref)
+    return batch.to(device)
+
+
+# ------------------------------------------------------------------------------------------ measuring
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_pass(run: Callable[[], Any], device: torch.device, steps: int) -> list[float]:
+    out = []
+    for _ in range(steps + 1):  # one warm-up
+        _sync(device)
+        t0 = time.perf_counter()
+        run()
+        _sync(device)
+        out.append(time.perf_counter() - t0)
+    return out[1:]
+
+
+@dataclass
+class Profiled:
+    wall_s: float
+    busy_s: float | None  # the device's kernels and copies, merged (CUDA only)
+    launches: int  # CUDA kernels, or leaf ATen ops on CPU
+
+
+def profile_pass(run: Callable[[], Any], device: torch.device) -> Profiled:
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    _sync(device)
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        run()
+        _sync(device)
+        wall = time.perf_counter() - t0
+    events = prof.events()
+    if not cuda:
+        leaves = [
+            e
+            for e in events
+            if e.name.startswith("aten::") and not any(c.name.startswith("aten::") for c in e.cpu_children)
+        ]
+        return Profiled(wall, None, len(leaves))
+    from torch.autograd import DeviceType
+
+    device_events = [e for e in events if e.device_type == DeviceType.CUDA]
+    kernels = [e for e in device_events if not e.name.lower().startswith(("memcpy", "memset"))]
+    spans = sorted((e.time_range.start, e.time_range.end) for e in device_events)
+    busy, end = 0.0, float("-inf")
+    for start, stop in spans:  # union of intervals (us): overlapping streams count once
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    return Profiled(wall, busy / 1e6, len(kernels))
+
+
+def count_syncs(run: Callable[[], Any], device: torch.device, host: list[torch.Tensor]) -> tuple[int, str]:
+    """Host-device syncs of one pass, and where (the most frequent places)."""
+    if device.type == "cuda":
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                run()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = [w for w in caught if "synchroniz" in str(w.message)]
+        places = sorted({f"{Path(w.filename).name}:{w.lineno}" for w in syncs})
+        return len(syncs), ", ".join(places[:8])
+    from spmdrl.testing.syncs import SyncCounter
+
+    with SyncCounter() as c:
+        c.mark_host(*host)
+        run()
+    return c.count(), c.summary().replace("\n", "; ")
+
+
+# ------------------------------------------------------------------------------------------- a run
+@dataclass
+class Result:
+    figures: dict[str, tuple[float, str]] = field(default_factory=dict)  # key -> (value, unit)
+    context: dict[str, Any] = field(default_factory=dict)
+
+
+def measure(a: argparse.Namespace, overrides: list[str], device: torch.device, peak: float | None) -> Result:
+    from spmdrl.config import ac_mode, derive, derive_rl
+    from spmdrl.config_loader import load_config
+    from spmdrl.logging.flops import DecoderShape, forward_flops, training_flops, utilization
+    from spmdrl.optim import build_optimizer
+    from spmdrl.rl.update import logprobs_of, micro_rows, update_policy
+
+    cfg = load_config([*config_overrides(a), *a.set, *overrides])
+    rl = derive_rl(cfg, derive(cfg, 1, a.rows, samples_per_item=1))
+    model = build_random_actor(a.shape, cfg, device)
+    if a.optimizer == "adamw":
+        optimizer = build_optimizer(model, cfg.optim)
+    else:  # stateless: no moments (the 7B arithmetic in the docstring)
+        optimizer = torch.optim.SGD(model.parameters(), lr=cfg.optim.lr)
+    batch = synthetic_batch(a, model.config.vocab_size, device)
+    parts = micro_rows(cfg, rl, batch)
+    lengths = batch.row_lengths()
+    shape = DecoderShape.from_hf_config(model.config)
+    epochs, minis = cfg.algorithm.ppo_epochs, rl.mini_batches_per_step
+    # The update plans each mini-batch alone: as many micro-batches as parts, per mini-batch, per epoch.
+    n_micro_update = epochs * minis * len(micro_rows(cfg, rl, batch.rows(0, rl.per_rank_mini_batch_seqs)))
+    passes: dict[str, tuple[Callable[[], Any], int]] = {
+        "update": (lambda: update_policy(cfg, rl, model, optimizer, batch), n_micro_update),
+        "forward": (
+            lambda: logprobs_of(model, batch, parts, cfg.rollout.temperature, cfg.trainer.pack_sequences),
+            len(parts),
+        ),
+    }
+    train = training_flops(
+        shape,
+        lengths.tokens,
+        lengths.response_tokens,
+        recompute=ac_mode(cfg.model.activation_checkpointing),
+        every=cfg.model.activation_checkpointing_every,
+    )
+    flops = {
+        "update": (train.model * epochs, train.hardware * epochs),
+        "forward": (forward_flops(shape, lengths.tokens, lengths.response_tokens).model,) * 2,
+    }
+    tokens = sum(lengths.tokens)
+    r = Result()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    launch_unit = "kernels" if device.type == "cuda" else "aten ops (CPU proxy)"
+    for name, (run, n_micro) in passes.items():
+        seconds = statistics.median(time_pass(run, device, a.steps))
+        model_flops, hw_flops = flops[name]
+        prof = profile_pass(run, device)
+        host = [s["step"] for s in optimizer.state.values() if "step" in s] + list(parts)
+        syncs, where = count_syncs(run, device, host)
+        f = r.figures
+        f[f"{name}_s"] = (seconds, "s")
+        f[f"tokens_per_s_{name}"] = (tokens * (epochs if name == "update" else 1) / seconds, "tokens/s")
+        f[f"tflops_{name}"] = (model_flops / seconds / 1e12, "TFLOP/s")
+        mfu = utilization(model_flops, seconds, 1, peak)
+        if mfu is not None:
+            f[f"mfu_{name}"] = (mfu, "fraction")
+            if name == "update":
+                f["hfu_update"] = (utilization(hw_flops, seconds, 1, peak) or 0.0, "fraction")
+        if prof.busy_s is not None:
+            f[f"gpu_busy_{name}"] = (prof.busy_s / prof.wall_s, "fraction")
+        f[f"launches_per_micro_batch_{name}"] = (prof.launches / n_micro, launch_unit)
+        f[f"syncs_{name}"] = (float(syncs), "syncs")
+        f[f"syncs_per_micro_batch_{name}"] = (syncs / n_micro, "syncs")
+        r.context[f"{name}_micro_batches"] = n_micro
+        r.context[f"{name}_model_flops"] = model_flops
+        r.context[f"{name}_hardware_flops"] = hw_flops
+        r.context[f"{name}_sync_places"] = where
+        print(
+            f"{name}: {seconds:.3f} s, {model_flops / seconds / 1e12:.2f} TFLOP/s"
+            + (f", MFU {mfu:.3f}" if mfu is not None else "")
+            + f", {n_micro} micro-batches, {syncs} syncs",
+            flush=True,
+        )
+    if device.type == "cuda":
+        r.figures["peak_memory_gb"] = (torch.cuda.max_memory_allocated(device) / 2**30, "GiB")
+    r.context["params"] = sum(p.numel() for p in model.parameters())
+    r.context["activation_checkpointing"] = str(cfg.model.activation_checkpointing)
+    return r
+
+
+def print_table(runs: dict[str, Result]) -> None:
+    names = list(runs)
+    base = runs["default"].figures
+    keys = [k for k in base] + sorted({k for r in runs.values() for k in r.figures} - set(base))
+    header = f"{'figure':<34}" + "".join(f"{n:>14}" for n in names)
+    header += "".join(f"{n + '/default':>18}" for n in names[1:])
+    print(header)
+    for k in keys:
+        cells = "".join(
+            f"{runs[n].figures[k][0]:>14.4g}" if k in runs[n].figures else f"{'-':>14}" for n in names
+        )
+        ratios = ""
+        for n in names[1:]:
+            v, b = runs[n].figures.get(k), base.get(k)
+            ratios += f"{v[0] / b[0]:>18.2f}" if v and b and b[0] else f"{'-':>18}"
+        unit = next(r.figures[k][1] for r in runs.values() if k in r.figures)
+        print(f"{k:<34}{cells}{ratios}  {unit}")
+
+
+def main() -> None:
+    a = _args()
+    from spmdrl.distributed.env import init_distributed
+    from spmdrl.logging.flops import device_peak_flops
+
+    env = init_distributed("auto")
+    device = env.device
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    peak = a.peak_tflops * 1e12 if a.peak_tflops > 0 else device_peak_flops(device)
+    peak_note = "--peak-tflops" if a.peak_tflops > 0 else ("table" if peak else "unknown: no MFU")
+    print(
+        f"update profile: {a.shape}, {a.rows} rows x {a.length} tokens ({a.prompt} prompt), micro-batch "
+        f"{a.micro}, {a.optimizer}; device {name}, peak {peak / 1e12 if peak else 0:.1f} TFLOP/s ({peak_note})",
+        flush=True,
+    )
+    runs: dict[str, Result] = {}
+    for vname, overrides in [("default", []), *a.variants.items()]:
+        print(f"== {vname}: {' '.join([*a.set, *overrides]) or '(no overrides)'}", flush=True)
+        runs[vname] = measure(a, overrides, device, peak)
+        gc.collect()  # the run's model and optimizer, before the next one's
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    print(f"\nupdate profile: {a.shape} on {name}")
+    print_table(runs)
+    if a.json:
+        base = runs["default"].figures
+        figs = [Figure(f"{PREFIX}{k}", v, u) for k, (v, u) in base.items()]
+        for vname, r in runs.items():
+            if vname != "default":
+                figs += [
+                    Figure(f"{PREFIX}{vname}/{k}", v, u, base[k][0] if k in base else None)
+                    for k, (v, u) in r.figures.items()
+                ]
+        write_json(
+            a.json,
+            "update_profile",
+            figs,
+            device=device.type,
+            device_name=name,
+            peak_flops=peak,
+            peak_source=peak_note,
+            shape=a.shape,
+            rows=a.rows,
+            length=a.length,
+            prompt=a.prompt,
+            micro_batch_size=a.micro,
+            optimizer=a.optimizer,
+            overrides=a.set,
+            variants=a.variants,
+            **{f"{k}": v for k, v in runs["default"].context.items()},
+        )
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""Model rewards in the RL step: the reward model's and the judge's scores of a step's samples, weighted
+with the rule reward into the reward the step trains on (docs/rewards.md#reward-models).
+
+The rollout phase calls a ModelRewards on each generation batch right after the rule reward
+(spmdrl.rl.samples.score), on every rank (the reward model's forwards and the judge's generation are
+collectives). Validation does not: held-out accuracy stays the rule's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from spmdrl.config import Config
+from spmdrl.distributed.reduce import all_reduce_sum
+from spmdrl.rewards.combine import weighted_reward
+from spmdrl.rewards.reward_model import RewardModel, build_reward_model
+from spmdrl.rewards.reward_model_path import check_reward_model_dir
+from spmdrl.rl.judge import Judge
+from spmdrl.rl.samples import ScoredSamples
+from spmdrl.rollout.engine import RolloutEngine
+
+
+class ModelRewards:
+    """The reward model and/or the judge, and their sums for the step's metrics (reward/rm_score, ...)."""
+
+    def __init__(
+        self, cfg: Config, rm: RewardModel | None, judge: Judge | None, device: torch.device
+    ) -> None:
+        self.cfg, self.rm, self.judge, self.device = cfg, rm, judge, device
+        self._sums: dict[str, float] = defaultdict(float)
+        self._calls = 0
+
+    def __call__(self, samples: ScoredSamples, step: int, *, record: bool = True) -> ScoredSamples:
+        """``samples`` with its reward replaced by the weighted sum of the rule's, the model's and the
+        judge's; a judge reply that did not parse scores reward.error_score and is counted in reward/errors.
+        ``record=False`` keeps the call out of the step's metrics (ReMax's baseline generations)."""
+        cfg, gens = self.cfg, samples.gens
+        messages = [samples.prompts[g.prompt_index].messages for g in gens]
+        rule_B = samples.rewards.scores_B
+        parts = {"rule": (cfg.reward.rule_weight, rule_B)}
+        sums: dict[str, float] = self._sums if record else defaultdict(float)
+        sums["n"] += len(gens)
+        sums["rule"] += float(rule_B.sum())
+        failed = 0
+        if self.rm is not None:
+            rm_B = self.rm.score(messages, samples.responses)
+            parts["rm"] = (cfg.reward_model.weight, rm_B)
+            sums["rm"] += float(rm_B.sum())
+            sums["rm_truncated"] += self.rm.num_truncated
+            self.rm.num_truncated = 0
+        if self.judge is not None:
+            truths = [samples.prompts[g.prompt_index].ground_truth for g in gens]
+            # A seed per (step, call of the step): a resumed run samples the same judgements.
+            self._calls += 1
+            seed = (cfg.rollout.seed * 1_000_003 + step) * 1_000 + 500 + self._calls
+            judge_B, parsed_B = self.judge.score(messages, samples.responses, truths, seed=seed)
+            parts["judge"] = (cfg.reward_model.judge.weight, judge_B)
+            failed = int((~parsed_B).sum())
+            sums["judge_parsed"] += int(parsed_B.sum())
+            sums["judge"] += float(judge_B[parsed_B].sum())
+        total_B = weighted_reward(parts)
+        rewards = dataclasses.replace(
+            samples.rewards, scores_B=total_B, num_errors=samples.rewards.num_errors + failed
+        )
+        # Any shaping already applied (none in the recipes' order) stays on top of the new reward.
+        return dataclasses.replace(samples, rewards=rewards, scores_B=total_B + (samples.scores_B - rule_B))
+
+    def metrics(self) -> dict[str, float]:
+        """The step's means over all ranks, then reset (every rank must call it)."""
+        t = all_reduce_sum(
+            {k: self._sums.get(k, 0.0) for k in ("n", "rule", "rm", "rm_truncated", "judge", "judge_parsed")},
+            self.device,
+        )
+        self._sums, self._calls = defaultdict(float), 0
+        n = max(t["n"], 1.0)
+        out = {"reward/rule_score": t["rule"] / n}
+        if self.rm is not None:
+            out["reward/rm_score"] = t["rm"] / n
+            out["reward/rm_truncated_frac"] = t["rm_truncated"] / n
+        if self.judge is not None:
+            out["reward/judge_parsed_frac"] = t["judge_parsed"] / n
+            if t["judge_parsed"] > 0:
+                out["reward/judge_score"] = t["judge"] / t["judge_parsed"]
+        return out
+
+
+def build_model_rewards(
+    cfg: Config,
+    mesh: DeviceMesh,
+    engine: RolloutEngine,
+    tokenizer: object,
+    device: torch.device,
+    *,
+    max_model_len: int,
+) -> ModelRewards | None:
+    """The reward model (FSDP2 on ``mesh``) and the judge (on the run's ``engine``) that reward_model.*
+    enables; None when neither is."""
+    rm_cfg = cfg.reward_model
+    if not (rm_cfg.enable or rm_cfg.judge.enable):
+        return None
+    rm = build_reward_model(rm_cfg, cfg.model, mesh, device) if rm_cfg.enable else None
+    judge = (
+        Judge(
+            rm_cfg.judge, engine, tokenizer, max_model_len=max_model_len, error_score=cfg.reward.error_score
+        )
+        if rm_cfg.judge.enable
+        else None
+    )
+    return ModelRewards(cfg, rm, judge, device)
+
+
+def check_model_rewards(cfg: Config) -> None:
+    """reward_model.path's files (ConfigError), before anything expensive starts."""
+    if cfg.reward_model.enable:
+        check_reward_model_dir(cfg.reward_model.path)

@@ -1,0 +1,112 @@
+"""FSDP2 settings of the trained models: trainer.defer_grad_sync reduce-scatters once per optimizer step
+and gives the same update; a one-rank mesh reshards its layers after forward like any other.
+
+2 gloo ranks, 4 micro-batches per rank in one mini-batch, SGD, no clipping. The reduce-scatters are
+counted by wrapping FSDP2's own foreach_reduce (it still runs). Deferring changes the order of the sums
+(micro-batches summed per rank before the cross-rank sum instead of after), so the weights agree to
+float32 rounding (rtol 1e-5, atol 1e-6, as tests/integration/test_update_numerics.py), not bitwise.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from spmdrl.testing.models import padded_rows, save_small_qwen2
+from spmdrl.testing.spawn import run_distributed
+
+pytestmark = pytest.mark.slow
+
+N, PROMPTS = 2, 4  # 8 rows: 4 per rank, micro-batches of 1
+
+
+def _worker(rank: int, world: int, model_dir: str) -> dict:
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as param_group
+    from torch.distributed.tensor import DTensor
+
+    from spmdrl.config import (
+        AlgorithmConfig,
+        Config,
+        OptimConfig,
+        RolloutConfig,
+        TrainerConfig,
+        derive,
+        derive_rl,
+    )
+    from spmdrl.distributed.placement import Placement
+    from spmdrl.models.build import ModelSpec, build_fsdp_model
+    from spmdrl.rl.batch import PolicyBatch
+    from spmdrl.rl.update import update_policy
+
+    calls = [0]
+    real = param_group.foreach_reduce
+
+    def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    param_group.foreach_reduce = counted
+    g = torch.Generator().manual_seed(0)
+    B = PROMPTS * N
+    ids, attn, resp = padded_rows(
+        torch.randint(2, 6, (B,), generator=g), torch.randint(1, 9, (B,), generator=g), 64, g
+    )
+    engine_lp = -torch.rand(ids.shape, generator=g) * resp
+    adv = torch.randn(ids.shape, generator=g) * resp
+    rows = slice(rank * B // world, (rank + 1) * B // world)
+    batch = PolicyBatch(ids[rows], attn[rows], resp[rows], engine_lp[rows], adv[rows])
+    mesh = Placement.colocated(world).build_meshes("cpu").fsdp("actor")
+    out: dict = {}
+    for defer in (False, True):
+        cfg = Config(
+            trainer=TrainerConfig(global_batch_size=PROMPTS, micro_batch_size=1, defer_grad_sync=defer),
+            rollout=RolloutConfig(n=N),
+            optim=OptimConfig(grad_clip=0.0),
+            algorithm=AlgorithmConfig(use_kl_loss=False),
+        )
+        rl = derive_rl(cfg, derive(cfg, world, 100, samples_per_item=N))
+        actor = build_fsdp_model(
+            ModelSpec(Path(model_dir), torch.float32, torch.float32), mesh, torch.device("cpu")
+        )
+        optimizer = torch.optim.SGD(actor.parameters(), lr=0.1)
+        params = optimizer.param_groups[0]["params"]
+        calls[0] = 0
+        metrics = update_policy(cfg, rl, actor, optimizer, batch).metrics
+        out[defer] = dict(reduces=calls[0], metrics=metrics, weights=[p.full_tensor() for p in params])
+    # After a forward, a layer's parameters are plain (unsharded) tensors only where it was not resharded.
+    with torch.no_grad():
+        actor(input_ids=batch.input_ids_BT)
+    out["layer_sharded_after_forward"] = isinstance(next(actor.model.layers[0].parameters()), DTensor)
+    return out
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("grad_sync") / "m"
+    save_small_qwen2(path)
+    return path
+
+
+def test_deferred_sync_reduces_once_per_step_and_gives_the_same_update(model_dir: Path) -> None:
+    out = run_distributed(_worker, 2, str(model_dir), timeout_s=600)
+    units = 3  # two decoder layers and the root
+    for res in out:
+        each, once = res[False], res[True]
+        assert each["reduces"] == 4 * units and once["reduces"] == units
+        for w_once, w_each in zip(once["weights"], each["weights"], strict=True):
+            torch.testing.assert_close(w_once, w_each, rtol=1e-5, atol=1e-6)
+        for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
+            assert once["metrics"][key] == pytest.approx(each["metrics"][key], rel=1e-5, abs=1e-7), key
+        assert each["metrics"]["actor/grad_norm"] > 1e-3
+        assert res["layer_sharded_after_forward"]  # 2 ranks: resharded after forward
+
+
+def test_one_rank_reshards_its_layers_after_forward(model_dir: Path) -> None:
+    """Kept unsharded, a one-rank layer would hold a copy of itself after every no-grad pass."""
+    (res,) = run_distributed(_worker, 1, str(model_dir), timeout_s=600)
+    assert res["layer_sharded_after_forward"]
+    assert res[True]["reduces"] == 3 and res[False]["reduces"] == 8 * 3  # all 8 rows: 8 micro-batches
+    for w_once, w_each in zip(res[True]["weights"], res[False]["weights"], strict=True):
+        torch.testing.assert_close(w_once, w_each, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,60 @@
+"""benchmarks/update_profile.py's CPU dry run: the profiler benchmark runs spmdrl's update and no-grad forward
+on the tiny shape under FSDP2 (one gloo rank) and writes its figures in bench_report's format.
+
+A CPU has no peak in the table, so the run is given one (``--peak-tflops``): the MFU path runs, and its
+figure must be the FLOPs of spmdrl.logging.flops over the measured time. ``--set`` turns on activation
+checkpointing, which must reach the config the benchmark builds: the hardware FLOPs then exceed the model
+FLOPs, which stay 3 x the forward's.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PEAK_TFLOPS = 1.0
+
+
+def test_the_profile_dry_run_writes_every_figure(tmp_path: Path) -> None:
+    out = tmp_path / "profile.json"
+    cmd = [
+        sys.executable,
+        str(REPO / "benchmarks" / "update_profile.py"),
+        "--shape=tiny",
+        "--steps=1",
+        f"--peak-tflops={PEAK_TFLOPS}",
+        "--set=model.activation_checkpointing=full",
+        f"--json={out}",
+    ]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    figs = {f["name"].removeprefix("update_profile/"): f for f in doc["figures"]}
+    assert doc["benchmark"] == "update_profile" and doc["device"] == "cpu"
+    for name in ("update", "forward"):
+        seconds = figs[f"{name}_s"]["value"]
+        assert seconds > 0
+        assert figs[f"mfu_{name}"]["value"] == pytest.approx(
+            doc[f"{name}_model_flops"] / seconds / (PEAK_TFLOPS * 1e12)
+        )
+        assert figs[f"launches_per_micro_batch_{name}"]["unit"] == "aten ops (CPU proxy)"
+        assert figs[f"launches_per_micro_batch_{name}"]["value"] > 0
+        # The fixed syncs of a pass (its rows' sizes at least), spread over its micro-batches.
+        assert figs[f"syncs_{name}"]["value"] >= 1
+        assert figs[f"syncs_per_micro_batch_{name}"]["value"] == pytest.approx(
+            figs[f"syncs_{name}"]["value"] / doc[f"{name}_micro_batches"]
+        )
+        assert f"gpu_busy_{name}" not in figs  # CUDA only
+    tokens = doc["rows"] * doc["length"]
+    assert figs["tokens_per_s_update"]["value"] == pytest.approx(tokens / figs["update_s"]["value"])
+    # One PPO epoch: the update's model FLOPs are 3 forwards; checkpointing adds to the hardware count only.
+    assert doc["update_model_flops"] == 3 * doc["forward_model_flops"]
+    assert doc["update_hardware_flops"] > doc["update_model_flops"]
+    assert figs["hfu_update"]["value"] > figs["mfu_update"]["value"]
+    assert doc["activation_checkpointing"] == "full"
+    assert doc["update_micro_batches"] == doc["rows"] // doc["micro_batch_size"]

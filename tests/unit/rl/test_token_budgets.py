@@ -1,0 +1,125 @@
+"""Token budgets of the RL passes: the config keys (verl's names) resolved by derive_rl, their errors,
+and the memory model's inputs read from a config (spmdrl/rl/token_budgets.py). No GPU here: the memory
+measurement itself (torch.cuda.mem_get_info) cannot run on CPU, so the budgets from memory are passed to
+derive_rl as a figure, as build_job passes the measured ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spmdrl.config import ConfigError, derive, derive_rl
+from spmdrl.config_loader import load_config
+from spmdrl.distributed.placement import plan_placement
+from spmdrl.models.memory_model import DecoderShape
+from spmdrl.rl.token_budgets import memory_inputs, state_bytes, wants_memory_budgets
+
+# grpo_tiny: prompts up to 64 tokens, responses up to 24 (its recipe): the longest row is 88 tokens.
+TINY = ["recipe=grpo_tiny"]
+
+
+def _rl(overrides: list[str], memory: tuple[int, int] | None = None):  # noqa: ANN202 - RLDerived
+    cfg = load_config(TINY + overrides)
+    return cfg, derive_rl(cfg, derive(cfg, 2, 1000, samples_per_item=cfg.rollout.n), memory_budgets=memory)
+
+
+def _longest(cfg) -> int:  # noqa: ANN001
+    return cfg.rollout.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length
+
+
+def test_defaults_are_auto_and_keep_sequence_counts_on_cpu() -> None:
+    cfg, rl = _rl([])
+    assert (cfg.trainer.ppo_max_token_len_per_gpu, cfg.trainer.log_prob_max_token_len_per_gpu) == (-1, -1)
+    assert (rl.ppo_max_token_len, rl.log_prob_max_token_len) == (0, 0)  # today's micro_batch_size sequences
+    assert not wants_memory_budgets(cfg, torch.device("cpu"))
+    assert wants_memory_budgets(cfg, torch.device("cuda"))
+
+
+def test_explicit_budgets_and_the_no_grad_default() -> None:
+    _, rl = _rl(["trainer.ppo_max_token_len_per_gpu=512", "trainer.log_prob_max_token_len_per_gpu=2048"])
+    assert (rl.ppo_max_token_len, rl.log_prob_max_token_len) == (512, 2048)
+    # Auto no-grad budget without a measurement (CPU): the update's micro-batches, as before.
+    _, rl = _rl(["trainer.ppo_max_token_len_per_gpu=512"])
+    assert (rl.ppo_max_token_len, rl.log_prob_max_token_len) == (512, 512)
+    # 0: sequence counts for the update, a budget for the no-grad passes only.
+    _, rl = _rl(["trainer.ppo_max_token_len_per_gpu=0", "trainer.log_prob_max_token_len_per_gpu=4096"])
+    assert (rl.ppo_max_token_len, rl.log_prob_max_token_len) == (0, 4096)
+
+
+def test_measured_budgets_fill_only_the_keys_left_at_auto() -> None:
+    _, rl = _rl([], memory=(30720, 69888))
+    assert (rl.ppo_max_token_len, rl.log_prob_max_token_len) == (30720, 69888)
+    _, rl = _rl(["trainer.ppo_max_token_len_per_gpu=0"], memory=(30720, 69888))
+    assert (rl.ppo_max_token_len, rl.log_prob_max_token_len) == (0, 69888)
+    _, rl = _rl(["trainer.log_prob_max_token_len_per_gpu=1024"], memory=(30720, 69888))
+    assert (rl.ppo_max_token_len, rl.log_prob_max_token_len) == (30720, 1024)
+
+
+def test_micro_batch_tokens_is_the_older_name_of_both() -> None:
+    cfg, rl = _rl(["trainer.micro_batch_tokens=300"], memory=(30720, 69888))
+    assert (rl.ppo_max_token_len, rl.log_prob_max_token_len) == (300, 300)
+    assert not wants_memory_budgets(cfg, torch.device("cuda"))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (["trainer.ppo_max_token_len_per_gpu=-2"], r"ppo_max_token_len_per_gpu=-2: use -1"),
+        (["trainer.log_prob_max_token_len_per_gpu=-7"], r"log_prob_max_token_len_per_gpu=-7: use -1"),
+        # Shorter than one longest row (64 + 24 = 88 tokens in grpo_tiny).
+        (["trainer.ppo_max_token_len_per_gpu=80"], r"ppo_max_token_len_per_gpu=80 is smaller than .* 88"),
+        (
+            ["trainer.log_prob_max_token_len_per_gpu=87"],
+            r"log_prob_max_token_len_per_gpu=87 .* at least 88",
+        ),
+        (
+            ["trainer.micro_batch_tokens=300", "trainer.ppo_max_token_len_per_gpu=400"],
+            r"older name of trainer.ppo_max_token_len_per_gpu",
+        ),
+        (["trainer.micro_batch_tokens=-1"], r"micro_batch_tokens must be >= 0.*replacements"),
+        (["trainer.memory_reserve_gib=-1"], r"memory_reserve_gib must be >= 0"),
+    ],
+)
+def test_bad_budgets_fail_at_load(overrides: list[str], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        load_config(TINY + overrides)
+
+
+def test_a_budget_of_exactly_one_longest_row_is_accepted() -> None:
+    cfg = load_config(TINY)
+    _, rl = _rl([f"trainer.ppo_max_token_len_per_gpu={_longest(cfg)}"])
+    assert rl.ppo_max_token_len == 88
+
+
+def test_memory_inputs_follow_the_model_section() -> None:
+    shape = DecoderShape(896, 4864, 24, 14, 2, 151936, tied_embeddings=True)
+    cfg = load_config(
+        [
+            "recipe=grpo_gsm8k",
+            "trainer.pack_sequences=true",
+            "model.activation_checkpointing=mlp",
+            "model.activation_checkpointing_every=2",
+        ]
+    )
+    m = memory_inputs(cfg, shape, "torch_varlen")
+    assert (m.compute_bytes, m.activation_checkpointing, m.checkpoint_every) == (2, "mlp", 2)
+    assert m.fused_chunk_tokens == cfg.model.fused_chunk_tokens  # auto fuses on CUDA
+    assert m.attention == "varlen"
+    assert memory_inputs(cfg, shape, "mask").attention == "packed_mask"
+    padded = load_config(["recipe=grpo_gsm8k", "model.use_fused_kernels=false"])
+    m = memory_inputs(padded, shape, "torch_varlen")
+    assert (m.attention, m.fused_chunk_tokens, m.activation_checkpointing) == ("padded", 0, "full")
+
+
+def test_state_counts_trained_and_frozen_models_and_offload() -> None:
+    shape = DecoderShape(896, 4864, 24, 14, 2, 151936, tied_embeddings=True)
+    P = shape.params
+    cfg = load_config(["recipe=grpo_gsm8k"])  # KL loss: a reference
+    placement = plan_placement(cfg.parallel, 8, needs_critic=False)
+    assert state_bytes(cfg, shape, placement, needs_critic=False) == 20 * P // 8
+    offloaded = load_config(["recipe=grpo_gsm8k", "model.offload_params=true", "model.offload_ref=true"])
+    assert state_bytes(offloaded, shape, placement, needs_critic=False) == 0
+    ppo = load_config(["recipe=ppo_gsm8k"])
+    colocated = plan_placement(ppo.parallel, 8, needs_critic=True)
+    with_ref = ppo.algorithm.use_kl_loss or ppo.algorithm.use_kl_in_reward
+    assert state_bytes(ppo, shape, colocated, needs_critic=True) == (32 + 4 * with_ref) * P // 8
