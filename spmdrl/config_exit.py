@@ -35,15 +35,23 @@ _MIN_NONZERO_RANK_DELAY_S = 5.0
 _STARTED = time.monotonic()
 
 
-def exit_config_error(message: str, kind: str = "config") -> NoReturn:
+def exit_config_error(message: str, kind: str = "config", *, in_run: bool = False) -> NoReturn:
     """Reports ``message`` (``spmdrl: config error: ...``, or ``data error`` with ``kind="data"``: a data
-    file that does not read or fit) once for the job and exits 2."""
+    file that does not read or fit) once for the job and exits 2. ``in_run``: raised inside a run (a process
+    group and its threads alive), which ends without the interpreter's teardown."""
     if os.environ.get("RANK", "0") != "0":
         time.sleep(max(_MIN_NONZERO_RANK_DELAY_S, time.monotonic() - _STARTED))
     text = f"spmdrl: {kind} error: {message}"
     if not _write_error_file(text):
         sys.stderr.write(text + "\n")
+    sys.stdout.flush()
     sys.stderr.flush()
+    if in_run:
+        # os._exit, as spmdrl.distributed.failure ends any failed rank: the interpreter's teardown with a
+        # live process group and its threads can crash (a SIGSEGV was seen), and torchrun then reports -11
+        # instead of 2. Nothing needs the teardown: what matters is written and flushed above, and
+        # checkpoints are published atomically.
+        os._exit(EXIT_CONFIG_ERROR)
     sys.exit(EXIT_CONFIG_ERROR)
 
 

@@ -30,7 +30,7 @@ def run_or_die(fn: Callable[[], T]) -> T:
     except (ConfigError, DataError) as e:
         # A wrong setting or data file found once the run started (the output directory holds a run, a
         # row that does not parse): the user's to fix, so it ends like one found at load, once and exit 2.
-        exit_config_error(str(e), "data" if isinstance(e, DataError) else "config")
+        exit_config_error(str(e), "data" if isinstance(e, DataError) else "config", in_run=True)
     except SystemExit as e:
         if e.code in (0, None):
             raise
