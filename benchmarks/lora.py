@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from bench_report import Figure, fmt_ratio, write_json
-from train_step import SHAPES, ce_loss
+from shapes import SHAPES
+from train_step import TRAIN_SHAPES, ce_loss
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from spmdrl.config import LoraConfig, OptimConfig
@@ -40,23 +41,13 @@ from spmdrl.models.build import ModelSpec, build_fsdp_model
 from spmdrl.optim import build_optimizer
 from spmdrl.rollout.weight_sync import engine_weights, iter_full_tensors, trainer_weights
 
-# train_step.py's shapes and one between its CPU and GPU sizes (~27M parameters), where adapters are a
+# train_step.py's shapes and "small" between its CPU and GPU sizes (~27M parameters), where adapters are a
 # realistic fraction of the model on a CPU.
-LORA_SHAPES = {
-    **SHAPES,
-    "small": dict(
-        hidden_size=512,
-        intermediate_size=1408,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        vocab_size=8192,
-    ),
-}
+LORA_SHAPES = (*TRAIN_SHAPES, "small")
 
 
 def save_random_model(shape: str, out: Path) -> None:
-    cfg = Qwen2Config(**LORA_SHAPES[shape], tie_word_embeddings=True, max_position_embeddings=4096)
+    cfg = Qwen2Config(**{**SHAPES[shape], "tie_word_embeddings": True}, max_position_embeddings=4096)
     torch.manual_seed(0)
     Qwen2ForCausalLM(cfg).save_pretrained(out)
 

@@ -23,42 +23,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from bench_report import Figure, write_json
+from shapes import SHAPES
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from spmdrl.distributed.env import init_distributed
 from spmdrl.distributed.placement import Placement
 from spmdrl.models.build import ModelSpec, build_fsdp_model
 
-SHAPES = {
-    "tiny": dict(
-        hidden_size=128,
-        intermediate_size=352,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=512,
-    ),
-    "qwen2.5-0.5b": dict(
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        vocab_size=151936,
-    ),
-    "qwen2.5-1.5b": dict(
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        vocab_size=151936,
-    ),
-}
+# The shapes this benchmark trains on one CPU or GPU (benchmarks/shapes.py has them all).
+TRAIN_SHAPES = ("tiny", "qwen2.5-0.5b", "qwen2.5-1.5b")
 
 
 def save_random_model(shape: str, out: Path) -> None:
-    cfg = Qwen2Config(**SHAPES[shape], tie_word_embeddings=True, max_position_embeddings=4096)
+    cfg = Qwen2Config(**{**SHAPES[shape], "tie_word_embeddings": True}, max_position_embeddings=4096)
     with torch.device("cpu"):
         torch.manual_seed(0)
         Qwen2ForCausalLM(cfg).save_pretrained(out)
@@ -128,7 +105,7 @@ def time_variant(
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
+    p.add_argument("--shape", default="tiny", choices=TRAIN_SHAPES)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=5)

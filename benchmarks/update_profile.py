@@ -60,47 +60,7 @@ from typing import Any
 
 import torch
 from bench_report import Figure, write_json
-
-SHAPES: dict[str, dict[str, Any]] = {
-    # A CPU's: train_step.py's tiny shape (~0.3M parameters without the embeddings), GQA 4/2 like Qwen2.5.
-    "tiny": dict(
-        hidden_size=128,
-        intermediate_size=352,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=512,
-        tie_word_embeddings=True,
-    ),
-    # Qwen2.5-0.5B / 1.5B / 7B config.json (hub model cards).
-    "qwen2.5-0.5b": dict(
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-    ),
-    "qwen2.5-1.5b": dict(
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-    ),
-    "qwen2.5-7b": dict(
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        vocab_size=152064,
-        tie_word_embeddings=False,
-    ),
-}
+from shapes import SHAPES
 
 
 @dataclass(frozen=True)
