@@ -8,6 +8,8 @@ check cheap (no torch, no model, no row of data read):
   prompt column (data.prompt_key), from its footer alone. The built-in tasks' names (``tiny:train``) are
   generated files: their split names are checked. The other columns a recipe needs (RL's reward_model,
   SFT's response) and every cell are checked when the recipe loads the data;
+- model.compile: a C++ compiler on the PATH (inductor builds its kernels' wrappers with one, on CPU and
+  GPU alike; without it the first forward failed deep in inductor, after the engine was built);
 - the model paths (model.path, critic.model_path): ``tiny``; a local directory with config.json and
   safetensors, of a supported family (spmdrl.models.families: an unsupported architecture is refused
   here, with the list of supported ones, before any process group or model); or a hub id (org/name) that is in the local hub cache, or that the hub can serve now (one
@@ -20,6 +22,7 @@ tiny model's build and the tokenizer, once per rank.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import urllib.parse
 from pathlib import Path
@@ -48,6 +51,8 @@ def check_inputs(cfg: Config) -> list[str]:
         _check_actor_as_critic(cfg)
     if cfg.model.lora.enabled:
         checked.append(check_lora_targets(list(cfg.model.lora.target_modules)))
+    if cfg.model.compile:
+        checked.append(check_cxx_compiler())
     if cfg.reward_model.enable:
         from spmdrl.rewards.reward_model_path import check_reward_model_dir
 
@@ -65,6 +70,27 @@ def check_lora_targets(names: list[str]) -> str:
             f"linear modules are {list(LINEAR_MODULES)} (or use [all-linear]; the LM head is never adapted)"
         )
     return f"model.lora.target_modules={','.join(names)}"
+
+
+# What inductor looks for, in its order: $CXX, then g++ (torch._inductor.cpp_builder); clang++ and c++ too.
+_CXX_NAMES = ("g++", "clang++", "c++")
+
+
+def check_cxx_compiler() -> str:
+    """model.compile needs a C++ compiler; returns which one, or raises ConfigError naming the fix."""
+    wanted = os.environ.get("CXX")
+    candidates = [wanted] if wanted else list(_CXX_NAMES)
+    for name in candidates:
+        found = shutil.which(name)
+        if found:
+            return f"model.compile (C++ compiler {found})"
+    where = (
+        f"CXX={wanted!r} is not on the PATH" if wanted else f"none of {', '.join(_CXX_NAMES)} is on the PATH"
+    )
+    raise ConfigError(
+        f"model.compile=true needs a C++ compiler (torch.compile's inductor builds its kernels with one), and "
+        f"{where}: install one (Debian/Ubuntu: apt-get install g++), point CXX at it, or set model.compile=false"
+    )
 
 
 def _check_actor_as_critic(cfg: Config) -> None:
