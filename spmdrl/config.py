@@ -184,9 +184,13 @@ class ParallelConfig:
     # "colocated": every role spans every rank and time-shares it (the hybrid engine).
     # "split": the actor (and its reference) trains on the first ranks, the critic on the last
     # critic_ranks ranks, each with its own mesh; every rank still generates (docs/architecture.md).
-    placement: str = choice("colocated", ("colocated", "split"))
+    # "async" (entry grpo_async, docs/async.md): the last rollout_ranks ranks only generate and score, the
+    # first ones only train; generation runs up to trainer.max_staleness batches ahead of the update.
+    placement: str = choice("colocated", ("colocated", "split", "async"))
     # split: how many ranks (the last ones) hold the critic; 0 = half the world.
     critic_ranks: int = 0
+    # async: how many ranks (the last ones) hold the rollout engines and the reward function; 0 = half.
+    rollout_ranks: int = 0
     # Before each update, give every rank of a role the same number of rows and about the same number of
     # tokens (greedy longest-first per mini-batch; spmdrl/distributed/exchange.py). Logged as
     # balance/<role>_token_imbalance (max / mean tokens per rank) with its value before balancing.
@@ -258,6 +262,12 @@ class TrainerConfig:
     # "auto": continue from the newest complete checkpoint in output_dir, if there is one; "off": start
     # over (refused when output_dir already holds a run); or the path of a checkpoint to start from.
     resume: str = "auto"
+    # parallel.placement=async (verl's name): a batch is trained at most max_staleness policy versions after
+    # the one that generated it; generation runs that many batches ahead of the update (docs/async.md).
+    max_staleness: int = 0
+    # A row older than max_staleness is never trained on: "drop" masks it out (async/dropped_frac);
+    # "regenerate" is not implemented yet.
+    stale_policy: str = choice("drop", ("drop", "regenerate"))
 
 
 @dataclass
@@ -311,6 +321,21 @@ class MultiTurnConfig:
 
 
 @dataclass
+class LatencyTailConfig:
+    """A simulated long tail of generation latency, for benchmarks and tests (docs/rollout.md#simulated-
+    latency-tail). In each training generate call on each rank, ``prompts`` of the call's prompts are slow:
+    the call returns ``seconds`` after the engine is done, as a batched engine waits for its slowest
+    request. It models waiting that leaves the generating rank idle (a slow tool call, an environment, a
+    remote judge), not compute: the rank sleeps. Validation generations are never slowed. 0 in either: off."""
+
+    # Slow prompts per generate call on each rank (a rank holding fewer: all of them; at most
+    # trainer.global_batch_size). Which ones is a seeded choice per call, the same on every run.
+    prompts: int = 0
+    # Extra seconds the call takes when any of its prompts is slow.
+    seconds: float = 0.0
+
+
+@dataclass
 class RolloutConfig:
     """The in-process generation engine (vLLM) and its sampling settings."""
 
@@ -355,6 +380,7 @@ class RolloutConfig:
     val_temperature: float = 0.0
     seed: int = 0
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    latency_tail: LatencyTailConfig = field(default_factory=LatencyTailConfig)
 
 
 @dataclass
@@ -556,8 +582,11 @@ class RewardModelConfig:
     # Tokens of a rendered (prompt, response) the model reads; longer ones keep their end (where the score
     # is read). 0: the model's max_position_embeddings.
     max_length: int = 0
+    # Where the reward model lives (the judge always uses the run's own engine, wherever that is).
     # "colocated": every rank holds the model sharded with FSDP2 over the actor's ranks and scores its own
-    # samples. A reward model on ranks of its own is not supported yet.
+    # samples. "separate": on the rollout ranks of parallel.placement=async (entry grpo_async), sharded
+    # over them, next to the engines; refused with any other placement. Under parallel.placement=async the
+    # reward model is always there, so "colocated" means the same (docs/rewards.md#reward-models).
     placement: str = choice("colocated", ("colocated", "separate"))
     weight: float = 1.0
     judge: JudgeConfig = field(default_factory=lambda: JudgeConfig())
@@ -750,6 +779,30 @@ def _validate_multi_turn(cfg: Config) -> None:
         )
 
 
+def _validate_latency_tail(cfg: Config) -> None:
+    """rollout.latency_tail: no negative values, no more slow prompts than a step has, and a wait the
+    other ranks' collectives outlast."""
+    tail = cfg.rollout.latency_tail
+    if tail.prompts < 0 or tail.seconds < 0:
+        raise ConfigError(
+            f"rollout.latency_tail.prompts and rollout.latency_tail.seconds must be >= 0 (0: no simulated "
+            f"latency tail), got {tail.prompts}, {tail.seconds}"
+        )
+    if tail.prompts > cfg.trainer.global_batch_size:
+        raise ConfigError(
+            f"rollout.latency_tail.prompts={tail.prompts} is more than the step's batch "
+            f"(trainer.global_batch_size={cfg.trainer.global_batch_size} prompts); it counts slow prompts per "
+            "generate call on each rank: lower it"
+        )
+    limit_s = cfg.trainer.collective_timeout_min * 60
+    if tail.seconds >= limit_s:
+        raise ConfigError(
+            f"rollout.latency_tail.seconds={tail.seconds} must stay below trainer.collective_timeout_min="
+            f"{cfg.trainer.collective_timeout_min} minutes: the other ranks wait in a collective while a rank "
+            "waits out its slow prompts"
+        )
+
+
 def _validate_reward_model(cfg: Config) -> None:
     """reward_model.* and its judge: what is not supported yet, and values that cannot work."""
     import re
@@ -761,15 +814,19 @@ def _validate_reward_model(cfg: Config) -> None:
             "reward_model.enable=true needs reward_model.path: an HF sequence-classification model directory "
             "(e.g. the hf_model of a recipe=rm_tiny run)"
         )
-    if rm.placement != "colocated" and (rm.enable or judge.enable):
+    placement = cfg.parallel.placement
+    if rm.placement == "separate" and (rm.enable or judge.enable) and placement != "async":
         raise ConfigError(
-            f"reward_model.placement={rm.placement!r} is not supported yet: use colocated (every rank holds "
-            "the reward model sharded with FSDP2 and scores its own samples)"
+            f"reward_model.placement=separate puts the reward model on the rollout ranks of "
+            f"parallel.placement=async, but parallel.placement={placement}: set parallel.placement=async "
+            "(entry: grpo_async, as in recipe=grpo_async_tiny), or reward_model.placement=colocated (every "
+            "rank holds the reward model sharded with FSDP2 and scores its own samples)"
         )
-    if (rm.enable or judge.enable) and cfg.parallel.placement != "colocated":
+    if (rm.enable or judge.enable) and placement not in ("colocated", "async"):
         raise ConfigError(
             "reward_model.enable / reward_model.judge.enable need parallel.placement=colocated (every rank "
-            f"scores the samples it generated); got parallel.placement={cfg.parallel.placement}"
+            "scores the samples it generated) or async (the rollout ranks score); got "
+            f"parallel.placement={placement}"
         )
     if rm.micro_batch_size_per_gpu <= 0 or rm.max_length < 0:
         raise ConfigError(
@@ -971,6 +1028,22 @@ def validate(cfg: Config) -> None:
             "trainer.packed_attention=varlen needs packed micro-batches: set trainer.pack_sequences=true, or "
             "trainer.packed_attention=auto (varlen only where rows are packed)"
         )
+    if cfg.parallel.rollout_ranks < 0 or cfg.trainer.max_staleness < 0:
+        raise ConfigError(
+            f"parallel.rollout_ranks (0 = half the world) and trainer.max_staleness must be >= 0, got "
+            f"{cfg.parallel.rollout_ranks} and {cfg.trainer.max_staleness}"
+        )
+    if cfg.trainer.max_staleness > 0 and cfg.parallel.placement != "async":
+        raise ConfigError(
+            f"trainer.max_staleness={cfg.trainer.max_staleness} applies to parallel.placement=async only (entry "
+            f"grpo_async, recipe=grpo_async_tiny); with parallel.placement={cfg.parallel.placement} every batch is "
+            "generated by the policy it trains: set trainer.max_staleness=0"
+        )
+    if cfg.trainer.stale_policy == "regenerate":
+        raise ConfigError(
+            "trainer.stale_policy=regenerate is not implemented yet: use drop (a row older than "
+            "trainer.max_staleness is masked out; with parallel.placement=async no row ever is, docs/async.md)"
+        )
     if cfg.parallel.critic_ranks < 0:
         raise ConfigError(
             f"parallel.critic_ranks must be >= 0 (0 = half the world), got {cfg.parallel.critic_ranks}"
@@ -1048,6 +1121,7 @@ def validate(cfg: Config) -> None:
     if cfg.rollout.temperature < 0 or cfg.rollout.val_temperature < 0:
         raise ConfigError("rollout.temperature and rollout.val_temperature must be >= 0 (0 is greedy)")
     _validate_multi_turn(cfg)
+    _validate_latency_tail(cfg)
     _validate_reward_model(cfg)
     if cfg.algorithm.ppo_mini_batch_size < 0:
         raise ConfigError("algorithm.ppo_mini_batch_size must be >= 0 (0: the whole batch)")

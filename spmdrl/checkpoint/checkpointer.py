@@ -8,6 +8,8 @@ Layout of ``<output_dir>/checkpoints/``::
       hf/actor/, hf/critic/   config, tokenizer, generation config: what ``spmdrl.export`` needs
       trainer.pt              step, sampler position, KL controller: the same on every rank (rank 0 writes)
       rng/rank-<r>.pt         each rank's torch / numpy / python RNG states
+      <extra files>           a rank's own files, named by the caller (``extra``): the asynchronous
+                              pipeline's queue, rollout/queue-<j>.pt (spmdrl/rl/async_queue.py)
       meta.json               step, world size, placement, bytes, seconds
     .partial-step-50/         a save in progress, or one killed mid-way: never read, removed by the next
 
@@ -202,9 +204,13 @@ def save_checkpoint(
     *,
     keep: int,
     meta: dict[str, Any] | None = None,
+    extra: dict[str, object] | None = None,
 ) -> SaveStats:
-    """Save everything a run needs to continue at ``step + 1``. Every rank calls it."""
-    pending = _start_save(root, step, roles, trainer_state, keep=keep, meta=meta, async_groups=None)
+    """Save everything a run needs to continue at ``step + 1``. Every rank calls it; ``extra``: this
+    rank's own files (checkpoint-relative path -> object, torch.save'd), written before the publish."""
+    pending = _start_save(
+        root, step, roles, trainer_state, keep=keep, meta=meta, async_groups=None, extra=extra
+    )
     return pending.publish()
 
 
@@ -259,6 +265,7 @@ def _start_save(
     keep: int,
     meta: dict[str, Any] | None,
     async_groups: dict[str, dist.ProcessGroup] | None,
+    extra: dict[str, object] | None = None,
 ) -> PendingSave:
     t0 = time.perf_counter()
     rank = dist.get_rank()
@@ -290,6 +297,11 @@ def _start_save(
             if role.write_hf is not None and dist.get_rank(role.group) == 0:
                 role.write_hf(partial / "hf" / role.name)
         _save_small(_rng_state(), partial / "rng" / f"rank-{rank}.pt")
+        # Written now, also under async_save (small, and the state of this moment): the publish below waits
+        # for every rank, so a checkpoint never counts without them.
+        for name, obj in (extra or {}).items():
+            (partial / name).parent.mkdir(parents=True, exist_ok=True)
+            _save_small(obj, partial / name)
         if rank == 0:
             _save_small({"step": step, **trainer_state}, partial / "trainer.pt")
     except (OSError, CheckpointException) as e:
@@ -318,14 +330,28 @@ class Checkpointer:
             self._groups = {r.name: dist.new_group(r.ranks, backend="gloo") for r in roles}
 
     def save(
-        self, step: int, trainer_state: dict[str, Any], meta: dict[str, Any] | None = None
+        self,
+        step: int,
+        trainer_state: dict[str, Any],
+        meta: dict[str, Any] | None = None,
+        extra: dict[str, object] | None = None,
     ) -> SaveStats | None:
-        """Sync: the published checkpoint's stats. Async: the previous save's, published now (or None)."""
+        """Sync: the published checkpoint's stats. Async: the previous save's, published now (or None).
+        ``extra``: this rank's own files (see :func:`save_checkpoint`), part of the same checkpoint."""
         if self._groups is None:
-            return save_checkpoint(self.root, step, self.roles, trainer_state, keep=self.keep, meta=meta)
+            return save_checkpoint(
+                self.root, step, self.roles, trainer_state, keep=self.keep, meta=meta, extra=extra
+            )
         done = self.finish()
         self._pending = _start_save(
-            self.root, step, self.roles, trainer_state, keep=self.keep, meta=meta, async_groups=self._groups
+            self.root,
+            step,
+            self.roles,
+            trainer_state,
+            keep=self.keep,
+            meta=meta,
+            async_groups=self._groups,
+            extra=extra,
         )
         log.info(
             "checkpoint step-%d staged in %.2f s; writing in the background", step, self._pending.blocking_s

@@ -9,9 +9,14 @@ Two placements (docs/architecture.md has the picture):
   and time-share each device.
 - ``split``: the actor and its reference train on ranks ``0 .. A-1``, the critic on ``A .. W-1``; each
   role has its own DeviceMesh and FSDP2 group, so their updates run at the same time. The rollout
-  engine still spans every rank (an engine on a subset of ranks hangs in its init, docs/rollout.md),
-  so the whole world generates, and the actor's weights reach the critic ranks' engines by a
+  engine still spans every rank (so that the whole world generates; ``build_engine(ranks=...)`` could
+  confine it, docs/rollout.md), and the actor's weights reach the critic ranks' engines by a
   broadcast over the *fanout* group (the first actor rank and the critic ranks).
+- ``async`` (recipes/grpo_async.py): the actor and its reference train on ranks ``0 .. T-1``, the
+  rollout engines and the reward function run on ``T .. W-1`` only. Rows reach the trainer ranks by
+  point-to-point sends, weights reach the engines by the same fanout broadcast from rank 0 (a
+  sender that loads no engine of its own); docs/async.md. The rollout ranks get an FSDP2 mesh of their
+  own too: the reward model (reward_model.enable) is sharded over them, next to the engines.
 """
 
 from __future__ import annotations
@@ -118,9 +123,27 @@ class Placement:
             kind="split",
         )
 
+    @classmethod
+    def asynchronous(cls, world_size: int, rollout_ranks: int, dp_replicate: int = 1) -> Placement:
+        """Actor and ref on the first ``world_size - rollout_ranks`` ranks, the engines on the rest."""
+        trainer_ranks = world_size - rollout_ranks
+        return cls(
+            world_size=world_size,
+            roles={
+                "actor": RoleSpec("actor", 0, trainer_ranks, dp_replicate),
+                "ref": RoleSpec("ref", 0, trainer_ranks, dp_replicate),
+                "rollout": RoleSpec("rollout", trainer_ranks, rollout_ranks),
+            },
+            kind="async",
+        )
+
     @property
     def is_split(self) -> bool:
         return self.kind == "split"
+
+    @property
+    def is_async(self) -> bool:
+        return self.kind == "async"
 
     def role(self, name: str) -> RoleSpec:
         if name not in self.roles:
@@ -129,21 +152,36 @@ class Placement:
 
     def fanout_ranks(self) -> list[int]:
         """split: the first actor rank, which forwards each full weight, and the ranks that receive them."""
+        if self.is_async:  # the first trainer rank and every rollout rank
+            return [self.role("actor").first_rank, *self.role("rollout").ranks]
         return [self.role("actor").first_rank, *self.role("critic").ranks] if self.is_split else []
 
     def describe(self) -> str:
         parts = [self.roles[r].describe() for r in ("actor", "ref", "critic") if r in self.roles]
+        if self.is_async:
+            engines = (
+                self.roles["rollout"]
+                .describe()
+                .replace(f"(FSDP {self.roles['rollout'].num_ranks})", "(engines)")
+            )
+            return f"{self.kind}: " + ", ".join(parts) + "; " + engines
         return f"{self.kind}: " + ", ".join(parts) + f"; rollout on all {self.world_size} ranks"
 
     def build_meshes(self, device_type: str) -> Meshes:
         return Meshes(self, device_type)
 
 
-def plan_placement(p: ParallelConfig, world_size: int, *, needs_critic: bool) -> Placement:
+def plan_placement(
+    p: ParallelConfig, world_size: int, *, needs_critic: bool, asynchronous: bool = False
+) -> Placement:
     """The placement ``parallel.*`` asks for on ``world_size`` ranks, or a ConfigError naming the fix.
+    ``asynchronous``: the caller is the asynchronous loop (entry grpo_async), the only one that runs
+    parallel.placement=async, and only that.
 
     Runs before any model or engine is built.
     """
+    if asynchronous or p.placement == "async":
+        return _plan_async(p, world_size, asynchronous=asynchronous)
     if p.placement == "colocated":
         return Placement.colocated(world_size, p.dp_replicate)
     if not needs_critic:
@@ -166,6 +204,31 @@ def plan_placement(p: ParallelConfig, world_size: int, *, needs_critic: bool) ->
     return Placement.split(world_size, critic, p.dp_replicate)
 
 
+def _plan_async(p: ParallelConfig, world_size: int, *, asynchronous: bool) -> Placement:
+    if not asynchronous:
+        raise ConfigError(
+            "parallel.placement=async needs the asynchronous loop: set entry: grpo_async (recipes/grpo_async.py, "
+            "as in recipe=grpo_async_tiny), or use parallel.placement=colocated"
+        )
+    if p.placement != "async":
+        raise ConfigError(
+            f"entry grpo_async (recipes/grpo_async.py) runs only parallel.placement=async, got "
+            f"{p.placement!r}: set parallel.placement=async, or entry: grpo (colocated) / entry: ppo (split)"
+        )
+    if world_size < 2:
+        raise ConfigError(
+            f"parallel.placement=async needs at least 2 ranks (one trainer, one rollout); the world has "
+            f"{world_size}: start more processes (torchrun --nproc_per_node)"
+        )
+    rollout = p.rollout_ranks or world_size // 2
+    if not 1 <= rollout < world_size:
+        raise ConfigError(
+            f"parallel.rollout_ranks={p.rollout_ranks} must leave at least one trainer rank and one rollout "
+            f"rank in the {world_size}-rank world: pick 1..{world_size - 1} (0 = half)"
+        )
+    return Placement.asynchronous(world_size, rollout, p.dp_replicate)
+
+
 class Meshes:
     """DeviceMeshes and process groups per role, all built here at once.
 
@@ -184,7 +247,8 @@ class Meshes:
             if name not in placement.roles:
                 continue
             spec = placement.roles[name]
-            if name != "rollout":
+            # The engines need no mesh; under async the rollout ranks' reward model does (FSDP2 over them).
+            if name != "rollout" or placement.is_async:
                 key = (spec.first_rank, spec.num_ranks, spec.dp_replicate)
                 if key not in self._meshes:
                     self._meshes[key] = self._build(spec)

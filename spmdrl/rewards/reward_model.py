@@ -122,9 +122,14 @@ class RewardModel:
 
 
 def build_reward_model(
-    rm: RewardModelConfig, model_cfg: ModelConfig, mesh: DeviceMesh, device: torch.device
+    rm: RewardModelConfig,
+    model_cfg: ModelConfig,
+    mesh: DeviceMesh,
+    device: torch.device,
+    group: dist.ProcessGroup | None = None,
 ) -> RewardModel:
-    """reward_model.path as a frozen FSDP2 module on ``mesh`` (dtypes as model.*), with its own tokenizer."""
+    """reward_model.path as a frozen FSDP2 module on ``mesh`` (dtypes as model.*), with its own tokenizer.
+    ``group``: the process group of ``mesh``'s ranks, which score together (None: the whole world)."""
     path = check_reward_model_dir(rm.path)
     spec = ModelSpec(
         path=path,
@@ -146,5 +151,5 @@ def build_reward_model(
         micro_batch_size=rm.micro_batch_size_per_gpu,
         max_length=max_length,
         device=device,
-        group=None,  # colocated: every rank of the world scores, on the mesh's ranks (the world)
+        group=group,
     )

@@ -4,10 +4,12 @@ what happens around the steps: the weight sync, validation, checkpoints and the 
 build_job, in order; every check that can fail does so before the warm-start and the engine:
   1. the run (process group, output directory) and the placement of the roles on the ranks
   2. resume: the newest complete checkpoint of the output directory (trainer.resume=auto), rank 0 decides
+     (parallel.placement=async: one saved by a pipeline of another shape is refused here)
   3. data, the reward function, the batch arithmetic (derive, derive_rl) and the model's limits
   4. the SFT warm-start (warmstart.*), whose export RL starts from
   5. the models on their meshes (the actor, the reference when a KL term needs it, PPO's critic), their
-     optimizers, then the engine on every rank
+     optimizers, then the engine on every rank (parallel.placement=async: on the rollout ranks only),
+     and reward_model.*'s models on the ranks that score (async: the rollout ranks too)
   6. when resuming, the checkpoint's state (models, optimizers, sampler, KL coefficient, RNG states) and
      the engine synced to its weights; the metric logger and the checkpointer
 """
@@ -40,7 +42,7 @@ from spmdrl.data.prompts import PromptDataset
 from spmdrl.data.sampler import DistributedSampler
 from spmdrl.data.tiny_task import TinyTaskConfig, resolve_data_files
 from spmdrl.data.tools_task import ToolsTaskConfig
-from spmdrl.distributed.env import DistEnv
+from spmdrl.distributed.env import DistEnv, broadcast_object
 from spmdrl.distributed.placement import Meshes, Placement, plan_placement
 from spmdrl.distributed.topology import check_tp_within_nodes, node_layout_from_env
 from spmdrl.logging.metrics import NullLogger, rewind_logs
@@ -50,6 +52,8 @@ from spmdrl.logging.timer import PhaseTimer
 from spmdrl.models.load import load_tokenizer, resolve_model_path_all_ranks
 from spmdrl.optim import OptimizerOffload, build_lr_scheduler, build_optimizer
 from spmdrl.rewards.registry import check_data_sources, load_reward_fn
+from spmdrl.rl.async_queue import PipelineShape, check_resume_all_ranks
+from spmdrl.rl.async_rows import check_async_batch
 from spmdrl.rl.experience import needs_old_logprobs
 from spmdrl.rl.model_rewards import ModelRewards, build_model_rewards, check_model_rewards
 from spmdrl.rl.models import Critic, build_critic, build_models
@@ -88,7 +92,7 @@ class RLJob:
     optimizer: torch.optim.Optimizer | None
     scheduler: torch.optim.lr_scheduler.LRScheduler | None
     actor_offload: OptimizerOffload | None  # model.offload_optimizer: the moments off the GPU between updates
-    engine: RolloutEngine
+    engine: RolloutEngine  # parallel.placement=async: None on the trainer ranks (holds_engine)
     rollout: Rollout  # generates with the engine (and the multi-turn agent loop)
     fanout: Fanout | None  # split: the actor's weights to the engines of the critic's ranks
     kl_ctrl: FixedKLController | AdaptiveKLController  # the KL-in-reward coefficient
@@ -104,6 +108,8 @@ class RLJob:
     started_at: float  # time.perf_counter() at build_job's start
     # reward_model.*: the reward model and/or the judge, weighted with the rule reward (None: rule only).
     model_rewards: ModelRewards | None = None
+    # The checkpoint loaded, if any (async: the rollout ranks read their queues in it).
+    resumed_from: Path | None = None
 
     @property
     def cfg(self) -> Config:
@@ -126,6 +132,11 @@ class RLJob:
         return self.meshes.holds("actor")
 
     @property
+    def holds_engine(self) -> bool:
+        """Whether this rank generates (every rank, except a trainer rank under parallel.placement=async)."""
+        return not self.placement.is_async or self.meshes.holds("rollout")
+
+    @property
     def actor_group(self) -> dist.ProcessGroup | None:
         return self.meshes.group("actor")
 
@@ -142,16 +153,21 @@ class RLJob:
         return self.run.output_dir / "samples.jsonl"
 
 
-def build_job(cfg: Config, *, with_critic: bool = False) -> RLJob:
+def build_job(cfg: Config, *, with_critic: bool = False, asynchronous: bool = False) -> RLJob:
     """The job on this rank (every rank calls it), in the order of the module docstring. ``with_critic``:
-    PPO's value model, its own ranks under parallel.placement=split."""
+    PPO's value model, its own ranks under parallel.placement=split. ``asynchronous``: the caller is the
+    asynchronous loop (recipes/grpo_async.py), which alone runs parallel.placement=async."""
     run = start_run(cfg)
     env = run.env
     started_at = time.perf_counter()
     # An engine this machine cannot run (vLLM release, forced CPU GEMM path) fails now, not after the SFT.
     check_engine_config(cfg.rollout, env.device.type)
     # Which ranks run which role (a placement that cannot fit this world fails here, before any model).
-    placement = plan_placement(cfg.parallel, env.world_size, needs_critic=with_critic)
+    placement = plan_placement(
+        cfg.parallel, env.world_size, needs_critic=with_critic, asynchronous=asynchronous
+    )
+    if placement.is_async:
+        check_async_batch(cfg, placement)
     check_tp_within_nodes(cfg.rollout.tp, *node_layout_from_env())  # an engine never spans two nodes
     log.info("placement %s", placement.describe())
 
@@ -159,6 +175,8 @@ def build_job(cfg: Config, *, with_critic: bool = False) -> RLJob:
     # none. Rank 0 decides for everyone (every rank must agree on it).
     restarted = restart_count() > 0
     resume_from = plan_resume_all_ranks(cfg.trainer.resume, run.output_dir, restarted=restarted)
+    if placement.is_async and resume_from is not None:  # a saved pipeline this one cannot continue exactly
+        check_resume_all_ranks(resume_from, PipelineShape.of(cfg, placement))
 
     # Data, rewards and batch arithmetic (the tokenizer is the base model's; the warm-start's export keeps it).
     base_dir = resolve_model_path_all_ranks(cfg.model.path, run.cache_dir)
@@ -168,7 +186,10 @@ def build_job(cfg: Config, *, with_critic: bool = False) -> RLJob:
     schemas = tool_schemas(tools) if tools else None
     train_ds = load_prompts(run, tokenizer, cfg.data.train_files, schemas)
     val_ds = load_prompts(run, tokenizer, cfg.data.val_files, schemas) if cfg.data.val_files else None
-    derived = derive(cfg, env.world_size, len(train_ds), samples_per_item=cfg.rollout.n)
+    # async: the rollout ranks split each batch's prompts among themselves (the trainer ranks' share is
+    # derive_rl's below).
+    gen_ranks = placement.role("rollout").num_ranks if placement.is_async else env.world_size
+    derived = derive(cfg, gen_ranks, len(train_ds), samples_per_item=cfg.rollout.n)
     # CUDA: the token budgets left at auto, from the free memory before any model or engine is allocated.
     memory = (
         measure_token_budgets(cfg, base_dir, env.device, placement, needs_critic=with_critic)
@@ -176,7 +197,11 @@ def build_job(cfg: Config, *, with_critic: bool = False) -> RLJob:
         else None
     )
     budgets = (memory.train, memory.no_grad) if memory else None
-    if placement.is_split:
+    if placement.is_async:
+        rl = rl_critic = derive_rl(
+            cfg, derived, train_ranks=placement.role("actor").num_ranks, memory_budgets=budgets
+        )
+    elif placement.is_split:
         rl = derive_rl(
             cfg, derived, train_ranks=placement.role("actor").num_ranks, role="actor", memory_budgets=budgets
         )
@@ -198,9 +223,18 @@ def build_job(cfg: Config, *, with_critic: bool = False) -> RLJob:
 
     model_dir = warm_start(run, resume_from, restarted) if cfg.warmstart.enabled else base_dir
 
-    recompute_old = needs_old_logprobs(cfg, rl)
+    # Off-policy rows (async, max_staleness >= 1): the old logprobs are the trainer's, not the engine's.
+    recompute_old = needs_old_logprobs(cfg, rl) or (placement.is_async and cfg.trainer.max_staleness > 0)
     # Offloaded parameters take their optimizer state with them; on a CPU trainer there is nowhere to move it.
     offload_optim = cfg.model.offload_optimizer and not cfg.model.offload_params and env.device.type == "cuda"
+    # Who scores with reward_model.*: the actor's ranks (colocated: every rank), or under
+    # parallel.placement=async the rollout ranks, which hold the samples and the engines (the judge's).
+    scorer = "rollout" if placement.is_async else "actor"
+    rm_derived = (
+        {"reward_model": placement.role(scorer).describe()}
+        if cfg.reward_model.enable or cfg.reward_model.judge.enable
+        else {}
+    )
     critic_derived = (
         {"critic_per_rank_mini_batch_seqs": rl_critic.per_rank_mini_batch_seqs} if with_critic else {}
     )
@@ -209,6 +243,7 @@ def build_job(cfg: Config, *, with_critic: bool = False) -> RLJob:
         **rl.as_dict(),
         placement=placement.describe(),
         **critic_derived,
+        **rm_derived,
         **(memory.as_dict() if memory else {}),
         recompute_old_logprobs=recompute_old,
         offload_optimizer_between_updates=offload_optim,
@@ -216,7 +251,11 @@ def build_job(cfg: Config, *, with_critic: bool = False) -> RLJob:
         train_filtered_overlong=train_ds.num_filtered,
         val_prompts=len(val_ds) if val_ds else 0,
     )
-    sampler = run.train_sampler(len(train_ds), derived.per_rank_batch_size)
+    sampler = (
+        async_sampler(run, placement, len(train_ds), derived.per_rank_batch_size)
+        if placement.is_async
+        else run.train_sampler(len(train_ds), derived.per_rank_batch_size)
+    )
 
     # Models on their meshes (colocated: the same ranks), then the engine on every rank.
     meshes = placement.build_meshes(env.device.type)
@@ -233,9 +272,28 @@ def build_job(cfg: Config, *, with_critic: bool = False) -> RLJob:
         if meshes.fanout_group is not None
         else None
     )
-    engine = build_engine(model_dir, cfg.rollout, max_model_len=rl.max_model_len, device_type=env.device.type)
-    model_rewards = build_model_rewards(
-        cfg, meshes.fsdp("actor"), engine, tokenizer, env.device, max_model_len=rl.max_model_len
+    # async: the engines on the rollout ranks only (None on the trainer ranks, which still take part).
+    engine_ranks = placement.role("rollout").ranks if placement.is_async else None
+    engine = build_engine(
+        model_dir,
+        cfg.rollout,
+        max_model_len=rl.max_model_len,
+        device_type=env.device.type,
+        ranks=engine_ranks,
+    )
+    # reward_model.*: on the scoring ranks only, sharded over them (FSDP2), scores reduced over them.
+    model_rewards = (
+        build_model_rewards(
+            cfg,
+            meshes.fsdp(scorer),
+            engine,
+            tokenizer,
+            env.device,
+            max_model_len=rl.max_model_len,
+            group=meshes.group(scorer),
+        )
+        if meshes.holds(scorer)
+        else None
     )
     a = cfg.algorithm
     kl_ctrl = build_kl_controller(
@@ -291,7 +349,8 @@ def build_job(cfg: Config, *, with_critic: bool = False) -> RLJob:
         scheduler=scheduler,
         actor_offload=actor_offload,
         engine=engine,
-        rollout=Rollout(engine, agent),
+        # group: the multi-turn metrics reduce over the ranks that generate (async: the rollout ranks).
+        rollout=Rollout(engine, agent, cfg.rollout.latency_tail, group=meshes.group("rollout")),
         fanout=fanout,
         kl_ctrl=kl_ctrl,
         recompute_old=recompute_old,
@@ -316,7 +375,7 @@ def _resume_or_start(job: RLJob, roles: list[RoleState], resume_from: Path | Non
         t_load = time.perf_counter()
         state = load_checkpoint(resume_from, roles)
         log.info("loaded %s in %.2f s", resume_from, time.perf_counter() - t_load)
-        job.start_step = int(state["step"])
+        job.start_step, job.resumed_from = int(state["step"]), resume_from
         job.sampler.load_state_dict(state["sampler"])
         job.kl_ctrl.value = float(state["kl_coef"])
         # The engine was built from the starting weights: load the checkpoint's, with the usual check.
@@ -342,17 +401,21 @@ def sync_actor_weights(job: RLJob, check_seed: int) -> SyncStats:
     """The actor's weights into every rank's engine, in place (split: the critic's ranks receive them from
     the first actor rank). With rollout.weight_sync_check, the check proves each engine now serves exactly
     them, probing columns chosen by ``check_seed`` (the step), and stops the run on every rank if not."""
+    # The engines' dtype, also on a rank that holds none (the module imports vLLM only inside the engine).
+    from spmdrl.rollout.vllm_engine import resolve_engine_dtype
+
     cfg = job.cfg
     check = (
         SyncCheck(check_seed, cfg.rollout.weight_sync_check_tol) if cfg.rollout.weight_sync_check else None
     )
     return sync_weights(
         job.actor,
-        job.engine,
+        job.engine if job.holds_engine else None,  # async: the trainer ranks gather, send, and load nothing
         bucket_mb=cfg.rollout.weight_sync_bucket_mb,
         check=check,
         fanout=job.fanout,
         device=job.device,
+        dtype=resolve_engine_dtype(cfg.rollout.dtype, job.device.type),
     )
 
 
@@ -363,8 +426,25 @@ def validates_at(job: RLJob, step: int) -> bool:
 
 
 def validation(job: RLJob, step: int) -> dict[str, float]:
-    """Greedy decoding on the held-out split (spmdrl.rl.samples.validate); rank 0 logs its samples."""
+    """Greedy decoding on the held-out split (spmdrl.rl.samples.validate); rank 0 logs its samples.
+    parallel.placement=async: the rollout ranks decode, the first of them tells every rank the metrics
+    (rank 0 logs them; the samples are not written). Every rank calls it."""
     assert job.val_ds is not None
+    if job.placement.is_async:
+        spec = job.placement.role("rollout")
+        result = None
+        if job.holds_engine:
+            result, _ = validate(
+                job.run,
+                job.rollout,
+                job.tokenizer,
+                job.reward_fn,
+                job.val_ds,
+                job.cfg.data.max_response_length,
+                shard=(job.env.rank - spec.first_rank, spec.num_ranks),
+                group=job.meshes.group("rollout"),
+            )
+        return broadcast_object(result, src=spec.first_rank)
     metrics, samples = validate(
         job.run, job.rollout, job.tokenizer, job.reward_fn, job.val_ds, job.cfg.data.max_response_length
     )
@@ -380,17 +460,23 @@ def draw_curves(job: RLJob) -> None:
 
 
 def log_step(
-    job: RLJob, step: int, metrics: dict[str, float], samples: ScoredSamples, timer: PhaseTimer
+    job: RLJob,
+    step: int,
+    metrics: dict[str, float],
+    samples: ScoredSamples,
+    timer: PhaseTimer,
+    val_metrics: dict[str, float] | None = None,
 ) -> None:
     """The end of every RL recipe's log phase, given the step's reduced ``metrics``: its samples
-    (logging.samples_every), validation (trainer.val_every), the step's time, a metrics row every
-    trainer.log_every steps, at validations and at the last step, and the curves after a validation."""
+    (logging.samples_every), validation (trainer.val_every; ``val_metrics`` when the caller ran it), the
+    step's time, a metrics row every trainer.log_every steps, at validations and at the last step, and the
+    curves after a validation."""
     cfg = job.cfg
     if job.env.is_main and cfg.logging.samples_every > 0 and step % cfg.logging.samples_every == 0:
         write_samples(job.samples_path, train_samples(step, job.tokenizer, samples, cfg))
     validated = validates_at(job, step)
     if validated:
-        metrics.update(validation(job, step))
+        metrics.update(val_metrics if val_metrics is not None else validation(job, step))
     metrics["timing/step_s"] = timer.elapsed()
     if step % cfg.trainer.log_every == 0 or validated or step == job.total_steps:
         job.logger.log(step, metrics)
@@ -398,12 +484,17 @@ def log_step(
         draw_curves(job)
 
 
-def save_checkpoint(job: RLJob, step: int) -> None:
-    """step-<step>: every role's state on its ranks, the sampler and the KL coefficient."""
+def save_checkpoint(
+    job: RLJob, step: int, *, meta: dict[str, Any] | None = None, extra: dict[str, object] | None = None
+) -> None:
+    """step-<step>: every role's state on its ranks, the sampler and the KL coefficient; ``meta``: more
+    entries for meta.json, ``extra``: this rank's own files (path in the checkpoint -> object), part of the
+    same checkpoint (async: the rollout ranks' queues, spmdrl/rl/async_queue.py)."""
     saved = job.checkpointer.save(
         step,
         {"sampler": job.sampler.state_dict(), "kl_coef": job.kl_ctrl.value},
-        meta={"placement": job.placement.describe(), "total_steps": job.total_steps},
+        meta={"placement": job.placement.describe(), "total_steps": job.total_steps, **(meta or {})},
+        extra=extra,
     )
     log_saved(saved)
 
@@ -420,7 +511,8 @@ def finish(job: RLJob) -> None:
             export_hf(job.actor, job.tokenizer, out / "hf_model", group=job.actor_group)
         if job.critic is not None:
             export_hf(job.critic.model, job.tokenizer, out / "critic_hf_model", group=job.critic_group)
-    job.engine.close()
+    if job.engine is not None:  # async: a trainer rank may hold none
+        job.engine.close()
     job.logger.close()
     draw_curves(job)
     dist.barrier()
@@ -509,6 +601,23 @@ def check_model_fits(model_dir: Path, max_model_len: int, tp: int, trust_remote_
             f"rollout.tp={tp} does not split the model's {heads} attention heads ({kv} key/value heads; "
             f"{model_dir}); use one of {fits}"
         )
+
+
+def async_sampler(run: Run, placement: Placement, num_samples: int, per_rank: int) -> DistributedSampler:
+    """parallel.placement=async: rollout rank j takes shard j of the rollout ranks' batches (what rank j of a
+    synchronous run on that many ranks takes). A trainer rank keeps a sampler too, stepped once per batch it
+    trains on: its position is what trainer.pt saves (rank 0 writes it); the rollout ranks' own, k batches
+    ahead, is saved with their queues (spmdrl/rl/async_queue.py)."""
+    spec = placement.role("rollout")
+    index = run.env.rank - spec.first_rank if spec.has(run.env.rank) else 0
+    return DistributedSampler(
+        num_samples,
+        rank=index,
+        world_size=spec.num_ranks,
+        batch_size_per_rank=per_rank,
+        seed=run.cfg.data.seed,
+        shuffle=run.cfg.data.shuffle,
+    )
 
 
 def _hf_writer(model: torch.nn.Module, tokenizer: object) -> Callable[[Path], None]:

@@ -66,20 +66,22 @@ def peak_memory_gb(device: torch.device) -> dict[str, float]:
     return {"memory_gb": host_peak_memory_gb()}
 
 
-def reward_extra_metrics(extra: dict[str, list[float]], device: torch.device) -> dict[str, float]:
+def reward_extra_metrics(
+    extra: dict[str, list[float]], device: torch.device, group: dist.ProcessGroup | None = None
+) -> dict[str, float]:
     """``reward/extra/<key>``: the mean over all ranks' samples of each numeric key the reward function
     returned in its dict besides "score" (NaN, where a sample had no such key, is left out). Every rank must
     call it: the keys are gathered first, since a rank whose samples never returned a key has none."""
     gathered: list[list[str]] = [sorted(extra)]
     if dist.is_initialized():
-        gathered = [[] for _ in range(dist.get_world_size())]
-        dist.all_gather_object(gathered, sorted(extra))
+        gathered = [[] for _ in range(dist.get_world_size(group))]
+        dist.all_gather_object(gathered, sorted(extra), group=group)
     keys = sorted(set().union(*gathered))
     sums: dict[str, float] = {}
     for k in keys:
         values = [v for v in extra.get(k, []) if not math.isnan(v)]
         sums[f"sum/{k}"], sums[f"n/{k}"] = sum(values), len(values)
-    total = all_reduce_sum(sums, device)
+    total = all_reduce_sum(sums, device, group)
     return {f"reward/extra/{k}": total[f"sum/{k}"] / total[f"n/{k}"] for k in keys if total[f"n/{k}"] > 0}
 
 
@@ -91,12 +93,15 @@ def step_metrics(
     actor_part: tuple[PolicyBatch, torch.Tensor, torch.Tensor] | None,
     actor_group: dist.ProcessGroup | None = None,
     resident_gb: float | None = None,
+    group: dist.ProcessGroup | None = None,
 ) -> dict[str, float]:
     """Rollout, reward and timing metrics of the step reduced over all ranks, and, on the actor's ranks
     (``actor_part``: its batch, the sampled mask and the old logprobs), the trainer-vs-engine mismatch
     and training speed reduced over the actor's group.
 
     The mismatch is measured on every sampled token (the sampled mask, before rejection masked any).
+    ``group``: the ranks that hold the step's samples, over which the rest is reduced (default: every
+    rank; parallel.placement=async: the trainer ranks, which received them).
     """
     n, gens, scores_B = cfg.rollout.n, samples.gens, samples.scores_B
     sums = all_reduce_sum(
@@ -111,11 +116,12 @@ def step_metrics(
             "solved_groups": float((scores_B.view(-1, n).min(dim=1).values >= 1.0).sum()),
         },
         device,
+        group,
     )
     # A step is as slow as its slowest rank; phases no rank ran are left out.
     seconds = {f"{p}_s": timer.seconds.get(f"{p}_s", 0.0) for p in PHASES}
     resident = {} if resident_gb is None else {"resident_gb": resident_gb}
-    peaks = all_reduce_max({**seconds, **peak_memory_gb(device), **resident}, device)
+    peaks = all_reduce_max({**seconds, **peak_memory_gb(device), **resident}, device, group)
     memory_gb = peaks.pop("memory_gb")
     host_memory_gb = peaks.pop("host_memory_gb", None)
     resident_gb = peaks.pop("resident_gb", None)
@@ -133,7 +139,7 @@ def step_metrics(
         "reward/errors": sums["errors"] + sums["timeouts"],
         "reward/timeouts": sums["timeouts"],
         **samples.metrics,
-        **reward_extra_metrics(samples.rewards.extra, device),
+        **reward_extra_metrics(samples.rewards.extra, device, group),
         "perf/rollout_tokens_per_s": sums["tokens"] / max(slowest.get("rollout_s", 0.0), 1e-9),
         # The largest rank's peak so far: resident memory on CPU, the allocator's peak on GPU.
         "perf/max_memory_gb": memory_gb,

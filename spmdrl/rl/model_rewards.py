@@ -2,8 +2,10 @@
 with the rule reward into the reward the step trains on (docs/rewards.md#reward-models).
 
 The rollout phase calls a ModelRewards on each generation batch right after the rule reward
-(spmdrl.rl.samples.score), on every rank (the reward model's forwards and the judge's generation are
-collectives). Validation does not: held-out accuracy stays the rule's.
+(spmdrl.rl.samples.score), on every rank that generates (the reward model's forwards and the judge's
+generation are collectives over them): every rank when colocated, the rollout ranks only under
+parallel.placement=async, where the reward model is sharded over the rollout ranks and its metrics
+travel to rank 0 with the rows. Validation does not: held-out accuracy stays the rule's.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import dataclasses
 from collections import defaultdict
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from spmdrl.config import Config
@@ -25,12 +28,27 @@ from spmdrl.rollout.engine import RolloutEngine
 
 
 class ModelRewards:
-    """The reward model and/or the judge, and their sums for the step's metrics (reward/rm_score, ...)."""
+    """The reward model and/or the judge, and their sums for the step's metrics (reward/rm_score, ...),
+    reduced over ``group``: the ranks that score (None: the whole world)."""
+
+    # Every key metrics() may return (parallel.placement=async carries them with the rows).
+    METRIC_KEYS = (
+        "reward/rule_score",
+        "reward/rm_score",
+        "reward/rm_truncated_frac",
+        "reward/judge_parsed_frac",
+        "reward/judge_score",
+    )
 
     def __init__(
-        self, cfg: Config, rm: RewardModel | None, judge: Judge | None, device: torch.device
+        self,
+        cfg: Config,
+        rm: RewardModel | None,
+        judge: Judge | None,
+        device: torch.device,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
-        self.cfg, self.rm, self.judge, self.device = cfg, rm, judge, device
+        self.cfg, self.rm, self.judge, self.device, self.group = cfg, rm, judge, device, group
         self._sums: dict[str, float] = defaultdict(float)
         self._calls = 0
 
@@ -70,10 +88,11 @@ class ModelRewards:
         return dataclasses.replace(samples, rewards=rewards, scores_B=total_B + (samples.scores_B - rule_B))
 
     def metrics(self) -> dict[str, float]:
-        """The step's means over all ranks, then reset (every rank must call it)."""
+        """The step's means over the scoring ranks, then reset (every rank of ``group`` must call it)."""
         t = all_reduce_sum(
             {k: self._sums.get(k, 0.0) for k in ("n", "rule", "rm", "rm_truncated", "judge", "judge_parsed")},
             self.device,
+            self.group,
         )
         self._sums, self._calls = defaultdict(float), 0
         n = max(t["n"], 1.0)
@@ -96,13 +115,15 @@ def build_model_rewards(
     device: torch.device,
     *,
     max_model_len: int,
+    group: dist.ProcessGroup | None = None,
 ) -> ModelRewards | None:
-    """The reward model (FSDP2 on ``mesh``) and the judge (on the run's ``engine``) that reward_model.*
-    enables; None when neither is."""
+    """The reward model (FSDP2 on ``mesh``, whose ranks' process group is ``group``: None for the whole
+    world) and the judge (on the run's ``engine``) that reward_model.* enables; None when neither is.
+    Every rank of ``mesh`` calls it."""
     rm_cfg = cfg.reward_model
     if not (rm_cfg.enable or rm_cfg.judge.enable):
         return None
-    rm = build_reward_model(rm_cfg, cfg.model, mesh, device) if rm_cfg.enable else None
+    rm = build_reward_model(rm_cfg, cfg.model, mesh, device, group) if rm_cfg.enable else None
     judge = (
         Judge(
             rm_cfg.judge, engine, tokenizer, max_model_len=max_model_len, error_score=cfg.reward.error_score
@@ -110,7 +131,7 @@ def build_model_rewards(
         if rm_cfg.judge.enable
         else None
     )
-    return ModelRewards(cfg, rm, judge, device)
+    return ModelRewards(cfg, rm, judge, device, group)
 
 
 def check_model_rewards(cfg: Config) -> None:

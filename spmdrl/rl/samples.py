@@ -244,13 +244,20 @@ def validate(
     reward_fn: object,
     val_ds: PromptDataset,
     max_tokens: int,
+    *,
+    shard: tuple[int, int] | None = None,
+    group: dist.ProcessGroup | None = None,
 ) -> tuple[dict[str, float], list[Sample]]:
-    """Greedy decoding on the whole held-out split, sharded over ranks; accuracy = reward >= 1."""
+    """Greedy decoding on the whole held-out split, sharded over ranks; accuracy = reward >= 1.
+    ``shard`` (this rank's index, the number of ranks) and ``group``: when only some ranks decode
+    (parallel.placement=async's rollout ranks); by default every rank of the world."""
     cfg, env = run.cfg, run.env
-    mine = [val_ds[i] for i in range(env.rank, len(val_ds), env.world_size)]
+    index, ranks = shard if shard is not None else (env.rank, env.world_size)
+    mine = [val_ds[i] for i in range(index, len(val_ds), ranks)]
     gens = rollout.generate(
         mine,
         SamplingSpec.for_validation(cfg.rollout, max_tokens, seed=cfg.rollout.seed),
+        training=False,  # never slowed by rollout.latency_tail
     )
     tool_metrics = {f"val/{k}": v for k, v in rollout.take_metrics(env.device).items()}
     scored = score(cfg, reward_fn, tokenizer, mine, gens)
@@ -263,12 +270,12 @@ def validate(
         sums[f"n/{src}"] += 1
         sums[f"correct/{src}"] += float(s >= 1.0)
     # Every rank must reduce the same keys: gather the set of data sources first.
-    sources: list[set[str]] = [set() for _ in range(env.world_size)]
-    dist.all_gather_object(sources, {k for k in sums if k.startswith("n/")})
+    sources: list[set[str]] = [set() for _ in range(ranks)]
+    dist.all_gather_object(sources, {k for k in sums if k.startswith("n/")}, group=group)
     for k in set().union(*sources):
         sums.setdefault(k, 0.0)
         sums.setdefault("correct/" + k[2:], 0.0)
-    total = all_reduce_sum(dict(sums), env.device)
+    total = all_reduce_sum(dict(sums), env.device, group)
     metrics = {
         "val/accuracy": total["correct"] / max(total["n"], 1),
         "val/reward_mean": total["reward"] / max(total["n"], 1),
@@ -294,9 +301,16 @@ def validate(
     return metrics, samples
 
 
-def check_reward_errors(cfg: Config, rewards: RewardResult, step: int, device: torch.device) -> None:
+def check_reward_errors(
+    cfg: Config,
+    rewards: RewardResult,
+    step: int,
+    device: torch.device,
+    group: dist.ProcessGroup | None = None,
+) -> None:
     """Stop the run, on every rank at once, when more than reward.max_error_frac of the step's samples
-    failed to score: a reward function that always raises would otherwise train on zeros to the end."""
+    failed to score: a reward function that always raises would otherwise train on zeros to the end.
+    ``group``: the ranks that hold the step's samples (default: every rank)."""
     t = all_reduce_sum(
         {
             "bad": rewards.num_errors + rewards.num_timeouts,
@@ -304,6 +318,7 @@ def check_reward_errors(cfg: Config, rewards: RewardResult, step: int, device: t
             "n": len(rewards.scores_B),
         },
         device,
+        group,
     )
     frac = t["bad"] / max(t["n"], 1)
     if frac > cfg.reward.max_error_frac:

@@ -3,7 +3,8 @@
 A recipe sees only :class:`RolloutEngine`; vLLM is one implementation (:mod:`spmdrl.rollout.vllm_engine`)
 and a second backend (SGLang, say) is a new module plus one branch in :func:`build_engine`, without
 touching recipes. Every rank builds the engine and calls every method (one SPMD program): an engine
-that spans several ranks (tensor parallelism) needs all of them in each call.
+that spans several ranks (tensor parallelism) needs all of them in each call. ``build_engine(ranks=...)``
+builds it on a block of ranks only; the others get None.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import contextlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Protocol, overload, runtime_checkable
 
 import numpy as np
 import torch
@@ -242,12 +243,45 @@ def check_engine_config(cfg: RolloutConfig, device_type: str) -> None:
         check_available(cfg.cpu_gemm, resolve_engine_dtype(cfg.dtype, device_type))
 
 
+@overload
 def build_engine(
-    model_dir: Path, cfg: RolloutConfig, *, max_model_len: int, device_type: str
-) -> RolloutEngine:
-    """The engine ``cfg.engine`` names, built on every rank (all ranks must call this together)."""
-    if cfg.engine == "vllm":
+    model_dir: Path, cfg: RolloutConfig, *, max_model_len: int, device_type: str, ranks: None = None
+) -> RolloutEngine: ...
+
+
+@overload
+def build_engine(
+    model_dir: Path, cfg: RolloutConfig, *, max_model_len: int, device_type: str, ranks: list[int]
+) -> RolloutEngine | None: ...
+
+
+def build_engine(
+    model_dir: Path,
+    cfg: RolloutConfig,
+    *,
+    max_model_len: int,
+    device_type: str,
+    ranks: list[int] | None = None,
+) -> RolloutEngine | None:
+    """The engine ``cfg.engine`` names. Every rank of the world calls this together, at the same point.
+
+    ``ranks`` None: built on every rank. Otherwise built on those ranks only (a block of consecutive
+    ranks, a multiple of ``cfg.tp`` long), which vLLM then takes for its whole world
+    (:mod:`spmdrl.rollout.engine_ranks`); the other ranks get None, import nothing of vLLM, and take part
+    only in creating the process groups.
+    """
+    if cfg.engine != "vllm":
+        raise ConfigError(f"rollout.engine={cfg.engine!r} is not one of {', '.join(ENGINES)}")
+    from spmdrl.rollout.engine_ranks import EngineWorld
+    from spmdrl.rollout.groups import engine_tp_groups, new_tp_subgroups
+
+    world = EngineWorld.create(ranks, cfg.tp)
+    engine: RolloutEngine | None = None
+    if world.holds_engine:
         from spmdrl.rollout.vllm_engine import VLLMEngine
 
-        return VLLMEngine(model_dir, cfg, max_model_len=max_model_len, device_type=device_type)
-    raise ConfigError(f"rollout.engine={cfg.engine!r} is not one of {', '.join(ENGINES)}")
+        engine = VLLMEngine(model_dir, cfg, max_model_len=max_model_len, device_type=device_type, world=world)
+    else:  # the engines' TP groups, which the engine ranks create in VLLMEngine's TPGroups
+        new_tp_subgroups(engine_tp_groups(cfg.tp, world.ranks))
+    world.agree_group_names()
+    return engine

@@ -32,23 +32,38 @@ class Gathered(Generic[T]):
     stop: int
 
 
-class TPGroups:
-    """The TP subgroups of the rollout engine, built once. Construct on every rank (it makes process groups)."""
+def engine_tp_groups(tp: int, ranks: Sequence[int] | None = None) -> list[list[int]]:
+    """The engines' TP groups: blocks of ``tp`` consecutive ranks of ``ranks`` (None: the whole world;
+    a subset is checked by :func:`spmdrl.rollout.engine_ranks.check_engine_ranks`)."""
+    if ranks is None:
+        return rollout_tp_groups(dist.get_world_size() if dist.is_initialized() else 1, tp)
+    return [list(ranks[i : i + tp]) for i in range(0, len(ranks), tp)]
 
-    def __init__(self, tp: int) -> None:
-        world = dist.get_world_size() if dist.is_initialized() else 1
+
+def new_tp_subgroups(groups: list[list[int]]) -> dist.ProcessGroup | None:
+    """This rank's gloo group among ``groups`` (None outside them, or for one-rank groups). Every rank of
+    the world calls it, those without an engine too, as torch requires."""
+    if len(groups[0]) == 1:
+        return None
+    # Object collectives (lists of token ids) need a CPU group; gloo serves them whatever the default
+    # backend is.
+    group, _ = dist.new_subgroups_by_enumeration(groups, backend="gloo")
+    return group
+
+
+class TPGroups:
+    """The TP subgroups of the rollout engine, built once. Construct on every engine rank; the other ranks
+    call :func:`new_tp_subgroups` at the same point (it makes process groups)."""
+
+    def __init__(self, tp: int, ranks: Sequence[int] | None = None) -> None:
         rank = dist.get_rank() if dist.is_initialized() else 0
-        groups = rollout_tp_groups(world, tp)
+        groups = engine_tp_groups(tp, ranks)
         self.tp = tp
         # The data-parallel index of this engine (which TP group this rank is in) and the rank's place in it.
         self.dp_index = next(i for i, g in enumerate(groups) if rank in g)
         self.tp_rank = groups[self.dp_index].index(rank)
         self.num_engines = len(groups)
-        self.group: dist.ProcessGroup | None = None
-        if tp > 1:
-            # Object collectives (lists of token ids) need a CPU group; gloo serves them whatever the
-            # default backend is. Every rank creates every subgroup, as torch requires.
-            self.group, _ = dist.new_subgroups_by_enumeration(groups, backend="gloo")
+        self.group = new_tp_subgroups(groups)
 
     def gather_for_tp(self, local_prompts: list[T]) -> Gathered[T]:
         """All prompts (token ids, or anything picklable per prompt) of this rank's TP group in rank

@@ -4,17 +4,23 @@
 Both return :class:`~spmdrl.rollout.engine.Generation` lists in the same layout, so the rest of a step
 (rewards, advantages, the update) does not care which ran; a multi-turn generation carries its loss mask
 (0 on tool output) and what happened in it (:class:`~spmdrl.rollout.engine.TrajectoryInfo`).
+
+``rollout.latency_tail`` slows training generations here, for every recipe: a simulated long tail of
+latency (docs/rollout.md#simulated-latency-tail).
 """
 
 from __future__ import annotations
 
 import logging
+import random
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from spmdrl.config import Config, ConfigError
+from spmdrl.config import Config, ConfigError, LatencyTailConfig
 from spmdrl.data.prompts import PromptExample
 from spmdrl.distributed.reduce import all_reduce_max, all_reduce_min, all_reduce_sum
 from spmdrl.rollout.agent_loop import (
@@ -24,9 +30,24 @@ from spmdrl.rollout.agent_loop import (
     multi_turn_metrics,
     tool_latency_p99,
 )
-from spmdrl.rollout.engine import Generation, RolloutEngine, SamplingSpec
+from spmdrl.rollout.engine import Generation, RolloutEngine, SamplingSpec, request_seed
 
 log = logging.getLogger(__name__)
+
+# Every key take_multi_turn_metrics returns (parallel.placement=async carries them with the rows).
+MULTI_TURN_KEYS = (
+    "multi_turn/num_turns",
+    "multi_turn/tool_calls",
+    "multi_turn/tool_parse_error_rate",
+    "multi_turn/tool_timeout_rate",
+    "multi_turn/tool_error_rate",
+    "multi_turn/tool_latency_p99_s",
+    "multi_turn/observation_tokens",
+    "multi_turn/engine_idle_frac",
+    "multi_turn/rank_finish_skew_s",
+    "multi_turn/rollout_s",
+    *(f"multi_turn/terminate_reason/{r}" for r in TERMINATE_REASONS),
+)
 
 
 def load_multi_turn_tools(cfg: Config) -> dict[str, Any]:
@@ -44,20 +65,59 @@ def load_multi_turn_tools(cfg: Config) -> dict[str, Any]:
     return tools
 
 
-class Rollout:
-    """Samples a step's responses on this rank (every rank calls :meth:`generate` together)."""
+def slow_prompts(num_prompts: int, count: int, seed: int) -> list[int]:
+    """The indices (sorted) of the ``count`` prompts of a generate call that the simulated latency tail
+    slows: a choice seeded by ``seed`` alone, so the same call picks the same prompts on any host and
+    run. All of them when the call holds fewer than ``count``."""
+    if count >= num_prompts:
+        return list(range(num_prompts))
+    return sorted(random.Random(seed).sample(range(num_prompts), count))
 
-    def __init__(self, engine: RolloutEngine, agent: AgentLoop | None = None) -> None:
+
+class Rollout:
+    """Samples a step's responses on this rank (every rank of ``group``, the ranks that generate, calls
+    :meth:`generate` together; None: the whole world, parallel.placement=async: the rollout ranks)."""
+
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        agent: AgentLoop | None = None,
+        latency_tail: LatencyTailConfig | None = None,
+        *,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
         self.engine = engine
         self.agent = agent
+        self.group = group  # the multi-turn metrics reduce over it
+        self.latency_tail = latency_tail or LatencyTailConfig()
         self._gens: list[Generation] = []
         self._stats: list[LoopStats] = []
+        # The simulated tail since the last take: seconds waited and calls slowed, on this rank.
+        self._tail_s = 0.0
+        self._tail_calls = 0
+        self._calls = 0  # seeds the slow-prompt choice of calls without a sampling seed
+        self.last_slow_prompts: list[int] = []  # the latest training call's slow prompts (indices)
 
     @property
     def multi_turn(self) -> bool:
         return self.agent is not None
 
-    def generate(self, prompts: Sequence[PromptExample], spec: SamplingSpec) -> list[Generation]:
+    @property
+    def tail_enabled(self) -> bool:
+        return self.latency_tail.prompts > 0 and self.latency_tail.seconds > 0
+
+    def generate(
+        self, prompts: Sequence[PromptExample], spec: SamplingSpec, *, training: bool = True
+    ) -> list[Generation]:
+        """This rank's completions of ``prompts``. ``training=False`` (validation) is never slowed by
+        rollout.latency_tail."""
+        self._calls += 1
+        gens = self._generate(prompts, spec)
+        if training and self.tail_enabled:
+            self._wait_tail(len(prompts), spec.seed)
+        return gens
+
+    def _generate(self, prompts: Sequence[PromptExample], spec: SamplingSpec) -> list[Generation]:
         ids = [p.prompt_ids for p in prompts]
         if self.agent is None:
             return self.engine.generate(ids, spec)
@@ -67,9 +127,37 @@ class Rollout:
         self._stats.append(stats)
         return gens
 
+    def _wait_tail(self, num_prompts: int, seed: int | None) -> None:
+        """The simulated slow prompts: the call returns rollout.latency_tail.seconds late when any of its
+        prompts is slow, as a batched engine's call waits for its slowest request. A sleep, not work: the
+        latency it stands for (a tool, an environment, a judge) leaves this rank idle. The choice is
+        seeded by the call's sampling seed (its own call count without one) and the engine's index."""
+        base = seed if seed is not None else self._calls
+        slow = slow_prompts(
+            num_prompts, self.latency_tail.prompts, request_seed(base, self.engine.groups.dp_index)
+        )
+        self.last_slow_prompts = slow
+        if not slow:
+            return
+        t0 = time.perf_counter()
+        time.sleep(self.latency_tail.seconds)
+        self._tail_s += time.perf_counter() - t0
+        self._tail_calls += 1
+
     def take_metrics(self, device: torch.device) -> dict[str, float]:
-        """``multi_turn/*`` over every rank's trajectories since the last call (a collective: every rank
-        calls it; empty for single-turn rollouts)."""
+        """``multi_turn/*`` over every generating rank's trajectories since the last call (a collective
+        over ``group``: each of its ranks calls it; nothing for single-turn rollouts), and ``rollout/latency_tail_s`` when this rank waited
+        on simulated slow prompts since the last call."""
+        tail_s, tail_calls = self.take_tail_seconds()
+        # This rank's own wait, not a reduction: every slowed call on every rank waits the same
+        # rollout.latency_tail.seconds, and a collective here would add one to the single-turn path
+        # (which a recipe may call on some ranks only).
+        tail = {"rollout/latency_tail_s": tail_s} if tail_calls else {}
+        return {**tail, **self.take_multi_turn_metrics(device)}
+
+    def take_multi_turn_metrics(self, device: torch.device) -> dict[str, float]:
+        """``multi_turn/*`` (MULTI_TURN_KEYS) over the trajectories of every rank of ``group`` since the
+        last take (a collective over ``group``; nothing, and no collective, for single-turn rollouts)."""
         if self.agent is None:
             return {}
         gens, stats = self._gens, self._stats
@@ -79,9 +167,9 @@ class Rollout:
             engine_idle_s=sum(s.engine_idle_s for s in stats),
             engine_steps=sum(s.engine_steps for s in stats),
         )
-        sums = all_reduce_sum(multi_turn_metrics(gens, wall), device)
-        hi = all_reduce_max({"wall_s": wall.wall_s, "p99": tool_latency_p99(gens)}, device)
-        lo = all_reduce_min({"wall_s": wall.wall_s}, device)
+        sums = all_reduce_sum(multi_turn_metrics(gens, wall), device, self.group)
+        hi = all_reduce_max({"wall_s": wall.wall_s, "p99": tool_latency_p99(gens)}, device, self.group)
+        lo = all_reduce_min({"wall_s": wall.wall_s}, device, self.group)
         n = max(sums["n"], 1.0)
         calls = max(sums["tool_calls"], 1.0)
         out = {
@@ -98,6 +186,13 @@ class Rollout:
         }
         for r in TERMINATE_REASONS:
             out[f"multi_turn/terminate_reason/{r}"] = sums[f"terminate_reason/{r}"] / n
+        return out
+
+    def take_tail_seconds(self) -> tuple[float, int]:
+        """This rank's simulated wait since the last take (seconds, calls slowed): for a recipe that ships
+        its rollout ranks' measures to the trainer ranks itself. take_metrics takes it too: call one."""
+        out = (self._tail_s, self._tail_calls)
+        self._tail_s, self._tail_calls = 0.0, 0
         return out
 
 

@@ -1,6 +1,7 @@
 """vLLM inside every rank's process (``distributed_executor_backend="external_launcher"``).
 
-Every rank builds the engine (built on a subset of ranks it hangs in its init) and calls every method.
+Every rank builds the engine and calls every method, or, with ``build_engine(ranks=...)``, every rank of a
+block does, vLLM's world then being that block (:mod:`spmdrl.rollout.engine_ranks`).
 ``tp`` consecutive ranks form one engine: they all-gather their prompts (:mod:`spmdrl.rollout.groups`),
 each runs the same scheduler on the same requests, and each keeps its own slice of the results.
 
@@ -65,6 +66,7 @@ from spmdrl.rollout.engine import (
     check_prompt_lengths,
     request_seed,
 )
+from spmdrl.rollout.engine_ranks import EngineWorld
 from spmdrl.rollout.fingerprint import Fingerprint
 from spmdrl.rollout.groups import TPGroups
 from spmdrl.rollout.vllm_version import require_supported_vllm
@@ -301,7 +303,15 @@ _CPU_MAX_BATCHED_TOKENS = 16384
 class VLLMEngine:
     """A :class:`~spmdrl.rollout.engine.RolloutEngine` backed by an in-process vLLM ``LLM``."""
 
-    def __init__(self, model_dir: Path, cfg: RolloutConfig, *, max_model_len: int, device_type: str) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        cfg: RolloutConfig,
+        *,
+        max_model_len: int,
+        device_type: str,
+        world: EngineWorld | None = None,
+    ) -> None:
         if not dist.is_initialized():
             raise RuntimeError(
                 "VLLMEngine needs torch.distributed initialized first (spmdrl.distributed.env.init_distributed): "
@@ -314,7 +324,10 @@ class VLLMEngine:
         self.device_type = device_type
         self.dtype = resolve_engine_dtype(cfg.dtype, device_type)
         self.max_model_len = max_model_len
-        self.groups = TPGroups(cfg.tp)
+        # Which ranks vLLM counts as its world (every rank unless build_engine was given a subset); vLLM's
+        # code runs inside self.world.vllm().
+        self.world = world if world is not None else EngineWorld.everywhere()
+        self.groups = TPGroups(cfg.tp, None if self.world.group is None else self.world.ranks)
         # Different engines (data-parallel groups) must sample differently; the ranks of one engine alike.
         self.seed = cfg.seed + self.groups.dp_index
         self._calls = 0
@@ -369,7 +382,12 @@ class VLLMEngine:
             f" (rollout.dtype={cfg.dtype})" if cfg.dtype == "auto" else "",
             max_model_len,
         )
-        with _isolated_rng(device_type), _keep_thread_settings(), self._settings.building():
+        with (
+            _isolated_rng(device_type),
+            _keep_thread_settings(),
+            self._settings.building(),
+            self.world.vllm(building=True),
+        ):
             self.llm = LLM(**kwargs)
         # A response ends where the chat template ends an assistant turn. vLLM stops on the tokenizer's eos
         # and generation_config.json's eos ids only; a checkpoint whose template ends turns with another
@@ -385,7 +403,10 @@ class VLLMEngine:
         reload_log.addFilter(_ExpectedReloadWarnings(self.tied_embeddings))
         # Which CPU GEMM path each linear layer took (vLLM's choice or rollout.cpu_gemm's): logged once,
         # since it decides speed and which packed copies a reload must rebuild.
-        self.gemm_paths = self.llm.collective_rpc(vllm_worker.gemm_paths)[0] if device_type == "cpu" else {}
+        self.gemm_paths: dict[str, int] = {}
+        if device_type == "cpu":
+            with self.world.vllm():
+                self.gemm_paths = self.llm.collective_rpc(vllm_worker.gemm_paths)[0]
         if self.gemm_paths:
             log.info("vLLM CPU GEMM paths (rollout.cpu_gemm=%s): %s", cfg.cpu_gemm, self.gemm_paths)
 
@@ -410,7 +431,7 @@ class VLLMEngine:
             )
             for i in range(len(gathered.prompts))
         ]
-        with _isolated_rng(self.device_type), self._settings.engine_call():
+        with _isolated_rng(self.device_type), self._settings.engine_call(), self.world.vllm():
             outputs = self.llm.generate(
                 [TokensPrompt(prompt_token_ids=p) for p in gathered.prompts], sampling, use_tqdm=False
             )
@@ -430,7 +451,7 @@ class VLLMEngine:
         for multi-turn rollouts; the same RNG and settings isolation as :meth:`generate`."""
         self._require_weights("stepper")
         self._wake(("weights", "kv_cache"))
-        stepper = _Stepper(self.llm.llm_engine, self.end_of_turn_ids)
+        stepper = _Stepper(self.llm.llm_engine, self.end_of_turn_ids, self.world)
         with _isolated_rng(self.device_type), self._settings.engine_call():
             try:
                 yield stepper
@@ -464,8 +485,12 @@ class VLLMEngine:
                 seen.add(name)
                 yield name, tensor
 
-        # vllm_worker.reload_weights also rebuilds the packed CPU GEMM copies the reload left stale.
-        self.last_refreshed = self.llm.collective_rpc(vllm_worker.reload_weights, args=(tracked(),))[0]
+        # vllm_worker.reload_weights also rebuilds the packed CPU GEMM copies the reload left stale. The
+        # weights are produced by the trainer's code (its gathers and broadcasts), in the trainer's world.
+        with self.world.vllm():
+            self.last_refreshed = self.llm.collective_rpc(
+                vllm_worker.reload_weights, args=(self.world.trainer_side(tracked()),)
+            )[0]
         t_load = time.perf_counter()
         missing = sorted(self.expected_weights - seen)
         if missing:
@@ -476,7 +501,9 @@ class VLLMEngine:
             )
         # Prefix-cache blocks hold KV computed with the old weights; a new request sharing a prompt
         # prefix would reuse them. Nothing is running between steps, so the reset cannot fail.
-        if not self.llm.reset_prefix_cache():
+        with self.world.vllm():
+            reset = self.llm.reset_prefix_cache()
+        if not reset:
             raise RuntimeError(
                 "vLLM refused to reset its prefix cache after a weight load (requests running?)"
             )
@@ -489,7 +516,7 @@ class VLLMEngine:
         self._wake(("weights",))
         # vLLM's own matmul settings ("highest" float32 precision unless VLLM_FLOAT32_MATMUL_PRECISION
         # lowers it): no TF32, so an fp32 engine's probe reads its weights exactly.
-        with self._settings.engine_call():
+        with self._settings.engine_call(), self.world.vllm():
             fp: Fingerprint = self.llm.collective_rpc(
                 vllm_worker.fingerprint, args=(seed, self.groups.tp_rank, self.dtype)
             )[0]
@@ -531,12 +558,13 @@ class VLLMEngine:
         from vllm.distributed import parallel_state
 
         core = client.engine_core
-        core.model_executor.shutdown()
-        core.scheduler.shutdown()
-        parallel_state.destroy_model_parallel()
-        if parallel_state._WORLD is not None:
-            parallel_state._WORLD.destroy()  # vLLM's world subgroups; the default group stays
-            parallel_state._WORLD = None
+        with self.world.vllm():
+            core.model_executor.shutdown()
+            core.scheduler.shutdown()
+            parallel_state.destroy_model_parallel()
+            if parallel_state._WORLD is not None:
+                parallel_state._WORLD.destroy()  # vLLM's world subgroups; the default group stays
+                parallel_state._WORLD = None
         del self.llm
         gc.collect()
 
@@ -560,7 +588,8 @@ class VLLMEngine:
         if not self._sleep_supported():
             return
         if not self._sleeping:
-            self.llm.sleep(level=1 if keep_weights else 2)
+            with self.world.vllm():
+                self.llm.sleep(level=1 if keep_weights else 2)
             self._sleeping = {"weights", "kv_cache"}
             self._weights_discarded = not keep_weights
 
@@ -579,7 +608,8 @@ class VLLMEngine:
                 # needed. vLLM 0.32's CuMemAllocator.wake_up empties the cache itself (a second call would
                 # be one more device sync for nothing); 0.24's does not, nor, unchecked, those between.
                 torch.cuda.empty_cache()
-            self.llm.wake_up(tags=todo)
+            with self.world.vllm():
+                self.llm.wake_up(tags=todo)
             self._sleeping.difference_update(todo)
 
     def _require_weights(self, what: str) -> None:
@@ -619,9 +649,11 @@ def _wake_empties_cache() -> bool:
 class _Stepper:
     """One multi-turn rollout's view of the in-process ``LLMEngine`` (see ``VLLMEngine.stepper``)."""
 
-    def __init__(self, llm_engine: Any, end_of_turn_ids: list[int]) -> None:
+    def __init__(self, llm_engine: Any, end_of_turn_ids: list[int], world: EngineWorld) -> None:
         self.engine = llm_engine
         self.end_of_turn_ids = end_of_turn_ids
+        # Each call into vLLM runs in its world; the agent loop between calls in the trainer's.
+        self.world = world
         self.unfinished: set[str] = set()
 
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingSpec) -> None:
@@ -632,12 +664,15 @@ class _Stepper:
         if request_id in self.unfinished:
             raise ValueError(f"EngineStepper.add: request {request_id!r} is already running")
         sampling = _sampling_params(params, final_only=True, end_of_turn_ids=self.end_of_turn_ids)
-        self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt_ids), sampling)
+        with self.world.vllm():
+            self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt_ids), sampling)
         self.unfinished.add(request_id)
 
     def step(self) -> list[TurnOutput]:
         done: list[TurnOutput] = []
-        for out in self.engine.step():
+        with self.world.vllm():
+            outputs = self.engine.step()
+        for out in outputs:
             if not out.finished:
                 continue
             self.unfinished.discard(out.request_id)
@@ -649,7 +684,8 @@ class _Stepper:
     def abort(self, request_ids: list[str]) -> None:
         ids = [r for r in request_ids if r in self.unfinished]
         if ids:
-            self.engine.abort_request(ids)
+            with self.world.vllm():
+                self.engine.abort_request(ids)
             self.unfinished.difference_update(ids)
 
     def abort_all(self) -> None:

@@ -76,7 +76,8 @@ class SyncCheck:
 class Fanout:
     """``parallel.placement=split``: ranks that hold no actor shards still run an engine that must serve
     the actor's weights. The first actor rank forwards each bucket of full tensors it gathered to them
-    with one broadcast over ``group`` (itself and those ranks); they never hold a second copy either."""
+    with one broadcast over ``group`` (itself and those ranks); they never hold a second copy either.
+    ``parallel.placement=async``: the same, to the rollout ranks, from a sender that loads no engine."""
 
     group: dist.ProcessGroup
     src: int  # the forwarding rank (global rank)
@@ -330,12 +331,13 @@ def _count(
 
 def sync_weights(
     model: nn.Module,
-    engine: RolloutEngine,
+    engine: RolloutEngine | None,
     *,
     bucket_mb: float = DEFAULT_BUCKET_MB,
     check: SyncCheck | None = None,
     fanout: Fanout | None = None,
     device: torch.device | None = None,
+    dtype: torch.dtype | None = None,
 ) -> SyncStats:
     """Load the trainer's current weights into the engine, in place; with ``check``, prove they arrived.
 
@@ -345,7 +347,14 @@ def sync_weights(
 
     With ``fanout`` (split placement), ranks that hold no shards pass a meta-device copy of the actor
     as ``model`` (names and shapes only) and ``device``, and receive the weights from ``fanout.src``.
+
+    ``engine`` None (async placement: a trainer rank, the sender among them): the rank gathers (and
+    sends) but loads nothing and checks nothing of its own; ``dtype`` is then the engines' dtype. It still
+    takes part in the check's verdict, so a stale engine stops every rank.
     """
+    if engine is None and dtype is None:
+        raise ValueError("sync_weights without an engine needs the engines' dtype")
+    dtype = dtype if dtype is not None else engine.dtype  # type: ignore[union-attr]
     t0 = time.perf_counter()
     # FSDP2 keeps the root unit's parameters unsharded after a forward (reshard_after_forward=False):
     # a full copy that would otherwise sit in memory through generation. Resharding first frees it
@@ -363,7 +372,7 @@ def sync_weights(
                 model,
                 iter_full_tensors(
                     trainer_weights(model),
-                    dtype=engine.dtype,
+                    dtype=dtype,
                     bucket_mb=bucket_mb,
                     counter=counter,
                     device=device,
@@ -371,17 +380,24 @@ def sync_weights(
             )
         if fanout is not None and (fanout.receiving or dist.get_rank() == fanout.src):
             shapes = engine_shapes(model)
-            weights = _forward(weights, shapes, engine.dtype, fanout, int(bucket_mb * 1e6), device)
+            weights = _forward(weights, shapes, dtype, fanout, int(bucket_mb * 1e6), device)
             if fanout.receiving:
                 weights = _count(weights, counter)
         assert weights is not None
-        if check is not None:
-            weights = observe(weights, sent, check.seed, _tied_uses(model))
-        load = engine.load_weights(weights)
+        if engine is None:
+            for _ in weights:  # drain: the gathers (and the sender's broadcasts) run as it is consumed
+                pass
+            load = LoadSeconds()
+        else:
+            if check is not None:
+                weights = observe(weights, sent, check.seed, _tied_uses(model))
+            load = engine.load_weights(weights)
     t_check = time.perf_counter()
     groups = 0
     if check is not None:
-        divergences = compare(engine.weight_fingerprint(check.seed), sent, check.tol)
+        divergences = (
+            [] if engine is None else compare(engine.weight_fingerprint(check.seed), sent, check.tol)
+        )
         groups = len(sent.values)
         # Every rank stops together, also those whose own engine is fine (another engine may not be).
         failed = all_reduce_max({"failed": float(bool(divergences))}, device)["failed"]

@@ -90,6 +90,9 @@ def test_grpo_steps_with_reward_model_and_judge(rm_run: Path, tmp_path: Path) ->
         out,
         "grpo_rm_tiny",
         f"reward_model.path={rm_run / 'hf_model'}",
+        # The model at weight 1 and the judge, no rule (the recipe's rule + 0.3 * model), as checked below.
+        "reward.rule_weight=0",
+        "reward_model.weight=1",
         "reward_model.micro_batch_size_per_gpu=5",  # 16 samples per rank: 4 micro-batches, the last short
         # A short warm-start: the policy then writes the task's digits, which the judge's regex reads.
         "warmstart.total_steps=30",

@@ -15,9 +15,12 @@ from spmdrl.config_loader import load_config
         (["reward_model.enable=true"], "needs reward_model.path"),
         (
             ["reward_model.enable=true", "reward_model.path=/x", "reward_model.placement=separate"],
-            "not supported yet",
+            "separate puts the reward model on the rollout ranks of parallel.placement=async",
         ),
-        (["reward_model.judge.enable=true", "reward_model.placement=separate"], "not supported yet"),
+        (
+            ["reward_model.judge.enable=true", "reward_model.placement=separate"],
+            "set parallel.placement=async",
+        ),
         (["reward_model.micro_batch_size_per_gpu=0"], "micro_batch_size_per_gpu must be > 0"),
         (["reward_model.max_length=-1"], "max_length >= 0"),
         (["reward_model.placement=elsewhere"], "reward_model.placement='elsewhere' is not one of"),

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from spmdrl.rollout.engine_ranks import EngineWorld
 from spmdrl.rollout.groups import TPGroups
 from spmdrl.rollout.vllm_engine import VLLMEngine
 
@@ -58,6 +59,7 @@ def _engine(device_type: str = "cuda", free_cache_engine: bool = True) -> tuple[
     engine = VLLMEngine.__new__(VLLMEngine)
     engine.device_type = device_type
     engine.groups = TPGroups(1)
+    engine.world = EngineWorld.everywhere()  # every rank: nothing swapped around vLLM's calls
     engine.sleep_enabled = device_type == "cuda" and free_cache_engine
     engine._sleeping = set()
     engine._weights_discarded = False

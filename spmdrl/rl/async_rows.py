@@ -1,0 +1,214 @@
+"""A generated batch from the rollout ranks to the trainer ranks (parallel.placement=async).
+
+A rollout rank's scored samples travel as rows (spmdrl.distributed.exchange: point-to-point sends of a
+float64-packed buffer, no pickling), together with what the trainer needs besides the tokens, one
+column per row: the training reward, the policy version that generated the row, the prompt's dataset
+index, whether the response was truncated, and what the rollout rank measured (its reward failures on
+its first row, its generation and scoring seconds on every row). Metrics the rollout ranks reduced over
+their own group for the batch (the reward model's and judge's reward/*, the agent loop's multi_turn/*:
+CARRIED_METRICS) travel on every row as one more field, NaN where a metric was not measured, and become
+the trainer's ScoredSamples.metrics, which rank 0 logs. The trainer ranks rebuild from them the same
+PolicyBatch and ScoredSamples a colocated rank builds from its own generation, so the rest of the step
+(experience, update, metrics) is GRPO's.
+
+Layouts: the rollout ranks hold their rows in rank order (whole prompt groups each); the trainer ranks
+get equal consecutive blocks (whole groups too, checked by check_async_batch). With as many trainer
+ranks as rollout ranks, trainer rank j gets exactly rollout rank j's rows, in order: what colocated rank j
+of a synchronous run holds.
+
+Every row is ``width`` = rl.max_model_len wide on the wire (every rank knows it without asking: a world
+collective for the real width would stall the overlap); the trainer trims to its rows' longest.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from spmdrl.config import Config, ConfigError
+from spmdrl.data.prompts import PromptDataset
+from spmdrl.distributed.exchange import RowLayout, move_rows
+from spmdrl.distributed.placement import Placement
+from spmdrl.rewards.sandbox import RewardResult
+from spmdrl.rl.batch import PolicyBatch
+from spmdrl.rl.experience import policy_batch
+from spmdrl.rl.metrics import peak_memory_gb
+from spmdrl.rl.model_rewards import ModelRewards
+from spmdrl.rl.samples import ScoredSamples
+from spmdrl.rollout.engine import Generation
+from spmdrl.rollout.rollout import MULTI_TURN_KEYS
+
+# The (B, T) fields of the rows, and the per-row columns sent as (B, 1).
+ROW_FIELDS: dict[str, torch.dtype] = {
+    "input_ids_BT": torch.long,
+    "attention_mask_BT": torch.long,
+    "response_mask_BT": torch.bool,
+    "engine_logprobs_BT": torch.float32,
+    "token_rewards_BT": torch.float32,
+}
+COLUMNS: dict[str, torch.dtype] = {
+    "score": torch.float32,  # the reward trained on (ScoredSamples.scores_B)
+    "version": torch.long,  # the policy version that generated the row
+    "data_index": torch.long,  # the prompt's index in the training set
+    "prompt_len": torch.long,
+    "truncated": torch.bool,  # finish_reason == "length"
+    "errors": torch.long,  # the rollout rank's reward failures, on its first row (0 elsewhere)
+    "timeouts": torch.long,
+    "rollout_s": torch.float64,  # the rollout rank's seconds, on every row
+    "reward_s": torch.float64,
+    "latency_tail_s": torch.float64,  # of rollout_s: rollout.latency_tail's simulated wait
+    "memory_gb": torch.float64,  # the rollout rank's peak memory so far (perf/rollout_max_memory_gb)
+}
+# The rollout ranks' reduced metrics of a batch, one per position of the "measured" field: a fixed list, so
+# the trainer reads them back without asking which were measured (the absent ones are NaN).
+CARRIED_METRICS: tuple[str, ...] = (*ModelRewards.METRIC_KEYS, *MULTI_TURN_KEYS)
+SPEC: dict[str, torch.dtype] = {**ROW_FIELDS, **COLUMNS, "measured": torch.float64}
+
+
+def check_async_batch(cfg: Config, placement: Placement) -> None:
+    """Every rollout rank and every trainer rank must hold whole prompt groups: the global batch must
+    split evenly over both (GRPO's group statistics stay on one rank)."""
+    g = cfg.trainer.global_batch_size
+    rollout, trainer = placement.role("rollout").num_ranks, placement.role("actor").num_ranks
+    if g % rollout or g % trainer:
+        raise ConfigError(
+            f"trainer.global_batch_size={g} prompts must split into whole prompt groups over the {rollout} "
+            f"rollout ranks and over the {trainer} trainer ranks (parallel.placement=async, "
+            f"parallel.rollout_ranks={cfg.parallel.rollout_ranks}); pick a multiple of both"
+        )
+    if rollout % cfg.rollout.tp:
+        raise ConfigError(
+            f"rollout.tp={cfg.rollout.tp} must divide the {rollout} rollout ranks (parallel.placement=async): "
+            "each engine spans tp consecutive rollout ranks"
+        )
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """Where a step's rows are: as generated on the rollout ranks, and as trained on the trainer ranks."""
+
+    rollout: RowLayout
+    trainer: RowLayout
+    width: int
+
+    @classmethod
+    def plan(cls, placement: Placement, rows_per_rollout_rank: int, width: int) -> BatchLayout:
+        ranks = placement.role("rollout").ranks
+        total = rows_per_rollout_rank * len(ranks)
+        return cls(
+            RowLayout.from_counts([rows_per_rollout_rank] * len(ranks), ranks),
+            RowLayout.contiguous(total, placement.role("actor").ranks),
+            width,
+        )
+
+
+def pack_samples(
+    samples: ScoredSamples,
+    version: int,
+    seconds: dict[str, float],
+    pad_id: int,
+    device: torch.device,
+    measured: Mapping[str, float] | None = None,
+) -> dict[str, torch.Tensor]:
+    """A rollout rank's scored samples as the rows and columns it sends; ``measured``: metrics already
+    reduced over the rollout ranks (keys of CARRIED_METRICS), the same on every row."""
+    measured = dict(measured or {})
+    unknown = sorted(set(measured) - set(CARRIED_METRICS))
+    if unknown:  # a new metric must be listed to reach the log, not be dropped on the way
+        raise ValueError(f"metrics {unknown} cannot travel with the rows: add them to CARRIED_METRICS")
+    batch = policy_batch(samples, pad_id, device)
+    assert batch.token_rewards_BT is not None
+    B = batch.num_rows
+    n_gens = samples.gens
+
+    def column(values: list[float] | list[int] | list[bool], dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=device).view(B, 1)
+
+    first = [1] + [0] * (B - 1)
+    return {
+        "input_ids_BT": batch.input_ids_BT,
+        "attention_mask_BT": batch.attention_mask_BT,
+        "response_mask_BT": batch.response_mask_BT,
+        "engine_logprobs_BT": batch.engine_logprobs_BT,
+        "token_rewards_BT": batch.token_rewards_BT,
+        "score": samples.scores_B.to(device=device, dtype=torch.float32).view(B, 1),
+        "version": column([version] * B, torch.long),
+        "data_index": column([samples.prompts[g.prompt_index].index for g in n_gens], torch.long),
+        "prompt_len": column([len(samples.prompts[g.prompt_index].prompt_ids) for g in n_gens], torch.long),
+        "truncated": column([g.finish_reason == "length" for g in n_gens], torch.bool),
+        "errors": column([samples.rewards.num_errors * f for f in first], torch.long),
+        "timeouts": column([samples.rewards.num_timeouts * f for f in first], torch.long),
+        "rollout_s": column([seconds.get("rollout_s", 0.0)] * B, torch.float64),
+        "reward_s": column([seconds.get("reward_s", 0.0)] * B, torch.float64),
+        "latency_tail_s": column([seconds.get("latency_tail_s", 0.0)] * B, torch.float64),
+        "memory_gb": column([peak_memory_gb(device)["memory_gb"]] * B, torch.float64),
+        "measured": torch.tensor(
+            [measured.get(k, math.nan) for k in CARRIED_METRICS], dtype=torch.float64, device=device
+        ).expand(B, -1),
+    }
+
+
+def transfer(
+    fields: dict[str, torch.Tensor] | None, layout: BatchLayout, device: torch.device
+) -> dict[str, torch.Tensor] | None:
+    """The rows from the rollout ranks (``fields``: this rank's, None on a trainer rank) to the trainer
+    ranks; returns a trainer rank's rows, None on a rollout rank. Rollout and trainer ranks call it."""
+    return move_rows(fields, SPEC, layout.rollout, layout.trainer, width=layout.width, device=device)
+
+
+@dataclass
+class ReceivedBatch:
+    """A trainer rank's share of a generated batch: GRPO's two views of it, and what came with it."""
+
+    batch: PolicyBatch
+    samples: ScoredSamples
+    versions_B: torch.Tensor
+    seconds: dict[
+        str, float
+    ]  # the slowest sending rank's rollout_s / reward_s (/ latency_tail_s) among these rows
+    memory_gb: float  # the largest sending rank's peak memory among them
+    # (samples.metrics: the rollout ranks' reduced metrics that came with the rows, CARRIED_METRICS)
+
+
+def unpack(
+    rows: dict[str, torch.Tensor], train_ds: PromptDataset, tokenizer: object, n: int, pad_id: int
+) -> ReceivedBatch:
+    """The PolicyBatch and ScoredSamples a colocated rank would have built from these rows' generation:
+    trimmed to the longest row, padded with ``pad_id``, each sample's tokens and logprobs cut out again."""
+    lengths_B = rows["attention_mask_BT"].sum(dim=1)
+    width = int(lengths_B.max())
+    t = {k: rows[k][:, :width] for k in ROW_FIELDS}
+    # The wire pads with 0; a colocated batch pads input ids with the tokenizer's pad id.
+    t["input_ids_BT"] = t["input_ids_BT"].masked_fill(t["attention_mask_BT"] == 0, pad_id)
+    batch = PolicyBatch.from_tensors(t)
+    col = {k: rows[k][:, 0] for k in COLUMNS}
+    B = batch.num_rows
+    if B % n:
+        raise ValueError(f"{B} rows are not whole groups of rollout.n={n}")
+    prompt_len, lengths = col["prompt_len"].tolist(), lengths_B.tolist()
+    ids, lps = batch.input_ids_BT.tolist(), batch.engine_logprobs_BT.tolist()
+    gens = [
+        Generation(
+            prompt_index=i // n,
+            token_ids=ids[i][prompt_len[i] : lengths[i]],
+            logprobs=lps[i][prompt_len[i] : lengths[i]],
+            finish_reason="length" if bool(col["truncated"][i]) else "stop",
+        )
+        for i in range(B)
+    ]
+    prompts = [train_ds[int(col["data_index"][i])] for i in range(0, B, n)]
+    scores_B = col["score"].to(torch.float32).cpu()
+    rewards = RewardResult(scores_B, int(col["errors"].sum()), int(col["timeouts"].sum()))
+    responses = tokenizer.batch_decode([g.token_ids for g in gens], skip_special_tokens=True)  # type: ignore[attr-defined]
+    # Every row carries the same reduced values (the rollout ranks' group-wide metrics): the first row's.
+    # (move_rows refuses a wire narrower than the field, so nothing measured is cut off here.)
+    measured = rows["measured"][0, : len(CARRIED_METRICS)].tolist()
+    metrics = {k: v for k, v in zip(CARRIED_METRICS, measured, strict=False) if not math.isnan(v)}
+    samples = ScoredSamples(prompts, gens, rewards, responses, scores_B, metrics=metrics)
+    seconds = {k: float(col[k].max()) for k in ("rollout_s", "reward_s", "latency_tail_s")}
+    if not seconds["latency_tail_s"]:  # logged (timing/latency_tail_s) only where the tail is on
+        del seconds["latency_tail_s"]
+    return ReceivedBatch(batch, samples, col["version"].long(), seconds, float(col["memory_gb"].max()))

@@ -1,0 +1,109 @@
+"""Reward models and multi-turn rollouts under parallel.placement=async, the parts that need no process
+group: where reward_model.placement may be what (config load), and the rollout ranks' reduced metrics carried with a batch's rows (CARRIED_METRICS) back to a trainer rank's samples.
+The runs themselves: tests/integration/test_grpo_async_reward_model.py and test_grpo_async_multi_turn.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from spmdrl.config import ConfigError
+from spmdrl.config_loader import load_config
+from spmdrl.data.prompts import PromptExample
+from spmdrl.rewards.sandbox import RewardResult
+from spmdrl.rl.async_rows import CARRIED_METRICS, pack_samples, unpack
+from spmdrl.rl.model_rewards import ModelRewards
+from spmdrl.rl.samples import ScoredSamples
+from spmdrl.rollout.engine import Generation
+from spmdrl.rollout.rollout import MULTI_TURN_KEYS
+
+RM = ("reward_model.enable=true", "reward_model.path=/some/rm")
+
+
+@pytest.mark.parametrize(
+    "recipe, overrides",
+    [
+        ("grpo_tiny", (*RM, "reward_model.placement=separate")),
+        ("grpo_tiny", ("reward_model.judge.enable=true", "reward_model.placement=separate")),
+        ("ppo_tiny", (*RM, "reward_model.placement=separate", "parallel.placement=split")),
+    ],
+)
+def test_separate_outside_async_is_refused(recipe: str, overrides: tuple[str, ...]) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config([f"recipe={recipe}", *overrides])
+    msg = str(e.value)
+    assert "reward_model.placement=separate" in msg and "rollout ranks of parallel.placement=async" in msg
+    assert "recipe=grpo_async_tiny" in msg and "reward_model.placement=colocated" in msg  # the two fixes
+
+
+def test_reward_models_under_split_are_refused() -> None:
+    with pytest.raises(ConfigError, match="need parallel.placement=colocated .* or async"):
+        load_config(["recipe=ppo_tiny", *RM, "parallel.placement=split"])
+
+
+@pytest.mark.parametrize("placement", ["separate", "colocated"])
+def test_async_takes_reward_models_on_either_setting(placement: str) -> None:
+    """Under async the reward model is always on the rollout ranks: colocated is the same as separate."""
+    cfg = load_config(
+        [
+            "recipe=grpo_async_tiny",
+            *RM,
+            f"reward_model.placement={placement}",
+            "reward_model.judge.enable=true",
+        ]
+    )
+    assert cfg.reward_model.enable and cfg.parallel.placement == "async"
+
+
+def test_async_takes_multi_turn() -> None:
+    cfg = load_config(
+        ["recipe=grpo_async_tiny", "rollout.multi_turn.enable=true", "rollout.multi_turn.tools=[calculator]"]
+    )
+    assert cfg.rollout.multi_turn.enable
+
+
+def test_carried_metrics_cover_what_the_rollout_ranks_measure() -> None:
+    assert set(ModelRewards.METRIC_KEYS) | set(MULTI_TURN_KEYS) == set(CARRIED_METRICS)
+    assert len(CARRIED_METRICS) == len(set(CARRIED_METRICS))
+
+
+class _Tok:
+    def batch_decode(self, ids: list[list[int]], skip_special_tokens: bool) -> list[str]:
+        return [" ".join(map(str, i)) for i in ids]
+
+
+class _Data:
+    def __init__(self, prompts: list[PromptExample]) -> None:
+        self.prompts = {p.index: p for p in prompts}
+
+    def __getitem__(self, i: int) -> PromptExample:
+        return self.prompts[i]
+
+
+def _samples() -> ScoredSamples:
+    prompts = [PromptExample(3, [1, 2], [], "a", "src", {})]
+    gens = [Generation(0, [20, 21], [-0.5, -0.25], "stop"), Generation(0, [22], [-1.0], "stop")]
+    scores_B = torch.tensor([2.5, -1.0])
+    return ScoredSamples(prompts, gens, RewardResult(scores_B, 0, 0), ["x", "y"], scores_B)
+
+
+def test_measured_metrics_travel_with_the_rows() -> None:
+    """What the rollout ranks reduced reaches the trainer rank's samples.metrics (which step_metrics puts
+    in the logged row); what was not measured stays absent rather than 0."""
+    measured = {"reward/rm_score": 1.25, "reward/rule_score": 0.5, "multi_turn/tool_calls": 2.0}
+    rows = pack_samples(_samples(), 0, {}, 0, torch.device("cpu"), measured=measured)
+    assert rows["measured"].shape == (2, len(CARRIED_METRICS))
+    wire = {k: torch.nn.functional.pad(v, (0, 40 - v.shape[1])) for k, v in rows.items()}
+    got = unpack(wire, _Data(_samples().prompts), _Tok(), 2, 0)  # type: ignore[arg-type]
+    assert got.samples.metrics == measured
+    assert got.samples.metrics is not None and not any(math.isnan(v) for v in got.samples.metrics.values())
+    nothing = pack_samples(_samples(), 0, {}, 0, torch.device("cpu"))
+    wire = {k: torch.nn.functional.pad(v, (0, 40 - v.shape[1])) for k, v in nothing.items()}
+    assert unpack(wire, _Data(_samples().prompts), _Tok(), 2, 0).samples.metrics == {}  # type: ignore[arg-type]
+
+
+def test_an_unlisted_metric_is_refused_not_dropped() -> None:
+    with pytest.raises(ValueError, match="add them to CARRIED_METRICS"):
+        pack_samples(_samples(), 0, {}, 0, torch.device("cpu"), measured={"reward/new_thing": 1.0})
