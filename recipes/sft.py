@@ -10,8 +10,7 @@ clipping, an AdamW step and the LR schedule; periodically a validation loss with
 (samples.jsonl, curves.png); checkpoints every trainer.save_every steps and after the last, from which a
 run resumes exactly (the RL recipes' format and rules, docs/checkpointing.md); at the end an HF export.
 
-Deliberately simple: no sequence packing, right-padding to the longest sequence of each micro-batch. The LM
-head runs on the response positions only (spmdrl/models/head.py), fused under model.use_fused_kernels.
+Deliberately simple: no sequence packing, right-padding to the longest sequence of each micro-batch.
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from spmdrl.algos.losses import masked_cross_entropy
 from spmdrl.checkpoint.checkpointer import (
     Checkpointer,
     RoleState,
@@ -38,13 +38,12 @@ from spmdrl.data.sft import SFTBatch, SFTDataset, collate_sft
 from spmdrl.data.tiny_task import TinyTaskConfig, resolve_data_files
 from spmdrl.data.tools_task import ToolsTaskConfig
 from spmdrl.distributed.placement import Placement
-from spmdrl.distributed.reduce import all_reduce_sum, all_reduce_sum_tensors
+from spmdrl.distributed.reduce import all_reduce_sum
 from spmdrl.logging.metrics import rewind_logs
 from spmdrl.logging.plot import plot_curves
 from spmdrl.logging.samples import Sample, write_samples
 from spmdrl.models.build import build_fsdp_model, model_spec
 from spmdrl.models.generate import greedy_completions
-from spmdrl.models.head import fused_chunk_for, head_on_positions
 from spmdrl.models.load import load_tokenizer, resolve_model_path_all_ranks
 from spmdrl.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
 from spmdrl.rollout.rollout import load_multi_turn_tools
@@ -85,35 +84,16 @@ def num_target_tokens(batch: SFTBatch) -> int:
     return int(batch.loss_mask_BT[:, 1:].sum())
 
 
-def forward_loss(
-    model: torch.nn.Module, batch: SFTBatch, global_tokens: float, chunk_tokens: int = 0
-) -> torch.Tensor:
-    """The micro-batch's summed NLL of its response tokens / ``global_tokens`` (the step's count over every
-    rank, so that summed gradients are those of the global per-token mean; spmdrl/algos/aggregation.py).
-
-    The LM head runs only on the positions that predict a response token (spmdrl/models/head.py): the
-    prompt's and the padding's B x T x V logits are never made. ``chunk_tokens`` > 0: the fused, chunked
-    head (model.use_fused_kernels), which never holds the N x V logits either."""
-    B, T = batch.input_ids_BT.shape
-    # Position t predicts token t+1, a target iff loss_mask[t+1] == 1 (num_target_tokens counts the same).
-    rows, cols = torch.nonzero(batch.loss_mask_BT[:, 1:], as_tuple=True)
-    out = head_on_positions(
-        model,
-        model,
-        {
-            "input_ids": batch.input_ids_BT,
-            "attention_mask": batch.attention_mask_BT,
-            "position_ids": batch.position_ids_BT,
-        },
-        rows * T + cols,
-        batch.input_ids_BT[rows, cols + 1],
-        temperature=1.0,
-        with_entropy=False,
-        entropy_grad=False,
-        with_sum_pi_squared=False,
-        chunk_tokens=chunk_tokens,
+def forward_loss(model: torch.nn.Module, batch: SFTBatch, global_tokens: float) -> torch.Tensor:
+    logits = model(
+        input_ids=batch.input_ids_BT,
+        attention_mask=batch.attention_mask_BT,
+        position_ids=batch.position_ids_BT,
+    ).logits
+    loss, _ = masked_cross_entropy(
+        logits, batch.input_ids_BT, batch.loss_mask_BT, num_global_tokens=global_tokens
     )
-    return -out.logprobs_N.sum() / global_tokens
+    return loss
 
 
 @torch.no_grad()
@@ -129,7 +109,6 @@ def validation_loss(run: Run, model: torch.nn.Module, ds: SFTDataset, micro: int
     weights = [1.0] * len(mine) + [0.0] * (per_rank - len(mine))
     mine += [0] * (per_rank - len(mine))
     model.eval()
-    chunk = fused_chunk_for(run.cfg.model, model, env.device)
     nll_sum, tokens = 0.0, 0
     for i in range(0, per_rank, micro):
         idx, w = mine[i : i + micro], weights[i : i + micro]
@@ -142,7 +121,7 @@ def validation_loss(run: Run, model: torch.nn.Module, ds: SFTDataset, micro: int
             position_ids_BT=batch.position_ids_BT,
         )
         n = num_target_tokens(batch)
-        nll_sum += float(forward_loss(model, batch, 1.0, chunk))  # a plain sum
+        nll_sum += float(forward_loss(model, batch, global_tokens=1.0))  # a plain sum
         tokens += n
     model.train()
     totals = all_reduce_sum({"nll": nll_sum, "tokens": tokens}, env.device)
@@ -195,7 +174,6 @@ def train_sft(run: Run, cfg: Config, stage: str = "") -> Path:
     model = build_fsdp_model(spec, meshes.fsdp("actor"), env.device)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_lr_scheduler(optimizer, cfg.optim, derived.total_steps)
-    chunk = fused_chunk_for(cfg.model, model, env.device)  # 0: the plain head (model.use_fused_kernels)
 
     # Checkpoints hold the model, optimizer, schedule, sampler and RNG (the RL recipes' format, one role).
     role = RoleState(
@@ -243,13 +221,13 @@ def train_sft(run: Run, cfg: Config, stage: str = "") -> Path:
         local["all_tokens"] = sum(int(b.attention_mask_BT.sum()) for b in batches)
         counts = all_reduce_sum(local, env.device)
 
-        loss_sum = torch.zeros((), device=env.device)  # summed on the device: no host sync per micro-batch
+        loss_sum = 0.0
         for batch in batches:
-            loss = forward_loss(model, batch, counts["tokens"], chunk)
+            loss = forward_loss(model, batch, counts["tokens"])
             loss.backward()
-            loss_sum += loss.detach()
+            loss_sum += float(loss.detach())
         grad_norm = clip_grad_norm(model, cfg.optim.grad_clip)
-        train_loss = all_reduce_sum_tensors({"loss": loss_sum})["loss"]
+        train_loss = all_reduce_sum({"loss": loss_sum}, env.device)["loss"]
         if not (math.isfinite(train_loss) and math.isfinite(grad_norm)):
             raise FloatingPointError(
                 f"non-finite training loss {train_loss} / grad norm {grad_norm} at step {step}; "
