@@ -61,11 +61,20 @@ COLUMNS: dict[str, torch.dtype] = {
     "reward_s": torch.float64,
     "latency_tail_s": torch.float64,  # of rollout_s: rollout.latency_tail's simulated wait
     "memory_gb": torch.float64,  # the rollout rank's peak memory so far (perf/rollout_max_memory_gb)
+    "interrupted": torch.bool,  # rollout.partial: a weight switch landed while it was generating
 }
+# Per token, the policy version that sampled it (the row's version everywhere unless rollout.partial
+# switched weights mid-generation); aligned with input_ids_BT, the prompt's positions hold the row's.
+TOKEN_VERSIONS = "versions_BT"
 # The rollout ranks' reduced metrics of a batch, one per position of the "measured" field: a fixed list, so
 # the trainer reads them back without asking which were measured (the absent ones are NaN).
 CARRIED_METRICS: tuple[str, ...] = (*ModelRewards.METRIC_KEYS, *MULTI_TURN_KEYS)
-SPEC: dict[str, torch.dtype] = {**ROW_FIELDS, **COLUMNS, "measured": torch.float64}
+SPEC: dict[str, torch.dtype] = {
+    **ROW_FIELDS,
+    TOKEN_VERSIONS: torch.long,
+    **COLUMNS,
+    "measured": torch.float64,
+}
 
 
 def check_async_batch(cfg: Config, placement: Placement) -> None:
@@ -112,9 +121,13 @@ def pack_samples(
     pad_id: int,
     device: torch.device,
     measured: Mapping[str, float] | None = None,
+    token_versions: list[list[int]] | None = None,
+    interrupted: list[bool] | None = None,
 ) -> dict[str, torch.Tensor]:
     """A rollout rank's scored samples as the rows and columns it sends; ``measured``: metrics already
-    reduced over the rollout ranks (keys of CARRIED_METRICS), the same on every row."""
+    reduced over the rollout ranks (keys of CARRIED_METRICS), the same on every row. ``token_versions``
+    and ``interrupted`` (rollout.partial): each sample's per-token versions and whether it was switched
+    mid-generation; None: every token is ``version``'s."""
     measured = dict(measured or {})
     unknown = sorted(set(measured) - set(CARRIED_METRICS))
     if unknown:  # a new metric must be listed to reach the log, not be dropped on the way
@@ -128,12 +141,18 @@ def pack_samples(
         return torch.tensor(values, dtype=dtype, device=device).view(B, 1)
 
     first = [1] + [0] * (B - 1)
+    versions_BT = torch.full_like(batch.input_ids_BT, version, dtype=torch.long)
+    if token_versions is not None:
+        for i, (g, v) in enumerate(zip(n_gens, token_versions, strict=True)):
+            start = len(samples.prompts[g.prompt_index].prompt_ids)
+            versions_BT[i, start : start + len(v)] = torch.tensor(v, dtype=torch.long)
     return {
         "input_ids_BT": batch.input_ids_BT,
         "attention_mask_BT": batch.attention_mask_BT,
         "response_mask_BT": batch.response_mask_BT,
         "engine_logprobs_BT": batch.engine_logprobs_BT,
         "token_rewards_BT": batch.token_rewards_BT,
+        TOKEN_VERSIONS: versions_BT,
         "score": samples.scores_B.to(device=device, dtype=torch.float32).view(B, 1),
         "version": column([version] * B, torch.long),
         "data_index": column([samples.prompts[g.prompt_index].index for g in n_gens], torch.long),
@@ -145,10 +164,21 @@ def pack_samples(
         "reward_s": column([seconds.get("reward_s", 0.0)] * B, torch.float64),
         "latency_tail_s": column([seconds.get("latency_tail_s", 0.0)] * B, torch.float64),
         "memory_gb": column([peak_memory_gb(device)["memory_gb"]] * B, torch.float64),
+        "interrupted": column(list(interrupted) if interrupted is not None else [False] * B, torch.bool),
         "measured": torch.tensor(
             [measured.get(k, math.nan) for k in CARRIED_METRICS], dtype=torch.float64, device=device
         ).expand(B, -1),
     }
+
+
+def fill_missing_fields(rows: dict[str, torch.Tensor], version: int) -> dict[str, torch.Tensor]:
+    """Rows saved in a queue before TOKEN_VERSIONS and ``interrupted`` travelled (a checkpoint of an
+    earlier release): every token of ``version``'s, nothing interrupted, as they were generated."""
+    if TOKEN_VERSIONS not in rows:
+        rows[TOKEN_VERSIONS] = torch.full_like(rows["input_ids_BT"], version, dtype=torch.long)
+    if "interrupted" not in rows:
+        rows["interrupted"] = torch.zeros_like(rows["version"], dtype=torch.bool)
+    return rows
 
 
 def transfer(
@@ -170,6 +200,10 @@ class ReceivedBatch:
         str, float
     ]  # the slowest sending rank's rollout_s / reward_s (/ latency_tail_s) among these rows
     memory_gb: float  # the largest sending rank's peak memory among them
+    # Per token, the version that sampled it (TOKEN_VERSIONS), and per row whether rollout.partial
+    # switched its weights mid-generation.
+    versions_BT: torch.Tensor | None = None
+    interrupted_B: torch.Tensor | None = None
     # (samples.metrics: the rollout ranks' reduced metrics that came with the rows, CARRIED_METRICS)
 
 
@@ -211,4 +245,12 @@ def unpack(
     seconds = {k: float(col[k].max()) for k in ("rollout_s", "reward_s", "latency_tail_s")}
     if not seconds["latency_tail_s"]:  # logged (timing/latency_tail_s) only where the tail is on
         del seconds["latency_tail_s"]
-    return ReceivedBatch(batch, samples, col["version"].long(), seconds, float(col["memory_gb"].max()))
+    return ReceivedBatch(
+        batch,
+        samples,
+        col["version"].long(),
+        seconds,
+        float(col["memory_gb"].max()),
+        versions_BT=rows[TOKEN_VERSIONS][:, :width].long(),
+        interrupted_B=col["interrupted"].bool(),
+    )

@@ -72,3 +72,52 @@ def staleness_metrics(
     for a in range(k + 1):
         out[f"async/policy_age_frac_{a}"] = total[f"age_{a}"] / n
     return out
+
+
+def token_ages(step: int, versions_BT: torch.Tensor) -> torch.Tensor:
+    """rollout.partial: each token's age when update ``step`` trains on it (from the version that sampled
+    it; a switch mid-generation gives a row tokens of two or more versions)."""
+    return (step - 1) - versions_BT.long()
+
+
+def drop_stale_tokens(response_mask_BT: torch.Tensor, ages_BT: torch.Tensor, k: int) -> torch.Tensor:
+    """trainer.stale_policy=drop per token: the response mask without the tokens older than ``k``."""
+    stale_BT = (ages_BT > k) | (ages_BT < 0)
+    return response_mask_BT & ~stale_BT.to(response_mask_BT.device)
+
+
+def token_staleness_metrics(
+    ages_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    interrupted_B: torch.Tensor,
+    k: int,
+    device: torch.device,
+    group: dist.ProcessGroup | None,
+) -> dict[str, float]:
+    """rollout.partial's ``async/*``: :func:`staleness_metrics`' keys over the response tokens (``mask_BT``)
+    instead of the rows, and ``async/partial_frac``, the share of samples a weight switch interrupted."""
+    mask = mask_BT.bool()
+    ages = ages_BT[mask]
+    stale = (ages > k) | (ages < 0)
+    sums = {
+        "n": float(ages.numel()),
+        "age": float(ages.sum()),
+        "dropped": float(stale.sum()),
+        "rows": float(interrupted_B.numel()),
+        "interrupted": float(interrupted_B.sum()),
+    }
+    for a in range(k + 1):
+        sums[f"age_{a}"] = float((ages == a).sum())
+    total = all_reduce_sum(sums, device, group)
+    oldest = all_reduce_max({"age": float(ages.max()) if ages.numel() else 0.0}, device, group)["age"]
+    n = max(total["n"], 1.0)
+    out = {
+        "async/policy_age_mean": total["age"] / n,
+        "async/policy_age_max": oldest,
+        "async/staleness_k": float(k),
+        "async/dropped_frac": total["dropped"] / n,
+        "async/partial_frac": total["interrupted"] / max(total["rows"], 1.0),
+    }
+    for a in range(k + 1):
+        out[f"async/policy_age_frac_{a}"] = total[f"age_{a}"] / n
+    return out

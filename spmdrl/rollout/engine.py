@@ -140,8 +140,16 @@ class EngineStepper(Protocol):
     """The engine's own loop, driven request by request (multi-turn rollouts). Every rank of one engine
     (TP group) must make the same calls in the same order; ranks of different engines need not."""
 
-    def add(self, request_id: str, prompt_ids: list[int], params: SamplingSpec) -> None:
-        """Queue one request (``params.n`` must be 1; ``params.seed`` is the request's own seed)."""
+    def add(
+        self, request_id: str, prompt_ids: list[int], params: SamplingSpec, *, track_partial: bool = False
+    ) -> None:
+        """Queue one request (``params.n`` must be 1; ``params.seed`` is the request's own seed).
+        ``track_partial``: keep what it has sampled so far readable through :meth:`partial`."""
+        ...
+
+    def partial(self, request_id: str) -> TurnOutput | None:
+        """What an unfinished request added with ``track_partial`` has sampled as of the last step (its
+        ``finish_reason`` is ""), None before its first token. Read it before aborting the request."""
         ...
 
     def step(self) -> list[TurnOutput]:

@@ -655,18 +655,35 @@ class _Stepper:
         # Each call into vLLM runs in its world; the agent loop between calls in the trainer's.
         self.world = world
         self.unfinished: set[str] = set()
+        # track_partial requests: their latest cumulative (token ids, logprobs, whether logprobs are on),
+        # as vLLM's output processor hands them out (without detokenizing, references to its own lists,
+        # so no copy per step); converted only when read.
+        self.progress: dict[str, tuple[Any, Any, bool]] = {}
 
-    def add(self, request_id: str, prompt_ids: list[int], params: SamplingSpec) -> None:
+    def add(
+        self, request_id: str, prompt_ids: list[int], params: SamplingSpec, *, track_partial: bool = False
+    ) -> None:
         from vllm.inputs import TokensPrompt
 
         if params.n != 1:
             raise ValueError(f"EngineStepper.add: one sample per request, got n={params.n}")
         if request_id in self.unfinished:
             raise ValueError(f"EngineStepper.add: request {request_id!r} is already running")
-        sampling = _sampling_params(params, final_only=True, end_of_turn_ids=self.end_of_turn_ids)
+        # Tracked requests report every step (vLLM's cumulative output kind), the others only at the end.
+        sampling = _sampling_params(
+            params, final_only=not track_partial, end_of_turn_ids=self.end_of_turn_ids
+        )
         with self.world.vllm():
             self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt_ids), sampling)
         self.unfinished.add(request_id)
+
+    def partial(self, request_id: str) -> TurnOutput | None:
+        seen = self.progress.get(request_id)
+        if seen is None:
+            return None
+        token_ids, lps, want_logprobs = seen
+        ids = list(token_ids)
+        return TurnOutput(request_id, ids, _sampled_logprobs(lps, ids) if want_logprobs else [], "")
 
     def step(self) -> list[TurnOutput]:
         done: list[TurnOutput] = []
@@ -674,8 +691,15 @@ class _Stepper:
             outputs = self.engine.step()
         for out in outputs:
             if not out.finished:
+                (completion,) = out.outputs
+                self.progress[out.request_id] = (
+                    completion.token_ids,
+                    completion.logprobs,
+                    completion.logprobs is not None,
+                )
                 continue
             self.unfinished.discard(out.request_id)
+            self.progress.pop(out.request_id, None)
             (completion,) = out.outputs
             gen = _to_generation(0, completion, completion.logprobs is not None)
             done.append(TurnOutput(out.request_id, gen.token_ids, gen.logprobs, gen.finish_reason))
@@ -687,6 +711,8 @@ class _Stepper:
             with self.world.vllm():
                 self.engine.abort_request(ids)
             self.unfinished.difference_update(ids)
+            for r in ids:
+                self.progress.pop(r, None)
 
     def abort_all(self) -> None:
         self.abort(sorted(self.unfinished))
