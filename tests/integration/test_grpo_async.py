@@ -10,34 +10,20 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
 from spmdrl.logging.metrics import read_metrics
 from spmdrl.testing.launch import torchrun
+from spmdrl.testing.small_runs import SMALL_GRPO, cache_dir
 
 pytestmark = pytest.mark.slow
 
 # Small and fast, with a gradient at every step: no warm-start (an SFT stage on 4 ranks would start from
 # other weights than one on 2), an entropy bonus (the untrained model earns no reward), a KL loss to the
 # reference, and two mini-batches, so the second one trains off the policy it started from.
-COMMON = (
-    "warmstart.enabled=false",
-    "trainer.total_steps=3",
-    "trainer.val_every=3",
-    "tiny_task.num_train=256",
-    "tiny_task.num_test=32",
-    "trainer.global_batch_size=8",
-    "rollout.n=4",
-    "trainer.micro_batch_size=8",
-    "algorithm.ppo_mini_batch_size=4",
-    "algorithm.use_kl_loss=true",
-    "algorithm.entropy_coeff=0.01",
-    "logging.samples_every=0",
-    "trainer.save_hf=false",
-)
+COMMON = SMALL_GRPO
 
 # What the update and the rollout computed; timings, memory and speeds differ by nature.
 COMPARED_PREFIXES = ("actor/", "rollout/", "mismatch/", "val/", "reward/")
@@ -50,7 +36,7 @@ def _train(tmp_path: Path, name: str, recipe: str, *overrides: str, nproc: int) 
         nproc=nproc,
         cwd=tmp_path,
         timeout_s=600,
-        env={"SPMDRL_CACHE": os.environ.get("SPMDRL_CACHE", str(Path.home() / ".cache" / "spmdrl"))},
+        env={"SPMDRL_CACHE": str(cache_dir())},
     )
     assert res.returncode == 0, res.output[-5000:]
     return out

@@ -13,7 +13,6 @@ else is the real thing: vLLM, the tool executor's threads, the python tool's san
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -21,25 +20,12 @@ import pytest
 from spmdrl.logging.metrics import read_metrics
 from spmdrl.rollout.agent_loop import TERMINATE_REASONS
 from spmdrl.testing.launch import torchrun
+from spmdrl.testing.small_runs import SMALL_GRPO, cache_dir
 
 pytestmark = pytest.mark.slow
 
 # tests/integration/test_grpo_async.py's small settings (no warm-start, a gradient at every step).
-COMMON = (
-    "warmstart.enabled=false",
-    "trainer.total_steps=3",
-    "trainer.val_every=3",
-    "tiny_task.num_train=256",
-    "tiny_task.num_test=32",
-    "trainer.global_batch_size=8",
-    "rollout.n=4",
-    "trainer.micro_batch_size=8",
-    "algorithm.ppo_mini_batch_size=4",
-    "algorithm.use_kl_loss=true",
-    "algorithm.entropy_coeff=0.01",
-    "logging.samples_every=0",
-    "trainer.save_hf=false",
-)
+COMMON = SMALL_GRPO
 
 # configs/recipe/grpo_tools_tiny.yaml's data and multi-turn settings (fewer prompts), plus the python tool.
 TOOLS = (
@@ -88,7 +74,7 @@ def test_agent_loop_on_the_rollout_ranks(tmp_path: Path) -> None:
         nproc=4,
         cwd=tmp_path,
         timeout_s=600,
-        env={"SPMDRL_CACHE": os.environ.get("SPMDRL_CACHE", str(Path.home() / ".cache" / "spmdrl"))},
+        env={"SPMDRL_CACHE": str(cache_dir())},
     )  # fmt: skip
     assert res.returncode == 0, res.output[-5000:]
 

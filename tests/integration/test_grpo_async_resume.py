@@ -9,7 +9,6 @@ bitwise as the uninterrupted run did. A resume with another trainer.max_stalenes
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
@@ -20,25 +19,12 @@ from spmdrl.config import ConfigError
 from spmdrl.logging.metrics import read_metrics
 from spmdrl.rl.async_queue import PipelineShape, check_resume, load_queue, queue_file
 from spmdrl.testing.launch import JobResult, torchrun
+from spmdrl.testing.small_runs import SMALL_GRPO, cache_dir
 
 pytestmark = pytest.mark.slow
 
 # tests/integration/test_grpo_async.py's small, fast run (a gradient at every step, two mini-batches).
-COMMON = (
-    "warmstart.enabled=false",
-    "trainer.total_steps=3",
-    "trainer.val_every=3",
-    "tiny_task.num_train=256",
-    "tiny_task.num_test=32",
-    "trainer.global_batch_size=8",
-    "rollout.n=4",
-    "trainer.micro_batch_size=8",
-    "algorithm.ppo_mini_batch_size=4",
-    "algorithm.use_kl_loss=true",
-    "algorithm.entropy_coeff=0.01",
-    "logging.samples_every=0",
-    "trainer.save_hf=false",
-)
+COMMON = SMALL_GRPO
 K1 = ("parallel.rollout_ranks=2", "trainer.max_staleness=1", "trainer.total_steps=4", "trainer.val_every=2")
 
 # What the update and the rollout computed, and the pipeline's ages; timings, memory and speeds differ.
@@ -52,7 +38,7 @@ def _launch(tmp_path: Path, name: str, *overrides: str) -> tuple[Path, JobResult
         nproc=4,
         cwd=tmp_path,
         timeout_s=600,
-        env={"SPMDRL_CACHE": os.environ.get("SPMDRL_CACHE", str(Path.home() / ".cache" / "spmdrl"))},
+        env={"SPMDRL_CACHE": str(cache_dir())},
     )
     return out, res
 

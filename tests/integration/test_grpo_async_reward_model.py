@@ -12,7 +12,6 @@ judge_weight * a digit (the judge's regex reads one digit of its reply; an unpar
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from spmdrl.models.load import load_tokenizer
 from spmdrl.rewards.reward_model import RewardModel
 from spmdrl.rewards.tiny import compute_score
 from spmdrl.testing.launch import torchrun
+from spmdrl.testing.small_runs import SMALL_GRPO, cache_dir, save_random_reward_model
 
 pytestmark = pytest.mark.slow
 
@@ -31,47 +31,12 @@ RULE_WEIGHT, RM_WEIGHT, JUDGE_WEIGHT = 0.5, 2.0, 0.1
 USER_TURN = re.compile(r"<\|im_start\|>user\n(.*?)<\|im_end\|>", re.S)
 
 # tests/integration/test_grpo_async.py's small settings (no warm-start, a gradient at every step).
-COMMON = (
-    "warmstart.enabled=false",
-    "trainer.total_steps=3",
-    "trainer.val_every=3",
-    "tiny_task.num_train=256",
-    "tiny_task.num_test=32",
-    "trainer.global_batch_size=8",
-    "rollout.n=4",
-    "trainer.micro_batch_size=8",
-    "algorithm.ppo_mini_batch_size=4",
-    "algorithm.use_kl_loss=true",
-    "algorithm.entropy_coeff=0.01",
-    "logging.samples_every=0",
-    "trainer.save_hf=false",
-)
-
-
-def _cache() -> Path:
-    return Path(os.environ.get("SPMDRL_CACHE", str(Path.home() / ".cache" / "spmdrl")))
+COMMON = SMALL_GRPO
 
 
 @pytest.fixture(scope="module")
 def random_rm(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny backbone with a random head (x20: scores of a few units), saved as an HF reward model."""
-    from transformers import AutoModelForSequenceClassification
-
-    from spmdrl.models.tiny import ensure_tiny_model
-
-    tiny = ensure_tiny_model(_cache())
-    tok = load_tokenizer(tiny)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = AutoModelForSequenceClassification.from_pretrained(
-            tiny, num_labels=1, pad_token_id=tok.pad_token_id
-        )
-    with torch.no_grad():
-        model.score.weight.mul_(20.0)
-    out = tmp_path_factory.mktemp("rm") / "hf_model"
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+    return save_random_reward_model(tmp_path_factory.mktemp("rm") / "hf_model")
 
 
 def test_reward_model_and_judge_on_the_rollout_ranks(random_rm: Path, tmp_path: Path) -> None:
@@ -94,7 +59,7 @@ def test_reward_model_and_judge_on_the_rollout_ranks(random_rm: Path, tmp_path: 
         nproc=4,
         cwd=tmp_path,
         timeout_s=600,
-        env={"SPMDRL_CACHE": str(_cache())},
+        env={"SPMDRL_CACHE": str(cache_dir())},
     )  # fmt: skip
     assert res.returncode == 0, res.output[-5000:]
 

@@ -11,7 +11,6 @@ transformers module, and its training reward must be rule_weight * rule + weight
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from spmdrl.models.load import load_tokenizer
 from spmdrl.rewards.reward_model import RewardModel
 from spmdrl.rewards.tiny import compute_score
 from spmdrl.testing.launch import torchrun
+from spmdrl.testing.small_runs import cache_dir, save_random_reward_model
 
 pytestmark = pytest.mark.slow
 
@@ -30,30 +30,9 @@ RULE_WEIGHT, RM_WEIGHT = 0.5, 2.0
 USER_TURN = re.compile(r"<\|im_start\|>user\n(.*?)<\|im_end\|>", re.S)
 
 
-def _cache() -> Path:
-    return Path(os.environ.get("SPMDRL_CACHE", str(Path.home() / ".cache" / "spmdrl")))
-
-
 @pytest.fixture(scope="module")
 def random_rm(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny backbone with a random head (x20: scores of a few units), saved as an HF reward model."""
-    from transformers import AutoModelForSequenceClassification
-
-    from spmdrl.models.tiny import ensure_tiny_model
-
-    tiny = ensure_tiny_model(_cache())
-    tok = load_tokenizer(tiny)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = AutoModelForSequenceClassification.from_pretrained(
-            tiny, num_labels=1, pad_token_id=tok.pad_token_id
-        )
-    with torch.no_grad():
-        model.score.weight.mul_(20.0)
-    out = tmp_path_factory.mktemp("rm") / "hf_model"
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+    return save_random_reward_model(tmp_path_factory.mktemp("rm") / "hf_model")
 
 
 def test_ppo_trains_on_the_weighted_reward_model_score(random_rm: Path, tmp_path: Path) -> None:
@@ -74,7 +53,7 @@ def test_ppo_trains_on_the_weighted_reward_model_score(random_rm: Path, tmp_path
         nproc=2,
         cwd=tmp_path,
         timeout_s=900,
-        env={"SPMDRL_CACHE": str(_cache())},
+        env={"SPMDRL_CACHE": str(cache_dir())},
     )  # fmt: skip
     assert res.returncode == 0, res.output[-5000:]
 
