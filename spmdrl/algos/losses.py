@@ -34,7 +34,7 @@ def token_logprobs(logits_BTV: torch.Tensor, target_ids_BT: torch.Tensor) -> tor
         z_BCV = logits_BTV[:, t0:t1].float()
         target_BC1 = target_ids_BT[:, t0:t1].long().unsqueeze(-1)
         parts.append(z_BCV.gather(-1, target_BC1).squeeze(-1) - torch.logsumexp(z_BCV, dim=-1))
-    return torch.cat(parts, dim=1) if parts else logits_BTV.new_zeros((B, 0), dtype=torch.float32)
+    return torch.cat(parts, dim=1) if parts else _no_positions(logits_BTV)
 
 
 def entropy_from_logits(logits_BTV: torch.Tensor) -> torch.Tensor:
@@ -48,7 +48,7 @@ def entropy_from_logits(logits_BTV: torch.Tensor) -> torch.Tensor:
     for t0, t1 in _chunks(B, T):
         z_BCV = logits_BTV[:, t0:t1].float()
         parts.append(torch.logsumexp(z_BCV, dim=-1) - (torch.softmax(z_BCV, dim=-1) * z_BCV).sum(-1))
-    return torch.cat(parts, dim=1) if parts else logits_BTV.new_zeros((B, 0), dtype=torch.float32)
+    return torch.cat(parts, dim=1) if parts else _no_positions(logits_BTV)
 
 
 def sum_pi_squared_from_logits(logits_BTV: torch.Tensor) -> torch.Tensor:
@@ -63,7 +63,14 @@ def sum_pi_squared_from_logits(logits_BTV: torch.Tensor) -> torch.Tensor:
     for t0, t1 in _chunks(B, T):
         z_BCV = logits_BTV[:, t0:t1].float()
         parts.append(torch.exp(torch.logsumexp(2.0 * z_BCV, dim=-1) - 2.0 * torch.logsumexp(z_BCV, dim=-1)))
-    return torch.cat(parts, dim=1) if parts else logits_BTV.new_zeros((B, 0), dtype=torch.float32)
+    return torch.cat(parts, dim=1) if parts else _no_positions(logits_BTV)
+
+
+def _no_positions(logits_BTV: torch.Tensor) -> torch.Tensor:
+    """The (B, 0) result for logits of no position, still attached to the logits' graph: a micro-batch
+    with nothing to score (every row masked out) then backpropagates zeros through the model, so its
+    FSDP hooks run and reduce-scatter with the other ranks' like any other micro-batch."""
+    return logits_BTV[:, :, 0].float()
 
 
 def _chunks(B: int, T: int) -> list[tuple[int, int]]:

@@ -11,14 +11,18 @@ run's. So every rollout rank writes, into the checkpoint being saved,
 
 through the checkpointer's per-rank files, before the checkpoint is published (meta.json and the rename
 come after every rank's writes: a kill mid-save leaves no checkpoint that looks complete without its
-queue). meta.json's ``async`` entry records what the queued rows depend on (k, the number of rollout
-ranks, the global batch size, rollout.n); a run that differs in any of them cannot continue the saved
-pipeline exactly and is refused at start, before any model or engine is built.
+queue). meta.json's ``async`` entry records the pipeline's shape (k, the number of rollout ranks, the
+global batch size, rollout.n). A run with other rows per rank (rollout ranks, batch size, rollout.n)
+cannot continue the saved queue and is refused at start, before any model or engine is built. Another k
+continues it: the queued batches are sent first, so a larger k generates the missing batches ahead with
+the checkpoint's version, and a smaller one sends batches older than it, which trainer.stale_policy drops
+or regenerates.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,6 +34,8 @@ import torch.distributed as dist
 from spmdrl.config import Config, ConfigError
 from spmdrl.distributed.env import broadcast_str
 from spmdrl.distributed.placement import Placement
+
+log = logging.getLogger("spmdrl")
 
 QUEUE_DIR = "rollout"
 META_KEY = "async"
@@ -59,16 +65,16 @@ class SavedQueue:
 
 @dataclass(frozen=True)
 class PipelineShape:
-    """What the queued rows depend on: a resumed run must have the same values to continue them exactly."""
+    """The pipeline a checkpoint's queue belongs to: a resumed run must have the same rows per rank
+    (KEYS); max_staleness may differ (see the module's docstring)."""
 
     max_staleness: int
     rollout_ranks: int
     global_batch_size: int
     rollout_n: int
 
-    # The setting that fixes each field, for the refusal's message.
+    # The fields a resumed run must keep, with their settings, for the refusal's message.
     KEYS: ClassVar[dict[str, str]] = {
-        "max_staleness": "trainer.max_staleness",
         "rollout_ranks": "parallel.rollout_ranks",
         "global_batch_size": "trainer.global_batch_size",
         "rollout_n": "rollout.n",
@@ -122,15 +128,16 @@ def load_queue(checkpoint: Path, index: int, step: int, device: torch.device) ->
     return SavedQueue(batches, saved["sampler"])
 
 
-def check_resume(checkpoint: Path, shape: PipelineShape) -> None:
-    """Refuses a checkpoint this run cannot continue exactly: one saved by a pipeline of another shape, or
-    one without the queue files while k >= 1."""
+def check_resume(checkpoint: Path, shape: PipelineShape) -> str:
+    """Refuses a checkpoint this run cannot continue: one saved by a pipeline with other rows per rank, or
+    one without the queue files while k >= 1 (the run's or the checkpoint's). Returns what a change of
+    trainer.max_staleness does to the queued batches, for the log ("" when k is unchanged)."""
     meta = json.loads((checkpoint / "meta.json").read_text())
     saved = meta.get(META_KEY)
     k = shape.max_staleness
     if saved is None:
         if k == 0:  # from before queues were saved: with k = 0 nothing is queued at a step's end
-            return
+            return ""
         raise ConfigError(
             f"trainer.max_staleness={k}: the checkpoint {checkpoint} holds no queue of the batches generated "
             f"ahead (its meta.json has no '{META_KEY}' entry and it has no {queue_file(0)}, ...); it was not "
@@ -145,8 +152,9 @@ def check_resume(checkpoint: Path, shape: PipelineShape) -> None:
                 f"its queue holds the batches that pipeline generated ahead, which this one cannot continue "
                 f"exactly. Set {setting}={was} to resume it, or start a new run in another trainer.output_dir"
             )
-    if k == 0:
-        return
+    was_k = int(saved.get("max_staleness", 0))
+    if max(k, was_k) == 0:
+        return ""
     missing = [
         f for f in (queue_file(j) for j in range(shape.rollout_ranks)) if not (checkpoint / f).is_file()
     ]
@@ -157,14 +165,34 @@ def check_resume(checkpoint: Path, shape: PipelineShape) -> None:
             "from an earlier complete checkpoint (trainer.resume=<its step-<N> directory>), or start a new "
             "run in another trainer.output_dir"
         )
+    return staleness_change(was_k, k)
+
+
+def staleness_change(was: int, now: int) -> str:
+    """What resuming a checkpoint saved with trainer.max_staleness=``was`` under ``now`` does, in words."""
+    if now > was:
+        return (
+            f"trainer.max_staleness={now}, the checkpoint was saved with {was}: its queued batches are sent "
+            f"first, the next {now - was} are generated ahead by the checkpoint's version"
+        )
+    if now < was:
+        return (
+            f"trainer.max_staleness={now}, the checkpoint was saved with {was}: its queued batches are sent "
+            f"first, and those older than {now} versions are dropped or generated again "
+            "(trainer.stale_policy; async/dropped_frac, async/regenerated_frac)"
+        )
+    return ""
 
 
 def check_resume_all_ranks(checkpoint: Path, shape: PipelineShape) -> None:
-    """:func:`check_resume` on rank 0, its refusal raised on every rank (the job then reports it once)."""
+    """:func:`check_resume` on rank 0, its refusal raised on every rank (the job then reports it once);
+    rank 0 prints what a change of trainer.max_staleness does."""
     refusal = ""
     if dist.get_rank() == 0:
         try:
-            check_resume(checkpoint, shape)
+            change = check_resume(checkpoint, shape)
+            if change:
+                log.info("resuming %s: %s", checkpoint, change)
         except ConfigError as e:
             refusal = str(e)
     refusal = broadcast_str(refusal)

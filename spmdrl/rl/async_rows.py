@@ -62,6 +62,7 @@ COLUMNS: dict[str, torch.dtype] = {
     "latency_tail_s": torch.float64,  # of rollout_s: rollout.latency_tail's simulated wait
     "memory_gb": torch.float64,  # the rollout rank's peak memory so far (perf/rollout_max_memory_gb)
     "interrupted": torch.bool,  # rollout.partial: a weight switch landed while it was generating
+    "regenerated": torch.bool,  # trainer.stale_policy=regenerate: generated again, the first one too old
 }
 # Per token, the policy version that sampled it (the row's version everywhere unless rollout.partial
 # switched weights mid-generation); aligned with input_ids_BT, the prompt's positions hold the row's.
@@ -123,11 +124,13 @@ def pack_samples(
     measured: Mapping[str, float] | None = None,
     token_versions: list[list[int]] | None = None,
     interrupted: list[bool] | None = None,
+    regenerated: bool = False,
 ) -> dict[str, torch.Tensor]:
     """A rollout rank's scored samples as the rows and columns it sends; ``measured``: metrics already
     reduced over the rollout ranks (keys of CARRIED_METRICS), the same on every row. ``token_versions``
     and ``interrupted`` (rollout.partial): each sample's per-token versions and whether it was switched
-    mid-generation; None: every token is ``version``'s."""
+    mid-generation; None: every token is ``version``'s. ``regenerated``: the batch is generated again
+    (trainer.stale_policy=regenerate)."""
     measured = dict(measured or {})
     unknown = sorted(set(measured) - set(CARRIED_METRICS))
     if unknown:  # a new metric must be listed to reach the log, not be dropped on the way
@@ -165,6 +168,7 @@ def pack_samples(
         "latency_tail_s": column([seconds.get("latency_tail_s", 0.0)] * B, torch.float64),
         "memory_gb": column([peak_memory_gb(device)["memory_gb"]] * B, torch.float64),
         "interrupted": column(list(interrupted) if interrupted is not None else [False] * B, torch.bool),
+        "regenerated": column([regenerated] * B, torch.bool),
         "measured": torch.tensor(
             [measured.get(k, math.nan) for k in CARRIED_METRICS], dtype=torch.float64, device=device
         ).expand(B, -1),
@@ -172,12 +176,15 @@ def pack_samples(
 
 
 def fill_missing_fields(rows: dict[str, torch.Tensor], version: int) -> dict[str, torch.Tensor]:
-    """Rows saved in a queue before TOKEN_VERSIONS and ``interrupted`` travelled (a checkpoint of an
-    earlier release): every token of ``version``'s, nothing interrupted, as they were generated."""
+    """Rows saved in a queue before TOKEN_VERSIONS, ``interrupted`` and ``regenerated`` travelled (a
+    checkpoint of an earlier release): every token of ``version``'s, nothing interrupted or generated
+    again, as they were generated."""
     if TOKEN_VERSIONS not in rows:
         rows[TOKEN_VERSIONS] = torch.full_like(rows["input_ids_BT"], version, dtype=torch.long)
     if "interrupted" not in rows:
         rows["interrupted"] = torch.zeros_like(rows["version"], dtype=torch.bool)
+    if "regenerated" not in rows:
+        rows["regenerated"] = torch.zeros_like(rows["version"], dtype=torch.bool)
     return rows
 
 
@@ -204,6 +211,8 @@ class ReceivedBatch:
     # switched its weights mid-generation.
     versions_BT: torch.Tensor | None = None
     interrupted_B: torch.Tensor | None = None
+    # trainer.stale_policy=regenerate: per row, whether the rollout ranks generated it again.
+    regenerated_B: torch.Tensor | None = None
     # (samples.metrics: the rollout ranks' reduced metrics that came with the rows, CARRIED_METRICS)
 
 
@@ -253,4 +262,5 @@ def unpack(
         float(col["memory_gb"].max()),
         versions_BT=rows[TOKEN_VERSIONS][:, :width].long(),
         interrupted_B=col["interrupted"].bool(),
+        regenerated_B=col["regenerated"].bool(),
     )

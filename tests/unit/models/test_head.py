@@ -118,6 +118,31 @@ def test_gathered_head_equals_full_logits(name: str, packed: bool) -> None:
     assert scored.sum() == sum(max(0, n - max(1, f)) for n, f in zip(LENGTHS, FIRSTS, strict=True))
 
 
+@pytest.mark.parametrize("chunk", [0, 5])
+@pytest.mark.parametrize("packed", [False, True])
+def test_nothing_to_score_still_backpropagates(chunk: int, packed: bool) -> None:
+    """A micro-batch whose rows are all masked out (a stale batch dropped, trainer.stale_policy=drop)
+    scores no position; its outputs must still hang on the model's graph, so that its backward runs the
+    model's (FSDP's) hooks like the other ranks' and leaves zero gradients, not "does not require grad"."""
+    model = MODELS["qwen2_untied"]()
+    ids, attn = _batch()
+    out = policy_forward(
+        model,
+        ids,
+        attn,
+        with_entropy=True,
+        pack_sequences=packed,
+        lengths_B=LENGTHS,
+        first_columns_B=LENGTHS,  # every row's first scored column is its end
+        fused_chunk_tokens=chunk,
+    )
+    assert out.entropy_BT is not None and out.logprobs_BT.requires_grad
+    assert not out.logprobs_BT.any()
+    (out.logprobs_BT.sum() + out.entropy_BT.sum()).backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and not any(g.any() for g in grads)
+
+
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_fused_gradients_equal_plain(name: str) -> None:
     """Gradients of a loss on logprobs and entropy w.r.t. every parameter (head weight, tied or not,

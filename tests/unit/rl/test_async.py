@@ -15,6 +15,7 @@ from spmdrl.rl.async_rows import BatchLayout, check_async_batch, pack_samples, u
 from spmdrl.rl.samples import ScoredSamples
 from spmdrl.rl.staleness import (
     batch_ahead,
+    batch_is_stale,
     drop_stale,
     generation_version,
     policy_ages,
@@ -73,14 +74,33 @@ def test_guard_drops_rows_older_than_k() -> None:
 
 def test_staleness_metrics_single_process() -> None:
     ages_B = torch.tensor([0, 1, 1, 1, 3])
-    m = staleness_metrics(ages_B, stale_rows(ages_B, 1), 1, torch.device("cpu"), None)
+    regenerated_B = torch.tensor([True, True, False, False, False])
+    m = staleness_metrics(ages_B, stale_rows(ages_B, 1), regenerated_B, 1, torch.device("cpu"), None)
     assert m["async/policy_age_mean"] == pytest.approx(6 / 5)
     assert m["async/policy_age_max"] == 3
     assert m["async/policy_age_frac_0"] == pytest.approx(0.2)
     assert m["async/policy_age_frac_1"] == pytest.approx(0.6)
     assert m["async/dropped_frac"] == pytest.approx(0.2)
     assert m["async/staleness_k"] == 1
+    assert m["async/regenerated_frac"] == pytest.approx(0.4)
     assert "async/policy_age_frac_2" not in m
+
+
+def test_a_batch_is_stale_when_any_response_token_is() -> None:
+    # Update 5 starts from version 4. The prompt's positions (mask 0) never count.
+    mask_BT = torch.tensor([[0, 1, 1], [0, 1, 0]], dtype=torch.bool)
+    assert not batch_is_stale(5, torch.tensor([[0, 3, 3], [0, 4, 0]]), mask_BT, k=1)
+    assert batch_is_stale(5, torch.tensor([[0, 3, 2], [0, 4, 0]]), mask_BT, k=1)  # one token of age 2
+    assert not batch_is_stale(5, torch.tensor([[0, 3, 2], [0, 4, 0]]), mask_BT, k=2)
+    assert batch_is_stale(5, torch.tensor([[4, 4, 4], [4, 5, 4]]), mask_BT, k=1)  # from the future
+
+
+def test_stale_policy_regenerate_loads_with_async_only() -> None:
+    assert _async_cfg("trainer.stale_policy=regenerate").trainer.stale_policy == "regenerate"
+    with pytest.raises(
+        ConfigError, match="trainer.stale_policy=regenerate applies to parallel.placement=async"
+    ):
+        load_config(["recipe=grpo_tiny", "trainer.stale_policy=regenerate"])
 
 
 # ------------------------------------------------------------------------------------ placement, layouts
@@ -148,7 +168,6 @@ def test_batch_must_be_whole_groups_on_both_sides() -> None:
         (["algorithm.adv_estimator=gae"], "needs a critic"),
         (["reward.overlong_buffer.enable=true"], "overlong_buffer"),
         (["parallel.balance_tokens=true"], "balance_tokens"),
-        (["trainer.stale_policy=regenerate"], "not implemented yet"),
         (["trainer.max_staleness=-1"], "must be >= 0"),
         (["parallel.rollout_ranks=-1"], "must be >= 0"),
     ],

@@ -61,14 +61,6 @@ def test_queue_reads_back_as_saved(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("now", "match"),
     [
-        (
-            PipelineShape(2, 2, 8, 4),
-            "saved with trainer.max_staleness=1, this run has trainer.max_staleness=2",
-        ),
-        (
-            PipelineShape(0, 2, 8, 4),
-            "saved with trainer.max_staleness=1, this run has trainer.max_staleness=0",
-        ),
         (PipelineShape(1, 1, 8, 4), "parallel.rollout_ranks=2, this run has parallel.rollout_ranks=1"),
         (
             PipelineShape(1, 2, 16, 4),
@@ -82,6 +74,19 @@ def test_another_pipeline_shape_is_refused(tmp_path: Path, now: PipelineShape, m
     with pytest.raises(ConfigError, match=match) as e:
         check_resume(path, now)
     assert "to resume it, or start a new run in another trainer.output_dir" in str(e.value)
+
+
+def test_another_max_staleness_continues_the_queue(tmp_path: Path) -> None:
+    """k may change on resume: the queue is sent first; what that does is said, for the log."""
+    path = _checkpoint(tmp_path, 2, SHAPE, queues=2)
+    assert check_resume(path, SHAPE) == ""
+    smaller = check_resume(path, PipelineShape(0, 2, 8, 4))
+    assert "saved with 1" in smaller and "older than 0 versions are dropped or generated again" in smaller
+    larger = check_resume(path, PipelineShape(3, 2, 8, 4))
+    assert "the next 2 are generated ahead by the checkpoint's version" in larger
+    # ... but never without the queue the checkpoint's k says it holds, whatever the new k.
+    with pytest.raises(ConfigError, match=r"lacks rollout/queue-1.pt"):
+        check_resume(_checkpoint(tmp_path / "a", 2, SHAPE, queues=1), PipelineShape(0, 2, 8, 4))
 
 
 def test_missing_queue_files_are_named(tmp_path: Path) -> None:

@@ -89,7 +89,13 @@ def test_token_guard_and_metrics() -> None:
         [False, True, True, True],
     ]
     m = token_staleness_metrics(
-        ages_BT, mask_BT, torch.tensor([True, False, False]), 1, torch.device("cpu"), None
+        ages_BT,
+        mask_BT,
+        torch.tensor([True, False, False]),
+        torch.tensor([False, False, True]),
+        1,
+        torch.device("cpu"),
+        None,
     )
     # 8 response tokens: ages 2, 0, 0 | 1, 1 | 0, 0, 0
     assert m["async/policy_age_mean"] == pytest.approx(4 / 8)
@@ -98,6 +104,7 @@ def test_token_guard_and_metrics() -> None:
     assert m["async/policy_age_frac_0"] == pytest.approx(5 / 8)
     assert m["async/policy_age_frac_1"] == pytest.approx(2 / 8)
     assert m["async/partial_frac"] == pytest.approx(1 / 3)
+    assert m["async/regenerated_frac"] == pytest.approx(1 / 3)
 
 
 @pytest.mark.parametrize(
