@@ -169,9 +169,7 @@ def check_config(cfg: Config) -> None:
 def main(cfg: Config) -> None:
     job = build_job(cfg, asynchronous=True)  # checks, data, warm-start, models, engines; resumed if saved
     k, start = cfg.trainer.max_staleness, job.start_step
-    layout = BatchLayout.plan(
-        job.placement, job.derived.per_rank_batch_size * cfg.rollout.n, job.rl.max_model_len
-    )
+    layout = BatchLayout.plan(job.placement, job.derived.per_rank_batch_size * cfg.rollout.n)
     if start == 0 and validates_at(job, 0):
         val = validation(job, 0)
         job.logger.log(0, val)

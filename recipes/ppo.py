@@ -50,6 +50,7 @@ from spmdrl.rl.job import (
     validation,
 )
 from spmdrl.rl.metrics import step_metrics
+from spmdrl.rl.perf import actor_perf_metrics, critic_perf_metrics
 from spmdrl.rl.role_rows import RowPlan, plan_rows
 from spmdrl.rl.samples import (
     OverlongShaping,
@@ -231,17 +232,43 @@ def log(job: RLJob, s: Step) -> None:
     """The step's metrics (each role's reduced over its own ranks), samples and validation; a row every
     trainer.log_every steps, at validations and at the last."""
     cfg, step = job.cfg, s.step
-    critic_metrics = s.critic_metrics
-    if job.placement.is_split:  # the first critic rank tells rank 0, which logs
-        critic_metrics = broadcast_object(critic_metrics, src=job.placement.role("critic").first_rank)
     actor_part = None
     if s.batch is not None:
         assert s.update is not None and s.sampled_mask_BT is not None
         actor_part = (s.batch, s.sampled_mask_BT, s.update.old_logprobs_BT)
+    # Every rank: the step's timings, the slowest rank's (each role's phases are 0 on the other's ranks).
+    base = step_metrics(cfg, s.samples, s.timer, job.device, actor_part, job.actor_group, s.resident_gb)
+    # Tokens/s and MFU of each role's update and no-grad passes (spmdrl/rl/perf.py), reduced over the role's
+    # own ranks; the critic's travel to rank 0 with its other metrics.
+    actor_perf: dict[str, float] = {}
+    if s.batch is not None:
+        passes = int(job.recompute_old) + int(job.ref is not None)  # the values pass is the critic's
+        actor_perf = actor_perf_metrics(
+            cfg,
+            job.actor,
+            s.batch,
+            base,
+            forward_passes=passes,
+            device=job.device,
+            group=job.actor_group,
+            trained=s.step > cfg.critic.warmup_steps,
+        )
+    critic_metrics = s.critic_metrics
+    if job.critic is not None:
+        assert s.critic_batch is not None
+        critic_metrics = {
+            **critic_metrics,
+            **critic_perf_metrics(
+                cfg, job.critic.model, s.critic_batch, base, device=job.device, group=job.critic_group
+            ),
+        }
+    if job.placement.is_split:  # the first critic rank tells rank 0, which logs
+        critic_metrics = broadcast_object(critic_metrics, src=job.placement.role("critic").first_rank)
     metrics = {
-        **step_metrics(cfg, s.samples, s.timer, job.device, actor_part, job.actor_group, s.resident_gb),
+        **base,
         **(s.update.metrics if s.update is not None else {}),
         **critic_metrics,
+        **actor_perf,
         **s.metrics,
     }
     if job.scheduler is not None:

@@ -11,9 +11,11 @@ ranks and to the critic's ranks, the critic's values to the actor, the returns b
 With ``parallel.balance_tokens`` the target layout is :meth:`RowLayout.balanced`: equal row counts per
 rank (the update's arithmetic needs them) with the token counts evened out.
 
-Wire format: one message per (source, destination) pair, every field of the moved rows packed side by
-side into a float64 buffer of shape (rows, width, fields). float64 holds int64 token ids below 2**53,
-booleans and float32 values exactly, so the round trip is bit-exact (tests/unit/distributed/test_exchange.py).
+Wire format: one message per (source, destination) pair, every field of the moved rows side by side in
+the columns of one float64 buffer of shape (rows, sum of the fields' widths): a fixed width every rank
+knows, or each field's own, announced first in a small header on the same pair (``width=None``).
+float64 holds int64 token ids below 2**53, booleans and float32 values exactly, so the round trip is
+bit-exact (tests/unit/distributed/test_exchange.py).
 """
 
 from __future__ import annotations
@@ -104,76 +106,134 @@ def gather_lengths(lengths_B: torch.Tensor, device: torch.device) -> tuple[list[
     return sizes, lengths
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """One rank's part of a move: which of its source rows go to which peer, which of its destination
+    rows come from which peer, and the rows it keeps (positions among its destination rows, and among its
+    source rows). Planned identically on every rank from the two layouts."""
+
+    mine: torch.Tensor
+    want: torch.Tensor
+    sends: list[tuple[int, torch.Tensor]]
+    recvs: list[tuple[int, torch.Tensor]]
+    keep: tuple[torch.Tensor, torch.Tensor] | None
+
+    @classmethod
+    def of(cls, src: RowLayout, dst: RowLayout, rank: int) -> _Plan:
+        mine, want = src.rows_of(rank), dst.rows_of(rank)
+        sends, recvs, keep = [], [], None
+        # My rows grouped by their new owner; a global row's position within my rows is its rank among
+        # my (sorted) global indices.
+        new_owner = dst.owner_N[mine]
+        for peer in torch.unique(new_owner).tolist() if mine.numel() else []:
+            if peer != rank:
+                sends.append((peer, torch.nonzero(new_owner == peer).flatten()))
+        old_owner = src.owner_N[want]
+        for peer in torch.unique(old_owner).tolist() if want.numel() else []:
+            sel = torch.nonzero(old_owner == peer).flatten()
+            if peer == rank:
+                keep = (sel, torch.searchsorted(mine, want[sel]))
+            else:
+                recvs.append((peer, sel))
+        return cls(mine, want, sends, recvs, keep)
+
+
+def _exchange(sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> None:
+    """``(peer, tensor)`` sends and receives, posted together and waited for."""
+    ops = [dist.P2POp(dist.isend, t, peer) for peer, t in sends]
+    ops += [dist.P2POp(dist.irecv, t, peer) for peer, t in recvs]
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+
+def _checked(
+    fields: Mapping[str, torch.Tensor] | None, names: list[str], rows: int, rank: int, width: int | None
+) -> Mapping[str, torch.Tensor]:
+    if fields is None or set(fields) != set(names):
+        got = "nothing" if fields is None else sorted(fields)
+        raise ValueError(f"rank {rank} holds {rows} rows to move; fields {names} needed, got {got}")
+    for name in names:
+        t = fields[name]
+        if t.dim() != 2 or t.shape[0] != rows or (width is not None and t.shape[1] > width):
+            bound = "w" if width is None else f"<= {width}"
+            raise ValueError(
+                f"field {name}: shape {tuple(t.shape)} on rank {rank}, expected ({rows}, {bound})"
+            )
+    return fields
+
+
 def move_rows(
     fields: Mapping[str, torch.Tensor] | None,
     spec: FieldSpec,
     src: RowLayout,
     dst: RowLayout,
     *,
-    width: int,
+    width: int | None,
     device: torch.device,
 ) -> dict[str, torch.Tensor] | None:
     """Rows held per ``src`` -> rows held per ``dst``. Every rank calls it with the same layouts.
 
-    ``fields`` (this rank's ``(rows, <= width)`` tensors, one per name in ``spec``) is required on
-    ranks that hold rows in ``src``; the result is this rank's rows under ``dst`` (``(rows, width)``,
-    right-padded with 0), or None on a rank that holds none there.
+    ``fields`` (this rank's ``(rows, w)`` tensors, one per name in ``spec``) is required on ranks that
+    hold rows in ``src``; the result is this rank's rows under ``dst``, right-padded with 0, or None on a
+    rank that holds none there.
+
+    ``width``: a bound every rank knows (each field's w <= width); every field travels, and arrives,
+    ``width`` wide. None: each field travels at its own width, so a (rows, 1) column costs one number per
+    row; a header of each field's width goes first to every receiver, on the same point-to-point pairs
+    (nothing else waits on it: the receiver was waiting for those rows anyway). A field then arrives as
+    wide as the widest of it among the ranks it came from.
     """
     if src.num_rows != dst.num_rows:
         raise ValueError(f"layouts of {src.num_rows} and {dst.num_rows} rows")
     rank = dist.get_rank()
     names = list(spec)
-    mine = src.rows_of(rank)
-    packed = None
-    if mine.numel():
-        if fields is None or set(fields) != set(names):
-            got = "nothing" if fields is None else sorted(fields)
-            raise ValueError(
-                f"rank {rank} holds {mine.numel()} rows to move; fields {names} needed, got {got}"
-            )
-        packed = torch.zeros(mine.numel(), width, len(names), dtype=torch.float64, device=device)
-        for i, name in enumerate(names):
-            t = fields[name]
-            if t.shape[0] != mine.numel() or t.shape[1] > width:
-                raise ValueError(
-                    f"field {name}: shape {tuple(t.shape)} on rank {rank}, expected ({mine.numel()}, <= {width})"
-                )
-            packed[:, : t.shape[1], i] = t.to(device=device, dtype=torch.float64)
-    want = dst.rows_of(rank)
-    out = (
-        torch.zeros(want.numel(), width, len(names), dtype=torch.float64, device=device)
-        if want.numel()
-        else None
-    )
-    ops: list[dist.P2POp] = []
-    recvs: list[tuple[torch.Tensor, torch.Tensor]] = []
-    # Sends: my rows grouped by their new owner. Position of a global row within my rows: its rank
-    # among my (sorted) global indices.
+    plan = _Plan.of(src, dst, rank)
+    packed, widths = None, None
+    if plan.mine.numel():
+        held = _checked(fields, names, plan.mine.numel(), rank, width)
+        widths = [held[n].shape[1] if width is None else width for n in names]
+        # Every field side by side in one float64 buffer, each in its own columns.
+        packed = torch.zeros(plan.mine.numel(), sum(widths), dtype=torch.float64, device=device)
+        offset = 0
+        for name, w in zip(names, widths, strict=True):
+            t = held[name]
+            packed[:, offset : offset + t.shape[1]] = t.to(device=device, dtype=torch.float64)
+            offset += w
+    # Each source's field widths: known without asking when fixed, sent ahead when not.
+    peer_widths: dict[int, list[int]] = {}
+    if width is None:
+        headers = [(peer, torch.empty(len(names), dtype=torch.long, device=device)) for peer, _ in plan.recvs]
+        mine_w = torch.tensor(widths or [], dtype=torch.long, device=device)
+        _exchange([(peer, mine_w) for peer, _ in plan.sends], headers)
+        peer_widths = {peer: h.tolist() for peer, h in headers}
+    else:
+        peer_widths = {peer: [width] * len(names) for peer, _ in plan.recvs}
+    bufs = [
+        (peer, torch.empty(sel.numel(), sum(peer_widths[peer]), dtype=torch.float64, device=device))
+        for peer, sel in plan.recvs
+    ]
+    outgoing = []
     if packed is not None:
-        new_owner = dst.owner_N[mine]
-        for peer in torch.unique(new_owner).tolist():
-            sel = torch.nonzero(new_owner == peer).flatten().to(device)
-            if peer == rank:
-                continue
-            ops.append(dist.P2POp(dist.isend, packed.index_select(0, sel).contiguous(), peer))
-    if out is not None:
-        old_owner = src.owner_N[want]
-        for peer in torch.unique(old_owner).tolist():
-            sel = torch.nonzero(old_owner == peer).flatten()
-            if peer == rank:
-                assert packed is not None
-                # Rows I keep: where they sit among my source rows.
-                pos = torch.searchsorted(mine, want[sel])
-                out[sel.to(device)] = packed[pos.to(device)]
-                continue
-            buf = torch.empty(sel.numel(), width, len(names), dtype=torch.float64, device=device)
-            ops.append(dist.P2POp(dist.irecv, buf, peer))
-            recvs.append((sel.to(device), buf))
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-    if out is None:
+        outgoing = [(peer, packed.index_select(0, sel.to(device)).contiguous()) for peer, sel in plan.sends]
+    _exchange(outgoing, bufs)
+    if not plan.want.numel():
         return None
-    for sel, buf in recvs:
-        out[sel] = buf
-    return {name: out[:, :, i].to(spec[name]) for i, name in enumerate(names)}
+    # Where each destination row's fields come from: a received buffer, or my own packed rows.
+    parts: list[tuple[torch.Tensor, torch.Tensor, list[int]]] = [
+        (sel.to(device), buf, peer_widths[peer])
+        for (peer, sel), (_, buf) in zip(plan.recvs, bufs, strict=True)
+    ]
+    if plan.keep is not None:
+        assert packed is not None and widths is not None
+        sel, pos = plan.keep
+        parts.append((sel.to(device), packed[pos.to(device)], widths))
+    out: dict[str, torch.Tensor] = {}
+    for i, name in enumerate(names):
+        w_out = max(ws[i] for _, _, ws in parts)
+        field = torch.zeros(plan.want.numel(), w_out, dtype=torch.float64, device=device)
+        for sel, buf, ws in parts:
+            offset = sum(ws[:i])
+            field[sel, : ws[i]] = buf[:, offset : offset + ws[i]]
+        out[name] = field.to(spec[name])
+    return out

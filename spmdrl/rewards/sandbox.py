@@ -103,11 +103,30 @@ _EXPECTED = "expected a finite float, or a dict with a finite float 'score' key 
 
 @dataclass
 class RewardResult:
+    """A batch's rewards and the samples that got no score. Each sample counts once in ``num_errors`` +
+    ``num_timeouts`` (reward/errors, the budget of reward.max_error_frac), whatever failed on it;
+    the judge's part is broken out so that the stop names the source to fix."""
+
     scores_B: torch.Tensor  # float32, one score per input; error_score where a call failed
-    num_errors: int  # raised, returned a bad value, or its worker died (timeouts not included)
+    # Raised, returned a bad value, or its worker died (timeouts not included); with the judge
+    # (spmdrl/rl/model_rewards.py), also the samples reward.fn scored but whose judge reply did not parse.
+    num_errors: int
     num_timeouts: int  # ran past timeout_s, or not done by the batch deadline
     # Extra numeric keys returned in a dict: one value per input, NaN where the sample has none.
     extra: dict[str, list[float]] = field(default_factory=dict)
+    # Which samples reward.fn gave no score (bool, per input); None where only the counts are known
+    # (rows kept by dynamic sampling, rows rebuilt on a trainer rank). The judge reads it so that a
+    # sample failed by both is counted once.
+    failed_B: torch.Tensor | None = None
+    # Judge replies that did not parse (reward_model.judge.*), one per sample judged.
+    num_judge_errors: int = 0
+    # Of those, the ones on samples reward.fn scored: the part of num_errors the judge alone caused.
+    num_judge_only: int = 0
+
+    @property
+    def num_fn_failed(self) -> int:
+        """The samples reward.fn gave no score (errors and timeouts)."""
+        return self.num_errors + self.num_timeouts - self.num_judge_only
 
 
 @dataclass
@@ -340,6 +359,7 @@ def _collect(
         num_errors=num_errors,
         num_timeouts=num_timeouts,
         extra=extra,
+        failed_B=torch.tensor([o.score is None for o in outcomes], dtype=torch.bool),
     )
 
 

@@ -16,8 +16,10 @@ get equal consecutive blocks (whole groups too, checked by check_async_batch). W
 ranks as rollout ranks, trainer rank j gets exactly rollout rank j's rows, in order: what colocated rank j
 of a synchronous run holds.
 
-Every row is ``width`` = rl.max_model_len wide on the wire (every rank knows it without asking: a world
-collective for the real width would stall the overlap); the trainer trims to its rows' longest.
+Each field travels at its own width (spmdrl.distributed.exchange.move_rows with ``width=None``): the rows
+as wide as the sending rank's longest, a column one number per row. The widths go ahead in a header on
+the same point-to-point pair, so no collective spans the world (one would stall the overlap); the trainer
+trims to its rows' longest.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ COLUMNS: dict[str, torch.dtype] = {
     "truncated": torch.bool,  # finish_reason == "length"
     "errors": torch.long,  # the rollout rank's reward failures, on its first row (0 elsewhere)
     "timeouts": torch.long,
+    "judge_errors": torch.long,  # reward_model.judge: replies that did not parse, on its first row
+    "judge_only": torch.long,  # ... of them, on samples reward.fn scored (the judge alone failed them)
     "rollout_s": torch.float64,  # the rollout rank's seconds, on every row
     "reward_s": torch.float64,
     "latency_tail_s": torch.float64,  # of rollout_s: rollout.latency_tail's simulated wait
@@ -102,16 +106,14 @@ class BatchLayout:
 
     rollout: RowLayout
     trainer: RowLayout
-    width: int
 
     @classmethod
-    def plan(cls, placement: Placement, rows_per_rollout_rank: int, width: int) -> BatchLayout:
+    def plan(cls, placement: Placement, rows_per_rollout_rank: int) -> BatchLayout:
         ranks = placement.role("rollout").ranks
         total = rows_per_rollout_rank * len(ranks)
         return cls(
             RowLayout.from_counts([rows_per_rollout_rank] * len(ranks), ranks),
             RowLayout.contiguous(total, placement.role("actor").ranks),
-            width,
         )
 
 
@@ -163,6 +165,8 @@ def pack_samples(
         "truncated": column([g.finish_reason == "length" for g in n_gens], torch.bool),
         "errors": column([samples.rewards.num_errors * f for f in first], torch.long),
         "timeouts": column([samples.rewards.num_timeouts * f for f in first], torch.long),
+        "judge_errors": column([samples.rewards.num_judge_errors * f for f in first], torch.long),
+        "judge_only": column([samples.rewards.num_judge_only * f for f in first], torch.long),
         "rollout_s": column([seconds.get("rollout_s", 0.0)] * B, torch.float64),
         "reward_s": column([seconds.get("reward_s", 0.0)] * B, torch.float64),
         "latency_tail_s": column([seconds.get("latency_tail_s", 0.0)] * B, torch.float64),
@@ -176,15 +180,18 @@ def pack_samples(
 
 
 def fill_missing_fields(rows: dict[str, torch.Tensor], version: int) -> dict[str, torch.Tensor]:
-    """Rows saved in a queue before TOKEN_VERSIONS, ``interrupted`` and ``regenerated`` travelled (a
-    checkpoint of an earlier release): every token of ``version``'s, nothing interrupted or generated
-    again, as they were generated."""
+    """Rows saved in a queue before TOKEN_VERSIONS, ``interrupted``, ``regenerated`` and the judge's counts
+    travelled (a checkpoint of an earlier release): every token of ``version``'s, nothing interrupted,
+    generated again or failed by the judge, as they were generated."""
     if TOKEN_VERSIONS not in rows:
         rows[TOKEN_VERSIONS] = torch.full_like(rows["input_ids_BT"], version, dtype=torch.long)
     if "interrupted" not in rows:
         rows["interrupted"] = torch.zeros_like(rows["version"], dtype=torch.bool)
     if "regenerated" not in rows:
         rows["regenerated"] = torch.zeros_like(rows["version"], dtype=torch.bool)
+    for name in ("judge_errors", "judge_only"):
+        if name not in rows:
+            rows[name] = torch.zeros_like(rows["version"], dtype=torch.long)
     return rows
 
 
@@ -193,7 +200,7 @@ def transfer(
 ) -> dict[str, torch.Tensor] | None:
     """The rows from the rollout ranks (``fields``: this rank's, None on a trainer rank) to the trainer
     ranks; returns a trainer rank's rows, None on a rollout rank. Rollout and trainer ranks call it."""
-    return move_rows(fields, SPEC, layout.rollout, layout.trainer, width=layout.width, device=device)
+    return move_rows(fields, SPEC, layout.rollout, layout.trainer, width=None, device=device)
 
 
 @dataclass
@@ -244,7 +251,13 @@ def unpack(
     ]
     prompts = [train_ds[int(col["data_index"][i])] for i in range(0, B, n)]
     scores_B = col["score"].to(torch.float32).cpu()
-    rewards = RewardResult(scores_B, int(col["errors"].sum()), int(col["timeouts"].sum()))
+    rewards = RewardResult(
+        scores_B,
+        int(col["errors"].sum()),
+        int(col["timeouts"].sum()),
+        num_judge_errors=int(col["judge_errors"].sum()),
+        num_judge_only=int(col["judge_only"].sum()),
+    )
     responses = tokenizer.batch_decode([g.token_ids for g in gens], skip_special_tokens=True)  # type: ignore[attr-defined]
     # Every row carries the same reduced values (the rollout ranks' group-wide metrics): the first row's.
     # (move_rows refuses a wire narrower than the field, so nothing measured is cut off here.)

@@ -47,7 +47,7 @@ from spmdrl.distributed.placement import Meshes, Placement, plan_placement
 from spmdrl.distributed.topology import check_tp_within_nodes, node_layout_from_env
 from spmdrl.logging.metrics import NullLogger, rewind_logs
 from spmdrl.logging.plot import plot_curves
-from spmdrl.logging.samples import write_samples
+from spmdrl.logging.samples import Sample, write_samples
 from spmdrl.logging.timer import PhaseTimer
 from spmdrl.models.load import load_tokenizer, resolve_model_path_all_ranks
 from spmdrl.optim import OptimizerOffload, build_lr_scheduler, build_optimizer
@@ -428,13 +428,13 @@ def validates_at(job: RLJob, step: int) -> bool:
 def validation(job: RLJob, step: int) -> dict[str, float]:
     """Greedy decoding on the held-out split (spmdrl.rl.samples.validate); rank 0 logs its samples.
     parallel.placement=async: the rollout ranks decode, the first of them tells every rank the metrics
-    (rank 0 logs them; the samples are not written). Every rank calls it."""
+    and rank 0 its samples, which rank 0 writes. Every rank calls it."""
     assert job.val_ds is not None
     if job.placement.is_async:
         spec = job.placement.role("rollout")
-        result = None
+        result: tuple[dict[str, float], list[Sample]] | None = None
         if job.holds_engine:
-            result, _ = validate(
+            result = validate(
                 job.run,
                 job.rollout,
                 job.tokenizer,
@@ -444,10 +444,11 @@ def validation(job: RLJob, step: int) -> dict[str, float]:
                 shard=(job.env.rank - spec.first_rank, spec.num_ranks),
                 group=job.meshes.group("rollout"),
             )
-        return broadcast_object(result, src=spec.first_rank)
-    metrics, samples = validate(
-        job.run, job.rollout, job.tokenizer, job.reward_fn, job.val_ds, job.cfg.data.max_response_length
-    )
+        metrics, samples = broadcast_object(result, src=spec.first_rank)
+    else:
+        metrics, samples = validate(
+            job.run, job.rollout, job.tokenizer, job.reward_fn, job.val_ds, job.cfg.data.max_response_length
+        )
     if job.env.is_main:
         write_samples(job.samples_path, [dataclasses.replace(s, step=step) for s in samples])
     return metrics

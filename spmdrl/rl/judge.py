@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any
 
@@ -13,6 +14,10 @@ from spmdrl.config import JudgeConfig
 from spmdrl.data.prompts import encode
 from spmdrl.rewards.judge import last_user_message, parse_score, render_judge_prompt
 from spmdrl.rollout.engine import RolloutEngine, SamplingSpec
+
+log = logging.getLogger(__name__)
+# A reply is quoted in the warning up to this many characters.
+_REPLY_CHARS = 300
 
 
 class Judge:
@@ -63,5 +68,19 @@ class Judge:
         )
         self.last_replies = self.tokenizer.batch_decode([g.token_ids for g in gens], skip_special_tokens=True)
         parsed = [parse_score(r, self.pattern) for r in self.last_replies]
+        failed = [i for i, p in enumerate(parsed) if p is None]
+        if failed:
+            # What the judge wrote is what tells a template or regex problem from cut-off replies.
+            log.warning(
+                "judge: %d of %d replies did not parse with reward_model.judge.score_regex=%r "
+                "(max_tokens=%d), scored %s; first (sample %d): %r",
+                len(failed),
+                len(parsed),
+                self.cfg.score_regex,
+                self.cfg.max_tokens,
+                self.error_score,
+                failed[0],
+                self.last_replies[failed[0]][:_REPLY_CHARS],
+            )
         scores_B = torch.tensor([self.error_score if p is None else p for p in parsed], dtype=torch.float32)
         return scores_B, torch.tensor([p is not None for p in parsed])

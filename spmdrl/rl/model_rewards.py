@@ -54,8 +54,10 @@ class ModelRewards:
 
     def __call__(self, samples: ScoredSamples, step: int, *, record: bool = True) -> ScoredSamples:
         """``samples`` with its reward replaced by the weighted sum of the rule's, the model's and the
-        judge's; a judge reply that did not parse scores reward.error_score and is counted in reward/errors.
-        ``record=False`` keeps the call out of the step's metrics (ReMax's baseline generations)."""
+        judge's; a judge reply that did not parse scores reward.error_score and is counted in reward/errors
+        (once per sample: not again where reward.fn failed on it too) and in the result's num_judge_errors,
+        which the stop on reward.max_error_frac names. ``record=False`` keeps the call out of the step's
+        metrics (ReMax's baseline generations)."""
         cfg, gens = self.cfg, samples.gens
         messages = [samples.prompts[g.prompt_index].messages for g in gens]
         rule_B = samples.rewards.scores_B
@@ -63,7 +65,7 @@ class ModelRewards:
         sums: dict[str, float] = self._sums if record else defaultdict(float)
         sums["n"] += len(gens)
         sums["rule"] += float(rule_B.sum())
-        failed = 0
+        judge_errors = judge_only = 0
         if self.rm is not None:
             rm_B = self.rm.score(messages, samples.responses)
             parts["rm"] = (cfg.reward_model.weight, rm_B)
@@ -77,12 +79,22 @@ class ModelRewards:
             seed = (cfg.rollout.seed * 1_000_003 + step) * 1_000 + 500 + self._calls
             judge_B, parsed_B = self.judge.score(messages, samples.responses, truths, seed=seed)
             parts["judge"] = (cfg.reward_model.judge.weight, judge_B)
-            failed = int((~parsed_B).sum())
+            unparsed_B = ~parsed_B
+            fn_failed_B = samples.rewards.failed_B
+            if fn_failed_B is None:  # unknown: every unparsed reply counts as a sample of its own
+                fn_failed_B = torch.zeros_like(unparsed_B)
+            judge_errors = int(unparsed_B.sum())
+            judge_only = int((unparsed_B & ~fn_failed_B).sum())
             sums["judge_parsed"] += int(parsed_B.sum())
             sums["judge"] += float(judge_B[parsed_B].sum())
         total_B = weighted_reward(parts)
+        r = samples.rewards
         rewards = dataclasses.replace(
-            samples.rewards, scores_B=total_B, num_errors=samples.rewards.num_errors + failed
+            r,
+            scores_B=total_B,
+            num_errors=r.num_errors + judge_only,
+            num_judge_errors=r.num_judge_errors + judge_errors,
+            num_judge_only=r.num_judge_only + judge_only,
         )
         # Any shaping already applied (none in the recipes' order) stays on top of the new reward.
         return dataclasses.replace(samples, rewards=rewards, scores_B=total_B + (samples.scores_B - rule_B))

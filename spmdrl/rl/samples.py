@@ -139,6 +139,7 @@ class DynamicSampling:
         self.cfg, self.step, self.device = cfg, step, device
         self.target = 0  # this rank's prompts per step
         self.batches = self.generated = self.dropped = self.errors = self.timeouts = 0
+        self.judge_errors = self.judge_only = 0
         self._kept: list[_Group] = []
 
     def add(self, samples: ScoredSamples) -> None:
@@ -149,6 +150,8 @@ class DynamicSampling:
         self.generated += len(samples.prompts)
         self.errors += samples.rewards.num_errors
         self.timeouts += samples.rewards.num_timeouts
+        self.judge_errors += samples.rewards.num_judge_errors
+        self.judge_only += samples.rewards.num_judge_only
         raw_B, scores_B = samples.rewards.scores_B, samples.scores_B
         metric_B = {
             "reward": scores_B,
@@ -192,7 +195,14 @@ class DynamicSampling:
         keys = sorted({key for k in kept for key in k.extra})
         extra = {key: [v for k in kept for v in k.extra.get(key, [float("nan")] * n)] for key in keys}
         raw_B = torch.tensor([s for k in kept for s in k.raw_scores])
-        rewards = RewardResult(raw_B, self.errors, self.timeouts, extra)
+        rewards = RewardResult(
+            raw_B,
+            self.errors,
+            self.timeouts,
+            extra,
+            num_judge_errors=self.judge_errors,
+            num_judge_only=self.judge_only,
+        )
         responses = [r for k in kept for r in k.responses]
         scores_B = torch.tensor([s for k in kept for s in k.scores])
         return ScoredSamples([k.prompt for k in kept], gens, rewards, responses, scores_B)
@@ -309,12 +319,15 @@ def check_reward_errors(
     group: dist.ProcessGroup | None = None,
 ) -> None:
     """Stop the run, on every rank at once, when more than reward.max_error_frac of the step's samples
-    failed to score: a reward function that always raises would otherwise train on zeros to the end.
+    failed to score: a reward function that always raises, or a judge whose replies never parse, would
+    otherwise train on error_score to the end. The message names each source with its count and fix.
     ``group``: the ranks that hold the step's samples (default: every rank)."""
     t = all_reduce_sum(
         {
             "bad": rewards.num_errors + rewards.num_timeouts,
             "timeouts": rewards.num_timeouts,
+            "judge": rewards.num_judge_errors,
+            "judge_only": rewards.num_judge_only,
             "n": len(rewards.scores_B),
         },
         device,
@@ -322,9 +335,39 @@ def check_reward_errors(
     )
     frac = t["bad"] / max(t["n"], 1)
     if frac > cfg.reward.max_error_frac:
-        raise RuntimeError(
-            f"step {step}: {int(t['bad'])} of {int(t['n'])} samples ({frac:.0%}) got no score from reward.fn="
-            f"{cfg.reward.fn} ({int(t['timeouts'])} timed out, the rest raised or returned something that is not "
-            f"a finite number), above reward.max_error_frac={cfg.reward.max_error_frac}. The first error of each "
-            "rank is logged above with its traceback; fix the function (or raise reward.max_error_frac)"
+        raise RuntimeError(reward_errors_message(cfg, step, {k: int(v) for k, v in t.items()}))
+
+
+def reward_errors_message(cfg: Config, step: int, t: dict[str, int]) -> str:
+    """The stop's message from the step's counts over ranks (check_reward_errors' keys)."""
+    bad, n, timeouts, judge = t["bad"], t["n"], t["timeouts"], t["judge"]
+    fn_failed = bad - t["judge_only"]
+    head = f"step {step}: {bad} of {n} samples ({bad / max(n, 1):.0%}) got no score"
+    limit = f"above reward.max_error_frac={cfg.reward.max_error_frac}"
+    fn_what = (
+        f"reward.fn={cfg.reward.fn} ({timeouts} timed out, the rest raised or returned something that is not "
+        "a finite number)"
+    )
+    if judge == 0:  # reward.fn alone
+        return (
+            f"{head} from {fn_what}, {limit}. The first error of each rank is logged above with its traceback; "
+            "fix the function (or raise reward.max_error_frac)"
         )
+    # Several sources: one line each, with its count and its fix.
+    jc = cfg.reward_model.judge
+    lines = [f"{head}, {limit} (or raise it):"]
+    if fn_failed:
+        lines.append(
+            f"  - {fn_failed} from {fn_what}. The first error of each rank is logged above with its traceback; "
+            "fix the function."
+        )
+    both = judge - t["judge_only"]
+    lines.append(
+        f"  - {judge} judge replies that did not parse (reward_model.judge.*"
+        + (f"; {both} of them on samples reward.fn failed too" if both else "")
+        + f"): no match of reward_model.judge.score_regex={jc.score_regex!r} with a finite number in its first "
+        "group. The first such reply of each rank is logged above; make reward_model.judge.template ask for "
+        f"what score_regex reads, fix score_regex, or raise reward_model.judge.max_tokens={jc.max_tokens} if "
+        "the replies stop before the score."
+    )
+    return "\n".join(lines)

@@ -100,3 +100,6 @@ def test_agent_loop_on_the_rollout_ranks(tmp_path: Path) -> None:
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     train = [s for s in samples if s["split"] == "train"]
     assert len(train) == 32 and sum("\n42\n" in s["response"] for s in train) >= len(train) // 2
+    # Validation's samples too: decoded on the rollout ranks, written by rank 0 (the first rollout rank's).
+    val = [s for s in samples if s["split"] == "val"]
+    assert val and 2 in {s["step"] for s in val} and {s["step"] for s in val} <= {0, 2}

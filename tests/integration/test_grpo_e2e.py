@@ -237,6 +237,13 @@ def test_ppo_tiny_with_critic(tmp_path: Path) -> None:
     assert all("actor/pg_loss" in r for r in rows[1:])
     # The value head starts at 0 and learns: its predictions move off 0.
     assert any(r["critic/grad_norm"] > 0 for r in rows) and rows[-1]["critic/vpred_mean"] != 0.0
+    # Each role's update speed (spmdrl/rl/perf.py): the critic's every step, the actor's once it trains.
+    # A CPU has no peak FLOP/s, so no MFU is logged here (not a 0).
+    for r in rows:
+        assert 0 < r["perf/critic_tokens_per_s_update"] < math.inf
+        assert "perf/critic_mfu" not in r and "perf/mfu_update" not in r
+    assert "perf/tokens_per_s_update" not in rows[0]
+    assert all(0 < r["perf/tokens_per_s_update"] < math.inf for r in rows[1:])
 
 
 SPLIT_ARGS = (

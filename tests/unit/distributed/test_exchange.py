@@ -157,3 +157,60 @@ def test_rows_move_between_meshes_bit_exact() -> None:
         sent, got = r["checksums"]
         assert sent == got, (rank, sent, got)
         assert "fields" in r["bad_fields"] and "input_ids_BT" in r["bad_fields"], r["bad_fields"]
+
+
+def _ragged_worker(rank: int, world: int) -> dict:
+    """Ranks 2 and 3 send rows whose fields have widths of their own (rows as wide as the rank's longest,
+    a per-row column, a 3-wide field) to ranks 0 and 1, with ``width=None``: no rank knows another's."""
+    import torch.distributed as dist
+
+    from spmdrl.distributed.exchange import move_rows
+
+    spec = {"ids": torch.long, "score": torch.float32, "measured": torch.float64, "flag": torch.bool}
+
+    def rows_of(r: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(r)
+        n, w = 4, 5 + 3 * (r - 2)  # rank 2: 5 wide, rank 3: 8 wide
+        return {
+            "ids": torch.randint(1, 2**40, (n, w), generator=g),
+            "score": torch.randn(n, 1, generator=g),
+            "measured": torch.randn(n, 3, generator=g, dtype=torch.float64),
+            "flag": torch.rand(n, 1, generator=g) > 0.5,
+        }
+
+    src = RowLayout.from_counts([4, 4], [2, 3])
+    dst = RowLayout.from_counts([3, 5], [0, 1])  # rank 1 gets rows of both senders
+    got = move_rows(
+        rows_of(rank) if rank >= 2 else None, spec, src, dst, width=None, device=torch.device("cpu")
+    )
+    out: dict = {"none": got is None}
+    if got is not None:
+        a, b = rows_of(2), rows_of(3)
+        want_ids = torch.zeros(8, 8, dtype=torch.long)
+        want_ids[:4, :5], want_ids[4:] = a["ids"], b["ids"]
+        sel = dst.rows_of(rank)
+        # Rank 0's rows all come from rank 2: 5 wide; rank 1's from both: as wide as rank 3's, 0-padded.
+        out["ids_ok"] = torch.equal(got["ids"], want_ids[sel][:, : 5 if rank == 0 else 8])
+        out["score_ok"] = torch.equal(got["score"], torch.cat([a["score"], b["score"]])[sel])
+        out["measured_ok"] = torch.equal(got["measured"], torch.cat([a["measured"], b["measured"]])[sel])
+        out["flag_ok"] = torch.equal(got["flag"], torch.cat([a["flag"], b["flag"]])[sel])
+        out["dtypes"] = {k: str(v.dtype) for k, v in got.items()}
+        out["shapes"] = {k: tuple(v.shape) for k, v in got.items()}
+    dist.barrier()
+    return out
+
+
+def test_rows_move_at_their_own_widths() -> None:
+    results = run_distributed(_ragged_worker, 4, timeout_s=120)
+    assert results[2]["none"] and results[3]["none"]
+    for rank in (0, 1):
+        r = results[rank]
+        assert r["ids_ok"] and r["score_ok"] and r["measured_ok"] and r["flag_ok"], (rank, r)
+        assert r["dtypes"] == {
+            "ids": "torch.int64",
+            "score": "torch.float32",
+            "measured": "torch.float64",
+            "flag": "torch.bool",
+        }
+    assert results[0]["shapes"] == {"ids": (3, 5), "score": (3, 1), "measured": (3, 3), "flag": (3, 1)}
+    assert results[1]["shapes"] == {"ids": (5, 8), "score": (5, 1), "measured": (5, 3), "flag": (5, 1)}

@@ -114,11 +114,11 @@ def test_async_placement_and_layouts() -> None:
     )
     assert p.role("actor").ranks == [0, 1] and p.role("rollout").ranks == [2]
     # As many trainer as rollout ranks: trainer rank j gets rollout rank j's rows, in order.
-    lay = BatchLayout.plan(Placement.asynchronous(4, 2), rows_per_rollout_rank=6, width=10)
+    lay = BatchLayout.plan(Placement.asynchronous(4, 2), rows_per_rollout_rank=6)
     assert lay.rollout.owner_N.tolist() == [2] * 6 + [3] * 6
     assert lay.trainer.owner_N.tolist() == [0] * 6 + [1] * 6
     # 1 rollout rank feeding 2 trainer ranks: the first half of its rows to rank 0, the rest to rank 1.
-    lay = BatchLayout.plan(Placement.asynchronous(3, 1), rows_per_rollout_rank=8, width=10)
+    lay = BatchLayout.plan(Placement.asynchronous(3, 1), rows_per_rollout_rank=8)
     assert lay.rollout.rows_of(2).tolist() == list(range(8))
     assert lay.trainer.rows_of(0).tolist() == list(range(4))
     assert lay.trainer.rows_of(1).tolist() == list(range(4, 8))
@@ -222,9 +222,10 @@ def test_rows_rebuild_the_colocated_views() -> None:
         Generation(1, [27, 28, 29], [-0.5, -0.5, -0.5], "stop"),
     ]
     scores_B = torch.tensor([1.0, 0.0, -0.5, 1.0])
-    samples = ScoredSamples(prompts, gens, RewardResult(scores_B, 2, 1), ["x"] * 4, scores_B)
+    rewards = RewardResult(scores_B, 2, 1, num_judge_errors=3, num_judge_only=1)
+    samples = ScoredSamples(prompts, gens, rewards, ["x"] * 4, scores_B)
     rows = pack_samples(samples, 3, {"rollout_s": 1.5, "reward_s": 0.25}, pad, torch.device("cpu"))
-    width = 16  # what the wire carries: 0-padded to rl.max_model_len
+    width = 16  # a wire that pads every field (move_rows with a fixed width) changes nothing
     wire = {k: torch.nn.functional.pad(v, (0, width - v.shape[1])) for k, v in rows.items()}
     got = unpack(wire, _Data(prompts), _Tok(), n, pad)  # type: ignore[arg-type]
     from spmdrl.rl.experience import policy_batch
@@ -239,6 +240,8 @@ def test_rows_rebuild_the_colocated_views() -> None:
     assert [p.index for p in got.samples.prompts] == [11, 5]
     assert torch.equal(got.samples.scores_B, scores_B)
     assert (got.samples.rewards.num_errors, got.samples.rewards.num_timeouts) == (2, 1)
+    # The judge's share travels too, so the trainer's stop names it (spmdrl/rl/samples.py).
+    assert (got.samples.rewards.num_judge_errors, got.samples.rewards.num_judge_only) == (3, 1)
     assert got.versions_B.tolist() == [3, 3, 3, 3]
     assert got.seconds == {"rollout_s": 1.5, "reward_s": 0.25} and got.memory_gb > 0
     assert got.samples.responses == ["20 21", "22 23 24 25", "26", "27 28 29"]

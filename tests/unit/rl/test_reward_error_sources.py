@@ -1,0 +1,183 @@
+"""The stop on reward.max_error_frac (spmdrl/rl/samples.py::check_reward_errors) names the source of the
+samples that got no score: reward.fn (errors, timeouts) and the judge (replies that did not parse), each
+with its count and fix; a sample failed by both counts once. The judge's counts come from a real Judge on
+a real in-process vLLM engine (the tiny model, on the CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spmdrl.config import (
+    AlgorithmConfig,
+    Config,
+    FilterGroupsConfig,
+    JudgeConfig,
+    RewardConfig,
+    RewardModelConfig,
+    RolloutConfig,
+)
+from spmdrl.data.prompts import PromptExample
+from spmdrl.rewards.registry import RewardFn, RewardInput
+from spmdrl.rewards.sandbox import RewardResult, score_batch
+from spmdrl.rl.samples import DynamicSampling, ScoredSamples, check_reward_errors
+from spmdrl.rollout.engine import Generation
+from spmdrl.testing.spawn import run_distributed
+
+CPU = torch.device("cpu")
+REGEX = r"QQQ(\d)"  # never in the tiny model's replies: every judge reply fails to parse
+
+
+def _cfg(max_error_frac: float = 0.25) -> Config:
+    return Config(
+        reward=RewardConfig(fn="mine", max_error_frac=max_error_frac),
+        reward_model=RewardModelConfig(judge=JudgeConfig(enable=True, score_regex=REGEX, max_tokens=7)),
+    )
+
+
+def _stop(cfg: Config, rewards: RewardResult) -> str:
+    with pytest.raises(RuntimeError) as e:
+        check_reward_errors(cfg, rewards, step=3, device=CPU)
+    return str(e.value)
+
+
+def test_reward_fn_alone_keeps_its_wording() -> None:
+    msg = _stop(_cfg(), RewardResult(torch.zeros(8), 2, 1))
+    assert msg.startswith("step 3: 3 of 8 samples (38%) got no score from reward.fn=mine (1 timed out, ")
+    assert "fix the function (or raise reward.max_error_frac)" in msg
+    assert "judge" not in msg
+
+
+def test_judge_alone_is_named_with_its_fix() -> None:
+    rewards = RewardResult(torch.zeros(8), 5, 0, num_judge_errors=5, num_judge_only=5)
+    msg = _stop(_cfg(), rewards)
+    assert msg.startswith("step 3: 5 of 8 samples (62%) got no score, above reward.max_error_frac=0.25 (or")
+    assert "5 judge replies that did not parse (reward_model.judge.*)" in msg
+    assert f"score_regex={REGEX!r}" in msg and "reward_model.judge.max_tokens=7" in msg
+    assert "reward.fn" not in msg and "fix the function" not in msg
+
+
+def test_both_sources_each_with_a_count_a_sample_failed_twice_once() -> None:
+    # reward.fn: 2 errors + 1 timeout; the judge: 5 unparsed, 2 of them on samples reward.fn had failed.
+    rewards = RewardResult(torch.zeros(8), 2 + 3, 1, num_judge_errors=5, num_judge_only=3)
+    assert rewards.num_fn_failed == 3
+    msg = _stop(_cfg(), rewards)
+    assert msg.startswith("step 3: 6 of 8 samples (75%) got no score, above reward.max_error_frac=0.25 (or")
+    assert "3 from reward.fn=mine (1 timed out, " in msg and "fix the function" in msg
+    assert "5 judge replies that did not parse (reward_model.judge.*; 2 of them on samples reward.fn" in msg
+    lines = msg.splitlines()  # one line per source, reward.fn's first
+    assert len(lines) == 3 and "reward.fn" in lines[1] and "judge" in lines[2] and "judge" not in lines[1]
+    # Under the limit nothing stops, judge failures included.
+    check_reward_errors(_cfg(max_error_frac=0.75), rewards, step=3, device=CPU)
+
+
+def _two_ranks(rank: int, world: int) -> str:
+    # Rank 0: reward.fn failed 2 of its 4; rank 1: the judge 3 of its 4. 5 of 8 over the world.
+    rewards = (
+        RewardResult(torch.zeros(4), 2, 0)
+        if rank == 0
+        else RewardResult(torch.zeros(4), 3, 0, num_judge_errors=3, num_judge_only=3)
+    )
+    try:
+        check_reward_errors(_cfg(), rewards, step=2, device=CPU)
+    except RuntimeError as e:
+        return str(e)
+    return ""
+
+
+def test_the_sources_are_summed_over_ranks_and_every_rank_stops() -> None:
+    msgs = run_distributed(_two_ranks, 2, timeout_s=120)
+    assert msgs[0] == msgs[1] and msgs[0].startswith("step 2: 5 of 8 samples (62%) got no score, above"), msgs
+    assert "  - 2 from reward.fn=mine" in msgs[0] and "  - 3 judge replies that did not parse" in msgs[0]
+
+
+def _raises_on_bad(response: str, ground_truth: str, *, data_source: str, extra_info: dict) -> float:
+    if response == "bad":
+        raise ValueError("a bad sample")
+    return 1.0
+
+
+def test_score_batch_marks_the_samples_reward_fn_failed() -> None:
+    fn = RewardFn("test:raises_on_bad", _raises_on_bad, trusted=True)
+    inputs = [RewardInput(r, "", "src", {}) for r in ("ok", "bad", "ok", "bad")]
+    result = score_batch(fn, inputs, timeout_s=5, error_score=0.0)
+    assert result.failed_B is not None and result.failed_B.tolist() == [False, True, False, True]
+    assert (result.num_errors, result.num_fn_failed, result.num_judge_errors) == (2, 2, 0)
+
+
+def _batch(judge_errors: int, judge_only: int, errors: int) -> ScoredSamples:
+    prompts = [PromptExample(i, [1], [], str(i), "src", {}) for i in range(2)]
+    raw_B = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    gens = [Generation(i // 2, [5], [0.0], "stop") for i in range(4)]
+    rewards = RewardResult(raw_B, errors, 0, num_judge_errors=judge_errors, num_judge_only=judge_only)
+    return ScoredSamples(prompts, gens, rewards, ["x"] * 4, raw_B.clone())
+
+
+def test_dynamic_sampling_keeps_the_judge_counts_of_every_batch() -> None:
+    fg = FilterGroupsConfig(enable=True, metric="reward", max_num_gen_batches=0)
+    dyn = DynamicSampling(
+        Config(rollout=RolloutConfig(n=2), algorithm=AlgorithmConfig(filter_groups=fg)), 1, CPU
+    )
+    dyn.add(_batch(judge_errors=2, judge_only=1, errors=3))
+    dyn.add(_batch(judge_errors=1, judge_only=1, errors=1))
+    kept = dyn.kept().rewards
+    assert (kept.num_errors, kept.num_judge_errors, kept.num_judge_only, kept.num_fn_failed) == (4, 3, 2, 2)
+
+
+# ---------------------------------------------------------------------------------------------- real judge
+
+
+def _judged(rank: int, world: int, model_dir: str) -> dict:
+    """The model rewards with a real judge on a real engine, over samples reward.fn failed one of."""
+    from pathlib import Path
+
+    from spmdrl.models.load import load_tokenizer
+    from spmdrl.rl.judge import Judge
+    from spmdrl.rl.model_rewards import ModelRewards
+    from spmdrl.rollout.engine import build_engine
+
+    cfg = _cfg()
+    engine = build_engine(
+        Path(model_dir),
+        RolloutConfig(cpu_kvcache_gib=0.25, dtype="float32", cpu_gemm="torch"),
+        max_model_len=256,
+        device_type="cpu",
+    )
+    tok = load_tokenizer(Path(model_dir))
+    judge = Judge(cfg.reward_model.judge, engine, tok, max_model_len=256, error_score=0.0)
+    prompts = [
+        PromptExample(i, [1], [{"role": "user", "content": f"What is {i} + 1?"}], str(i + 1), "src", {})
+        for i in range(2)
+    ]
+    gens = [Generation(i // 2, [5], [0.0], "stop") for i in range(4)]
+    rule_B = torch.tensor([0.0, 1.0, 1.0, 0.0])
+    # reward.fn failed on sample 0 (an error), scored the others.
+    fn_result = RewardResult(rule_B, 1, 0, failed_B=torch.tensor([True, False, False, False]))
+    samples = ScoredSamples(prompts, gens, fn_result, ["1", "2", "2", "3"], rule_B.clone())
+    rewards = ModelRewards(cfg, None, judge, CPU)
+    out = rewards(samples, step=1).rewards
+    metrics = rewards.metrics()
+    try:
+        check_reward_errors(cfg, out, step=1, device=CPU)
+        stopped = None
+    except RuntimeError as e:
+        stopped = str(e)
+    engine.close()
+    return {
+        "counts": (out.num_errors, out.num_timeouts, out.num_judge_errors, out.num_judge_only),
+        "parsed_frac": metrics["reward/judge_parsed_frac"],
+        "replies": judge.last_replies,
+        "stopped": stopped,
+    }
+
+
+def test_real_judge_failures_are_counted_once_per_sample_and_named(tmp_path) -> None:  # noqa: ANN001
+    from spmdrl.models.tiny import ensure_tiny_model
+
+    r = run_distributed(_judged, 1, str(ensure_tiny_model(tmp_path)), timeout_s=300)[0]
+    assert len(r["replies"]) == 4 and not any("QQQ" in x for x in r["replies"]), r["replies"]
+    # 4 unparsed replies; sample 0's reward.fn had failed already: 1 + 3 samples without a score.
+    assert r["counts"] == (4, 0, 4, 3) and r["parsed_frac"] == 0.0
+    assert r["stopped"].startswith("step 1: 4 of 4 samples (100%) got no score, above"), r["stopped"]
+    assert "1 from reward.fn=mine" in r["stopped"]
+    assert "4 judge replies that did not parse (reward_model.judge.*; 1 of them on samples" in r["stopped"]
