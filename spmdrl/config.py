@@ -8,6 +8,7 @@ computed once by :func:`derive` and logged at start; no config object is mutated
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -1030,6 +1031,17 @@ def validate(cfg: Config) -> None:
         )
     if not 0.0 <= cfg.reward.max_error_frac <= 1.0:
         raise ConfigError(f"reward.max_error_frac must be in [0, 1], got {cfg.reward.max_error_frac}")
+    finite = {
+        "reward.error_score": cfg.reward.error_score,
+        "reward.rule_weight": cfg.reward.rule_weight,
+        "reward_model.weight": cfg.reward_model.weight,
+        "reward_model.judge.weight": cfg.reward_model.judge.weight,
+    }
+    for key, value in finite.items():
+        if not math.isfinite(
+            value
+        ):  # it would make every reward it touches NaN or inf, caught only at step 1
+            raise ConfigError(f"{key} must be a finite number, got {value}")
     _validate_token_budgets(cfg)
     if cfg.trainer.packed_attention == "varlen" and not cfg.trainer.pack_sequences:
         raise ConfigError(

@@ -105,11 +105,12 @@ _EXPECTED = "expected a finite float, or a dict with a finite float 'score' key 
 class RewardResult:
     """A batch's rewards and the samples that got no score. Each sample counts once in ``num_errors`` +
     ``num_timeouts`` (reward/errors, the budget of reward.max_error_frac), whatever failed on it;
-    the judge's part is broken out so that the stop names the source to fix."""
+    the judge's and the reward model's parts are broken out so that the stop names the source to fix."""
 
     scores_B: torch.Tensor  # float32, one score per input; error_score where a call failed
     # Raised, returned a bad value, or its worker died (timeouts not included); with the judge
-    # (spmdrl/rl/model_rewards.py), also the samples reward.fn scored but whose judge reply did not parse.
+    # (spmdrl/rl/model_rewards.py), also the samples reward.fn scored but whose judge reply did not parse,
+    # and with the reward model, those it alone gave a NaN/inf score.
     num_errors: int
     num_timeouts: int  # ran past timeout_s, or not done by the batch deadline
     # Extra numeric keys returned in a dict: one value per input, NaN where the sample has none.
@@ -122,11 +123,16 @@ class RewardResult:
     num_judge_errors: int = 0
     # Of those, the ones on samples reward.fn scored: the part of num_errors the judge alone caused.
     num_judge_only: int = 0
+    # Reward-model scores that were NaN or inf (reward_model.*), one per sample scored.
+    num_rm_nonfinite: int = 0
+    # Of those, the ones on samples that reward.fn scored and the judge did not fail: the part of
+    # num_errors the reward model alone caused.
+    num_rm_only: int = 0
 
     @property
     def num_fn_failed(self) -> int:
         """The samples reward.fn gave no score (errors and timeouts)."""
-        return self.num_errors + self.num_timeouts - self.num_judge_only
+        return self.num_errors + self.num_timeouts - self.num_judge_only - self.num_rm_only
 
 
 @dataclass

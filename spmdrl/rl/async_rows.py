@@ -61,6 +61,8 @@ COLUMNS: dict[str, torch.dtype] = {
     "timeouts": torch.long,
     "judge_errors": torch.long,  # reward_model.judge: replies that did not parse, on its first row
     "judge_only": torch.long,  # ... of them, on samples reward.fn scored (the judge alone failed them)
+    "rm_nonfinite": torch.long,  # reward_model: NaN/inf scores, on its first row
+    "rm_only": torch.long,  # ... of them, on samples reward.fn and the judge scored
     "rollout_s": torch.float64,  # the rollout rank's seconds, on every row
     "reward_s": torch.float64,
     "latency_tail_s": torch.float64,  # of rollout_s: rollout.latency_tail's simulated wait
@@ -167,6 +169,8 @@ def pack_samples(
         "timeouts": column([samples.rewards.num_timeouts * f for f in first], torch.long),
         "judge_errors": column([samples.rewards.num_judge_errors * f for f in first], torch.long),
         "judge_only": column([samples.rewards.num_judge_only * f for f in first], torch.long),
+        "rm_nonfinite": column([samples.rewards.num_rm_nonfinite * f for f in first], torch.long),
+        "rm_only": column([samples.rewards.num_rm_only * f for f in first], torch.long),
         "rollout_s": column([seconds.get("rollout_s", 0.0)] * B, torch.float64),
         "reward_s": column([seconds.get("reward_s", 0.0)] * B, torch.float64),
         "latency_tail_s": column([seconds.get("latency_tail_s", 0.0)] * B, torch.float64),
@@ -180,16 +184,17 @@ def pack_samples(
 
 
 def fill_missing_fields(rows: dict[str, torch.Tensor], version: int) -> dict[str, torch.Tensor]:
-    """Rows saved in a queue before TOKEN_VERSIONS, ``interrupted``, ``regenerated`` and the judge's counts
-    travelled (a checkpoint of an earlier release): every token of ``version``'s, nothing interrupted,
-    generated again or failed by the judge, as they were generated."""
+    """Rows saved in a queue before TOKEN_VERSIONS, ``interrupted``, ``regenerated`` and the judge's and
+    reward model's counts travelled (a checkpoint of an earlier release): every token of ``version``'s,
+    nothing interrupted, generated again or failed by the judge or the reward model, as they were
+    generated."""
     if TOKEN_VERSIONS not in rows:
         rows[TOKEN_VERSIONS] = torch.full_like(rows["input_ids_BT"], version, dtype=torch.long)
     if "interrupted" not in rows:
         rows["interrupted"] = torch.zeros_like(rows["version"], dtype=torch.bool)
     if "regenerated" not in rows:
         rows["regenerated"] = torch.zeros_like(rows["version"], dtype=torch.bool)
-    for name in ("judge_errors", "judge_only"):
+    for name in ("judge_errors", "judge_only", "rm_nonfinite", "rm_only"):
         if name not in rows:
             rows[name] = torch.zeros_like(rows["version"], dtype=torch.long)
     return rows
@@ -257,6 +262,8 @@ def unpack(
         int(col["timeouts"].sum()),
         num_judge_errors=int(col["judge_errors"].sum()),
         num_judge_only=int(col["judge_only"].sum()),
+        num_rm_nonfinite=int(col["rm_nonfinite"].sum()),
+        num_rm_only=int(col["rm_only"].sum()),
     )
     responses = tokenizer.batch_decode([g.token_ids for g in gens], skip_special_tokens=True)  # type: ignore[attr-defined]
     # Every row carries the same reduced values (the rollout ranks' group-wide metrics): the first row's.

@@ -6,12 +6,13 @@ engine) and their rewards, as ScoredSamples; DAPO's additions to them; the sampl
 - OverlongShaping, DynamicSampling: DAPO's overlong penalty (reward.overlong_buffer) and dynamic sampling
   (algorithm.filter_groups), which the GRPO recipe's rollout phase applies batch by batch.
 - greedy_rollout: remax's baseline generations; check_reward_errors: the stop when too many samples got
-  no score; train_samples: the samples to log; validate: greedy decoding on the held-out split.
+  no score, or when a training reward is NaN/inf; train_samples: the samples to log; validate: greedy decoding on the held-out split.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import defaultdict
 
 import torch
@@ -139,7 +140,7 @@ class DynamicSampling:
         self.cfg, self.step, self.device = cfg, step, device
         self.target = 0  # this rank's prompts per step
         self.batches = self.generated = self.dropped = self.errors = self.timeouts = 0
-        self.judge_errors = self.judge_only = 0
+        self.judge_errors = self.judge_only = self.rm_nonfinite = self.rm_only = 0
         self._kept: list[_Group] = []
 
     def add(self, samples: ScoredSamples) -> None:
@@ -152,6 +153,8 @@ class DynamicSampling:
         self.timeouts += samples.rewards.num_timeouts
         self.judge_errors += samples.rewards.num_judge_errors
         self.judge_only += samples.rewards.num_judge_only
+        self.rm_nonfinite += samples.rewards.num_rm_nonfinite
+        self.rm_only += samples.rewards.num_rm_only
         raw_B, scores_B = samples.rewards.scores_B, samples.scores_B
         metric_B = {
             "reward": scores_B,
@@ -202,6 +205,8 @@ class DynamicSampling:
             extra,
             num_judge_errors=self.judge_errors,
             num_judge_only=self.judge_only,
+            num_rm_nonfinite=self.rm_nonfinite,
+            num_rm_only=self.rm_only,
         )
         responses = [r for k in kept for r in k.responses]
         scores_B = torch.tensor([s for k in kept for s in k.scores])
@@ -319,20 +324,28 @@ def check_reward_errors(
     group: dist.ProcessGroup | None = None,
 ) -> None:
     """Stop the run, on every rank at once, when more than reward.max_error_frac of the step's samples
-    failed to score: a reward function that always raises, or a judge whose replies never parse, would
-    otherwise train on error_score to the end. The message names each source with its count and fix.
-    ``group``: the ranks that hold the step's samples (default: every rank)."""
+    failed to score: a reward function that always raises, a judge whose replies never parse, or a reward
+    model that gives NaN, would otherwise train on error_score to the end. The message names each source
+    with its count and fix. Also stops, whatever the limit, when a reward the step would train on
+    (``rewards.scores_B``: the weighted one) is NaN or inf. ``group``: the ranks that hold the step's
+    samples (default: every rank)."""
     t = all_reduce_sum(
         {
             "bad": rewards.num_errors + rewards.num_timeouts,
             "timeouts": rewards.num_timeouts,
             "judge": rewards.num_judge_errors,
             "judge_only": rewards.num_judge_only,
+            "rm": rewards.num_rm_nonfinite,
+            "rm_only": rewards.num_rm_only,
+            # Every source's failures score error_score, so this is 0 unless something slipped through.
+            "nonfinite": int((~torch.isfinite(rewards.scores_B)).sum()),
             "n": len(rewards.scores_B),
         },
         device,
         group,
     )
+    if t["nonfinite"]:
+        raise RuntimeError(nonfinite_reward_message(cfg, step, int(t["nonfinite"]), int(t["n"])))
     frac = t["bad"] / max(t["n"], 1)
     if frac > cfg.reward.max_error_frac:
         raise RuntimeError(reward_errors_message(cfg, step, {k: int(v) for k, v in t.items()}))
@@ -340,29 +353,36 @@ def check_reward_errors(
 
 def reward_errors_message(cfg: Config, step: int, t: dict[str, int]) -> str:
     """The stop's message from the step's counts over ranks (check_reward_errors' keys)."""
-    bad, n, timeouts, judge = t["bad"], t["n"], t["timeouts"], t["judge"]
-    fn_failed = bad - t["judge_only"]
+    bad, n, timeouts, judge, rm = t["bad"], t["n"], t["timeouts"], t["judge"], t["rm"]
+    fn_failed = bad - t["judge_only"] - t["rm_only"]
     head = f"step {step}: {bad} of {n} samples ({bad / max(n, 1):.0%}) got no score"
     limit = f"above reward.max_error_frac={cfg.reward.max_error_frac}"
     fn_what = (
         f"reward.fn={cfg.reward.fn} ({timeouts} timed out, the rest raised or returned something that is not "
         "a finite number)"
     )
-    if judge == 0:  # reward.fn alone
+    if judge == 0 and rm == 0:  # reward.fn alone
         return (
             f"{head} from {fn_what}, {limit}. The first error of each rank is logged above with its traceback; "
             "fix the function (or raise reward.max_error_frac)"
         )
     # Several sources: one line each, with its count and its fix.
-    jc = cfg.reward_model.judge
     lines = [f"{head}, {limit} (or raise it):"]
     if fn_failed:
         lines.append(
             f"  - {fn_failed} from {fn_what}. The first error of each rank is logged above with its traceback; "
             "fix the function."
         )
-    both = judge - t["judge_only"]
-    lines.append(
+    if judge:
+        lines.append(_judge_line(cfg, judge, judge - t["judge_only"]))
+    if rm:
+        lines.append(_rm_line(cfg, rm, rm - t["rm_only"]))
+    return "\n".join(lines)
+
+
+def _judge_line(cfg: Config, judge: int, both: int) -> str:
+    jc = cfg.reward_model.judge
+    return (
         f"  - {judge} judge replies that did not parse (reward_model.judge.*"
         + (f"; {both} of them on samples reward.fn failed too" if both else "")
         + f"): no match of reward_model.judge.score_regex={jc.score_regex!r} with a finite number in its first "
@@ -370,4 +390,40 @@ def reward_errors_message(cfg: Config, step: int, t: dict[str, int]) -> str:
         f"what score_regex reads, fix score_regex, or raise reward_model.judge.max_tokens={jc.max_tokens} if "
         "the replies stop before the score."
     )
-    return "\n".join(lines)
+
+
+def _rm_line(cfg: Config, rm: int, overlap: int) -> str:
+    rc, dtype = cfg.reward_model, cfg.model.param_dtype
+    return (
+        f"  - {rm} reward-model scores were NaN/inf (reward_model.path={rc.path}"
+        + (f"; {overlap} of them on samples reward.fn or the judge failed too" if overlap else "")
+        + "), scored reward.error_score. The first of each call is logged above; check the checkpoint (NaN "
+        f"or inf in its weights, a head that is not a trained scalar head) and the dtype it runs in "
+        f"(model.param_dtype={dtype}: float16 overflows where bfloat16 and float32 do not)."
+    )
+
+
+def nonfinite_reward_message(cfg: Config, step: int, bad: int, n: int) -> str:
+    """The stop when a weighted training reward is NaN or inf: names what can make one, from the config
+    (each source's own failures already score reward.error_score)."""
+    head = f"step {step}: {bad} of {n} training rewards are NaN/inf; stopping rather than training on them"
+    es = cfg.reward.error_score
+    if not math.isfinite(es):
+        return (
+            f"{head}: reward.error_score={es} is what every failed sample scores (reward.fn, the judge, the "
+            "reward model); set a finite one (the default is 0.0)"
+        )
+    weights = {"reward.rule_weight": cfg.reward.rule_weight}
+    if cfg.reward_model.enable:
+        weights["reward_model.weight"] = cfg.reward_model.weight
+    if cfg.reward_model.judge.enable:
+        weights["reward_model.judge.weight"] = cfg.reward_model.judge.weight
+    odd = {k: w for k, w in weights.items() if not math.isfinite(w)}
+    if odd:
+        return f"{head}: {', '.join(f'{k}={w}' for k, w in odd.items())} is not a finite number; set one"
+    parts = ", ".join(f"{k}={w}" for k, w in weights.items())
+    return (
+        f"{head}. Each part is finite (reward.fn's and the judge's scores are checked, the reward model's "
+        f"NaN/inf score reward.error_score), so the weighted sum ({parts}) overflowed float32: a part's "
+        "scores times its weight passed 3.4e38. Scale the weights or the scores down"
+    )
