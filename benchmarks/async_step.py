@@ -55,15 +55,14 @@ import json
 import math
 import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench_process import run_logged
 from bench_report import Figure, fmt_ratio, write_json
 
 # Where the script reads each job's metrics from: set by the script, never by --set.
@@ -315,7 +314,7 @@ def run_job(a: argparse.Namespace, job: Job, work: Path) -> Result:
     print(f"{job.name}: torchrun --nproc_per_node={a.nproc} -m spmdrl.train {shown}", flush=True)
     log_path = work / f"{job.name}.log"
     t0 = time.perf_counter()
-    code = _run_logged(cmd, log_path, a.timeout)
+    code = run_logged(cmd, log_path, a.timeout)
     wall = time.perf_counter() - t0
     if a.log_dir:
         Path(a.log_dir).mkdir(parents=True, exist_ok=True)
@@ -325,19 +324,6 @@ def run_job(a: argparse.Namespace, job: Job, work: Path) -> Result:
         why = f"ran past --timeout {a.timeout:.0f} s" if code is None else f"failed (exit {code})"
         raise JobFailed(f"the {job.name} job {why}; its last lines:\n{tail}")
     return dataclasses.replace(read_result(job, out_dir / "metrics.jsonl", a.warmup), job_wall_s=wall)
-
-
-def _run_logged(cmd: list[str], log_path: Path, timeout: float) -> int | None:
-    """Runs ``cmd`` into ``log_path``; its exit code, None past ``timeout`` (then its whole process group
-    goes: ranks left running would slow down the jobs after it)."""
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            return proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            return None
 
 
 def save_json(a: argparse.Namespace, results: list[Result], failed: list[str]) -> None:

@@ -54,9 +54,7 @@ import math
 import os
 import re
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -66,6 +64,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench_process import run_logged
 from bench_report import Figure, fmt_ratio, write_json
 
 # The ~6M-parameter random Qwen2 (head_dim 32: vLLM's CPU attention rejects 16).
@@ -303,7 +302,7 @@ def run_spmdrl(a: argparse.Namespace, model_dir: Path, work: Path, variant: Vari
         print(f"{variant.name}: the spmdrl job + {' '.join(variant.overrides) or '(nothing)'}", flush=True)
     log_path = work / f"{variant.name}.log"
     t0 = time.perf_counter()
-    code = _run_logged(cmd, log_path, a.timeout)
+    code = run_logged(cmd, log_path, a.timeout)
     wall = time.perf_counter() - t0
     if a.spmdrl_log:
         shutil.copyfile(log_path, _log_copy(Path(a.spmdrl_log), variant.name))
@@ -316,19 +315,6 @@ def run_spmdrl(a: argparse.Namespace, model_dir: Path, work: Path, variant: Vari
     result = _spmdrl_medians(measured)
     result.extra["job_wall_s"] = wall
     return result
-
-
-def _run_logged(cmd: list[str], log_path: Path, timeout: float) -> int | None:
-    """Runs ``cmd`` into ``log_path``; its exit code, None past ``timeout``. On a timeout the whole
-    process group goes: torchrun's ranks left running would slow down the runs after it."""
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            return proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            return None
 
 
 def _log_copy(path: Path, name: str) -> Path:

@@ -46,7 +46,8 @@ def policy_ages(step: int, versions_B: torch.Tensor) -> torch.Tensor:
 
 
 def stale_rows(ages_B: torch.Tensor, k: int) -> torch.Tensor:
-    """The rows the guard keeps out of the loss: older than ``k`` versions (or, impossibly, from the future)."""
+    """The rows the guard keeps out of the loss: older than ``k`` versions (or, impossibly, from the future).
+    Elementwise: the tokens' ages (rollout.partial) are judged the same way."""
     return (ages_B > k) | (ages_B < 0)
 
 
@@ -54,8 +55,7 @@ def batch_is_stale(step: int, versions_BT: torch.Tensor, response_mask_BT: torch
     """Whether any response token of a batch for update ``step`` is older than ``k`` (or from the future):
     trainer.stale_policy=regenerate then generates the batch again. Per token, so that rollout.partial's
     rows of several versions are judged as the trainer's guard judges them."""
-    ages_BT = token_ages(step, versions_BT)[response_mask_BT.bool()]
-    return bool(((ages_BT > k) | (ages_BT < 0)).any())
+    return bool(stale_rows(token_ages(step, versions_BT)[response_mask_BT.bool()], k).any())
 
 
 def drop_stale(response_mask_BT: torch.Tensor, stale_B: torch.Tensor) -> torch.Tensor:
@@ -74,25 +74,39 @@ def staleness_metrics(
     """``async/*`` over the rows of every rank of ``group``: the policy age's mean, max and histogram
     (``policy_age_frac_<a>``, a = 0..k), the share of rows the guard dropped, the share the rollout ranks
     generated again (trainer.stale_policy=regenerate), and k itself."""
+    return _age_metrics(ages_B, stale_B, {"regenerated": regenerated_B}, k, device, group)
+
+
+def _age_metrics(
+    ages: torch.Tensor,
+    stale: torch.Tensor,
+    row_flags: dict[str, torch.Tensor],
+    k: int,
+    device: torch.device,
+    group: dist.ProcessGroup | None,
+) -> dict[str, float]:
+    """The ages' ``async/*`` over the units of ``ages`` (rows or tokens) on every rank of ``group``, and
+    ``async/<name>_frac`` for each per-row flag: its share of the rows. One sum and one max reduction."""
+    rows = next(iter(row_flags.values())).numel()
     sums = {
-        "n": float(ages_B.numel()),
-        "age": float(ages_B.sum()),
-        "dropped": float(stale_B.sum()),
-        "rows": float(regenerated_B.numel()),
-        "regenerated": float(regenerated_B.sum()),
+        "n": float(ages.numel()),
+        "age": float(ages.sum()),
+        "dropped": float(stale.sum()),
+        "rows": float(rows),
     }
+    sums.update({name: float(flags.sum()) for name, flags in row_flags.items()})
     for a in range(k + 1):
-        sums[f"age_{a}"] = float((ages_B == a).sum())
+        sums[f"age_{a}"] = float((ages == a).sum())
     total = all_reduce_sum(sums, device, group)
-    oldest = all_reduce_max({"age": float(ages_B.max()) if ages_B.numel() else 0.0}, device, group)["age"]
+    oldest = all_reduce_max({"age": float(ages.max()) if ages.numel() else 0.0}, device, group)["age"]
     n = max(total["n"], 1.0)
     out = {
         "async/policy_age_mean": total["age"] / n,
         "async/policy_age_max": oldest,
         "async/staleness_k": float(k),
         "async/dropped_frac": total["dropped"] / n,
-        "async/regenerated_frac": total["regenerated"] / max(total["rows"], 1.0),
     }
+    out.update({f"async/{name}_frac": total[name] / max(total["rows"], 1.0) for name in row_flags})
     for a in range(k + 1):
         out[f"async/policy_age_frac_{a}"] = total[f"age_{a}"] / n
     return out
@@ -106,8 +120,7 @@ def token_ages(step: int, versions_BT: torch.Tensor) -> torch.Tensor:
 
 def drop_stale_tokens(response_mask_BT: torch.Tensor, ages_BT: torch.Tensor, k: int) -> torch.Tensor:
     """trainer.stale_policy=drop per token: the response mask without the tokens older than ``k``."""
-    stale_BT = (ages_BT > k) | (ages_BT < 0)
-    return response_mask_BT & ~stale_BT.to(response_mask_BT.device)
+    return response_mask_BT & ~stale_rows(ages_BT, k).to(response_mask_BT.device)
 
 
 def token_staleness_metrics(
@@ -121,30 +134,6 @@ def token_staleness_metrics(
 ) -> dict[str, float]:
     """rollout.partial's ``async/*``: :func:`staleness_metrics`' keys over the response tokens (``mask_BT``)
     instead of the rows, and ``async/partial_frac``, the share of samples a weight switch interrupted."""
-    mask = mask_BT.bool()
-    ages = ages_BT[mask]
-    stale = (ages > k) | (ages < 0)
-    sums = {
-        "n": float(ages.numel()),
-        "age": float(ages.sum()),
-        "dropped": float(stale.sum()),
-        "rows": float(interrupted_B.numel()),
-        "interrupted": float(interrupted_B.sum()),
-        "regenerated": float(regenerated_B.sum()),
-    }
-    for a in range(k + 1):
-        sums[f"age_{a}"] = float((ages == a).sum())
-    total = all_reduce_sum(sums, device, group)
-    oldest = all_reduce_max({"age": float(ages.max()) if ages.numel() else 0.0}, device, group)["age"]
-    n = max(total["n"], 1.0)
-    out = {
-        "async/policy_age_mean": total["age"] / n,
-        "async/policy_age_max": oldest,
-        "async/staleness_k": float(k),
-        "async/dropped_frac": total["dropped"] / n,
-        "async/partial_frac": total["interrupted"] / max(total["rows"], 1.0),
-        "async/regenerated_frac": total["regenerated"] / max(total["rows"], 1.0),
-    }
-    for a in range(k + 1):
-        out[f"async/policy_age_frac_{a}"] = total[f"age_{a}"] / n
-    return out
+    ages = ages_BT[mask_BT.bool()]
+    row_flags = {"partial": interrupted_B, "regenerated": regenerated_B}
+    return _age_metrics(ages, stale_rows(ages, k), row_flags, k, device, group)

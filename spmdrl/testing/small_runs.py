@@ -1,9 +1,13 @@
 """What the asynchronous and reward-model integration tests share: one small, fast GRPO run's settings, the
-cache directory their jobs use, and a random reward model on the tiny backbone."""
+cache directory their jobs use, a random reward model on the tiny backbone, and the rescoring of a run's
+logged training samples with it."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -53,3 +57,51 @@ def save_random_reward_model(out: Path, *, scale: float = 20.0, seed: int = 0) -
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+
+# The user turn inside a rendered tiny-model prompt (its chat template's markers).
+USER_TURN = re.compile(r"<\|im_start\|>user\n(.*?)<\|im_end\|>", re.S)
+
+
+@dataclass(frozen=True)
+class Rescored:
+    """A run's logged training samples (samples.jsonl, split "train") and their rewards, recomputed."""
+
+    train: list[dict]
+    rm_B: torch.Tensor  # the reward model's score of each, computed here
+    rule_B: torch.Tensor  # the tiny task's rule score of each
+    logged_B: torch.Tensor  # the reward the run logged (and trained on)
+
+
+def rescore_logged_samples(out: Path, reward_model: Path) -> Rescored:
+    """Each training sample the run in ``out`` logged, scored again here by ``reward_model`` (its prompt
+    rebuilt as one user turn, checked to render back to the logged prompt) and by the rule."""
+    from transformers import AutoModelForSequenceClassification
+
+    from spmdrl.models.load import load_tokenizer
+    from spmdrl.rewards.reward_model import RewardModel
+    from spmdrl.rewards.tiny import compute_score
+
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    train = [s for s in samples if s["split"] == "train"]
+    tok = load_tokenizer(reward_model)
+    scorer = RewardModel(
+        AutoModelForSequenceClassification.from_pretrained(reward_model).eval(),
+        tok,
+        micro_batch_size=len(train),
+        max_length=512,
+        device=torch.device("cpu"),
+    )
+    messages = []
+    for s in train:
+        match = USER_TURN.search(s["prompt"])
+        assert match is not None, s["prompt"]
+        turn = [{"role": "user", "content": match.group(1)}]
+        assert tok.apply_chat_template(turn, tokenize=False, add_generation_prompt=True) == s["prompt"]
+        messages.append(turn)
+    return Rescored(
+        train,
+        scorer.score(messages, [s["response"] for s in train]),
+        torch.tensor([compute_score(s["response"], s["ground_truth"]) for s in train]),
+        torch.tensor([s["reward"] for s in train]),
+    )

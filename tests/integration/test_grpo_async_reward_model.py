@@ -19,16 +19,12 @@ import pytest
 import torch
 
 from spmdrl.logging.metrics import read_metrics
-from spmdrl.models.load import load_tokenizer
-from spmdrl.rewards.reward_model import RewardModel
-from spmdrl.rewards.tiny import compute_score
 from spmdrl.testing.launch import torchrun
-from spmdrl.testing.small_runs import SMALL_GRPO, cache_dir, save_random_reward_model
+from spmdrl.testing.small_runs import SMALL_GRPO, cache_dir, rescore_logged_samples, save_random_reward_model
 
 pytestmark = pytest.mark.slow
 
 RULE_WEIGHT, RM_WEIGHT, JUDGE_WEIGHT = 0.5, 2.0, 0.1
-USER_TURN = re.compile(r"<\|im_start\|>user\n(.*?)<\|im_end\|>", re.S)
 
 # tests/integration/test_grpo_async.py's small settings (no warm-start, a gradient at every step).
 COMMON = SMALL_GRPO
@@ -89,28 +85,10 @@ def test_reward_model_and_judge_on_the_rollout_ranks(random_rm: Path, tmp_path: 
     assert any(r["reward/judge_parsed_frac"] > 0 for r in rows), "no judge reply parsed: no score arrived"
 
     # Each logged training sample, rescored here: rule_weight * rule + weight * RM + judge_weight * digit.
-    from transformers import AutoModelForSequenceClassification
-
-    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
-    train = [s for s in samples if s["split"] == "train"]
-    assert [s["step"] for s in train] == [1] * 8 + [2] * 8
-    tok = load_tokenizer(random_rm)
-    scorer = RewardModel(
-        AutoModelForSequenceClassification.from_pretrained(random_rm).eval(),
-        tok,
-        micro_batch_size=len(train),
-        max_length=512,
-        device=torch.device("cpu"),
-    )
-    messages = []
-    for s in train:
-        turn = [{"role": "user", "content": USER_TURN.search(s["prompt"]).group(1)}]
-        assert tok.apply_chat_template(turn, tokenize=False, add_generation_prompt=True) == s["prompt"]
-        messages.append(turn)
-    rm_B = scorer.score(messages, [s["response"] for s in train])
+    r = rescore_logged_samples(out, random_rm)
+    assert [s["step"] for s in r.train] == [1] * 8 + [2] * 8
+    rm_B, rule_B, logged_B = r.rm_B, r.rule_B, r.logged_B
     assert rm_B.std() > 0.1, "the scores must tell the samples apart, or the check proves little"
-    rule_B = torch.tensor([compute_score(s["response"], s["ground_truth"]) for s in train])
-    logged_B = torch.tensor([s["reward"] for s in train])
     digit_B = (logged_B - RULE_WEIGHT * rule_B - RM_WEIGHT * rm_B) / JUDGE_WEIGHT
     assert torch.allclose(digit_B, digit_B.round(), atol=1e-2), digit_B
     assert bool(((digit_B.round() >= 0) & (digit_B.round() <= 9)).all()), digit_B

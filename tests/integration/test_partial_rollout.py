@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -21,6 +22,9 @@ MAX_LEN = 128
 MAX_TOKENS = 24
 # test_weight_sync's parity tolerance for a float32 engine (mean |engine - trainer| logprob per token).
 TOL = 2e-3
+
+if TYPE_CHECKING:
+    from spmdrl.rollout.engine import RolloutEngine
 
 
 def _prompts() -> list[list[int]]:
@@ -66,12 +70,12 @@ def _gaps(res, prompts: list[list[int]], n: int, models: dict[int, torch.nn.Modu
     }
 
 
-def _worker(rank: int, world: int, model_dir: str) -> dict:
+def _models_and_engine(model_dir: str, tp: int) -> tuple[torch.nn.Module, torch.nn.Module, RolloutEngine]:
+    """Two versions of the tiny model (b: a's weights plus noise) and a float32 engine of tp ranks."""
     from transformers import AutoModelForCausalLM
 
     from spmdrl.config import RolloutConfig
-    from spmdrl.rollout.engine import SamplingSpec, build_engine
-    from spmdrl.rollout.interruptible import generate_interruptible
+    from spmdrl.rollout.engine import build_engine
 
     model_a = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
     model_b = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
@@ -81,10 +85,19 @@ def _worker(rank: int, world: int, model_dir: str) -> dict:
             p.add_(torch.randn(p.shape, generator=g) * 0.05)
     engine = build_engine(
         Path(model_dir),
-        RolloutConfig(tp=1, cpu_kvcache_gib=0.25, max_num_seqs=16, seed=3, dtype="float32"),
+        RolloutConfig(tp=tp, cpu_kvcache_gib=0.25, max_num_seqs=16, seed=3, dtype="float32"),
         max_model_len=MAX_LEN,
         device_type="cpu",
     )
+    return model_a, model_b, engine
+
+
+def _worker(rank: int, world: int, model_dir: str) -> dict:
+
+    from spmdrl.rollout.engine import SamplingSpec
+    from spmdrl.rollout.interruptible import generate_interruptible
+
+    model_a, model_b, engine = _models_and_engine(model_dir, tp=1)
 
     def load(model: torch.nn.Module, version: int) -> Callable[[], int]:
         def switch() -> int:
@@ -213,24 +226,11 @@ def test_weight_switch_mid_generation(tmp_path: Path) -> None:
 
 def _tp2_worker(rank: int, world: int, model_dir: str) -> dict:
     """One engine over both ranks: only its first rank's poll fires, and both must switch at that step."""
-    from transformers import AutoModelForCausalLM
 
-    from spmdrl.config import RolloutConfig
-    from spmdrl.rollout.engine import SamplingSpec, build_engine
+    from spmdrl.rollout.engine import SamplingSpec
     from spmdrl.rollout.interruptible import generate_interruptible
 
-    model_a = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
-    model_b = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model_b.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    engine = build_engine(
-        Path(model_dir),
-        RolloutConfig(tp=2, cpu_kvcache_gib=0.25, max_num_seqs=16, seed=3, dtype="float32"),
-        max_model_len=MAX_LEN,
-        device_type="cpu",
-    )
+    model_a, model_b, engine = _models_and_engine(model_dir, tp=2)
 
     def switch() -> int:
         engine.load_weights([(k, v) for k, v in model_b.state_dict().items() if k in engine.expected_weights])

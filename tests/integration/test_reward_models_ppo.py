@@ -10,24 +10,18 @@ transformers module, and its training reward must be rule_weight * rule + weight
 
 from __future__ import annotations
 
-import json
-import re
 from pathlib import Path
 
 import pytest
 import torch
 
 from spmdrl.logging.metrics import read_metrics
-from spmdrl.models.load import load_tokenizer
-from spmdrl.rewards.reward_model import RewardModel
-from spmdrl.rewards.tiny import compute_score
 from spmdrl.testing.launch import torchrun
-from spmdrl.testing.small_runs import cache_dir, save_random_reward_model
+from spmdrl.testing.small_runs import cache_dir, rescore_logged_samples, save_random_reward_model
 
 pytestmark = pytest.mark.slow
 
 RULE_WEIGHT, RM_WEIGHT = 0.5, 2.0
-USER_TURN = re.compile(r"<\|im_start\|>user\n(.*?)<\|im_end\|>", re.S)
 
 
 @pytest.fixture(scope="module")
@@ -68,27 +62,9 @@ def test_ppo_trains_on_the_weighted_reward_model_score(random_rm: Path, tmp_path
         assert r["critic/vf_loss"] > 0.0
 
     # Each logged training sample, rescored here: its reward is rule_weight * rule + weight * RM score.
-    from transformers import AutoModelForSequenceClassification
-
-    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
-    train = [s for s in samples if s["split"] == "train"]
-    assert [s["step"] for s in train] == [1] * 8 + [2] * 8
-    tok = load_tokenizer(random_rm)
-    scorer = RewardModel(
-        AutoModelForSequenceClassification.from_pretrained(random_rm).eval(),
-        tok,
-        micro_batch_size=len(train),
-        max_length=512,
-        device=torch.device("cpu"),
-    )
-    messages = []
-    for s in train:
-        turn = [{"role": "user", "content": USER_TURN.search(s["prompt"]).group(1)}]
-        assert tok.apply_chat_template(turn, tokenize=False, add_generation_prompt=True) == s["prompt"]
-        messages.append(turn)
-    rm_B = scorer.score(messages, [s["response"] for s in train])
-    rule_B = torch.tensor([compute_score(s["response"], s["ground_truth"]) for s in train])
+    r = rescore_logged_samples(out, random_rm)
+    assert [s["step"] for s in r.train] == [1] * 8 + [2] * 8
+    rm_B, rule_B, logged_B = r.rm_B, r.rule_B, r.logged_B
     expected_B = RULE_WEIGHT * rule_B + RM_WEIGHT * rm_B
-    logged_B = torch.tensor([s["reward"] for s in train])
     assert torch.allclose(logged_B, expected_B, atol=1e-3), (logged_B, expected_B)
     assert rm_B.std() > 0.1, "the scores must tell the samples apart, or the check proves little"

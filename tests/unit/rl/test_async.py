@@ -24,6 +24,7 @@ from spmdrl.rl.staleness import (
     staleness_metrics,
 )
 from spmdrl.rollout.engine import Generation
+from spmdrl.testing.rows import IdsTokenizer, PromptsByIndex
 
 
 # ------------------------------------------------------------------------------ versions and the schedule
@@ -194,19 +195,6 @@ def test_grpo_refuses_async_at_placement() -> None:
 
 
 # ----------------------------------------------------------------------------------------- rows and back
-class _Tok:
-    def batch_decode(self, ids: list[list[int]], skip_special_tokens: bool) -> list[str]:
-        return [" ".join(map(str, i)) for i in ids]
-
-
-class _Data:
-    def __init__(self, prompts: list[PromptExample]) -> None:
-        self.prompts = {p.index: p for p in prompts}
-
-    def __getitem__(self, i: int) -> PromptExample:
-        return self.prompts[i]
-
-
 def test_rows_rebuild_the_colocated_views() -> None:
     """pack_samples -> (the wire's width, 0-padded) -> unpack gives back the tokens, logprobs, rewards,
     versions and counts; the PolicyBatch is the one a colocated rank builds, pad ids included."""
@@ -229,7 +217,7 @@ def test_rows_rebuild_the_colocated_views() -> None:
     rows = pack_samples(samples, 3, {"rollout_s": 1.5, "reward_s": 0.25}, pad, torch.device("cpu"))
     width = 16  # a wire that pads every field (move_rows with a fixed width) changes nothing
     wire = {k: torch.nn.functional.pad(v, (0, width - v.shape[1])) for k, v in rows.items()}
-    got = unpack(wire, _Data(prompts), _Tok(), n, pad)  # type: ignore[arg-type]
+    got = unpack(wire, PromptsByIndex(prompts), IdsTokenizer(), n, pad)  # type: ignore[arg-type]
     from spmdrl.rl.experience import policy_batch
 
     want = policy_batch(samples, pad, torch.device("cpu"))

@@ -18,6 +18,7 @@ from spmdrl.rl.model_rewards import ModelRewards
 from spmdrl.rl.samples import ScoredSamples
 from spmdrl.rollout.engine import Generation
 from spmdrl.rollout.rollout import MULTI_TURN_KEYS
+from spmdrl.testing.rows import IdsTokenizer, PromptsByIndex
 
 RM = ("reward_model.enable=true", "reward_model.path=/some/rm")
 
@@ -69,19 +70,6 @@ def test_carried_metrics_cover_what_the_rollout_ranks_measure() -> None:
     assert len(CARRIED_METRICS) == len(set(CARRIED_METRICS))
 
 
-class _Tok:
-    def batch_decode(self, ids: list[list[int]], skip_special_tokens: bool) -> list[str]:
-        return [" ".join(map(str, i)) for i in ids]
-
-
-class _Data:
-    def __init__(self, prompts: list[PromptExample]) -> None:
-        self.prompts = {p.index: p for p in prompts}
-
-    def __getitem__(self, i: int) -> PromptExample:
-        return self.prompts[i]
-
-
 def _samples() -> ScoredSamples:
     prompts = [PromptExample(3, [1, 2], [], "a", "src", {})]
     gens = [Generation(0, [20, 21], [-0.5, -0.25], "stop"), Generation(0, [22], [-1.0], "stop")]
@@ -96,12 +84,12 @@ def test_measured_metrics_travel_with_the_rows() -> None:
     rows = pack_samples(_samples(), 0, {}, 0, torch.device("cpu"), measured=measured)
     assert rows["measured"].shape == (2, len(CARRIED_METRICS))
     wire = {k: torch.nn.functional.pad(v, (0, 40 - v.shape[1])) for k, v in rows.items()}
-    got = unpack(wire, _Data(_samples().prompts), _Tok(), 2, 0)  # type: ignore[arg-type]
+    got = unpack(wire, PromptsByIndex(_samples().prompts), IdsTokenizer(), 2, 0)  # type: ignore[arg-type]
     assert got.samples.metrics == measured
     assert got.samples.metrics is not None and not any(math.isnan(v) for v in got.samples.metrics.values())
     nothing = pack_samples(_samples(), 0, {}, 0, torch.device("cpu"))
     wire = {k: torch.nn.functional.pad(v, (0, 40 - v.shape[1])) for k, v in nothing.items()}
-    assert unpack(wire, _Data(_samples().prompts), _Tok(), 2, 0).samples.metrics == {}  # type: ignore[arg-type]
+    assert unpack(wire, PromptsByIndex(_samples().prompts), IdsTokenizer(), 2, 0).samples.metrics == {}  # type: ignore[arg-type]
 
 
 def test_an_unlisted_metric_is_refused_not_dropped() -> None:

@@ -14,19 +14,7 @@ from spmdrl.rl.async_rows import TOKEN_VERSIONS, fill_missing_fields, pack_sampl
 from spmdrl.rl.samples import ScoredSamples
 from spmdrl.rl.staleness import drop_stale_tokens, token_ages, token_staleness_metrics
 from spmdrl.rollout.engine import Generation
-
-
-class _Tok:
-    def batch_decode(self, ids: list[list[int]], skip_special_tokens: bool) -> list[str]:
-        return [" ".join(map(str, i)) for i in ids]
-
-
-class _Data:
-    def __init__(self, prompts: list[PromptExample]) -> None:
-        self.prompts = {p.index: p for p in prompts}
-
-    def __getitem__(self, i: int) -> PromptExample:
-        return self.prompts[i]
+from spmdrl.testing.rows import IdsTokenizer, PromptsByIndex
 
 
 def _samples() -> ScoredSamples:
@@ -52,7 +40,7 @@ def test_token_versions_travel_with_the_rows() -> None:
     rows = pack_samples(
         samples, 3, {}, 0, torch.device("cpu"), token_versions=versions, interrupted=interrupted
     )
-    got = unpack(_wire(rows), _Data(samples.prompts), _Tok(), 2, 0)  # type: ignore[arg-type]
+    got = unpack(_wire(rows), PromptsByIndex(samples.prompts), IdsTokenizer(), 2, 0)  # type: ignore[arg-type]
     assert got.versions_B.tolist() == [3, 3, 3, 3]  # the row's version: the one that started it
     assert got.interrupted_B is not None and got.interrupted_B.tolist() == interrupted
     assert got.versions_BT is not None
@@ -61,7 +49,11 @@ def test_token_versions_travel_with_the_rows() -> None:
         assert got.versions_BT[i][mask[i]].tolist() == v
     # Without partial rollouts every token is the row's version and nothing was interrupted.
     plain = unpack(
-        _wire(pack_samples(samples, 7, {}, 0, torch.device("cpu"))), _Data(samples.prompts), _Tok(), 2, 0
+        _wire(pack_samples(samples, 7, {}, 0, torch.device("cpu"))),
+        PromptsByIndex(samples.prompts),
+        IdsTokenizer(),
+        2,
+        0,
     )  # type: ignore[arg-type]
     assert plain.versions_BT is not None and plain.interrupted_B is not None
     assert bool((plain.versions_BT[plain.batch.response_mask_BT] == 7).all())
