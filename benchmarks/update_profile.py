@@ -145,6 +145,7 @@ def build_random_actor(shape: str, cfg: Any, device: torch.device) -> torch.nn.M
     from spmdrl.config import ac_mode
     from spmdrl.distributed.placement import Placement
     from spmdrl.models.build import _params_on_meta, attention_kwargs, model_spec
+    from spmdrl.models.causal_attention import use_causal_sdpa
     from spmdrl.models.parallelize import apply_ac, apply_fsdp
 
     spec = model_spec(cfg.model, Path(shape), device, train=True)
@@ -172,6 +173,7 @@ def build_random_actor(shape: str, cfg: Any, device: torch.device) -> torch.nn.M
             else:
                 local.normal_(0.0, 0.02, generator=g)
     model.config.use_cache = False
+    use_causal_sdpa(model)  # as spmdrl.rl.models.build_models does
     model.train()
     return model
 

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from spmdrl.models.causal_attention import causal_key_mask, full_attention_sdpa, uses_causal_sdpa
 from spmdrl.models.head import head_on_positions
 from spmdrl.models.packing import Packed, pack
 from spmdrl.models.varlen import uses_varlen, varlen_kwargs
@@ -178,22 +179,24 @@ def attention_mask_for(
 
     transformers reads a 2-D mask's values to choose between SDPA's ``is_causal`` (no padding) and a
     4-D mask it builds (padding): on a GPU, two syncs per forward. With the lengths on the host there
-    is nothing to read: no padding is no mask (transformers then takes ``is_causal``, as it would have),
-    padding is the same boolean 4-D mask built here (causal, and only real keys), which transformers
-    passes to SDPA as it is. Only for SDPA models whose layers all attend fully (a sliding-window layer
-    needs transformers' own mask): any other model gets the 2-D mask, and so does a call without lengths.
+    is nothing to read. A model switched to causal SDPA (spmdrl.models.causal_attention: the RL models
+    whose layers all attend fully) gets no mask, padded or not: causal attention is exact for every real
+    token of a right-padded row, and SDPA keeps its flash kernel. Another SDPA full-attention model gets
+    None without padding (transformers then takes ``is_causal``) and with padding the boolean 4-D mask
+    (causal, and only real keys), which transformers passes to SDPA as it is. Any other model (a
+    sliding-window layer needs transformers' own mask) gets the 2-D mask, and so does a call without
+    lengths.
     """
     if lengths_B is None:
         return attention_mask_BT
+    if uses_causal_sdpa(model):
+        return None
     T = attention_mask_BT.shape[1]
     if all(n == T for n in lengths_B):
         return None
-    if not _sdpa_full_attention(model):
+    if not full_attention_sdpa(getattr(model, "config", None)):
         return attention_mask_BT
-    device = attention_mask_BT.device
-    pos_T = torch.arange(T, device=device)
-    causal_TT = pos_T[None, :] <= pos_T[:, None]  # key <= query
-    return causal_TT[None, None] & attention_mask_BT.bool()[:, None, None, :]
+    return causal_key_mask(attention_mask_BT)
 
 
 def packed_attention_mask(model: nn.Module, segment_ids_RC: torch.Tensor) -> torch.Tensor | None:
@@ -201,26 +204,13 @@ def packed_attention_mask(model: nn.Module, segment_ids_RC: torch.Tensor) -> tor
     layers all attend fully: the mask transformers derives from the position-id restarts, which it finds
     by reading them (a sync per forward on a GPU). None for other models: transformers then derives it.
     A varlen model (spmdrl.models.varlen) called with this mask instead of the boundaries attends with it."""
-    if not (_sdpa_full_attention(model) or uses_varlen(model)):
+    if not (full_attention_sdpa(getattr(model, "config", None)) or uses_varlen(model)):
         return None
     C = segment_ids_RC.shape[1]
     pos_C = torch.arange(C, device=segment_ids_RC.device)
     causal_CC = pos_C[None, :] <= pos_C[:, None]
     same_RCC = segment_ids_RC[:, :, None] == segment_ids_RC[:, None, :]
     return (causal_CC[None] & same_RCC)[:, None]
-
-
-def _sdpa_full_attention(model: nn.Module) -> bool:
-    config = getattr(model, "config", None)
-    if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
-        return False
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:
-        return all(t == "full_attention" for t in layer_types)
-    return (
-        getattr(config, "sliding_window", None) is None
-        and getattr(config, "attention_chunk_size", None) is None
-    )
 
 
 class _Positions:

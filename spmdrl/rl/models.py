@@ -14,6 +14,7 @@ import torch
 from spmdrl.config import Config
 from spmdrl.distributed.placement import Meshes
 from spmdrl.models.build import build_fsdp_model, build_meta_model, model_spec
+from spmdrl.models.causal_attention import use_causal_sdpa
 from spmdrl.models.load import resolve_model_path_all_ranks
 from spmdrl.models.varlen import apply_packed_attention
 from spmdrl.optim import build_lr_scheduler, build_optimizer
@@ -34,6 +35,9 @@ def build_models(
         return build_meta_model(model_spec(cfg.model, model_dir, device, train=False)), None
     actor_spec = model_spec(cfg.model, model_dir, device, train=True)
     actor = build_fsdp_model(actor_spec, meshes.fsdp("actor"), device)
+    # Scoring passes without transformers' mask building (spmdrl.models.causal_attention): no host-device
+    # sync per forward, and SDPA's flash kernel for padded rows.
+    use_causal_sdpa(actor)
     # How packed rows attend (trainer.packed_attention): the actor's and the reference's packed forwards
     # pass the segments' boundaries (spmdrl.models.forward); the critic's keep their mask.
     t = cfg.trainer
@@ -44,6 +48,7 @@ def build_models(
         ref = build_fsdp_model(
             model_spec(cfg.model, model_dir, device, train=False), meshes.fsdp("ref"), device
         )
+        use_causal_sdpa(ref)
         apply_packed_attention(ref, t.packed_attention, **attention)
     elif cfg.model.offload_ref:
         log.warning("model.offload_ref=true does nothing here: no KL term, so no reference model is built")
@@ -68,6 +73,7 @@ def build_critic(
     )
     spec = model_spec(cfg.model, path, device, train=True, head="value")
     model = build_fsdp_model(spec, meshes.fsdp("critic"), device)
+    use_causal_sdpa(model)
     optimizer = build_optimizer(model, cfg.critic.optim)
     return Critic(
         model, optimizer, build_lr_scheduler(optimizer, cfg.critic.optim, cfg.trainer.total_steps or 1)

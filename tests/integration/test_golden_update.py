@@ -12,7 +12,7 @@ at all), while it moves by 5% and 1% respectively. Intended changes are fine, bu
 refresh the file and say so in the change.
 
 The set-up: the tiny Qwen2 of ``save_small_qwen2`` (its default seed), world size 1 through
-``run_distributed`` (so FSDP2 and the real build path, ``build_fsdp_model(model_spec(...))``, are
+``run_distributed`` (so FSDP2 and the real build path, ``spmdrl.rl.models.build_models``, are
 used), grpo_tiny's algorithm and optim sections as the config loader composes them
 (``recipe=grpo_tiny``: clip ratios 0.2 / 0.28, token-mean, no KL loss, AdamW at lr 2e-4, constant
 schedule), with the batch shape pinned here (4 prompts x 8 samples, micro-batches of 8) so that the
@@ -106,24 +106,17 @@ def _synthetic_batch(step: int, max_response: int) -> dict[str, torch.Tensor]:
 def _worker(rank: int, world: int, model_dir: str, cfg: Any) -> list[dict[str, float]]:
     from spmdrl.config import derive, derive_rl
     from spmdrl.distributed.placement import Placement
-    from spmdrl.models.build import build_fsdp_model, model_spec
     from spmdrl.optim import build_lr_scheduler, build_optimizer
     from spmdrl.rl.batch import PolicyBatch
     from spmdrl.rl.micro_batches import micro_batch_rows
+    from spmdrl.rl.models import build_models
     from spmdrl.rl.update import logprobs_of, update_policy
 
     cpu = torch.device("cpu")
     derived = derive(cfg, world, PROMPTS * STEPS, samples_per_item=N)
     rl = derive_rl(cfg, derived)
     meshes = Placement.colocated(world).build_meshes("cpu")
-    actor = build_fsdp_model(
-        model_spec(cfg.model, Path(model_dir), cpu, train=True), meshes.fsdp("actor"), cpu
-    )
-    ref = None
-    if cfg.algorithm.use_kl_loss:
-        ref = build_fsdp_model(
-            model_spec(cfg.model, Path(model_dir), cpu, train=False), meshes.fsdp("ref"), cpu
-        )
+    actor, ref = build_models(cfg, cpu, meshes, Path(model_dir))
     optimizer = build_optimizer(actor, cfg.optim)
     scheduler = build_lr_scheduler(optimizer, cfg.optim, STEPS)
     initial = {n: p.detach().full_tensor().clone() for n, p in actor.named_parameters()}
