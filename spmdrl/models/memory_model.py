@@ -39,8 +39,11 @@ intermediate i, L layers, key/value width kv = kv_heads x head_dim, vocabulary V
 Fixed bytes (not per token), per rank, the parameters sharded over S ranks (P parameters):
 
     chunk    = C x the unfused head (fused head only)
-    state    = 16 P / S per trained model (float32 parameters 4, gradients 4, AdamW's moments 8), 4 P / S per
-               frozen one (the reference); 0 for what model.offload_params / offload_ref keep in host memory
+    state    = 16 P / S per trained model (float32 parameters 4, gradients 4, AdamW's moments 8); b P / S per
+               frozen one (the reference, the reward model: stored in the compute dtype); under LoRA the actor
+               is 4 P / S (its frozen base stays a float32 master) + 16 A / S for its A adapter parameters;
+               0 for what model.offload_params / offload_ref keep in host memory. A value / reward model's
+               P is the backbone with a one-output head instead of the LM head (params_with_head).
     gathered = (2 layer_params + root_params) x (b + 4) training: FSDP2's unsharded compute-dtype parameters
                of the layer being computed and the prefetched one, and of the root (embeddings, LM head),
                which stays gathered from forward to backward, plus their unsharded float32 gradients before
@@ -62,6 +65,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from spmdrl.errors import ConfigError
+
 # Budgets are whole multiples of this many tokens: kernels tile by powers of two, and a budget that
 # moves by a few tokens with the free memory would give differently shaped micro-batches from run to run.
 BUDGET_MULTIPLE = 256
@@ -71,6 +76,9 @@ BUDGET_MULTIPLE = 256
 # only scored positions, peaked at 2.07 MiB per token where this model gives 1.27 (1.6x); until the
 # budgets are measured on GPUs the margin covers that.
 HEADROOM = 1.6
+# A trained parameter's bytes: its float32 master copy, its float32 gradient, AdamW's two float32 moments.
+TRAINED_BYTES = 16
+MASTER_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -126,6 +134,49 @@ class DecoderShape:
     def params(self) -> int:
         return self.layers * self.layer_params + self.root_params
 
+    def params_with_head(self, head: str) -> int:
+        """The parameters of this decoder with ``head`` (spmdrl.models.build's ModelSpec.head): "lm", the
+        causal LM; "value", the critic's one-output token classifier (with a bias); "reward", the one-output
+        sequence classifier (without). The latter two have no LM head, tied or not."""
+        if head == "lm":
+            return self.params
+        backbone = self.layers * self.layer_params + self.vocab * self.hidden + self.hidden
+        return backbone + self.hidden + (1 if head == "value" else 0)
+
+    @property
+    def linear_widths(self) -> dict[str, tuple[int, int]]:
+        """(input, output) width of each linear module of a decoder layer, by name (what LoRA targets)."""
+        h, q, kv, i = self.hidden, self.q_width, self.kv_width, self.intermediate
+        return {
+            "q_proj": (h, q),
+            "k_proj": (h, kv),
+            "v_proj": (h, kv),
+            "o_proj": (q, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }
+
+
+# model.lora.target_modules' name for every linear layer (spmdrl.models.lora.ALL_LINEAR; not imported:
+# this module stays torch-free).
+ALL_LINEAR = "all-linear"
+
+
+def lora_adapter_params(shape: DecoderShape, rank: int, target_modules: list[str]) -> int:
+    """The parameters LoRA adds: rank x (in + out) per targeted linear module (A: rank x in, B: out x rank)
+    of every layer. A name the shape does not know raises ConfigError (its widths are unknown here)."""
+    widths = shape.linear_widths
+    names = list(widths) if ALL_LINEAR in target_modules else list(target_modules)
+    unknown = sorted(set(names) - set(widths))
+    if unknown:
+        raise ConfigError(
+            f"model.lora.target_modules: the memory model behind the automatic token budgets knows the "
+            f"linear modules {sorted(widths)} of a Llama/Qwen2-style decoder, not {unknown}; target those, or "
+            "set trainer.ppo_max_token_len_per_gpu and trainer.log_prob_max_token_len_per_gpu to token counts"
+        )
+    return shape.layers * sum(rank * (widths[n][0] + widths[n][1]) for n in set(names))
+
 
 @dataclass(frozen=True)
 class MemoryInputs:
@@ -135,8 +186,9 @@ class MemoryInputs:
     checkpoint_every: int = 1  # model.activation_checkpointing_every
     # The fused linear + logprob head's chunk (model.use_fused_kernels, fused_chunk_tokens); 0: unfused.
     fused_chunk_tokens: int = 0
-    # How attention sees a micro-batch: "varlen" (packed, no mask), "padded" (rows padded to the longest,
-    # with a 4-D mask) or "packed_mask" (packed rows through a block-diagonal mask over all their tokens).
+    # How attention sees a micro-batch: "varlen" (packed, no mask), "causal" (rows padded to the longest,
+    # causal SDPA and no mask: spmdrl.models.causal_attention), "padded" (rows padded to the longest, with a
+    # 4-D mask) or "packed_mask" (packed rows through a block-diagonal mask over all their tokens).
     attention: str = "varlen"
 
 
@@ -207,9 +259,21 @@ def gathered_param_bytes(m: MemoryInputs, *, grad: bool) -> int:
     return (2 * s.layer_params + s.root_params) * per_param
 
 
-def trainer_state_bytes(shape: DecoderShape, shards: int, *, trained: int, frozen: int) -> int:
-    """The sharded models' state on one rank at the update (docs/scaling.md's table)."""
-    return (16 * trained + 4 * frozen) * shape.params // shards
+def model_state_bytes(params: int, trained: int, storage_bytes: int, shards: int) -> int:
+    """One model's sharded state on a rank at the update (docs/scaling.md's table): ``params`` stored at
+    ``storage_bytes`` each (4: a trained model's float32 master copy; a frozen model's compute dtype), of
+    which ``trained`` (all, LoRA's adapters, or none) also carry a float32 gradient and AdamW's two float32
+    moments, all over ``shards`` ranks."""
+    return (params * storage_bytes + trained * (TRAINED_BYTES - MASTER_BYTES)) // shards
+
+
+def scoring_pass_bytes(m: MemoryInputs, rows: int, row_len: int) -> int:
+    """A reward model's no-grad forward over ``rows`` right-padded rows of ``row_len`` tokens (its head has
+    one output: no vocabulary term): one layer's working set and the 4-D padding mask per token, times
+    HEADROOM, and the gathered parameters."""
+    tokens = rows * row_len
+    per_token = layer_bytes_per_token(m) + mask_bytes_per_key(m) * row_len
+    return math.ceil(tokens * per_token * HEADROOM) + gathered_param_bytes(m, grad=False)
 
 
 def mask_bytes_per_key(m: MemoryInputs) -> int:
@@ -239,6 +303,7 @@ class TokenBudgets:
     train_bytes_per_token: int
     no_grad_bytes_per_token: int
     available_gib: float
+    state_gib: float = 0.0  # the models' state on the busiest rank (spmdrl.rl.token_budgets.rank_states)
 
     def as_dict(self) -> dict[str, Any]:
         return {f"memory_model_{k}": v for k, v in dataclasses.asdict(self).items()}
@@ -269,4 +334,5 @@ def token_budgets(
         train_bytes_per_token=train,
         no_grad_bytes_per_token=no_grad,
         available_gib=round(available / 2**30, 2),
+        state_gib=round(state_bytes / 2**30, 2),
     )

@@ -5,15 +5,20 @@ default) become, on CUDA, the tokens that fit in the card's free memory by the m
 (spmdrl/models/memory_model.py). The free memory is measured once, at start, before any model or the engine
 is allocated, as the least over all ranks (every rank must plan alike): that is what the trainer's passes
 share with a sleeping engine (rollout.free_cache_engine: asleep, it holds neither weights nor KV cache),
-less what the models' state will take, which the memory model counts from the model's shape. Measured
-later, the optimizer's moments (allocated at the first step) would be missing from it. The critic's passes
-take the actor's budgets (its one-value head costs far less than the LM head: they err small). On CPU the
-keys at -1 keep sequence-count micro-batches (config.derive_rl).
+less what the models' state will take, which the memory model counts from the models' shapes (the actor's,
+and reward_model.path's) on the busiest rank (rank_states: actor, reference, LoRA's adapters, a critic, the
+reward model, by placement). Measured later, the optimizer's moments (allocated at the first step) would be
+missing from it. The critic's passes take the actor's budgets (its one-value head costs far less than the
+LM head: they err small). The reward model's own scoring pass is sized by
+reward_model.micro_batch_size_per_gpu, not by these budgets; check_reward_model_pass warns when it may not
+fit beside the awake engine. On CPU the keys at -1 keep sequence-count micro-batches (config.derive_rl).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,11 +27,14 @@ from spmdrl.config import AUTO_TOKENS, Config, ac_mode, max_sequence_length
 from spmdrl.distributed.placement import Placement
 from spmdrl.distributed.reduce import all_reduce_min
 from spmdrl.models.memory_model import (
+    MASTER_BYTES,
     DecoderShape,
     MemoryInputs,
     TokenBudgets,
+    lora_adapter_params,
+    model_state_bytes,
+    scoring_pass_bytes,
     token_budgets,
-    trainer_state_bytes,
 )
 
 log = logging.getLogger(__name__)
@@ -40,12 +48,16 @@ def wants_memory_budgets(cfg: Config, device: torch.device) -> bool:
     return device.type == "cuda" and auto and t.micro_batch_tokens == 0
 
 
-def memory_inputs(cfg: Config, shape: DecoderShape, attention_kernel: str) -> MemoryInputs:
+def memory_inputs(
+    cfg: Config, shape: DecoderShape, attention_kernel: str, *, padded_mask: bool = True
+) -> MemoryInputs:
     """The memory model's inputs from the model's section, for a CUDA trainer whose packed rows attend
-    with ``attention_kernel`` (spmdrl.models.varlen.choose_kernel: "mask" or a varlen kernel)."""
+    with ``attention_kernel`` (spmdrl.models.varlen.choose_kernel: "mask" or a varlen kernel).
+    ``padded_mask``: padded rows attend through a 4-D mask; False for a model whose layers all attend fully
+    with SDPA, which the RL build switches to causal SDPA with no mask (spmdrl.models.causal_attention)."""
     m, t = cfg.model, cfg.trainer
     if not t.pack_sequences:
-        attention = "padded"
+        attention = "padded" if padded_mask else "causal"
     else:
         attention = "packed_mask" if attention_kernel == "mask" else "varlen"
     return MemoryInputs(
@@ -58,20 +70,151 @@ def memory_inputs(cfg: Config, shape: DecoderShape, attention_kernel: str) -> Me
     )
 
 
-def state_bytes(cfg: Config, shape: DecoderShape, placement: Placement, *, needs_critic: bool) -> int:
-    """What the models will hold on one rank at the update, plus an engine that stays awake. Counted for
-    the busiest rank of a colocated job (actor, reference and critic on every rank); a split placement's
-    ranks hold less, so the budget errs small there."""
+@dataclass(frozen=True)
+class RankState:
+    """The models' state on one kind of rank at the update, by model, in bytes (docs/scaling.md)."""
+
+    ranks: str  # whose ranks: "actor" (colocated, async: the trainer ranks) or "critic" (split)
+    actor: int = 0
+    ref: int = 0
+    critic: int = 0
+    reward_model: int = 0
+    deferred_grads: int = 0  # trainer.defer_grad_sync's unsharded gradients
+
+    @property
+    def total(self) -> int:
+        return self.actor + self.ref + self.critic + self.reward_model + self.deferred_grads
+
+    def describe(self) -> str:
+        parts = {k: v for k, v in dataclasses.asdict(self).items() if k != "ranks" and v}
+        inner = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in parts.items()) or "nothing"
+        return f"{self.ranks} ranks {self.total / 2**30:.2f} GiB ({inner})"
+
+
+def frozen_bytes_per_param(cfg: Config) -> int:
+    """A frozen model's stored bytes per parameter: spmdrl.models.build keeps it in model.param_dtype
+    (auto: bfloat16 on CUDA), without a float32 master copy."""
+    return 4 if cfg.model.param_dtype == "float32" else 2
+
+
+def actor_bytes(cfg: Config, shape: DecoderShape, shards: int) -> int:
+    """The actor's state: every weight trained, or under LoRA a float32 frozen base (a trained model's
+    master copy; it gets no gradient or moments) and trained adapters; 0 offloaded."""
+    m = cfg.model
+    if m.offload_params:
+        return 0
+    if not m.lora.enabled:
+        return model_state_bytes(shape.params, shape.params, MASTER_BYTES, shards)
+    adapters = lora_adapter_params(shape, m.lora.rank, list(m.lora.target_modules))
+    return model_state_bytes(shape.params + adapters, adapters, MASTER_BYTES, shards)
+
+
+def critic_bytes(cfg: Config, shape: DecoderShape, shards: int) -> int:
+    """The critic's state: every weight of the backbone and its value head trained; 0 offloaded."""
+    params = shape.params_with_head("value")
+    return 0 if cfg.model.offload_params else model_state_bytes(params, params, MASTER_BYTES, shards)
+
+
+def trained_params(cfg: Config, shape: DecoderShape, role: str) -> int:
+    """The parameters with gradients of ``role``'s model ("actor" or "critic")."""
+    lora = cfg.model.lora
+    if role == "actor" and lora.enabled:
+        return lora_adapter_params(shape, lora.rank, list(lora.target_modules))
+    return shape.params_with_head("lm" if role == "actor" else "value")
+
+
+def rank_states(
+    cfg: Config,
+    shape: DecoderShape,
+    placement: Placement,
+    *,
+    needs_critic: bool,
+    rm_shape: DecoderShape | None = None,
+) -> list[RankState]:
+    """What the models will hold at the update on each kind of rank: the actor's ranks (actor, reference,
+    a colocated critic, the reward model), and under a split placement the critic's ranks (the critic
+    alone; the actor's copy there is a meta-device one). Each model is sharded over its role's ranks.
+    ``rm_shape``: reward_model.path's shape, when reward_model.enable. The critic is counted at the
+    actor's shape (critic.model_path's is not read)."""
     m, a = cfg.model, cfg.algorithm
-    shards = placement.role("actor").num_ranks // cfg.parallel.dp_replicate
-    colocated_critic = needs_critic and not placement.is_split
-    trained = 0 if m.offload_params else 1 + int(colocated_critic)
-    has_ref = a.use_kl_loss or a.use_kl_in_reward
-    frozen = int(has_ref and not m.offload_ref)
-    # trainer.defer_grad_sync: each rank keeps the unsharded gradients (reduce_dtype) until the
-    # mini-batch's last micro-batch. (LoRA's smaller optimizer state is not counted: the budget errs small.)
-    deferred = (4 if m.reduce_dtype == "float32" else 2) * shape.params if cfg.trainer.defer_grad_sync else 0
-    return trainer_state_bytes(shape, shards, trained=trained, frozen=frozen) + deferred
+    shards = placement.role("actor").dp_shard
+    frozen = frozen_bytes_per_param(cfg)
+    has_ref = (a.use_kl_loss or a.use_kl_in_reward) and not m.offload_ref
+    critic_here = needs_critic and not placement.is_split
+    rm = 0  # reward_model.enable: on the actor's ranks, except under async (the rollout ranks)
+    if rm_shape is not None and cfg.reward_model.enable and not placement.is_async:
+        rm = model_state_bytes(rm_shape.params_with_head("reward"), 0, frozen, shards)
+    # trainer.defer_grad_sync: a rank keeps the unsharded gradients (reduce_dtype) until the mini-batch's
+    # last micro-batch, of one model at a time (the actor's and the critic's updates take turns).
+    grad_bytes = (4 if m.reduce_dtype == "float32" else 2) if cfg.trainer.defer_grad_sync else 0
+    roles = ["actor", "critic"] if critic_here else ["actor"]
+    states = [
+        RankState(
+            "actor",
+            actor=actor_bytes(cfg, shape, shards),
+            ref=model_state_bytes(shape.params, 0, frozen, shards) if has_ref else 0,
+            critic=critic_bytes(cfg, shape, shards) if critic_here else 0,
+            reward_model=rm,
+            deferred_grads=grad_bytes * max(trained_params(cfg, shape, r) for r in roles),
+        )
+    ]
+    if needs_critic and placement.is_split:
+        critic = critic_bytes(cfg, shape, placement.role("critic").dp_shard)
+        states.append(
+            RankState(
+                "critic", critic=critic, deferred_grads=grad_bytes * trained_params(cfg, shape, "critic")
+            )
+        )
+    return states
+
+
+def state_bytes(
+    cfg: Config,
+    shape: DecoderShape,
+    placement: Placement,
+    *,
+    needs_critic: bool,
+    rm_shape: DecoderShape | None = None,
+) -> int:
+    """The state of the busiest rank (rank_states): every rank plans with the same budgets."""
+    states = rank_states(cfg, shape, placement, needs_critic=needs_critic, rm_shape=rm_shape)
+    return max(s.total for s in states)
+
+
+def reward_model_shape(cfg: Config) -> DecoderShape | None:
+    """reward_model.path's shape when reward_model.enable (its files checked first: ConfigError)."""
+    if not cfg.reward_model.enable:
+        return None
+    from transformers import AutoConfig
+
+    from spmdrl.rewards.reward_model_path import check_reward_model_dir
+
+    path = check_reward_model_dir(cfg.reward_model.path)
+    return DecoderShape.from_hf(
+        AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
+    )
+
+
+def check_reward_model_pass(cfg: Config, rm_shape: DecoderShape, room: int) -> int:
+    """The reward model's scoring pass, estimated (memory_model.scoring_pass_bytes): it runs right after
+    generation with the engine still awake, on reward_model.micro_batch_size_per_gpu right-padded rows of
+    up to the longest sequence (its own budget, not the token budgets). Warns when that exceeds ``room``,
+    what the engine and the state leave; returns the estimate."""
+    rm = cfg.reward_model
+    row_len = min(rm.max_length or max_sequence_length(cfg), max_sequence_length(cfg))
+    m = MemoryInputs(shape=rm_shape, compute_bytes=frozen_bytes_per_param(cfg))
+    need = scoring_pass_bytes(m, rm.micro_batch_size_per_gpu, row_len)
+    if need > room:
+        log.warning(
+            "reward model: a scoring micro-batch of %d rows x %d tokens needs about %.1f GiB next to the awake "
+            "engine, which with the models' state leaves %.1f GiB: lower reward_model.micro_batch_size_per_gpu "
+            "or rollout.gpu_memory_utilization if it runs out of memory",
+            rm.micro_batch_size_per_gpu,
+            row_len,
+            need / 2**30,
+            room / 2**30,
+        )
+    return need
 
 
 def measure_token_budgets(
@@ -83,6 +226,7 @@ def measure_token_budgets(
 
     from spmdrl.models.varlen import capabilities, choose_kernel, features_of
 
+    rm_shape = reward_model_shape(cfg)
     hf_config = AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
     shape = DecoderShape.from_hf(hf_config)
     dtype = torch.float32 if cfg.model.param_dtype == "float32" else torch.bfloat16
@@ -94,23 +238,34 @@ def measure_token_budgets(
     ).kernel
     free, total = torch.cuda.mem_get_info(device)
     free = int(all_reduce_min({"free": float(free)}, device)["free"])
-    # An engine that stays awake through the update (free_cache_engine=false) keeps its share of the card.
-    engine = 0 if cfg.rollout.free_cache_engine else int(cfg.rollout.gpu_memory_utilization * total)
+    # An engine that stays awake through the update (free_cache_engine=false) keeps its share of the card
+    # (async: the trainer ranks hold no engine).
+    awake = int(cfg.rollout.gpu_memory_utilization * total)
+    engine = 0 if cfg.rollout.free_cache_engine or placement.is_async else awake
+    states = rank_states(cfg, shape, placement, needs_critic=needs_critic, rm_shape=rm_shape)
+    state = max(s.total for s in states)
+    reserve = int(cfg.trainer.memory_reserve_gib * 2**30)
+    features = features_of(hf_config, dtype)
+    # Without sliding windows or soft-capping (eager attention) the model attends with causal SDPA.
+    padded_mask = features.sliding_window or features.softcap
     budgets = token_budgets(
-        memory_inputs(cfg, shape, kernel),
+        memory_inputs(cfg, shape, kernel, padded_mask=padded_mask),
         free_bytes=free - engine,
-        state_bytes=state_bytes(cfg, shape, placement, needs_critic=needs_critic),
-        reserve_bytes=int(cfg.trainer.memory_reserve_gib * 2**30),
+        state_bytes=state,
+        reserve_bytes=reserve,
         max_len=max_sequence_length(cfg),
     )
     log.info(
         "token budgets from %.1f GiB free: update %d tokens (%d bytes/token), no-grad passes %d tokens "
-        "(%d bytes/token), %.1f GiB left for activations",
+        "(%d bytes/token), %.1f GiB left for activations; state: %s",
         free / 2**30,
         budgets.train,
         budgets.train_bytes_per_token,
         budgets.no_grad,
         budgets.no_grad_bytes_per_token,
         budgets.available_gib,
+        "; ".join(s.describe() for s in states),
     )
+    if rm_shape is not None and not placement.is_async:
+        check_reward_model_pass(cfg, rm_shape, free - awake - state - reserve)
     return budgets
