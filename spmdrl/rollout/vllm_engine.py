@@ -15,6 +15,9 @@ What building vLLM in the trainer's process changes, and what is done about it:
   thread-pinned worker process, which in-process execution never does), and vLLM sets torch's thread
   count for serving (on CUDA too: ``set_torch_threads_for_runtime`` in 0.32's ``Worker.load_model``
   drops it to 1 unless ``OMP_NUM_THREADS`` is set); both are restored.
+- on CPU with tp >= 2, the names of the TP all-reduce's shared-memory segments: vLLM derives them from
+  the init method, the same ``env://`` for every ``external_launcher`` job, so two jobs on one machine
+  (or one after a killed one) would collide; :mod:`spmdrl.rollout.cpu_shm` names them per build.
 - process-wide settings (:class:`_SettingsSwap`): ``Worker.__init__`` calls
   ``torch.set_float32_matmul_precision(VLLM_FLOAT32_MATMUL_PRECISION)`` ("highest" unless set), which
   would take TF32 away from a trainer that enabled it; importing ``vllm.platforms.cuda`` calls
@@ -57,7 +60,7 @@ import torch
 import torch.distributed as dist
 
 from spmdrl.config import ConfigError, RolloutConfig
-from spmdrl.rollout import cpu_gemm, vllm_worker
+from spmdrl.rollout import cpu_gemm, cpu_shm, vllm_worker
 from spmdrl.rollout.engine import (
     Generation,
     LoadSeconds,
@@ -382,10 +385,18 @@ class VLLMEngine:
             f" (rollout.dtype={cfg.dtype})" if cfg.dtype == "auto" else "",
             max_model_len,
         )
+        # CPU, tp >= 2: the TP all-reduce's shared-memory segments named after this build, not after the
+        # machine, so that concurrent or killed jobs cannot collide (spmdrl.rollout.cpu_shm). Its exit
+        # runs a collective over the engine ranks, so it sits outside world.vllm()'s group swap.
+        shm_names = None
+        if device_type == "cpu" and cfg.tp > 1:
+            shm_names = cpu_shm.SegmentNames.agree(self.world.group)
+            kwargs["worker_cls"] = cpu_shm.WORKER_CLS
         with (
             _isolated_rng(device_type),
             _keep_thread_settings(),
             self._settings.building(),
+            shm_names.building(self.world.group) if shm_names else contextlib.nullcontext(),
             self.world.vllm(building=True),
         ):
             self.llm = LLM(**kwargs)
