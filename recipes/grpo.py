@@ -152,6 +152,7 @@ def remax_baseline(job: RLJob, s: Step) -> None:
         if job.model_rewards is not None:  # the same reward as the samples'
             baseline = job.model_rewards(baseline, s.step, record=False)
         scores_B = baseline.scores_B
+    check_reward_errors(cfg, baseline.rewards, s.step, job.device, what="greedy ReMax baselines")
     s.baseline_B = scores_B.repeat_interleave(cfg.rollout.n)
 
 

@@ -322,13 +322,15 @@ def check_reward_errors(
     step: int,
     device: torch.device,
     group: dist.ProcessGroup | None = None,
+    what: str = "samples",
 ) -> None:
     """Stop the run, on every rank at once, when more than reward.max_error_frac of the step's samples
     failed to score: a reward function that always raises, a judge whose replies never parse, or a reward
     model that gives NaN, would otherwise train on error_score to the end. The message names each source
     with its count and fix. Also stops, whatever the limit, when a reward the step would train on
     (``rewards.scores_B``: the weighted one) is NaN or inf. ``group``: the ranks that hold the step's
-    samples (default: every rank)."""
+    samples (default: every rank). ``what``: the samples' name in the message (ReMax's greedy baselines
+    are checked too: a baseline at error_score would be a wrong advantage for every sample of its prompt)."""
     t = all_reduce_sum(
         {
             "bad": rewards.num_errors + rewards.num_timeouts,
@@ -345,17 +347,17 @@ def check_reward_errors(
         group,
     )
     if t["nonfinite"]:
-        raise RuntimeError(nonfinite_reward_message(cfg, step, int(t["nonfinite"]), int(t["n"])))
+        raise RuntimeError(nonfinite_reward_message(cfg, step, int(t["nonfinite"]), int(t["n"]), what))
     frac = t["bad"] / max(t["n"], 1)
     if frac > cfg.reward.max_error_frac:
-        raise RuntimeError(reward_errors_message(cfg, step, {k: int(v) for k, v in t.items()}))
+        raise RuntimeError(reward_errors_message(cfg, step, {k: int(v) for k, v in t.items()}, what))
 
 
-def reward_errors_message(cfg: Config, step: int, t: dict[str, int]) -> str:
+def reward_errors_message(cfg: Config, step: int, t: dict[str, int], what: str = "samples") -> str:
     """The stop's message from the step's counts over ranks (check_reward_errors' keys)."""
     bad, n, timeouts, judge, rm = t["bad"], t["n"], t["timeouts"], t["judge"], t["rm"]
     fn_failed = bad - t["judge_only"] - t["rm_only"]
-    head = f"step {step}: {bad} of {n} samples ({bad / max(n, 1):.0%}) got no score"
+    head = f"step {step}: {bad} of {n} {what} ({bad / max(n, 1):.0%}) got no score"
     limit = f"above reward.max_error_frac={cfg.reward.max_error_frac}"
     fn_what = (
         f"reward.fn={cfg.reward.fn} ({timeouts} timed out, the rest raised or returned something that is not "
@@ -403,10 +405,10 @@ def _rm_line(cfg: Config, rm: int, overlap: int) -> str:
     )
 
 
-def nonfinite_reward_message(cfg: Config, step: int, bad: int, n: int) -> str:
+def nonfinite_reward_message(cfg: Config, step: int, bad: int, n: int, what: str = "samples") -> str:
     """The stop when a weighted training reward is NaN or inf: names what can make one, from the config
     (each source's own failures already score reward.error_score)."""
-    head = f"step {step}: {bad} of {n} training rewards are NaN/inf; stopping rather than training on them"
+    head = f"step {step}: {bad} of {n} training rewards ({what}) are NaN/inf; stopping rather than training on them"
     es = cfg.reward.error_score
     if not math.isfinite(es):
         return (
