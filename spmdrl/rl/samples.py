@@ -408,7 +408,10 @@ def _rm_line(cfg: Config, rm: int, overlap: int) -> str:
 def nonfinite_reward_message(cfg: Config, step: int, bad: int, n: int, what: str = "samples") -> str:
     """The stop when a weighted training reward is NaN or inf: names what can make one, from the config
     (each source's own failures already score reward.error_score)."""
-    head = f"step {step}: {bad} of {n} training rewards ({what}) are NaN/inf; stopping rather than training on them"
+    of = "" if what == "samples" else f" ({what})"
+    head = (
+        f"step {step}: {bad} of {n} training rewards{of} are NaN/inf; stopping rather than training on them"
+    )
     es = cfg.reward.error_score
     if not math.isfinite(es):
         return (
