@@ -171,8 +171,9 @@ def rollout_is_weights(
         bounded_BT = weights_BT.clamp(0.0, upper)
         bounded_mean = masked_mean(bounded_BT, valid_BT)
         variance = masked_mean(bounded_BT.square(), valid_BT) - bounded_mean.square()
-        metrics["rollout_is_std"] = (
-            variance.clamp_min(0.0).sqrt() if int(valid_BT.sum()) > 1 else torch.zeros_like(variance)
+        # Chosen on the device: bypass_mode runs this per micro-batch, where int(valid.sum()) would sync.
+        metrics["rollout_is_std"] = torch.where(
+            valid_BT.sum() > 1, variance.clamp_min(0.0).sqrt(), torch.zeros_like(variance)
         )
         normalized_BT = bounded_BT / (bounded_mean + 1e-8)
         metrics["rollout_is_eff_sample_size"] = 1.0 / masked_mean(normalized_BT.square(), valid_BT)

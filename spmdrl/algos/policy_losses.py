@@ -17,11 +17,14 @@ the gradient does not depend on how the mini-batch is split. ``params`` is the a
 ``algorithm.policy_loss`` is a registered name, or a loss given by import path (``my_pkg.losses:my_loss``,
 ``path/to/losses.py:my_loss``). A loss whose policy term must be reduced by a mode of its own, whatever
 ``algorithm.loss_agg_mode`` says, declares it: ``@register_policy_loss("sapo", agg_mode=...)``;
-:func:`agg_mode_for` gives the mode the recipe builds the policy term's ``agg`` with.
+:func:`agg_mode_for` gives the mode the recipe builds the policy term's ``agg`` with. A loss that needs
+the number of valid tokens as a Python int declares ``valid_count=True`` and is called with
+``num_valid_tokens=`` (the update knows it on the host).
 
 Metrics are detached 0-dim tensors under verl's names (verl logs them as ``actor/<name>``), each a mean
 over this micro-batch's valid tokens; they are not ``.item()``-ed here, so computing them does not
-synchronize the device.
+synchronize the device. Nor do the losses read the device otherwise (docs/performance.md, "No sync in
+the micro-batch loop"), except clip_cov: its draw needs its candidates' count on the host.
 
 The formulas follow ``verl/trainer/ppo/core_algos.py`` (``compute_policy_loss_<name>``), re-derived here;
 each function's docstring gives its formula and the paper.
@@ -38,6 +41,7 @@ import torch
 from spmdrl.algos.aggregation import Aggregation, check_mode, masked_mean
 from spmdrl.algos.correction import rollout_correction
 from spmdrl.registry import Registered, Registry
+from spmdrl.transfer import to_device
 
 # exp(20) ~ 5e8: far above any useful ratio, far below float32 overflow. verl clamps the log ratio to
 # this in vanilla, sapo, cispo, dppo_tv and dppo_kl (and not in gspo, clip_cov, kl_cov, geo_mean, dro:
@@ -115,9 +119,16 @@ class PolicyLoss(Registered):
     # A config section's dataclass (spmdrl.config.register_config_section) whose values the loss is also
     # called with, as ``section=``: a loss's own hyperparameters, typed and validated with the config.
     section: type | None = None
+    # The loss reads how many valid tokens its micro-batch has (clip_cov and kl_cov pick a fraction of
+    # them): it is also called with ``num_valid_tokens=``, the mask's count of ones known on the host (the
+    # update plans it from the rows' lengths), or None where the caller does not know it, and the loss
+    # reads it from the device. Reading it there per micro-batch would stop a GPU's queue each time.
+    valid_count: bool = False
 
     def extra_kwargs(self) -> tuple[str, ...]:
-        return ("section",) if self.section is not None else ()
+        return (("section",) if self.section is not None else ()) + (
+            ("num_valid_tokens",) if self.valid_count else ()
+        )
 
 
 POLICY_LOSSES: Registry[PolicyLoss] = Registry(
@@ -130,15 +141,16 @@ POLICY_LOSSES: Registry[PolicyLoss] = Registry(
 
 
 def register_policy_loss(
-    name: str, *, agg_mode: str | None = None, section: type | None = None
+    name: str, *, agg_mode: str | None = None, section: type | None = None, valid_count: bool = False
 ) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Registers the decorated loss as ``algorithm.policy_loss=name``. ``agg_mode``: the loss_agg_mode
     its policy term is always reduced with (None: algorithm.loss_agg_mode). ``section``: a registered
     config section's dataclass; the loss is then also called with ``section=`` its values (the loss's
-    own hyperparameters: ``my_section.my_coef=0.1`` on the command line)."""
+    own hyperparameters: ``my_section.my_coef=0.1`` on the command line). ``valid_count``: the loss is
+    also called with ``num_valid_tokens=``, its mask's count of ones on the host (None: unknown)."""
     if agg_mode is not None:
         check_mode(agg_mode)
-    return POLICY_LOSSES.register(name, agg_mode=agg_mode, section=section)
+    return POLICY_LOSSES.register(name, agg_mode=agg_mode, section=section, valid_count=valid_count)
 
 
 def policy_loss(name: str) -> PolicyLossFn:
@@ -185,6 +197,18 @@ def _weighted(loss_BT: torch.Tensor, is_weights_BT: torch.Tensor | None) -> torc
     # Importance weights change the measure the expectation is taken under, not the objective: no
     # gradient flows into them.
     return loss_BT if is_weights_BT is None else loss_BT * is_weights_BT.detach()
+
+
+def _valid_positions(valid_BT: torch.Tensor, n_valid: int) -> torch.Tensor:
+    """The flat (row-major) positions of ``valid_BT``'s ``n_valid`` ones, in order: what
+    ``nonzero`` gives, without reading their count from the device (the caller knows it)."""
+    flat = valid_BT.reshape(-1)
+    seen = torch.cumsum(flat, 0)  # valid tokens up to and including each position
+    at = torch.arange(flat.numel(), device=flat.device)
+    # A stable partition, valid first: each valid token goes to its rank among the valid ones, each
+    # other one after them, to its rank among the others (every slot is written once).
+    dest = torch.where(flat, seen - 1, n_valid + at - seen)
+    return torch.empty_like(at).scatter_(0, dest, at)[:n_valid]
 
 
 def _metric(x: torch.Tensor) -> torch.Tensor:
@@ -311,10 +335,10 @@ def sapo_policy_loss(
     """
     advantages_BT = as_token_advantages(advantages_BT, logprobs_BT)
     log_ratio_BT, ratio_BT = _clamped_ratio(logprobs_BT, old_logprobs_BT)
+    # The temperatures filled on the device in the ratio's dtype: torch.tensor(tau, device=...) would copy
+    # each from the host per micro-batch (a blocking copy on a GPU).
     tau_BT = torch.where(
-        advantages_BT > 0,
-        torch.tensor(params.tau_pos, dtype=ratio_BT.dtype, device=ratio_BT.device),
-        torch.tensor(params.tau_neg, dtype=ratio_BT.dtype, device=ratio_BT.device),
+        advantages_BT > 0, ratio_BT.new_full((), params.tau_pos), ratio_BT.new_full((), params.tau_neg)
     )
     gate_BT = torch.sigmoid(tau_BT * (ratio_BT - 1.0)) * (4.0 / tau_BT)
     loss_BT = -gate_BT * advantages_BT
@@ -350,7 +374,7 @@ def gpg_policy_loss(
     return PolicyLossOutput(agg(_weighted(loss_BT, is_weights_BT), mask_BT), {})
 
 
-@register_policy_loss("clip_cov")
+@register_policy_loss("clip_cov", valid_count=True)
 def clip_cov_policy_loss(
     logprobs_BT: torch.Tensor,
     old_logprobs_BT: torch.Tensor,
@@ -360,6 +384,7 @@ def clip_cov_policy_loss(
     agg: Aggregation,
     params: PolicyLossParams,
     is_weights_BT: torch.Tensor | None = None,
+    num_valid_tokens: int | None = None,
 ) -> PolicyLossOutput:
     """``clip_cov``: Clip-Cov (Cui et al., "The Entropy Mechanism of RL for Reasoning LMs",
     arXiv:2505.22617; verl ``compute_policy_loss_clip_cov``).
@@ -374,6 +399,10 @@ def clip_cov_policy_loss(
 
     (no dual-clip, and the log ratio is not clamped, as in verl). Metrics: ``pg_clipfrac`` = fraction
     of valid tokens drawn, ``ppo_kl`` = mean of ``old - logp``.
+
+    ``num_valid_tokens``: ``mask_BT``'s count of ones, if the caller knows it on the host (else it is
+    read from the device). The candidates' count is read from the device, once per call: randperm
+    draws on the host, so the same seed draws the same tokens as verl.
     """
     advantages_BT = as_token_advantages(advantages_BT, logprobs_BT)
     valid_BT = mask_BT.bool()
@@ -389,13 +418,14 @@ def clip_cov_policy_loss(
         candidates_BT = (
             (cov_BT > params.clip_cov_lb) & (cov_BT < params.clip_cov_ub) & valid_BT & ~clipped_by_ppo_BT
         )
-        candidate_idx_N2 = torch.nonzero(candidates_BT)
-        n_draw = max(int(params.clip_cov_ratio * int(valid_BT.sum())), 1)
+        # Flat (row-major) positions: nonzero's order for the 2-D mask, so randperm picks the same tokens.
+        candidates_N = torch.nonzero(candidates_BT.reshape(-1)).squeeze(1)  # the one device read
+        n_valid = int(valid_BT.sum()) if num_valid_tokens is None else num_valid_tokens
+        n_draw = max(int(params.clip_cov_ratio * n_valid), 1)
         drawn_BT = torch.zeros_like(valid_BT)
-        if len(candidate_idx_N2) > 0:
-            perm_N = torch.randperm(len(candidate_idx_N2))[:n_draw].to(candidate_idx_N2.device)
-            chosen_K2 = candidate_idx_N2[perm_N]
-            drawn_BT[chosen_K2[:, 0], chosen_K2[:, 1]] = True
+        if len(candidates_N) > 0:
+            perm_N = to_device(torch.randperm(len(candidates_N))[:n_draw], candidates_N.device)
+            drawn_BT.view(-1).index_fill_(0, candidates_N[perm_N], True)
     loss_BT = torch.where(drawn_BT, 0.0, torch.maximum(unclipped_BT, clipped_BT))
     loss = agg(_weighted(loss_BT, is_weights_BT), mask_BT)
     with torch.no_grad():
@@ -406,7 +436,7 @@ def clip_cov_policy_loss(
     return PolicyLossOutput(loss, metrics)
 
 
-@register_policy_loss("kl_cov")
+@register_policy_loss("kl_cov", valid_count=True)
 def kl_cov_policy_loss(
     logprobs_BT: torch.Tensor,
     old_logprobs_BT: torch.Tensor,
@@ -416,6 +446,7 @@ def kl_cov_policy_loss(
     agg: Aggregation,
     params: PolicyLossParams,
     is_weights_BT: torch.Tensor | None = None,
+    num_valid_tokens: int | None = None,
 ) -> PolicyLossOutput:
     """``kl_cov``: KL-Cov (arXiv:2505.22617, as clip_cov; verl ``compute_policy_loss_kl_cov``).
 
@@ -426,6 +457,9 @@ def kl_cov_policy_loss(
 
     (unclamped log ratio, as in verl). Ties at the k-th covariance are broken by ``torch.topk``.
     Metric: ``ppo_kl`` = mean of ``|logp - old|`` (verl logs the absolute value for this loss).
+
+    ``num_valid_tokens``: ``mask_BT``'s count of ones, if the caller knows it on the host; with it
+    nothing is read from the device (without it, the count is).
     """
     advantages_BT = as_token_advantages(advantages_BT, logprobs_BT)
     valid_BT = mask_BT.bool()
@@ -434,15 +468,15 @@ def kl_cov_policy_loss(
     pg_BT = -advantages_BT * ratio_BT
     with torch.no_grad():
         selected_BT = torch.zeros_like(valid_BT)
-        n_valid = int(valid_BT.sum())
+        n_valid = int(valid_BT.sum()) if num_valid_tokens is None else num_valid_tokens
         if n_valid > 0:
-            adv_N = advantages_BT[valid_BT].detach()
-            logp_N = logprobs_BT[valid_BT].detach()
+            # The valid tokens in a boolean index's order, gathered without its read of their count.
+            valid_N = _valid_positions(valid_BT, n_valid)
+            adv_N = advantages_BT.reshape(-1).index_select(0, valid_N).detach()
+            logp_N = logprobs_BT.reshape(-1).index_select(0, valid_N).detach()
             cov_N = (adv_N - adv_N.mean()) * (logp_N - logp_N.mean())
             top_K = torch.topk(cov_N, max(1, int(n_valid * params.kl_cov_ratio)), largest=True).indices
-            selected_N = torch.zeros_like(cov_N, dtype=torch.bool)
-            selected_N[top_K] = True
-            selected_BT[valid_BT] = selected_N
+            selected_BT.view(-1).index_fill_(0, valid_N[top_K], True)
     loss_BT = torch.where(selected_BT, pg_BT + params.ppo_kl_coef * log_ratio_BT.abs(), pg_BT)
     loss = agg(_weighted(loss_BT, is_weights_BT), mask_BT)
     with torch.no_grad():

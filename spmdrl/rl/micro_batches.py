@@ -120,6 +120,8 @@ class MicroBatch:
     lengths: list[int]  # each row's tokens (prompt + response)
     # Each row's first sampled column (the batch's width for a row with none): the LM head scores from it.
     first_columns: list[int] = field(default_factory=list)
+    # The rows' sampled tokens (their response mask's ones): the loss's valid-token count (None: unknown).
+    response_tokens: int | None = None
 
 
 def plan_micro_batches(
@@ -138,6 +140,7 @@ def plan_micro_batches(
             first_column=lengths.first_column(r),
             lengths=[lengths.tokens[i] for i in r],
             first_columns=[lengths.first_response[i] for i in r],
+            response_tokens=sum(lengths.response_tokens[i] for i in r),
         )
         for r, idx in zip(rows, index, strict=True)
     ]

@@ -297,7 +297,8 @@ def micro_batch_loss(
     alive.
 
     ``plan``: the micro-batch's host-side sizes (mini_batches plans them); without one, its first
-    response column is read from the device (a sync on a GPU).
+    response column is read from the device (a sync on a GPU), and so is its count of valid tokens by a
+    loss that declared ``valid_count`` (clip_cov, kl_cov).
     """
     a = cfg.algorithm
     entropy_in_loss = a.entropy_coeff > 0
@@ -322,7 +323,11 @@ def micro_batch_loss(
         old_BT = mb.old_logprobs_BT if mb.old_logprobs_BT is not None else lp_BT.detach()
     loss_fn = POLICY_LOSSES.get(policy_loss_name(cfg))
     # A loss that declared a config section of its own also gets its values.
-    own = {"section": cfg.section(loss_fn.section)} if loss_fn.section is not None else {}
+    own: dict[str, object] = {"section": cfg.section(loss_fn.section)} if loss_fn.section is not None else {}
+    if loss_fn.valid_count:
+        # mask_BT's ones, counted on the host from the rows' lengths (the mask the plan was made from:
+        # the rollout correction's rejection edits the batch's mask before the update plans it).
+        own["num_valid_tokens"] = None if plan is None else plan.response_tokens
     pg = loss_fn.fn(
         lp_BT,
         old_BT,
