@@ -103,15 +103,16 @@ class ModelConfig:
     # memory, each layer's parameters are copied to the GPU for its forward and backward, and AdamW steps on
     # the CPU. offload_optimizer: only the optimizer state, in host memory outside the update phase (implied
     # by offload_params). offload_ref: the frozen reference model's parameters in host memory, streamed to
-    # the GPU layer by layer for its log-prob pass. On a CPU trainer the same code runs and moves nothing.
+    # the GPU layer by layer for its log-prob pass (none under LoRA: the reference is the actor with its
+    # adapters off). On a CPU trainer the same code runs and moves nothing.
     offload_params: bool = False
     offload_optimizer: bool = False
     offload_ref: bool = False
     trust_remote_code: bool = False
     # Where the tiny model and generated data are cached. "": $SPMDRL_CACHE or ~/.cache/spmdrl.
     cache_dir: str = ""
-    # LoRA on the actor (rank 0: off). The reference and the PPO critic are not adapted: the critic trains
-    # every weight.
+    # LoRA on the actor (rank 0: off). A KL term's reference is then the actor with its adapters off (no
+    # model of its own, spmdrl/rl/reference.py); the PPO critic is not adapted: it trains every weight.
     lora: LoraConfig = field(default_factory=LoraConfig)
     # The LM head of the trainer's logprob passes (verl's actor_rollout_ref.model.use_fused_kernels): true
     # computes logprobs, entropy and sum pi^2 fused_chunk_tokens positions at a time, recomputing each

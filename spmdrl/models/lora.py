@@ -8,12 +8,16 @@ own names (so the base checkpoint loads unchanged) and adds ``lora_A`` (rank x i
 
 The engine never sees an adapter: the weight sync and the export send ``W + scale * B A``
 (:func:`merge_weights`, :func:`merge_state_dict`), under the base model's names.
+
+:func:`adapters_disabled` runs a model as its frozen base (every adapter off, nothing copied): under LoRA
+that is the KL term's reference (spmdrl.rl.reference).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -42,15 +46,43 @@ class LoraLinear(nn.Module):
         self.lora_B = nn.Linear(rank, base.out_features, bias=False, device=device)
         self.scale = alpha / rank
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        # False inside adapters_disabled(): the layer is its base linear alone. A plain attribute, read at
+        # each call (torch.compile guards on it), so FSDP2 and checkpoint wrappers need not know of it.
+        self.adapter_on = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias) + self.lora_B(self.lora_A(self.dropout(x))) * self.scale
+        # The base product first and alone, as nn.Linear computes it: with the adapter off the output is
+        # bitwise the base model's.
+        base = F.linear(x, self.weight, self.bias)
+        if not self.adapter_on:
+            return base
+        return base + self.lora_B(self.lora_A(self.dropout(x))) * self.scale
 
     def extra_repr(self) -> str:
         return (
             f"in={self.in_features}, out={self.out_features}, rank={self.lora_A.out_features}, "
             f"scale={self.scale:g}"
         )
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Every LoraLinear of ``model`` computes its base layer only inside the block: the model is its frozen
+    base, with no weight copied (FSDP2 still gathers the adapters' shards with their layer; they go unused).
+    Each layer's previous state comes back on leaving, an exception included. Under activation
+    checkpointing the recomputation reads the state at backward time: backpropagate inside the block too
+    (the reference's passes are no-grad and recompute nothing). A model without LoRA raises ValueError."""
+    layers = [m for m in model.modules() if isinstance(m, LoraLinear)]
+    if not layers:
+        raise ValueError(f"adapters_disabled: {type(model).__name__} has no LoRA adapters")
+    previous = [m.adapter_on for m in layers]
+    for m in layers:
+        m.adapter_on = False
+    try:
+        yield
+    finally:
+        for m, on in zip(layers, previous, strict=True):
+            m.adapter_on = on
 
 
 def linear_module_names(model: nn.Module) -> list[str]:

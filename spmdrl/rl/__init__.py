@@ -8,6 +8,7 @@ phase; a forked recipe imports them from here.
                  reward, the rollout correction, the advantages
 - update.py      the trainer-side math: no-grad passes (logprobs, values) and the actor's and critic's updates
 - models.py      the actor, the reference and the critic on their ranks
+- reference.py   the KL term's reference: a frozen model, or under LoRA the actor with its adapters off
 - role_rows.py   where a step's rows live for each role, and the moves that put them there
 - metrics.py     the step's metrics, reduced over ranks
 

@@ -30,6 +30,7 @@ from spmdrl.distributed.reduce import all_reduce_max, all_reduce_min, all_reduce
 from spmdrl.models.head import fused_chunk_for
 from spmdrl.rewards.sandbox import RewardResult
 from spmdrl.rl.batch import PolicyBatch, build_policy_batch
+from spmdrl.rl.reference import Reference
 from spmdrl.rl.samples import ScoredSamples
 from spmdrl.rl.update import logprobs_and_sum_pi_squared_of, logprobs_of, micro_rows
 
@@ -49,7 +50,7 @@ def old_and_ref_logprobs(
     cfg: Config,
     rl: RLDerived,
     actor: torch.nn.Module,
-    ref: torch.nn.Module | None,
+    ref: Reference | None,
     batch: PolicyBatch,
     group: dist.ProcessGroup | None,
     *,
@@ -57,7 +58,8 @@ def old_and_ref_logprobs(
 ) -> PolicyBatch:
     """No-grad passes over the actor's rows: the old policy's logprobs when ``recompute_old``
     (needs_old_logprobs), with the sum of squared probabilities when the estimator reads it, and the
-    reference's logprobs when there is a reference (a KL term). Every rank of ``group`` calls it."""
+    reference's logprobs when there is a reference (a KL term; under LoRA the actor with its adapters off,
+    spmdrl.rl.reference). Every rank of ``group`` calls it."""
     temp, pack = cfg.rollout.temperature, cfg.trainer.pack_sequences
     if recompute_old:
         parts = micro_rows(cfg, rl, batch, group)
@@ -74,8 +76,10 @@ def old_and_ref_logprobs(
         batch = batch.replace(old_logprobs_BT=old_BT, sum_pi_squared_BT=sps_BT)
     if ref is not None:
         parts = micro_rows(cfg, rl, batch, group)
-        fused = fused_chunk_for(cfg.model, ref, batch.input_ids_BT.device)
-        batch = batch.replace(ref_logprobs_BT=logprobs_of(ref, batch, parts, temp, pack, fused))
+        fused = fused_chunk_for(cfg.model, ref.model, batch.input_ids_BT.device)
+        with ref.scoring():
+            ref_BT = logprobs_of(ref.model, batch, parts, temp, pack, fused)
+        batch = batch.replace(ref_logprobs_BT=ref_BT)
     return batch
 
 

@@ -7,7 +7,8 @@ build_job, in order; every check that can fail does so before the warm-start and
      (parallel.placement=async: one saved by a pipeline of another shape is refused here)
   3. data, the reward function, the batch arithmetic (derive, derive_rl) and the model's limits
   4. the SFT warm-start (warmstart.*), whose export RL starts from
-  5. the models on their meshes (the actor, the reference when a KL term needs it, PPO's critic), their
+  5. the models on their meshes (the actor, the reference when a KL term needs it (under LoRA the actor
+     with its adapters off, no model of its own), PPO's critic), their
      optimizers, then the engine on every rank (parallel.placement=async: on the rollout ranks only),
      and reward_model.*'s models on the ranks that score (async: the rollout ranks too)
   6. when resuming, the checkpoint's state (models, optimizers, sampler, KL coefficient, RNG states) and
@@ -57,6 +58,7 @@ from spmdrl.rl.async_rows import check_async_batch
 from spmdrl.rl.experience import needs_old_logprobs
 from spmdrl.rl.model_rewards import ModelRewards, build_model_rewards, check_model_rewards
 from spmdrl.rl.models import Critic, build_critic, build_models
+from spmdrl.rl.reference import Reference
 from spmdrl.rl.samples import ScoredSamples, train_samples, validate
 from spmdrl.rl.token_budgets import measure_token_budgets, wants_memory_budgets
 from spmdrl.rollout.engine import RolloutEngine, build_engine, check_engine_config
@@ -88,7 +90,7 @@ class RLJob:
     sampler: DistributedSampler
     model_dir: Path  # what RL starts from: the base model, or the warm-start's export
     actor: torch.nn.Module
-    ref: torch.nn.Module | None  # only when a KL term needs it
+    ref: Reference | None  # only when a KL term needs it; under LoRA the actor with its adapters off
     optimizer: torch.optim.Optimizer | None
     scheduler: torch.optim.lr_scheduler.LRScheduler | None
     actor_offload: OptimizerOffload | None  # model.offload_optimizer: the moments off the GPU between updates

@@ -1,4 +1,5 @@
-"""An RL step's models: the actor and, when a KL term needs it, its frozen reference (build_models), and
+"""An RL step's models: the actor and, when a KL term needs it, its reference (build_models: a frozen
+copy, or under LoRA the actor with its adapters off, spmdrl/rl/reference.py), and
 for PPO the critic with its optimizer and schedule (Critic, build_critic), each FSDP2 on its role's ranks
 (spmdrl/distributed/placement.py) through spmdrl/models/build.py.
 """
@@ -18,14 +19,17 @@ from spmdrl.models.causal_attention import use_causal_sdpa
 from spmdrl.models.load import resolve_model_path_all_ranks
 from spmdrl.models.varlen import apply_packed_attention
 from spmdrl.optim import build_lr_scheduler, build_optimizer
+from spmdrl.rl.reference import Reference
 
 log = logging.getLogger("spmdrl")
 
 
 def build_models(
     cfg: Config, device: torch.device, meshes: Meshes, model_dir: Path
-) -> tuple[torch.nn.Module, torch.nn.Module | None]:
-    """The actor (trained) and, when a KL term needs it, the frozen reference, FSDP2 on the actor's ranks.
+) -> tuple[torch.nn.Module, Reference | None]:
+    """The actor (trained) and, when a KL term needs it, the reference, FSDP2 on the actor's ranks: a
+    frozen copy of model.path, or under LoRA (model.lora.rank > 0) the actor itself with its adapters off,
+    which is the frozen base exactly, at no memory and no second load.
 
     A rank that does not hold the actor (split placement) gets a meta-device copy of it instead: the
     names and shapes it receives the actor's weights by (weight_sync.Fanout), no memory, no reference.
@@ -43,15 +47,23 @@ def build_models(
     t = cfg.trainer
     attention = dict(packed=t.pack_sequences, device=device, dtype=actor_spec.param_dtype)
     apply_packed_attention(actor, t.packed_attention, **attention)
-    ref = None
-    if a.use_kl_loss or a.use_kl_in_reward:
-        ref = build_fsdp_model(
+    # A KL term needs a reference. Under LoRA the actor's frozen base is one already (verl's way): scored
+    # with its adapters off, it costs no memory and no second load.
+    kl_term, ref = a.use_kl_loss or a.use_kl_in_reward, None
+    if kl_term and cfg.model.lora.enabled:
+        ref = Reference(actor, adapters_off=True)
+    elif kl_term:
+        model = build_fsdp_model(
             model_spec(cfg.model, model_dir, device, train=False), meshes.fsdp("ref"), device
         )
-        use_causal_sdpa(ref)
-        apply_packed_attention(ref, t.packed_attention, **attention)
-    elif cfg.model.offload_ref:
-        log.warning("model.offload_ref=true does nothing here: no KL term, so no reference model is built")
+        use_causal_sdpa(model)
+        apply_packed_attention(model, t.packed_attention, **attention)
+        ref = Reference(model)
+    if ref is not None:
+        log.info("reference: %s", ref.describe())
+    if cfg.model.offload_ref and (ref is None or ref.adapters_off):
+        why = "no KL term" if ref is None else "under LoRA the reference is the actor with its adapters off"
+        log.warning("model.offload_ref=true does nothing here: %s, so no reference model is built", why)
     return actor, ref
 
 

@@ -6,9 +6,9 @@ default) become, on CUDA, the tokens that fit in the card's free memory by the m
 is allocated, as the least over all ranks (every rank must plan alike): that is what the trainer's passes
 share with a sleeping engine (rollout.free_cache_engine: asleep, it holds neither weights nor KV cache),
 less what the models' state will take, which the memory model counts from the models' shapes (the actor's,
-and reward_model.path's) on the busiest rank (rank_states: actor, reference, LoRA's adapters, a critic, the
-reward model, by placement). Measured later, the optimizer's moments (allocated at the first step) would be
-missing from it. The critic's passes take the actor's budgets (its one-value head costs far less than the
+and reward_model.path's) on the busiest rank (rank_states: actor, reference (none under LoRA: the actor
+with its adapters off), LoRA's adapters, a critic, the reward model, by placement). Measured later, the
+optimizer's moments (allocated at the first step) would be missing from it. The critic's passes take the actor's budgets (its one-value head costs far less than the
 LM head: they err small). The reward model's own scoring pass is sized by
 reward_model.micro_batch_size_per_gpu, not by these budgets; check_reward_model_pass warns when it may not
 fit beside the awake engine. On CPU the keys at -1 keep sequence-count micro-batches (config.derive_rl).
@@ -139,7 +139,8 @@ def rank_states(
     m, a = cfg.model, cfg.algorithm
     shards = placement.role("actor").dp_shard
     frozen = frozen_bytes_per_param(cfg)
-    has_ref = (a.use_kl_loss or a.use_kl_in_reward) and not m.offload_ref
+    # Under LoRA the reference is the actor with its adapters off (spmdrl.rl.reference): no copy of its own.
+    has_ref = (a.use_kl_loss or a.use_kl_in_reward) and not m.offload_ref and not m.lora.enabled
     critic_here = needs_critic and not placement.is_split
     rm = 0  # reward_model.enable: on the actor's ranks, except under async (the rollout ranks)
     if rm_shape is not None and cfg.reward_model.enable and not placement.is_async:

@@ -147,7 +147,10 @@ def _worker(rank: int, world: int, model_dir: str, cfg: Any) -> list[dict[str, f
         if ref is not None:
             batch = batch.replace(
                 ref_logprobs_BT=logprobs_of(
-                    ref, batch, micro_batch_rows(batch.attention_mask_BT.sum(1), micro_batch_size=micro), temp
+                    ref.model,
+                    batch,
+                    micro_batch_rows(batch.attention_mask_BT.sum(1), micro_batch_size=micro),
+                    temp,
                 )
             )
         metrics = update_policy(cfg, rl, actor, optimizer, batch).metrics

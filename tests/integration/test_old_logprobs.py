@@ -58,6 +58,7 @@ def _worker(rank: int, world: int, model_dir: str, ref_dir: str) -> dict:
     from spmdrl.models.build import ModelSpec, build_fsdp_model
     from spmdrl.rl.batch import PolicyBatch
     from spmdrl.rl.experience import needs_old_logprobs, old_and_ref_logprobs
+    from spmdrl.rl.reference import Reference
     from spmdrl.rl.update import update_policy
 
     cpu, f32 = torch.device("cpu"), torch.float32
@@ -87,7 +88,8 @@ def _worker(rank: int, world: int, model_dir: str, ref_dir: str) -> dict:
             ref = build_fsdp_model(ModelSpec(Path(ref_dir), f32, f32, train=False), meshes.fsdp("ref"), cpu)
             actor_calls, ref_calls = forwards(actor), forwards(ref)
             recompute_old = needs_old_logprobs(cfg, rl)
-            batch = old_and_ref_logprobs(cfg, rl, actor, ref, data, None, recompute_old=recompute_old)
+            reference = Reference(ref)
+            batch = old_and_ref_logprobs(cfg, rl, actor, reference, data, None, recompute_old=recompute_old)
             passes = actor_calls[0] + ref_calls[0]
             grads: list[torch.Tensor] = []
             params = optimizer.param_groups[0]["params"]  # the sharded ones (the root is unsharded now)

@@ -89,13 +89,13 @@ def _worker(rank: int, world: int, model_dir: str) -> dict[str, Any]:
         )
         with SyncCounter() as c:
             c.mark_host(*parts)
-            ref_lp = logprobs_of(ref, batch, parts, 1.0, True)
+            ref_lp = logprobs_of(ref.model, batch, parts, 1.0, True)
         b = batch.replace(ref_logprobs_BT=ref_lp + 0.05 * batch.advantages_BT)  # a KL term with a gradient
         b = b.replace(old_logprobs_BT=logprobs_of(actor, b, parts, 1.0, True))
         metrics = update_policy(cfg, rl, actor, optimizer, b).metrics
         state = get_model_state_dict(actor, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         out[setting] = dict(
-            impl=(actor.config._attn_implementation, ref.config._attn_implementation),
+            impl=(actor.config._attn_implementation, ref.model.config._attn_implementation),
             syncs=c.count(),
             metrics=metrics,
             state=state if rank == 0 else None,

@@ -107,9 +107,9 @@ def test_lora_actor_reference_and_reward_model_colocated() -> None:
     A = lora_adapter_params(SHAPE, 32, ["all-linear"])
     (s,) = _states(["model.lora.rank=32", *RM_ON], Placement.colocated(S), rm=True)
     assert s.actor == (4 * (P + A) + 12 * A) // S  # float32 base (a trained model's master) + adapters x 16
-    assert s.ref == 2 * P // S  # a second, frozen copy, stored in bf16
+    assert s.ref == 0  # the reference is the actor with its adapters off: no copy of its own
     assert s.reward_model == 2 * RM.params_with_head("reward") // S  # its own shape, over the actor's ranks
-    assert s.total == s.actor + s.ref + s.reward_model
+    assert s.total == s.actor + s.reward_model
     # defer_grad_sync keeps the unsharded gradients of the trained parameters only: the adapters'.
     (d,) = _states(["model.lora.rank=32", "trainer.defer_grad_sync=true"], Placement.colocated(S))
     assert d.deferred_grads == 4 * A
@@ -136,10 +136,13 @@ def test_async_trainer_ranks_hold_no_reward_model() -> None:
 
 
 def test_the_log_line_names_each_part() -> None:
-    (s,) = _states(["model.lora.rank=8", *RM_ON], Placement.colocated(8), rm=True)
+    (s,) = _states(RM_ON, Placement.colocated(8), rm=True)
     assert s.describe().startswith("actor ranks ")
     assert all(f"{k} " in s.describe() for k in ("actor", "ref", "reward_model"))
     assert "critic" not in s.describe()
+    # Under LoRA the reference is the actor with its adapters off: no part of its own.
+    (lora,) = _states(["model.lora.rank=8", *RM_ON], Placement.colocated(8), rm=True)
+    assert "ref " not in lora.describe() and "reward_model " in lora.describe()
 
 
 def test_reward_model_path_is_checked_before_its_shape_is_read(tmp_path: Path) -> None:
