@@ -186,12 +186,27 @@ class RowLengths:
 
     @staticmethod
     def of(attention_mask_BT: torch.Tensor, response_mask_BT: torch.Tensor) -> RowLengths:
+        """The sizes, in one device read. Raises ValueError for a row that is not right-padded: the
+        passes attend causally with no mask (spmdrl.models.causal_attention), exact only when a row's
+        padding follows all its tokens, and the checked columns come with that read at no extra cost."""
         B, T = response_mask_BT.shape
         resp_BT = response_mask_BT.bool()
+        attn_BT = attention_mask_BT.bool()
         # argmax gives the first maximal index: the first sampled column of a row that has one.
         first_B = torch.where(resp_BT.any(dim=1), resp_BT.to(torch.uint8).argmax(dim=1), T)
-        stats_3B = torch.stack([attention_mask_BT.sum(dim=1), first_B, resp_BT.sum(dim=1)]).long()
-        tokens, first, response = stats_3B.tolist()  # the one device read
+        tokens_B = attn_BT.sum(dim=1)
+        # Right-padded: the row's tokens are exactly its first tokens_B columns.
+        within_BT = torch.arange(T, device=attn_BT.device)[None, :] < tokens_B[:, None]
+        misplaced_B = (attn_BT != within_BT).sum(dim=1)
+        stats_4B = torch.stack([tokens_B, first_B, resp_BT.sum(dim=1), misplaced_B]).long()
+        tokens, first, response, misplaced = stats_4B.tolist()  # the one device read
+        bad = [i for i, n in enumerate(misplaced) if n]
+        if bad:
+            raise ValueError(
+                f"rows {bad[:8]} of this batch are not right-padded (a row's attention mask must be its "
+                "first tokens, then padding): spmdrl's passes attend causally without a mask. Build rows "
+                "with spmdrl.rl.batch.build_policy_batch, which right-pads them"
+            )
         return RowLengths(tokens, first, response)
 
     def width(self, rows: Sequence[int]) -> int:
