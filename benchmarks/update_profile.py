@@ -25,7 +25,12 @@ under torch.profiler and once more counting host-device syncs. Reported per pass
 - launches per micro-batch: CUDA kernels; on CPU the leaf ATen ops (ops calling no other ATen op), a proxy
   for the kernels the same pass would launch on a GPU, labelled so;
 - syncs per micro-batch: on CUDA the synchronizing calls ``torch.cuda.set_sync_debug_mode("warn")``
-  reports; on CPU spmdrl.testing.syncs.SyncCounter's model of them.
+  reports; on CPU spmdrl.testing.syncs.SyncCounter's model of them;
+- the attention ops the profiler saw (``aten::_scaled_dot_product_flash_attention`` and its kin): which
+  SDPA kernel the pass took, e.g. flash for padded rows under causal SDPA (spmdrl.models.causal_attention).
+
+``--ragged``: rows of different lengths (each row's sampled part drawn from 1 to its maximum, right-padded),
+so micro-batches carry padding as the RL job's do; the default rows are all ``--length`` long.
 
 The config is ``recipe=grpo_tiny``'s with the batch arithmetic above (one mini-batch, ``rollout.n=1``) and
 ``--set KEY=VALUE`` overrides (repeatable) on top: any setting of the config (token budgets, fused kernels,
@@ -83,6 +88,8 @@ WORKLOADS = {
     "qwen2.5-7b": Workload(rows=16, length=1024, prompt=256, micro=4, ac="full", optimizer="sgd"),
 }
 PREFIX = "update_profile/"
+# The ATen ops that name the SDPA kernel a pass took (flash, memory-efficient, cuDNN, math, CPU flash).
+ATTENTION_OPS = ("aten::_scaled_dot_product", "aten::_flash_attention", "aten::_efficient_attention")
 VARIANT_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
 
 
@@ -95,6 +102,7 @@ def _args() -> argparse.Namespace:
     p.add_argument("--micro", type=int, default=0, help="trainer.micro_batch_size (default: the shape's)")
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="", help="default: the shape's")
     p.add_argument("--steps", type=int, default=3, help="timed passes of each kind after one warm-up")
+    p.add_argument("--ragged", action="store_true", help="rows of different lengths, right-padded")
     p.add_argument(
         "--peak-tflops", type=float, default=0.0, help="the device's dense peak, if not in the table"
     )
@@ -185,9 +193,14 @@ def synthetic_batch(a: argparse.Namespace, vocab: int, device: torch.device) -> 
     g = torch.Generator().manual_seed(0)
     B, T = a.rows, a.length
     ids = torch.randint(0, vocab, (B, T), generator=g)
-    attn = torch.ones(B, T, dtype=torch.long)
+    # --ragged: each row's sampled part from 1 token to all of it; right-padded, as the RL job's rows.
+    len_B = (
+        a.prompt + torch.randint(1, T - a.prompt + 1, (B,), generator=g) if a.ragged else torch.full((B,), T)
+    )
+    attn = (torch.arange(T)[None, :] < len_B[:, None]).long()
     resp = torch.zeros(B, T, dtype=torch.bool)
     resp[:, a.prompt :] = True
+    resp &= attn.bool()
     engine = -torch.rand(B, T, generator=g) * resp
     adv = torch.randn(B, 1, generator=g) * resp
     ref = engine + 0.05 * torch.randn(B, T, generator=g) * resp
@@ -217,6 +230,7 @@ class Profiled:
     wall_s: float
     busy_s: float | None  # the device's kernels and copies, merged (CUDA only)
     launches: int  # CUDA kernels, or leaf ATen ops on CPU
+    attention: list[str] = field(default_factory=list)  # the SDPA ops that ran (which kernel)
 
 
 def profile_pass(run: Callable[[], Any], device: torch.device) -> Profiled:
@@ -231,13 +245,14 @@ def profile_pass(run: Callable[[], Any], device: torch.device) -> Profiled:
         _sync(device)
         wall = time.perf_counter() - t0
     events = prof.events()
+    attention = sorted({e.name for e in events if e.name.startswith(ATTENTION_OPS)})
     if not cuda:
         leaves = [
             e
             for e in events
             if e.name.startswith("aten::") and not any(c.name.startswith("aten::") for c in e.cpu_children)
         ]
-        return Profiled(wall, None, len(leaves))
+        return Profiled(wall, None, len(leaves), attention)
     from torch.autograd import DeviceType
 
     device_events = [e for e in events if e.device_type == DeviceType.CUDA]
@@ -248,7 +263,7 @@ def profile_pass(run: Callable[[], Any], device: torch.device) -> Profiled:
         if stop > end:
             busy += stop - max(start, end)
             end = stop
-    return Profiled(wall, busy / 1e6, len(kernels))
+    return Profiled(wall, busy / 1e6, len(kernels), attention)
 
 
 def count_syncs(run: Callable[[], Any], device: torch.device, host: list[torch.Tensor]) -> tuple[int, str]:
@@ -347,10 +362,11 @@ def measure(a: argparse.Namespace, overrides: list[str], device: torch.device, p
         r.context[f"{name}_model_flops"] = model_flops
         r.context[f"{name}_hardware_flops"] = hw_flops
         r.context[f"{name}_sync_places"] = where
+        r.context[f"{name}_attention_ops"] = ", ".join(prof.attention)
         print(
             f"{name}: {seconds:.3f} s, {model_flops / seconds / 1e12:.2f} TFLOP/s"
             + (f", MFU {mfu:.3f}" if mfu is not None else "")
-            + f", {n_micro} micro-batches, {syncs} syncs",
+            + f", {n_micro} micro-batches, {syncs} syncs, attention: {', '.join(prof.attention) or '-'}",
             flush=True,
         )
     if device.type == "cuda":
