@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -219,10 +220,17 @@ def check_reward_model_pass(cfg: Config, rm_shape: DecoderShape, room: int) -> i
 
 
 def measure_token_budgets(
-    cfg: Config, model_dir: Path, device: torch.device, placement: Placement, *, needs_critic: bool
+    cfg: Config,
+    model_dir: Path,
+    device: torch.device,
+    placement: Placement,
+    *,
+    needs_critic: bool,
+    mem_get_info: Callable[[torch.device], tuple[int, int]] = torch.cuda.mem_get_info,
 ) -> TokenBudgets:
     """The update's and the no-grad passes' budgets on this job's GPUs. Every rank calls it (one
-    all_reduce), before any model is built."""
+    all_reduce), before any model is built. ``mem_get_info``: the device's (free, total) bytes, CUDA's
+    query (a test on a CPU passes a card's figures instead)."""
     from transformers import AutoConfig
 
     from spmdrl.models.varlen import capabilities, choose_kernel, features_of
@@ -231,13 +239,11 @@ def measure_token_budgets(
     hf_config = AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
     shape = DecoderShape.from_hf(hf_config)
     dtype = torch.float32 if cfg.model.param_dtype == "float32" else torch.bfloat16
+    features = features_of(hf_config, dtype)
     kernel = choose_kernel(
-        cfg.trainer.packed_attention,
-        cfg.trainer.pack_sequences,
-        capabilities("cuda"),
-        features_of(hf_config, dtype),
+        cfg.trainer.packed_attention, cfg.trainer.pack_sequences, capabilities("cuda"), features
     ).kernel
-    free, total = torch.cuda.mem_get_info(device)
+    free, total = mem_get_info(device)
     free = int(all_reduce_min({"free": float(free)}, device)["free"])
     # An engine that stays awake through the update (free_cache_engine=false) keeps its share of the card
     # (async: the trainer ranks hold no engine).
@@ -246,7 +252,6 @@ def measure_token_budgets(
     states = rank_states(cfg, shape, placement, needs_critic=needs_critic, rm_shape=rm_shape)
     state = max(s.total for s in states)
     reserve = int(cfg.trainer.memory_reserve_gib * 2**30)
-    features = features_of(hf_config, dtype)
     # Without sliding windows or soft-capping (eager attention) the model attends with causal SDPA.
     padded_mask = features.sliding_window or features.softcap
     budgets = token_budgets(
