@@ -36,6 +36,7 @@ def _wait_for(path: Path, timeout_s: float) -> bool:
 def _job(
     rank: int, world: int, model_dir: str, markers: str, name: str, other: str | None, kill: bool
 ) -> dict:
+    import torch
     import torch.distributed as dist
     from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
     from vllm.distributed.parallel_state import get_tp_group
@@ -48,6 +49,9 @@ def _job(
     communicator = get_tp_group().device_communicator
     ident = os.environ["VLLM_DIST_IDENT"]
     out = dict(
+        # Whether this CPU kind's vLLM library has the shared-memory all-reduce at all (vLLM's AVX2 build
+        # does not: its TP goes through gloo, and nothing can collide).
+        shm_available=hasattr(torch.ops._C, "init_shm_manager"),
         # The shared-memory all-reduce, not vLLM's silent fallback to gloo (which collides with nothing).
         shm=isinstance(getattr(communicator, "dist_module", None), _CPUSHMDistributed),
         ident=ident,
@@ -106,6 +110,11 @@ def test_tp2_jobs_concurrent_and_after_a_killed_one(tmp_path: Path) -> None:
         assert not isinstance(results[name], BaseException), f"job {name} failed: {results[name]}"
     a, b = results["a"], results["b"]
     assert isinstance(a, list) and isinstance(b, list)
+    if not any(res["shm_available"] for res in a + b):
+        pytest.skip(
+            "this CPU kind's vLLM library has no shared-memory all-reduce (torch.ops._C.init_shm_manager): "
+            "tp=2 goes through gloo, so there is no segment to collide on"
+        )
     for job in (a, b):
         for res in job:
             assert res["shm"] and res["other_built"] and res["names_left"] == [], res
