@@ -124,8 +124,14 @@ def export_hf(
     writer = dist.get_rank(group) == 0
     scale = lora_scale(model)
     if writer:
+        if scale is not None:
+            # LoRA: the frozen base is stored in param_dtype (bf16 on CUDA); merged in float32 and written
+            # so, or rounding W + scale * B A back to bf16 would wipe out most of a small adapter delta.
+            state = merge_state_dict(
+                {k: v.float() if v.is_floating_point() else v for k, v in state.items()}, scale
+            )
         write_hf_dir(
-            merge_state_dict(state, scale) if scale is not None else state,
+            state,
             model.config,  # type: ignore[attr-defined]
             out_dir,
             tokenizer=tokenizer,

@@ -160,6 +160,13 @@ def build_fsdp_model(spec: ModelSpec, mesh: DeviceMesh, device: torch.device) ->
     # half the memory and no cast per forward. Buffers (rotary frequencies) keep their values, set below.
     if not spec.train and spec.param_dtype != torch.float32:
         model.to(spec.param_dtype)
+    elif spec.lora is not None and spec.param_dtype != torch.float32:
+        # LoRA: the frozen base is never updated either, so it is stored the same way; only the adapters
+        # keep a float32 master copy. FSDP2 gathers both in param_dtype (the same values as casting a float32
+        # base at every forward). In place (``.data``), so that tied weights stay one tensor.
+        for p in model.parameters():
+            if not p.requires_grad:
+                p.data = p.data.to(spec.param_dtype)
     # 2. Parallelize: activation checkpointing inside, then compile, FSDP2 outside.
     if ac_mode(spec.activation_checkpointing) != "off":
         apply_ac(model, ac_mode(spec.activation_checkpointing), every=spec.ac_every)

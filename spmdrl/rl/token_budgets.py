@@ -29,6 +29,7 @@ from spmdrl.distributed.placement import Placement
 from spmdrl.distributed.reduce import all_reduce_min
 from spmdrl.models.memory_model import (
     MASTER_BYTES,
+    TRAINED_BYTES,
     DecoderShape,
     MemoryInputs,
     TokenBudgets,
@@ -99,15 +100,16 @@ def frozen_bytes_per_param(cfg: Config) -> int:
 
 
 def actor_bytes(cfg: Config, shape: DecoderShape, shards: int) -> int:
-    """The actor's state: every weight trained, or under LoRA a float32 frozen base (a trained model's
-    master copy; it gets no gradient or moments) and trained adapters; 0 offloaded."""
+    """The actor's state: every weight trained, or under LoRA a frozen base stored as a frozen model is
+    (model.param_dtype: no float32 master, no gradient, no moments; spmdrl.models.build) and trained
+    adapters with their float32 master; 0 offloaded."""
     m = cfg.model
     if m.offload_params:
         return 0
     if not m.lora.enabled:
         return model_state_bytes(shape.params, shape.params, MASTER_BYTES, shards)
     adapters = lora_adapter_params(shape, m.lora.rank, list(m.lora.target_modules))
-    return model_state_bytes(shape.params + adapters, adapters, MASTER_BYTES, shards)
+    return (shape.params * frozen_bytes_per_param(cfg) + adapters * TRAINED_BYTES) // shards
 
 
 def critic_bytes(cfg: Config, shape: DecoderShape, shards: int) -> int:

@@ -126,6 +126,6 @@ def test_modelled_state_is_what_the_built_models_hold(tmp_path: Path) -> None:
         # divide (the one-output heads' rows): within 1%.
         for r in real:
             assert abs(r[name] - per_rank[name]) <= 0.01 * per_rank[name], (name, r[name], per_rank[name])
-    # LoRA: the frozen float32 base and 16 bytes a trained adapter parameter, far below the full actor's.
+    # LoRA: the frozen base in bf16 and 16 bytes a trained adapter parameter, far below the full actor's.
     assert expected["actor_lora_all"] < expected["actor"] / 2
     assert expected["actor_lora_two"] < expected["actor_lora_all"]

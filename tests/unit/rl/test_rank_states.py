@@ -106,7 +106,7 @@ def test_lora_actor_reference_and_reward_model_colocated() -> None:
     P, S = SHAPE.params, 8
     A = lora_adapter_params(SHAPE, 32, ["all-linear"])
     (s,) = _states(["model.lora.rank=32", *RM_ON], Placement.colocated(S), rm=True)
-    assert s.actor == (4 * (P + A) + 12 * A) // S  # float32 base (a trained model's master) + adapters x 16
+    assert s.actor == (2 * P + 16 * A) // S  # the frozen base in bf16 (as the reference) + adapters x 16
     assert s.ref == 0  # the reference is the actor with its adapters off: no copy of its own
     assert s.reward_model == 2 * RM.params_with_head("reward") // S  # its own shape, over the actor's ranks
     assert s.total == s.actor + s.reward_model
