@@ -205,6 +205,13 @@ class _FunctionMode(TorchFunctionMode):
         return out
 
 
+def _bool_indices(args: tuple, kwargs: dict) -> bool:
+    """Whether an index / index_put call indexes with a boolean mask. Only its indices count: the value
+    ``t[i, j] = True`` writes is a bool tensor too, and reads nothing."""
+    indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+    return any(isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8) for t in indices or ())
+
+
 class _DispatchMode(TorchDispatchMode):
     def __init__(self, counter: SyncCounter) -> None:
         super().__init__()
@@ -219,7 +226,7 @@ class _DispatchMode(TorchDispatchMode):
             kind = _READS.get(func)
             if func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
                 kind = "repeat_interleave"
-            if func in _BOOL_INDEX_OPS and any(t.dtype in (torch.bool, torch.uint8) for t in inputs[1:]):
+            if func in _BOOL_INDEX_OPS and _bool_indices(args, kwargs):
                 kind = "bool_index"
             if kind is not None:
                 c._record(kind)
