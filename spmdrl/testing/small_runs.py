@@ -37,6 +37,16 @@ def cache_dir() -> Path:
     return Path(os.environ.get("SPMDRL_CACHE", str(Path.home() / ".cache" / "spmdrl")))
 
 
+def cache_env() -> dict[str, str]:
+    """The environment a test launches a job with, so that the job shares the tests' cache (cache_dir)."""
+    return {"SPMDRL_CACHE": str(cache_dir())}
+
+
+def comparable(rows: list[dict]) -> list[dict]:
+    """Metrics rows without their timings (timing/*, perf/*): what two runs of one job agree on exactly."""
+    return [{k: v for k, v in r.items() if not k.startswith(("timing/", "perf/"))} for r in rows]
+
+
 def save_random_reward_model(out: Path, *, scale: float = 20.0, seed: int = 0) -> Path:
     """The tiny backbone with a random scalar head (times ``scale``: scores of a few units, clearly not a
     rule's 0/1), saved with its tokenizer as an HF reward model in ``out``."""

@@ -10,7 +10,6 @@ optimizer state from the checkpoint) and must log the same steps 3-4 and end on 
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +23,7 @@ from spmdrl.logging.metrics import read_metrics
 from spmdrl.models.build import read_safetensors
 from spmdrl.models.lora import merge_state_dict
 from spmdrl.testing.launch import torchrun
+from spmdrl.testing.small_runs import cache_env, comparable
 
 pytestmark = pytest.mark.slow
 
@@ -43,18 +43,13 @@ ARGS = [
 ]
 
 
-def _env() -> dict[str, str]:
-    return {"SPMDRL_CACHE": os.environ.get("SPMDRL_CACHE", str(Path.home() / ".cache" / "spmdrl"))}
-
-
-def _comparable(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith(("timing/", "perf/"))} for r in rows]
-
-
 def test_grpo_lora_syncs_merged_weights_checkpoints_adapters_and_resumes_exactly(tmp_path: Path) -> None:
     run = tmp_path / "run"
     res = torchrun(
-        ["-m", "spmdrl.train", *ARGS, f"trainer.output_dir={run}"], cwd=tmp_path, timeout_s=900, env=_env()
+        ["-m", "spmdrl.train", *ARGS, f"trainer.output_dir={run}"],
+        cwd=tmp_path,
+        timeout_s=900,
+        env=cache_env(),
     )
     assert res.returncode == 0, res.output[-5000:]
 
@@ -100,10 +95,10 @@ def test_grpo_lora_syncs_merged_weights_checkpoints_adapters_and_resumes_exactly
         ["-m", "spmdrl.train", *ARGS, f"trainer.output_dir={again}", f"trainer.resume={step2}"],
         cwd=tmp_path,
         timeout_s=900,
-        env=_env(),
+        env=cache_env(),
     )
     assert res.returncode == 0, res.output[-5000:]
     resumed = [r for r in read_metrics(again / "metrics.jsonl") if "actor/pg_loss" in r]
-    assert _comparable(resumed) == _comparable(rows[2:])
+    assert comparable(resumed) == comparable(rows[2:])
     end = load_file(again / "hf_model" / "model.safetensors")
     assert all((end[k] == final[k]).all() for k in final)

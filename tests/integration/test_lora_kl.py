@@ -11,13 +11,13 @@ shortened, algorithm.use_kl_loss=true. The reference is the actor with its adapt
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 import pytest
 
 from spmdrl.logging.metrics import read_metrics
 from spmdrl.testing.launch import torchrun
+from spmdrl.testing.small_runs import cache_env, comparable
 
 pytestmark = pytest.mark.slow
 
@@ -38,18 +38,13 @@ ARGS = [
 ]
 
 
-def _env() -> dict[str, str]:
-    return {"SPMDRL_CACHE": os.environ.get("SPMDRL_CACHE", str(Path.home() / ".cache" / "spmdrl"))}
-
-
-def _comparable(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith(("timing/", "perf/"))} for r in rows]
-
-
 def test_grpo_lora_kl_loss_uses_the_actor_with_adapters_off(tmp_path: Path) -> None:
     run = tmp_path / "run"
     res = torchrun(
-        ["-m", "spmdrl.train", *ARGS, f"trainer.output_dir={run}"], cwd=tmp_path, timeout_s=900, env=_env()
+        ["-m", "spmdrl.train", *ARGS, f"trainer.output_dir={run}"],
+        cwd=tmp_path,
+        timeout_s=900,
+        env=cache_env(),
     )
     assert res.returncode == 0, res.output[-5000:]
     assert "reference: the actor with its LoRA adapters off" in res.output
@@ -76,9 +71,9 @@ def test_grpo_lora_kl_loss_uses_the_actor_with_adapters_off(tmp_path: Path) -> N
         ],
         cwd=tmp_path,
         timeout_s=900,
-        env=_env(),
+        env=cache_env(),
     )
     assert res.returncode == 0, res.output[-5000:]
     assert "model.offload_ref=true does nothing here: under LoRA" in res.output
     resumed = [r for r in read_metrics(again / "metrics.jsonl") if "actor/pg_loss" in r]
-    assert _comparable(resumed) == _comparable(rows[2:])
+    assert comparable(resumed) == comparable(rows[2:])

@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 
 from spmdrl.logging.metrics import read_metrics
 from spmdrl.testing.launch import torchrun
+from spmdrl.testing.small_runs import cache_env, comparable
 from spmdrl.testing.spawn import free_port
 
 pytestmark = pytest.mark.slow
@@ -40,14 +41,6 @@ ARGS = [
     "algorithm.entropy_coeff=0.01",
     "logging.samples_every=1",
 ]
-
-
-def _env() -> dict[str, str]:
-    return {"SPMDRL_CACHE": os.environ.get("SPMDRL_CACHE", str(Path.home() / ".cache" / "spmdrl"))}
-
-
-def _comparable(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith(("timing/", "perf/"))} for r in rows]
 
 
 def _worker_pids(agent: int) -> dict[int, int]:
@@ -71,7 +64,7 @@ def test_killed_worker_restarts_and_resumes_exactly(tmp_path: Path) -> None:
         ["-m", "spmdrl.train", *ARGS, f"trainer.output_dir={straight}"],
         cwd=tmp_path,
         timeout_s=900,
-        env=_env(),
+        env=cache_env(),
     )
     assert res.returncode == 0, res.output[-4000:]
 
@@ -88,7 +81,7 @@ def test_killed_worker_restarts_and_resumes_exactly(tmp_path: Path) -> None:
         cwd=work,
         stdout=log,
         stderr=subprocess.STDOUT,
-        env={**os.environ, "OMP_NUM_THREADS": "1", **_env()},
+        env={**os.environ, "OMP_NUM_THREADS": "1", **cache_env()},
     )
     killed = False
     deadline = time.time() + 900
@@ -121,7 +114,7 @@ def test_killed_worker_restarts_and_resumes_exactly(tmp_path: Path) -> None:
         5,
         6,
     ]  # every step once: the rows after the checkpoint were redone
-    assert _comparable(a) == _comparable(b)
+    assert comparable(a) == comparable(b)
     assert any(r["actor/grad_norm"] > 0 for r in a)
     wa, wb = (
         load_file(straight / "hf_model" / "model.safetensors"),
@@ -142,6 +135,6 @@ def test_killed_worker_restarts_and_resumes_exactly(tmp_path: Path) -> None:
         ["-m", "spmdrl.train", *ARGS, f"trainer.output_dir={straight}", "trainer.resume=off"],
         cwd=tmp_path,
         timeout_s=300,
-        env=_env(),
+        env=cache_env(),
     )
     assert res.returncode != 0 and "already holds a run" in res.output, res.output[-3000:]

@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 
 from spmdrl.logging.metrics import read_metrics
 from spmdrl.testing.launch import torchrun
+from spmdrl.testing.small_runs import cache_env, comparable
 from spmdrl.testing.spawn import free_port
 
 pytestmark = pytest.mark.slow
@@ -44,17 +45,9 @@ ARGS = [
 ]
 
 
-def _env() -> dict[str, str]:
-    return {"SPMDRL_CACHE": os.environ.get("SPMDRL_CACHE", str(Path.home() / ".cache" / "spmdrl"))}
-
-
-def _comparable(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith(("timing/", "perf/"))} for r in rows]
-
-
 def _launch(out: Path, cwd: Path) -> str:
     res = torchrun(
-        ["-m", "spmdrl.train", *ARGS, f"trainer.output_dir={out}"], cwd=cwd, timeout_s=600, env=_env()
+        ["-m", "spmdrl.train", *ARGS, f"trainer.output_dir={out}"], cwd=cwd, timeout_s=600, env=cache_env()
     )
     assert res.returncode == 0, res.output[-5000:]
     return res.output
@@ -80,7 +73,7 @@ def test_rm_tiny_stopped_and_resumed_equals_straight(tmp_path: Path) -> None:
             cwd=tmp_path,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "OMP_NUM_THREADS": "1", **_env()},
+            env={**os.environ, "OMP_NUM_THREADS": "1", **cache_env()},
         )
         killed = False
         deadline = time.time() + 600
@@ -107,7 +100,7 @@ def test_rm_tiny_stopped_and_resumed_equals_straight(tmp_path: Path) -> None:
     assert pairs_a["train"] == pairs_b["train"] and pairs_a["val"] == pairs_b["val"]
     b = read_metrics(stopped / "metrics.jsonl")
     assert [r["step"] for r in b] == list(range(9))  # every step once: rows past the checkpoint redone
-    assert _comparable(rows) == _comparable(b)
+    assert comparable(rows) == comparable(b)
     wa = load_file(straight / "hf_model" / "model.safetensors")
     wb = load_file(stopped / "hf_model" / "model.safetensors")
     assert wa.keys() == wb.keys() and all((wa[k] == wb[k]).all() for k in wa)

@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 
 from spmdrl.logging.metrics import read_metrics
 from spmdrl.testing.launch import torchrun
+from spmdrl.testing.small_runs import cache_env, comparable
 from spmdrl.testing.spawn import free_port
 
 pytestmark = pytest.mark.slow
@@ -37,14 +38,6 @@ ARGS = [
     "optim.warmup_steps=2",
     "logging.samples_per_log=3",
 ]
-
-
-def _env() -> dict[str, str]:
-    return {"SPMDRL_CACHE": os.environ.get("SPMDRL_CACHE", str(Path.home() / ".cache" / "spmdrl"))}
-
-
-def _comparable(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith(("timing/", "perf/"))} for r in rows]
 
 
 def _rank1_pid(agent: int) -> int | None:
@@ -64,7 +57,7 @@ def test_sft_checkpoints_resume_exactly_and_refuse_a_second_run(tmp_path: Path) 
         ["-m", "spmdrl.train", *ARGS, f"trainer.output_dir={straight}"],
         cwd=tmp_path,
         timeout_s=600,
-        env=_env(),
+        env=cache_env(),
     )
     assert res.returncode == 0, res.output[-4000:]
     assert sorted(p.name for p in (straight / "checkpoints").iterdir()) == ["step-6", "step-8"]
@@ -89,7 +82,7 @@ def test_sft_checkpoints_resume_exactly_and_refuse_a_second_run(tmp_path: Path) 
             cwd=tmp_path,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "OMP_NUM_THREADS": "1", **_env()},
+            env={**os.environ, "OMP_NUM_THREADS": "1", **cache_env()},
         )
         killed = False
         deadline = time.time() + 600
@@ -110,7 +103,7 @@ def test_sft_checkpoints_resume_exactly_and_refuse_a_second_run(tmp_path: Path) 
     assert [r["step"] for r in b] == list(
         range(1, 9)
     )  # every step once: the rows after the checkpoint redone
-    assert _comparable(a) == _comparable(b)
+    assert comparable(a) == comparable(b)
     wa = load_file(straight / "hf_model" / "model.safetensors")
     wb = load_file(restarted / "hf_model" / "model.safetensors")
     assert wa.keys() == wb.keys() and all((wa[k] == wb[k]).all() for k in wa)
@@ -121,7 +114,7 @@ def test_sft_checkpoints_resume_exactly_and_refuse_a_second_run(tmp_path: Path) 
         ["-m", "spmdrl.train", *ARGS, f"trainer.output_dir={straight}", "trainer.resume=off"],
         cwd=tmp_path,
         timeout_s=300,
-        env=_env(),
+        env=cache_env(),
     )
     assert again.returncode != 0
     assert "already holds a run" in again.output, again.output[-3000:]
