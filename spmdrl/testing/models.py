@@ -23,6 +23,18 @@ SMALL_QWEN2: dict[str, Any] = dict(
     max_position_embeddings=64,
 )
 
+# Qwen2.5-0.5B's config.json numbers (tied, GQA 14/2, the real vocabulary): a real shape for the memory
+# model's tests, which read configs and build nothing of this size.
+QWEN2_5_0_5B: dict[str, Any] = dict(
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+)
+
 
 def save_small_qwen2(path: Path, *, seed: int = 0, **overrides: Any) -> None:
     """Saves a deterministic random Qwen2 (``SMALL_QWEN2`` with ``overrides``) as safetensors in ``path``."""

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+from spmdrl.testing.models import QWEN2_5_0_5B
 from spmdrl.testing.spawn import run_distributed
 
 pytestmark = pytest.mark.slow
@@ -80,15 +81,7 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     from transformers import Qwen2Config
 
     root = tmp_path_factory.mktemp("budgets")
-    shape = dict(
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-    )
+    shape = QWEN2_5_0_5B
     Qwen2Config(**shape, architectures=["Qwen2ForCausalLM"]).save_pretrained(root / "actor")
     Qwen2Config(**shape, architectures=["Qwen2ForSequenceClassification"], num_labels=1).save_pretrained(
         root / "rm"

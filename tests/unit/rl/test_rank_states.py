@@ -32,17 +32,10 @@ from spmdrl.rl.token_budgets import (
     reward_model_shape,
     state_bytes,
 )
+from spmdrl.testing.models import QWEN2_5_0_5B
 
 # Qwen2.5-0.5B's config (tied, q/k/v biases) and a small untied Llama (no biases).
-QWEN = Qwen2Config(
-    hidden_size=896,
-    intermediate_size=4864,
-    num_hidden_layers=24,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    vocab_size=151936,
-    tie_word_embeddings=True,
-)
+QWEN = Qwen2Config(**QWEN2_5_0_5B)
 LLAMA = LlamaConfig(
     hidden_size=512,
     intermediate_size=1376,
