@@ -5,7 +5,9 @@ An adapter directory holds ``adapter_config.json`` (``r``, ``lora_alpha``, ``tar
 ``base_model.model.<module>.lora_A.weight`` / ``lora_B.weight`` for the trainer's
 ``<module>.lora_A.weight`` / ``lora_B.weight`` (spmdrl.models.lora). A LoRA run's checkpoint keeps the
 same ``adapter_config.json`` next to its config (``hf/actor/``): it names the base model the checkpoint's
-adapters apply to, which its DCP state does not hold.
+adapters apply to, which its DCP state does not hold; and ``lora_base.json``, the dtype the run stored that
+base in (``model.param_dtype``: bf16 on CUDA), so that an export from the checkpoint merges into the base the
+adapters were trained on, as the run's own end-of-run export does.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from spmdrl.models.lora import LoraLinear, adapter_module_names, is_adapter_para
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+BASE_FILE = "lora_base.json"
 PEFT_PREFIX = "base_model.model."
 
 
@@ -64,6 +67,29 @@ def model_adapter_config(model: nn.Module) -> dict[str, Any] | None:
         target_modules=adapter_module_names(names),
         base_model=str(model.config.name_or_path),  # type: ignore[attr-defined]
     )
+
+
+def base_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype a LoRA model stores its frozen base in (spmdrl.models.build: ``model.param_dtype``)."""
+    return next(p.dtype for n, p in model.named_parameters() if not is_adapter_param(n))
+
+
+def write_base_dtype(dtype: torch.dtype, out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / BASE_FILE).write_text(json.dumps({"base_dtype": str(dtype).removeprefix("torch.")}) + "\n")
+
+
+def read_base_dtype(path: Path) -> torch.dtype | None:
+    """The base's stored dtype a checkpoint's ``hf/<role>/`` records; None for a checkpoint written before
+    it was recorded (its base was float32 then)."""
+    f = path / BASE_FILE
+    if not f.is_file():
+        return None
+    name = json.loads(f.read_text())["base_dtype"]
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{f}: base_dtype {name!r} is not a torch dtype")
+    return dtype
 
 
 def read_config(path: Path) -> dict[str, Any] | None:

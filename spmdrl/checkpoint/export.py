@@ -91,12 +91,14 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
 
 def write_hf_metadata(model: nn.Module, tokenizer: object, out_dir: Path) -> None:
     """Config, generation config and tokenizer, without weights: what a checkpoint keeps for export. A LoRA
-    model's also gets its adapter_config.json, which names the base model its adapters apply to."""
+    model's also gets its adapter_config.json, which names the base model its adapters apply to, and the
+    dtype its base is stored in."""
     out_dir.mkdir(parents=True, exist_ok=True)
     model.config.save_pretrained(out_dir)  # type: ignore[attr-defined]
     lora = adapter.model_adapter_config(model)
     if lora is not None:
         adapter.write_config(lora, out_dir)
+        adapter.write_base_dtype(adapter.base_dtype(model), out_dir)
     gen = getattr(model, "generation_config", None)
     if gen is not None:
         gen.save_pretrained(out_dir)
@@ -189,7 +191,12 @@ def export_checkpoint(
                 f"{checkpoint} holds LoRA adapters of the base model {base} (model.path), which is not there "
                 "any more; restore it, or export the adapter alone with --adapter"
             )
-        base_state = {k: v.float() for k, v in read_safetensors(base).items()}
+        # The run trained the adapters on the base rounded to the dtype it stored it in (bf16 on CUDA) and
+        # its own export merged into that: round the same way, so both exports are the same model.
+        stored = adapter.read_base_dtype(meta_dir) or torch.float32
+        base_state = {
+            k: v.to(stored).float() if v.is_floating_point() else v for k, v in read_safetensors(base).items()
+        }
         state = merge_state_dict({**base_state, **adapters}, adapter.scale_of(lora))
     else:
         auto = AutoModelForTokenClassification if role == "critic" else AutoModelForCausalLM

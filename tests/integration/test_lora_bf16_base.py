@@ -5,11 +5,16 @@ adapters keep a float32 master (spmdrl.models.build, step 1c), on 2 gloo ranks w
   precision would have cast a float32 base to at every forward: the model computes the same;
 - the adapters are float32, train (they get gradients and an optimizer step), and tied weights stay tied;
 - the end-of-run export merges in float32: each adapted weight written is float32(W_bf16) + scale * B A,
-  computed in float32, so a small adapter delta is not rounded back to bf16.
+  computed in float32, so a small adapter delta is not rounded back to bf16;
+- ``python -m spmdrl.export`` of a checkpoint of that model (adapters only; the base read again from
+  model.path in float32) writes the same weights bit for bit: it rounds the base to the dtype the run stored
+  it in, which the checkpoint records.
 """
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,15 +28,16 @@ pytestmark = pytest.mark.slow
 OVERRIDES = ["recipe=grpo_lora_tiny", "model.param_dtype=bfloat16", "model.lora.rank=4"]
 
 
-def _worker(rank: int, world: int, model_dir: str, out_dir: str) -> dict[str, Any]:
+def _worker(rank: int, world: int, model_dir: str, out_dir: str, ckpt_root: str) -> dict[str, Any]:
     from safetensors.torch import load_file
 
-    from spmdrl.checkpoint.export import export_hf
+    from spmdrl.checkpoint.checkpointer import RoleState, save_checkpoint
+    from spmdrl.checkpoint.export import export_hf, write_hf_metadata
     from spmdrl.config_loader import load_config
     from spmdrl.distributed.placement import Placement
     from spmdrl.models.build import build_fsdp_model, model_spec
     from spmdrl.models.load import load_tokenizer
-    from spmdrl.optim import build_optimizer
+    from spmdrl.optim import build_lr_scheduler, build_optimizer
 
     cfg = load_config(OVERRIDES)
     cpu = torch.device("cpu")
@@ -57,7 +63,17 @@ def _worker(rank: int, world: int, model_dir: str, out_dir: str) -> dict[str, An
     model(input_ids=ids).logits.float().pow(2).mean().backward()
     grads = sum(1 for p in model.parameters() if p.grad is not None)
     optimizer.step()
-    export_hf(model, load_tokenizer(Path(model_dir)), Path(out_dir))
+    tokenizer = load_tokenizer(Path(model_dir))
+    export_hf(model, tokenizer, Path(out_dir))
+    role = RoleState(
+        name="actor",
+        holds=True,
+        model=model,
+        optimizer=optimizer,
+        scheduler=build_lr_scheduler(optimizer, cfg.optim, total_steps=1),
+        write_hf=lambda d: write_hf_metadata(model, tokenizer, d),
+    )
+    save_checkpoint(Path(ckpt_root), 1, [role], {"step": 1}, keep=1)
     weights = {n: p.full_tensor() for n, p in model.named_parameters()}
     tied = model.get_input_embeddings().weight is model.get_output_embeddings().weight
     return dict(
@@ -79,7 +95,8 @@ def test_lora_base_in_bf16_trains_the_adapters_and_exports_in_float32(tmp_path: 
 
     model_dir = ensure_tiny_model(tmp_path / "models")
     out = tmp_path / "export"
-    r0, _ = run_distributed(_worker, 2, str(model_dir), str(out), timeout_s=240)
+    ckpt = tmp_path / "checkpoints"
+    r0, _ = run_distributed(_worker, 2, str(model_dir), str(out), str(ckpt), timeout_s=240)
     assert r0["frozen"] > 0 and r0["adapters"] > 0
     assert r0["mismatched"] == [], "frozen shards differ from the bf16 rounding of the checkpoint"
     assert r0["grads"] == r0["adapters"]  # only the adapters train
@@ -100,3 +117,13 @@ def test_lora_base_in_bf16_trains_the_adapters_and_exports_in_float32(tmp_path: 
         assert torch.equal(written[key], expected), key
         checked += 1
     assert checked > 0
+
+    # The checkpoint's export (one process, base from model.path) is the run's export, bit for bit.
+    again = tmp_path / "from_checkpoint"
+    cli = [sys.executable, "-m", "spmdrl.export", str(ckpt / "step-1"), str(again)]
+    done = subprocess.run(cli, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    exported = {k: v for f in sorted(again.glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert exported.keys() == written.keys()
+    differ = [k for k in written if not torch.equal(exported[k], written[k])]
+    assert differ == [], differ
