@@ -18,6 +18,9 @@ What is done instead:
 - vLLM gets it through :mod:`spmdrl.rollout.cpu_shm_worker` (``worker_cls``): setting the variable
   before the build is not enough, since ``init_device`` overwrites it just before it creates the
   groups;
+- after the build, :func:`tp_all_reduce` reads which all-reduce vLLM's TP group took; the engine logs it
+  once, as a warning where the library has the shared-memory one and the group still fell back to gloo
+  (vLLM says so only at INFO, which spmdrl's log level hides);
 - once every rank of the engine has built (every rank has mapped every segment of its group), the
   names are unlinked: the memory stays mapped while the engine lives and is freed with the last
   process that maps it, so a job killed afterwards leaves nothing in ``/dev/shm``. A failed build
@@ -48,6 +51,23 @@ _building: str | None = None
 
 def building_ident() -> str | None:
     return _building
+
+
+def shm_all_reduce_available() -> bool:
+    """Whether this vLLM library has the shared-memory all-reduce at all (vLLM's AVX2 build has not)."""
+    import torch
+
+    return hasattr(torch.ops._C, "init_shm_manager")
+
+
+def tp_all_reduce() -> str:
+    """Which all-reduce the built engine's TP group uses: ``"shared memory"`` or ``"gloo"`` (vLLM's
+    fallback). Call after the build, in the process that built it (external_launcher)."""
+    from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
+    from vllm.distributed.parallel_state import get_tp_group
+
+    module = getattr(get_tp_group().device_communicator, "dist_module", None)
+    return "shared memory" if isinstance(module, _CPUSHMDistributed) else "gloo"
 
 
 @dataclass(frozen=True)

@@ -400,6 +400,16 @@ class VLLMEngine:
             self.world.vllm(building=True),
         ):
             self.llm = LLM(**kwargs)
+        # CPU, tp >= 2: which all-reduce the TP group took ("" elsewhere). gloo is several times slower per
+        # decode step; vLLM falls back to it silently when the ranks' segment names disagree.
+        self.tp_all_reduce = cpu_shm.tp_all_reduce() if shm_names else ""
+        if shm_names and self.tp_all_reduce != "shared memory" and cpu_shm.shm_all_reduce_available():
+            log.warning(
+                "vLLM's tensor-parallel all-reduce fell back to gloo although this vLLM build has the "
+                "shared-memory one: generation will be slower (spmdrl.rollout.cpu_shm)"
+            )
+        elif shm_names:
+            log.info("vLLM's tensor-parallel all-reduce: %s", self.tp_all_reduce)
         # A response ends where the chat template ends an assistant turn. vLLM stops on the tokenizer's eos
         # and generation_config.json's eos ids only; a checkpoint whose template ends turns with another
         # token that neither lists (a base Llama 3 tokenizer under the instruct template, a Gemma 2

@@ -54,6 +54,8 @@ def _job(
         shm_available=hasattr(torch.ops._C, "init_shm_manager"),
         # The shared-memory all-reduce, not vLLM's silent fallback to gloo (which collides with nothing).
         shm=isinstance(getattr(communicator, "dist_module", None), _CPUSHMDistributed),
+        # What the engine itself reports (and logs) about the same choice.
+        reported=engine.tp_all_reduce,
         ident=ident,
         # Built: every rank mapped every segment, so the names are gone from /dev/shm already.
         names_left=sorted(n for n in os.listdir(SHM_DIR) if n.startswith(f"{ident}-")),
@@ -111,6 +113,7 @@ def test_tp2_jobs_concurrent_and_after_a_killed_one(tmp_path: Path) -> None:
     a, b = results["a"], results["b"]
     assert isinstance(a, list) and isinstance(b, list)
     if not any(res["shm_available"] for res in a + b):
+        assert all(res["reported"] == "gloo" for res in a + b), a + b
         pytest.skip(
             "this CPU kind's vLLM library has no shared-memory all-reduce (torch.ops._C.init_shm_manager): "
             "tp=2 goes through gloo, so there is no segment to collide on"
@@ -118,6 +121,7 @@ def test_tp2_jobs_concurrent_and_after_a_killed_one(tmp_path: Path) -> None:
     for job in (a, b):
         for res in job:
             assert res["shm"] and res["other_built"] and res["names_left"] == [], res
+            assert res["reported"] == "shared memory", res
         assert job[0]["ident"] == job[1]["ident"]
         assert job[0]["tokens"] == job[1]["tokens"]  # one engine: both ranks got its completions
     assert a[0]["ident"] != b[0]["ident"]
