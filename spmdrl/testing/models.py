@@ -61,6 +61,23 @@ def padded_rows(
     return torch.where(attn.bool(), ids, 0), attn, resp
 
 
+def rank_policy_batch(rows: int, rank: int, world: int, vocab: int = 64, seed: int = 0) -> Any:
+    """This rank's share of ``rows`` random right-padded rows (prompts of 2-6 tokens, responses of 1-9) as a
+    ``PolicyBatch`` with random engine logprobs and advantages: the same global batch on every rank, split
+    by contiguous rows as the RL job splits its batch."""
+    from spmdrl.rl.batch import PolicyBatch
+
+    g = torch.Generator().manual_seed(seed)
+    ids, attn, resp = padded_rows(
+        torch.randint(2, 7, (rows,), generator=g), torch.randint(1, 10, (rows,), generator=g), vocab, g
+    )
+    B, T = ids.shape
+    mine = slice(rank * B // world, (rank + 1) * B // world)
+    engine_lp = -torch.rand(B, T, generator=g) * resp
+    adv = torch.randn(B, T, generator=g) * resp
+    return PolicyBatch(ids[mine], attn[mine], resp[mine], engine_lp[mine], adv[mine])
+
+
 # ---- one small random model per supported family (spmdrl.models.families) --------------------------
 #
 # Each is built from its family's own transformers config class, with that family's attention and norm

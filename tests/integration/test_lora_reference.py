@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from spmdrl.testing.models import padded_rows, save_small_qwen2
+from spmdrl.testing.models import rank_policy_batch, save_small_qwen2
 from spmdrl.testing.spawn import run_distributed
 
 pytestmark = pytest.mark.slow
@@ -47,22 +47,12 @@ def _worker(rank: int, world: int, model_dir: str) -> dict[str, Any]:
     from spmdrl.models.causal_attention import use_causal_sdpa
     from spmdrl.models.varlen import apply_packed_attention
     from spmdrl.optim import build_optimizer
-    from spmdrl.rl.batch import PolicyBatch
     from spmdrl.rl.experience import old_and_ref_logprobs
     from spmdrl.rl.models import build_models
     from spmdrl.rl.reference import Reference
     from spmdrl.rl.update import update_policy
 
-    g = torch.Generator().manual_seed(0)
-    ids, attn, resp = padded_rows(
-        torch.randint(2, 7, (ROWS,), generator=g), torch.randint(1, 10, (ROWS,), generator=g), 64, g
-    )
-    B, T = ids.shape
-    rows = slice(rank * B // world, (rank + 1) * B // world)
-    batch = PolicyBatch(
-        ids[rows], attn[rows], resp[rows], (-torch.rand(B, T, generator=g) * resp)[rows],
-        (torch.randn(B, T, generator=g) * resp)[rows],
-    )  # fmt: skip
+    batch = rank_policy_batch(ROWS, rank, world)
     cpu = torch.device("cpu")
     meshes = Placement.colocated(world).build_meshes("cpu")
     out: dict[str, Any] = {}

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from spmdrl.testing.models import padded_rows, save_small_qwen2
+from spmdrl.testing.models import rank_policy_batch, save_small_qwen2
 from spmdrl.testing.spawn import run_distributed
 
 pytestmark = pytest.mark.slow
@@ -46,22 +46,12 @@ def _worker(rank: int, world: int, model_dir: str) -> dict[str, Any]:
         validate,
     )
     from spmdrl.distributed.placement import Placement
-    from spmdrl.rl.batch import PolicyBatch
     from spmdrl.rl.micro_batches import micro_batch_rows
     from spmdrl.rl.models import build_models
     from spmdrl.rl.update import logprobs_of, update_policy
     from spmdrl.testing.syncs import SyncCounter
 
-    g = torch.Generator().manual_seed(0)
-    ids, attn, resp = padded_rows(
-        torch.randint(2, 7, (ROWS,), generator=g), torch.randint(1, 10, (ROWS,), generator=g), 64, g
-    )
-    B, T = ids.shape
-    rows = slice(rank * B // world, (rank + 1) * B // world)
-    batch = PolicyBatch(
-        ids[rows], attn[rows], resp[rows], (-torch.rand(B, T, generator=g) * resp)[rows],
-        (torch.randn(B, T, generator=g) * resp)[rows],
-    )  # fmt: skip
+    batch = rank_policy_batch(ROWS, rank, world)
     cpu = torch.device("cpu")
     meshes = Placement.colocated(world).build_meshes("cpu")
     out: dict[str, Any] = {}
