@@ -276,6 +276,7 @@ def _paths_worker(rank: int, world: int, model_dir: str, cases: list[tuple[str, 
     from spmdrl.rollout.engine import build_engine
     from spmdrl.rollout.fingerprint import WeightSyncError
     from spmdrl.rollout.weight_sync import SyncCheck, sync_weights
+    from spmdrl.testing.syncs import SyncCounter
 
     mesh = Placement.colocated(world).build_meshes("cpu").fsdp("actor")
     model = build_fsdp_model(
@@ -301,6 +302,12 @@ def _paths_worker(rank: int, world: int, model_dir: str, cases: list[tuple[str, 
             out[f"checked{round_}"] = stats.checked_groups
             out[f"refreshed{round_}"] = list(engine.last_refreshed)
             out[f"synced{round_}"] = _mismatch(model, engine, prompts, seed=3)
+        # The engine's side of the check reads its sums from the device once (a GPU sync), whatever the
+        # kernels (the engine's weights, made before the counter, model device tensors).
+        with SyncCounter() as c:
+            engine.weight_fingerprint(5).values  # noqa: B018 - the read is what is counted
+        reads = sum(1 for e in c.events if e.kind != "h2d")
+        out["fingerprint_reads"] = (reads, c.count(), c.summary())
         # Break the sync on purpose; the check must stop it and say where.
         if path in PACKED:
             # (a) the real failure mode: packed copies left stale by the reload (the tied LM head's).
@@ -354,6 +361,12 @@ def test_sync_and_check_on_every_cpu_gemm_path(tmp_path: Path) -> None:
             assert out[f"checked{r}"] >= 4 * 3 + 2, (where, out[f"checked{r}"])
             # The tied LM head is the layer vLLM's reload does not re-process.
             assert out[f"refreshed{r}"] == ["lm_head"], (where, out[f"refreshed{r}"])
+        # One read whatever the kernels; with plain torch ops (as a GPU's linear layers are) nothing else
+        # either. vLLM's packed CPU kernels build their outputs on the host side of the counter's model.
+        reads, events, _ = out["fingerprint_reads"]
+        assert reads == 1, (where, out["fingerprint_reads"])
+        if path == "torch":
+            assert events == 1, (where, out["fingerprint_reads"])
         if path in PACKED:
             assert "weight sync check failed" in out["broken"], (where, out["broken"])
             assert "lm_head" in out["broken"] and "input size 128" in out["broken"], (where, out["broken"])
