@@ -14,7 +14,14 @@ Measured in one run, on the same ranks and the same model (a random Qwen2 of the
 - ``per-param full_tensor``: ``DTensor.full_tensor()`` for each parameter (one collective each), cast;
 - ``bucketed sync`` / ``per-param sync``: the same two, fed into the vLLM engine's in-place reload;
 - ``bucketed sync + check``: the bucketed sync followed by the run-time check that the engine's kernels
-  return exactly the synced weights (what the recipes run every step; spmdrl/rollout/fingerprint.py).
+  return exactly the synced weights (what the recipes run every step; spmdrl/rollout/fingerprint.py);
+- ``bucketed sync, direct load`` (and ``+ check``): the same stream into the model's own ``load_weights``, which writes
+  each tensor into the live parameter (what verl does), instead of vLLM's in-place reload, which puts
+  each layer back on the meta device, materializes it, loads, re-processes and copies it into the
+  kernels' tensors. Only where the kernels read the parameters in place (CUDA; CPU with
+  ``--cpu-gemm torch``: the packed CPU paths drop the weight after packing). Measured to size what a
+  direct path would save; each repeat of the checked row is checked like a recipe's sync (the engine's
+  kernels return the streamed weights), which also proves the unchecked row's loads take.
 
 Prints ratios to the bucketed gather and to the one all-gather; absolute times depend on the machine.
 With ``--json FILE`` writes every row as a figure (benchmarks/bench_report.py) whose baseline is the one
@@ -44,6 +51,7 @@ from spmdrl.rollout.weight_sync import (
     SyncCheck,
     iter_full_tensors,
     sync_weights,
+    tied_uses,
     trainer_weights,
 )
 
@@ -102,6 +110,11 @@ def _random_qwen2(out: Path, a: argparse.Namespace) -> None:
 def _slug(label: str) -> str:
     """A row's label as a figure name: "bucketed sync -> vLLM, 32 MB" -> "bucketed_sync_vllm_32_mb"."""
     return re.sub(r"[^a-z0-9.]+", "_", label.lower()).strip("_")
+
+
+def _direct_load(worker: object, weights: object) -> None:
+    """Inside vLLM's worker: the model's own load_weights into its live parameters (no re-processing)."""
+    worker.model_runner.get_model().load_weights(weights)  # type: ignore[attr-defined]
 
 
 def _median_s(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
@@ -187,6 +200,7 @@ def main() -> None:
             dtype="bfloat16",
             cpu_gemm=a.cpu_gemm,
             enforce_eager=a.enforce_eager,
+            weight_load="reload",  # the sync rows: vLLM's reload; the direct rows call the direct load
         )
         engine = build_engine(model_dir, cfg, max_model_len=128, device_type=device.type)
         rows.append(
@@ -214,6 +228,28 @@ def main() -> None:
                 ),
             )
         )
+        if device.type == "cuda" or set(engine.gemm_paths) == {"torch"}:
+            from spmdrl.rollout.fingerprint import Fingerprint, WeightSyncError, compare, observe
+
+            def direct(check: bool) -> None:
+                seed = next(seeds)
+                sent = Fingerprint()
+                stream = iter_full_tensors(weights, dtype=dtype)
+                if check:
+                    stream = observe(stream, sent, seed, tied_uses(model))
+                with engine.world.vllm():
+                    engine.llm.collective_rpc(_direct_load, args=(stream,))
+                    engine.llm.reset_prefix_cache()
+                if check and compare(engine.weight_fingerprint(seed), sent, SyncCheck.tol):
+                    raise WeightSyncError("the direct load did not reach the engine's kernels")
+
+            rows.append(("bucketed sync, direct load", _median_s(lambda: direct(False), a.repeats, device)))
+            # Every repeat checked: also proves the unchecked row's loads took.
+            rows.append(
+                ("bucketed sync, direct load + check", _median_s(lambda: direct(True), a.repeats, device))
+            )
+        elif env.is_main:
+            print(f"(no direct-load row: the engine's CPU GEMM paths {engine.gemm_paths} keep packed copies)")
         engine.close()
 
     if env.is_main:
@@ -222,9 +258,9 @@ def main() -> None:
             f"\nweight sync: {env.world_size} ranks on {device.type}, {len(weights)} tensors, "
             f"{total_bytes / 1e6:.1f} MB in {dtype}, median of {a.repeats} (slowest rank)"
         )
-        print(f"{'method':<36} {'ms':>9} {'x one all_gather':>17} {f'x bucketed {ref_mb:g} MB':>19}")
+        print(f"{'method':<38} {'ms':>9} {'x one all_gather':>17} {f'x bucketed {ref_mb:g} MB':>19}")
         for name, t in rows:
-            print(f"{name:<36} {t * 1e3:>9.1f} {t / floor:>17.2f} {t / ref:>19.2f}")
+            print(f"{name:<38} {t * 1e3:>9.1f} {t / floor:>17.2f} {t / ref:>19.2f}")
         if a.json:
             write_json(
                 a.json,

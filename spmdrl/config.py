@@ -366,6 +366,13 @@ class RolloutConfig:
     free_cache_engine: bool = True
     # Weight sync gathers the actor's shards in buckets of about this many MB (one all-gather each).
     weight_sync_bucket_mb: float = 32.0
+    # How the engine takes the synced weights. "direct": the model's own load_weights writes each tensor
+    # into the live parameter the kernels read (what verl does); "reload": vLLM's in-place reload puts each
+    # layer on the meta device, materializes it, loads, re-processes and copies it into the kernels'
+    # tensors (needed where a kernel computes from a packed copy: vLLM's CPU GEMM paths but "torch").
+    # "auto": direct where every linear layer reads its parameter (CUDA; CPU on the torch path), else
+    # reload. The per-sync check proves either (docs/rollout.md).
+    weight_load: str = choice("auto", ("auto", "direct", "reload"))
     # After every sync, prove the engine's kernels return exactly the weights just sent (one-hot probes
     # through every layer, compared with the trainer's tensors; spmdrl/rollout/fingerprint.py). A
     # mismatch stops the run. The cost is a few small matmuls per layer.

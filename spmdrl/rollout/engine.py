@@ -249,6 +249,11 @@ def check_engine_config(cfg: RolloutConfig, device_type: str) -> None:
         from spmdrl.rollout.vllm_engine import resolve_engine_dtype
 
         check_available(cfg.cpu_gemm, resolve_engine_dtype(cfg.dtype, device_type))
+        if cfg.weight_load == "direct" and cfg.cpu_gemm != "torch":
+            raise ConfigError(
+                "rollout.weight_load=direct on CPU needs rollout.cpu_gemm=torch: the other CPU GEMM paths "
+                "compute from packed copies of the weights, which only rollout.weight_load=reload rebuilds"
+            )
 
 
 @overload

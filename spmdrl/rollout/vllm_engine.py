@@ -430,6 +430,8 @@ class VLLMEngine:
                 self.gemm_paths = self.llm.collective_rpc(vllm_worker.gemm_paths)[0]
         if self.gemm_paths:
             log.info("vLLM CPU GEMM paths (rollout.cpu_gemm=%s): %s", cfg.cpu_gemm, self.gemm_paths)
+        self.weight_load = resolve_weight_load(cfg.weight_load, device_type, self.gemm_paths)
+        log.info("weight sync loads by %s (rollout.weight_load=%s)", self.weight_load, cfg.weight_load)
 
     # ---- generation -------------------------------------------------------------------------------------
 
@@ -482,7 +484,9 @@ class VLLMEngine:
     # ---- weights ----------------------------------------------------------------------------------------
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> LoadSeconds:
-        """All weights in one ``reload_weights`` call, pulled lazily from ``weights``.
+        """All weights in one call into the engine, pulled lazily from ``weights``: the model's own
+        ``load_weights`` (``self.weight_load`` "direct": each tensor written into the live parameter) or
+        vLLM's in-place reload ("reload", below).
 
         vLLM's checkpoint-format reload (0.32: ``model_executor/model_loader/reload/inplace.py``; 0.24:
         inline in ``gpu_model_runner.reload_weights``) moves every
@@ -508,10 +512,9 @@ class VLLMEngine:
 
         # vllm_worker.reload_weights also rebuilds the packed CPU GEMM copies the reload left stale. The
         # weights are produced by the trainer's code (its gathers and broadcasts), in the trainer's world.
+        load = vllm_worker.load_weights_direct if self.weight_load == "direct" else vllm_worker.reload_weights
         with self.world.vllm():
-            self.last_refreshed = self.llm.collective_rpc(
-                vllm_worker.reload_weights, args=(self.world.trainer_side(tracked()),)
-            )[0]
+            self.last_refreshed = self.llm.collective_rpc(load, args=(self.world.trainer_side(tracked()),))[0]
         t_load = time.perf_counter()
         missing = sorted(self.expected_weights - seen)
         if missing:
@@ -654,6 +657,21 @@ class VLLMEngine:
             log.info("vLLM sleep/wake skipped: %s", why)
             self._warned_no_sleep = True
         return False
+
+
+def resolve_weight_load(setting: str, device_type: str, gemm_paths: dict[str, int]) -> str:
+    """rollout.weight_load for a built engine: "direct" where every linear layer computes from its live
+    parameter (CUDA's unquantized layers; on CPU, the layers on the torch GEMM path), else "reload"."""
+    reads_params = device_type != "cpu" or (bool(gemm_paths) and set(gemm_paths) <= {"torch", "none"})
+    if setting == "direct" and not reads_params:
+        raise ConfigError(
+            f"rollout.weight_load=direct writes the weights into the parameters the kernels read, but this "
+            f"engine's CPU GEMM paths {gemm_paths} compute from packed copies: set rollout.cpu_gemm=torch, "
+            "or rollout.weight_load=reload (or auto)"
+        )
+    if setting == "auto":
+        return "direct" if reads_params else "reload"
+    return setting
 
 
 @functools.cache

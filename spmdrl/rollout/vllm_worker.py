@@ -33,6 +33,16 @@ def reload_weights(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> 
     return cpu_gemm.refresh_unprocessed(model, before)
 
 
+def load_weights_direct(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """The model's own ``load_weights``: each tensor's weight loader writes it (its TP slice, its place in
+    a merged qkv / gate_up tensor) into the live parameter, with no re-processing. Only where the kernels
+    read those parameters (CUDA's unquantized layers, the CPU torch path, which VLLMEngine checks once at
+    build); the packed CPU paths dropped their weight after packing. Nothing needs re-dispatching: returns
+    no layer names (:func:`reload_weights` returns those it refreshed)."""
+    _model(worker).load_weights(weights)
+    return []
+
+
 def gemm_paths(worker: Any) -> dict[str, int]:
     return cpu_gemm.gemm_paths(_model(worker))
 

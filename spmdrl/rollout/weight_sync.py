@@ -272,7 +272,7 @@ def engine_shapes(model: nn.Module) -> list[tuple[str, torch.Size]]:
     return [(n, t.shape) for n, t in engine_weights(model, stand_ins)]
 
 
-def _tied_uses(model: nn.Module) -> dict[str, int]:
+def tied_uses(model: nn.Module) -> dict[str, int]:
     """Trainer tensors that more than one engine layer computes from: a tied input embedding is also the
     engine's LM head (a layer of its own, with its own packed copy on CPU)."""
     if not bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False)):
@@ -390,7 +390,7 @@ def sync_weights(
             load = LoadSeconds()
         else:
             if check is not None:
-                weights = observe(weights, sent, check.seed, _tied_uses(model))
+                weights = observe(weights, sent, check.seed, tied_uses(model))
             load = engine.load_weights(weights)
     t_check = time.perf_counter()
     groups = 0

@@ -289,7 +289,15 @@ def _paths_worker(rank: int, world: int, model_dir: str, cases: list[tuple[str, 
         _perturb(model, originals, seed=0, scale=0.0)  # back to the checkpoint the engine starts from
         engine = build_engine(
             Path(model_dir),
-            RolloutConfig(cpu_kvcache_gib=0.25, max_num_seqs=16, seed=i, dtype=dtype, cpu_gemm=path),
+            # vLLM's re-processing reload on every path (the direct load: test_weight_load_direct.py).
+            RolloutConfig(
+                cpu_kvcache_gib=0.25,
+                max_num_seqs=16,
+                seed=i,
+                dtype=dtype,
+                cpu_gemm=path,
+                weight_load="reload",
+            ),
             max_model_len=MAX_LEN,
             device_type="cpu",
         )
