@@ -430,7 +430,8 @@ class VLLMEngine:
                 self.gemm_paths = self.llm.collective_rpc(vllm_worker.gemm_paths)[0]
         if self.gemm_paths:
             log.info("vLLM CPU GEMM paths (rollout.cpu_gemm=%s): %s", cfg.cpu_gemm, self.gemm_paths)
-        self.weight_load = resolve_weight_load(cfg.weight_load, device_type, self.gemm_paths)
+        quantized = getattr(self.llm.llm_engine.model_config, "quantization", None) is not None
+        self.weight_load = resolve_weight_load(cfg.weight_load, device_type, self.gemm_paths, quantized)
         log.info("weight sync loads by %s (rollout.weight_load=%s)", self.weight_load, cfg.weight_load)
 
     # ---- generation -------------------------------------------------------------------------------------
@@ -659,15 +660,22 @@ class VLLMEngine:
         return False
 
 
-def resolve_weight_load(setting: str, device_type: str, gemm_paths: dict[str, int]) -> str:
+def resolve_weight_load(
+    setting: str, device_type: str, gemm_paths: dict[str, int], quantized: bool = False
+) -> str:
     """rollout.weight_load for a built engine: "direct" where every linear layer computes from its live
-    parameter (CUDA's unquantized layers; on CPU, the layers on the torch GEMM path), else "reload"."""
-    reads_params = device_type != "cpu" or (bool(gemm_paths) and set(gemm_paths) <= {"torch", "none"})
+    parameter (CUDA's unquantized layers; on CPU, the layers on the torch GEMM path), else "reload". A
+    quantized checkpoint's layers compute from what vLLM's processing made of the weights: reload."""
+    if quantized:
+        reads_params = False
+        why = "this checkpoint is quantized: its kernels compute from the processed weights"
+    else:
+        reads_params = device_type != "cpu" or (bool(gemm_paths) and set(gemm_paths) <= {"torch", "none"})
+        why = f"this engine's CPU GEMM paths {gemm_paths} compute from packed copies: set rollout.cpu_gemm=torch,"
     if setting == "direct" and not reads_params:
         raise ConfigError(
-            f"rollout.weight_load=direct writes the weights into the parameters the kernels read, but this "
-            f"engine's CPU GEMM paths {gemm_paths} compute from packed copies: set rollout.cpu_gemm=torch, "
-            "or rollout.weight_load=reload (or auto)"
+            "rollout.weight_load=direct writes the weights into the parameters the kernels read, but "
+            f"{why} or rollout.weight_load=reload (or auto)"
         )
     if setting == "auto":
         return "direct" if reads_params else "reload"

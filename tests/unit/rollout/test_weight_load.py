@@ -20,11 +20,15 @@ def test_auto_loads_directly_where_the_kernels_read_the_parameters() -> None:
     assert resolve_weight_load("reload", "cuda", {}) == "reload"
     assert resolve_weight_load("reload", "cpu", {"torch": 9}) == "reload"
     assert resolve_weight_load("direct", "cpu", {"torch": 9}) == "direct"
+    # A quantized checkpoint's kernels compute from vLLM's processed weights.
+    assert resolve_weight_load("auto", "cuda", {}, quantized=True) == "reload"
 
 
 def test_direct_on_a_packed_cpu_path_is_refused() -> None:
     with pytest.raises(ConfigError, match="rollout.cpu_gemm=torch"):
         resolve_weight_load("direct", "cpu", {"onednn": 9})
+    with pytest.raises(ConfigError, match="quantized"):
+        resolve_weight_load("direct", "cuda", {}, quantized=True)
     # Before any engine is built, from the config alone.
     with pytest.raises(ConfigError, match="rollout.weight_load=direct on CPU needs rollout.cpu_gemm=torch"):
         check_engine_config(RolloutConfig(weight_load="direct", cpu_gemm="auto"), "cpu")
