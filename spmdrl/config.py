@@ -370,8 +370,8 @@ class RolloutConfig:
     # into the live parameter the kernels read (what verl does); "reload": vLLM's in-place reload puts each
     # layer on the meta device, materializes it, loads, re-processes and copies it into the kernels'
     # tensors (needed where a kernel computes from a packed copy: vLLM's CPU GEMM paths but "torch").
-    # "auto": direct where every linear layer reads its parameter (CUDA; CPU on the torch path), else
-    # reload. The per-sync check proves either (docs/rollout.md).
+    # "auto": direct where every linear layer reads its parameter (CUDA, unquantized; CPU on the torch
+    # path), else reload. The per-sync check proves either (docs/rollout.md).
     weight_load: str = choice("auto", ("auto", "direct", "reload"))
     # After every sync, prove the engine's kernels return exactly the weights just sent (one-hot probes
     # through every layer, compared with the trainer's tensors; spmdrl/rollout/fingerprint.py). A
