@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from spmdrl.testing.models import QWEN2_5_0_5B
+
 SHAPES: dict[str, dict[str, Any]] = {
     # A CPU's: train_step.py's tiny shape (~0.3M parameters without the embeddings), GQA 4/2 like Qwen2.5.
     "tiny": dict(
@@ -25,15 +27,7 @@ SHAPES: dict[str, dict[str, Any]] = {
         vocab_size=8192,
     ),
     # Qwen2.5-0.5B / 1.5B / 7B config.json (hub model cards).
-    "qwen2.5-0.5b": dict(
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-    ),
+    "qwen2.5-0.5b": dict(QWEN2_5_0_5B),  # the numbers the memory model's tests use too
     "qwen2.5-1.5b": dict(
         hidden_size=1536,
         intermediate_size=8960,
