@@ -371,7 +371,8 @@ class RolloutConfig:
     # layer on the meta device, materializes it, loads, re-processes and copies it into the kernels'
     # tensors (needed where a kernel computes from a packed copy: vLLM's CPU GEMM paths but "torch").
     # "auto": direct where every linear layer reads its parameter (CUDA, unquantized; CPU on the torch
-    # path), else reload. The per-sync check proves either (docs/rollout.md).
+    # path), else reload. The per-sync check proves either (docs/rollout.md); under auto, a direct load
+    # it rejects is repeated with reload, which the run then keeps.
     weight_load: str = choice("auto", ("auto", "direct", "reload"))
     # After every sync, prove the engine's kernels return exactly the weights just sent (one-hot probes
     # through every layer, compared with the trainer's tensors; spmdrl/rollout/fingerprint.py). A

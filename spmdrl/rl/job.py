@@ -63,7 +63,7 @@ from spmdrl.rl.samples import ScoredSamples, train_samples, validate
 from spmdrl.rl.token_budgets import measure_token_budgets, wants_memory_budgets
 from spmdrl.rollout.engine import RolloutEngine, build_engine, check_engine_config
 from spmdrl.rollout.rollout import Rollout, build_agent_loop, load_multi_turn_tools
-from spmdrl.rollout.weight_sync import Fanout, SyncCheck, SyncStats, sync_weights
+from spmdrl.rollout.weight_sync import Fanout, SyncCheck, SyncStats, sync_weights, sync_with_fallback
 from spmdrl.runtime import Run, restart_count, start_run
 from spmdrl.tools import tool_schemas
 
@@ -410,15 +410,21 @@ def sync_actor_weights(job: RLJob, check_seed: int) -> SyncStats:
     check = (
         SyncCheck(check_seed, cfg.rollout.weight_sync_check_tol) if cfg.rollout.weight_sync_check else None
     )
-    return sync_weights(
-        job.actor,
-        job.engine if job.holds_engine else None,  # async: the trainer ranks gather, send, and load nothing
-        bucket_mb=cfg.rollout.weight_sync_bucket_mb,
-        check=check,
-        fanout=job.fanout,
-        device=job.device,
-        dtype=resolve_engine_dtype(cfg.rollout.dtype, job.device.type),
-    )
+    engine = job.engine if job.holds_engine else None  # async: the trainer ranks gather, send, load nothing
+
+    def sync() -> SyncStats:
+        return sync_weights(
+            job.actor,
+            engine,
+            bucket_mb=cfg.rollout.weight_sync_bucket_mb,
+            check=check,
+            fanout=job.fanout,
+            device=job.device,
+            dtype=resolve_engine_dtype(cfg.rollout.dtype, job.device.type),
+        )
+
+    # A direct load that fails the check under auto is retried with vLLM's reload (its docstring: why).
+    return sync_with_fallback(sync, engine, job.device, auto=cfg.rollout.weight_load == "auto")
 
 
 def validates_at(job: RLJob, step: int) -> bool:

@@ -198,6 +198,9 @@ class RolloutEngine(Protocol):
     dtype: torch.dtype
     # Which ranks share this engine (tensor parallelism) and this engine's data-parallel index.
     groups: TPGroups
+    # How load_weights writes the weights: "direct" or "reload" (rollout.weight_load, resolved). The sync
+    # sets it to "reload" when a direct load fails the check under auto (weight_sync.sync_with_fallback).
+    weight_load: str
 
     def generate(self, prompts: list[list[int]], params: SamplingSpec) -> list[Generation]:
         """Completions of this rank's prompts, ``params.n`` per prompt, grouped by prompt in order."""

@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -420,3 +420,37 @@ def sync_weights(
     )
     log.debug("weight sync: %s", stats)
     return stats
+
+
+def sync_with_fallback(
+    sync: Callable[[], SyncStats], engine: RolloutEngine | None, device: torch.device, auto: bool
+) -> SyncStats:
+    """``sync()``, a checked :func:`sync_weights`; under ``rollout.weight_load=auto`` (``auto``), once more
+    with vLLM's reload if the check failed on an engine that loaded directly.
+
+    ``auto`` chooses the direct load from what it can see (CUDA, unquantized: the layers compute from
+    their parameters). A vLLM release whose loaders or kernels break that assumption (a processed copy, a
+    layout the loaders rewrite) is what the check catches, and the reload, which re-processes every layer,
+    does not depend on it: better a run that goes on, slower, with a warning, than one that stops at its
+    first sync. Every rank raised WeightSyncError together (the verdict is all-reduced), and whether any
+    engine loaded directly is all-reduced too, so the ranks retry or raise together. An engine that fell
+    back stays on reload; a failure then, or with the load chosen by hand, is raised.
+    """
+    try:
+        return sync()
+    except WeightSyncError as e:
+        if not auto:
+            raise
+        direct = engine is not None and engine.weight_load == "direct"
+        if not all_reduce_max({"direct": float(direct)}, device)["direct"]:
+            raise
+        if engine is not None and direct:
+            engine.weight_load = "reload"
+            log.warning(
+                "weight sync check failed after a direct load (rollout.weight_load=auto chose it): this "
+                "engine loads by vLLM's reload from now on, and the sync is repeated. Please report the "
+                "vLLM version and device; set rollout.weight_load=reload to skip the attempt. The check "
+                "said: %s",
+                str(e).splitlines()[0],
+            )
+        return sync()

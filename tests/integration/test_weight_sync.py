@@ -60,21 +60,30 @@ def _perturb(model: torch.nn.Module, originals: list[torch.Tensor], seed: int, s
         p.to_local().copy_(orig + torch.randn(orig.shape, generator=g) * scale)
 
 
-def _sync_worker(rank: int, world: int, model_dir: str) -> dict:
-    import torch.distributed as dist
-
+def _fsdp_actor(
+    rank: int, world: int, model_dir: str
+) -> tuple[torch.nn.Module, list[torch.Tensor], list[list[int]]]:
+    """The tiny model as the trainer holds it (FSDP2 over all ranks, fp32), its original local shards
+    (for _perturb), and this rank's prompts: the set-up every worker here starts from."""
     from spmdrl.distributed.placement import Placement
     from spmdrl.models.build import ModelSpec, build_fsdp_model
-    from spmdrl.rollout.engine import build_engine
-    from spmdrl.rollout.fingerprint import WeightSyncError
-    from spmdrl.rollout.weight_sync import SyncCheck, iter_full_tensors, sync_weights, trainer_weights
 
     mesh = Placement.colocated(world).build_meshes("cpu").fsdp("actor")
     model = build_fsdp_model(
         ModelSpec(Path(model_dir), torch.float32, torch.float32, train=False), mesh, torch.device("cpu")
     )
     originals = [p.to_local().clone() for p in model.parameters()]
-    prompts = _prompts(rank)
+    return model, originals, _prompts(rank)
+
+
+def _sync_worker(rank: int, world: int, model_dir: str) -> dict:
+    import torch.distributed as dist
+
+    from spmdrl.rollout.engine import build_engine
+    from spmdrl.rollout.fingerprint import WeightSyncError
+    from spmdrl.rollout.weight_sync import SyncCheck, iter_full_tensors, sync_weights, trainer_weights
+
+    model, originals, prompts = _fsdp_actor(rank, world, model_dir)
     results: dict = {}
     for tp in (1, 2):
         engine = build_engine(
@@ -270,20 +279,13 @@ def _unavailable(path: str, dtype: str | None = None) -> str | None:
 
 
 def _paths_worker(rank: int, world: int, model_dir: str, cases: list[tuple[str, str]]) -> dict:
-    from spmdrl.distributed.placement import Placement
-    from spmdrl.models.build import ModelSpec, build_fsdp_model
     from spmdrl.rollout import cpu_gemm
     from spmdrl.rollout.engine import build_engine
     from spmdrl.rollout.fingerprint import WeightSyncError
     from spmdrl.rollout.weight_sync import SyncCheck, sync_weights
     from spmdrl.testing.syncs import SyncCounter
 
-    mesh = Placement.colocated(world).build_meshes("cpu").fsdp("actor")
-    model = build_fsdp_model(
-        ModelSpec(Path(model_dir), torch.float32, torch.float32, train=False), mesh, torch.device("cpu")
-    )
-    originals = [p.to_local().clone() for p in model.parameters()]
-    prompts = _prompts(rank)
+    model, originals, prompts = _fsdp_actor(rank, world, model_dir)
     results: dict = {}
     for i, (path, dtype) in enumerate(cases):
         _perturb(model, originals, seed=0, scale=0.0)  # back to the checkpoint the engine starts from

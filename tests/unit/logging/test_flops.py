@@ -39,16 +39,11 @@ from spmdrl.logging.flops import (
     training_flops,
     utilization,
 )
+from spmdrl.testing.models import QWEN2_5_0_5B
 
 QWEN = {
-    "qwen2.5-0.5b": dict(
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        vocab_size=151936,
-    ),
+    # Tied like the real 0.5B; tying does not enter the count (the LM head is one matmul either way).
+    "qwen2.5-0.5b": dict(QWEN2_5_0_5B),
     "qwen2.5-1.5b": dict(
         hidden_size=1536,
         intermediate_size=8960,
