@@ -100,6 +100,9 @@ NESTED = {
 }
 TRL_GENERATE = "GRPOTrainer.transformers.generate"
 TRL_VLLM_GENERATE = "GRPOTrainer.vLLM.generate"
+TRL_SYNC = "GRPOTrainer.sync_weights"  # colocated vLLM: the trained weights into TRL's engine
+TRL_LOGPS = "GRPOTrainer._get_per_token_logps_and_entropies"  # every forward: old logprobs and the loss's
+TRL_OLD = "old_ref"  # its calls inside _prepare_inputs: the no-grad pass before the update, spmdrl's row name
 # TRL's two generation modes, each a column: model.generate, and vLLM in its own process ("colocate").
 TRL_MODES = {"generate": "TRL", "vllm_colocate": "TRL_vllm"}
 TRL_REWARD = "GRPOTrainer._calculate_rewards"
@@ -388,7 +391,12 @@ class _Profile:
         from trl.extras import profiling
 
         def log_metrics(ctx: Any, duration: float) -> None:
-            self.current[ctx.name] = self.current.get(ctx.name, 0.0) + duration
+            name = ctx.name
+            # A context is logged when it ends, so a forward logged before _prepare_inputs is inside it:
+            # the old logprobs (TRL computes them with vLLM, for its importance-sampling correction).
+            if name == TRL_LOGPS and TRL_PREPARE not in self.current:
+                name = TRL_OLD
+            self.current[name] = self.current.get(name, 0.0) + duration
 
         profiling.ProfilingContext._log_metrics = log_metrics  # type: ignore[method-assign]
 
@@ -586,7 +594,11 @@ def _trl_medians(steps: list[TrlStep], lengths: list[float], completions: int) -
         # Everything after the batch is ready: the loss's forward, backward, clipping, optimizer step.
         "update": med(lambda s, p: s - p.get(TRL_PREPARE, 0.0)),
     }
-    phases["other"] = max(step - phases["rollout"] - phases["reward"] - phases["update"], 0.0)
+    if any(TRL_OLD in st.phases for st in steps):
+        phases["old_ref"] = med(lambda s, p: p.get(TRL_OLD, 0.0))
+    if any(TRL_SYNC in st.phases for st in steps):  # vLLM mode: its weight sync, a row of its own
+        phases["weight_sync"] = med(lambda s, p: p.get(TRL_SYNC, 0.0))
+    phases["other"] = max(step - sum(phases.values()), 0.0)
     # Generated tokens / generate time, per step (TRL logs each step's mean completion length).
     tps = [
         n * completions / (_trl_rollout_s(st.phases) or math.nan)
@@ -703,7 +715,8 @@ def print_table(
     cols = table_columns(runs, trl, trl_vllm)
     widths = [max(9, len(c.header)) for c in cols]
     print(f"{'figure':<26} " + " ".join(f"{c.header:>{w}}" for c, w in zip(cols, widths, strict=True)))
-    for k in row_keys(list(runs.values())):
+    # Rows over every column: TRL's too (its old_ref, the forward before its vLLM-mode update).
+    for k in row_keys([*runs.values(), *(r for r in (trl, trl_vllm) if r)]):
         name = k.removesuffix("_s") if UNITS.get(k, "s") == "s" else k
         label = ("  " + name) if name in NESTED else name
         cells = " ".join(f"{c.cell(k):>{w}}" for c, w in zip(cols, widths, strict=True))
