@@ -82,6 +82,7 @@ from spmdrl.rl.job import (
     build_job,
     finish,
     log_step,
+    profiled,
     save_checkpoint,
     sync_actor_weights,
     validates_at,
@@ -182,15 +183,16 @@ def main(cfg: Config) -> None:
             if b not in queued:
                 rollout.queue.append(generate(job, rollout, b))
     for step in range(start + 1, job.total_steps + 1):
-        if rollout is not None:
-            rollout_side(job, rollout, layout, step)
-        else:
-            s = Step(step)
-            receive(job, s, layout)
-            make_experience(job, s)
-            update(job, s)
-            sync(job, s)
-            log(job, s)
+        with profiled(job, step):  # logging.profile_steps: the trainer's and the rollout ranks' step
+            if rollout is not None:
+                rollout_side(job, rollout, layout, step)
+            else:
+                s = Step(step)
+                receive(job, s, layout)
+                make_experience(job, s)
+                update(job, s)
+                sync(job, s)
+                log(job, s)
         checkpoint(job, step, rollout)
     finish(job)
 

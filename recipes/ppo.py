@@ -44,6 +44,7 @@ from spmdrl.rl.job import (
     build_job,
     finish,
     log_step,
+    profiled,
     save_checkpoint,
     sync_actor_weights,
     validates_at,
@@ -108,11 +109,12 @@ def main(cfg: Config) -> None:
         job.logger.log(0, validation(job, 0))
     for step in range(job.start_step + 1, job.total_steps + 1):
         s = Step(step)
-        rollout_and_score(job, s)
-        make_experience(job, s)
-        update(job, s)
-        sync(job, s)
-        log(job, s)
+        with profiled(job, step):  # logging.profile_steps
+            rollout_and_score(job, s)
+            make_experience(job, s)
+            update(job, s)
+            sync(job, s)
+            log(job, s)
         checkpoint(job, s)
     finish(job)
 

@@ -190,6 +190,15 @@ def _max_length(cfg: Config) -> int:
     return cfg.data.max_prompt_length + cfg.data.max_response_length
 
 
+def check_config(cfg: Config) -> None:
+    """Settings this recipe would not honour fail at config load (spmdrl.config_loader calls this)."""
+    if cfg.logging.profile_steps:
+        raise ConfigError(
+            f"logging.profile_steps={cfg.logging.profile_steps} profiles RL steps (entries grpo, ppo, "
+            f"grpo_async); this recipe ({cfg.entry}, recipe {cfg.name!r}) does not run it: remove the setting"
+        )
+
+
 def main(cfg: Config) -> None:
     run = start_run(cfg)
     env = run.env

@@ -33,7 +33,7 @@ from spmdrl.checkpoint.checkpointer import (
     plan_resume_all_ranks,
 )
 from spmdrl.checkpoint.export import export_hf, write_hf_metadata
-from spmdrl.config import Config, derive
+from spmdrl.config import Config, ConfigError, derive
 from spmdrl.data.sft import SFTBatch, SFTDataset, collate_sft
 from spmdrl.data.tiny_task import TinyTaskConfig, resolve_data_files
 from spmdrl.data.tools_task import ToolsTaskConfig
@@ -126,6 +126,15 @@ def validation_loss(run: Run, model: torch.nn.Module, ds: SFTDataset, micro: int
     model.train()
     totals = all_reduce_sum({"nll": nll_sum, "tokens": tokens}, env.device)
     return totals["nll"] / max(totals["tokens"], 1.0)
+
+
+def check_config(cfg: Config) -> None:
+    """Settings this recipe would not honour fail at config load (spmdrl.config_loader calls this)."""
+    if cfg.logging.profile_steps:
+        raise ConfigError(
+            f"logging.profile_steps={cfg.logging.profile_steps} profiles RL steps (entries grpo, ppo, "
+            f"grpo_async); this recipe ({cfg.entry}, recipe {cfg.name!r}) does not run it: remove the setting"
+        )
 
 
 def main(cfg: Config) -> None:

@@ -17,6 +17,7 @@ build_job, in order; every check that can fail does so before the warm-start and
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -48,6 +49,7 @@ from spmdrl.distributed.placement import Meshes, Placement, plan_placement
 from spmdrl.distributed.topology import check_tp_within_nodes, node_layout_from_env
 from spmdrl.logging.metrics import NullLogger, rewind_logs
 from spmdrl.logging.plot import plot_curves
+from spmdrl.logging.profiler import check_profile_steps, profile_step
 from spmdrl.logging.samples import Sample, write_samples
 from spmdrl.logging.timer import PhaseTimer
 from spmdrl.models.load import load_tokenizer, resolve_model_path_all_ranks
@@ -192,6 +194,7 @@ def build_job(cfg: Config, *, with_critic: bool = False, asynchronous: bool = Fa
     # derive_rl's below).
     gen_ranks = placement.role("rollout").num_ranks if placement.is_async else env.world_size
     derived = derive(cfg, gen_ranks, len(train_ds), samples_per_item=cfg.rollout.n)
+    check_profile_steps(cfg.logging.profile_steps, derived.total_steps)
     # CUDA: the token budgets left at auto, from the free memory before any model or engine is allocated.
     memory = (
         measure_token_budgets(cfg, base_dir, env.device, placement, needs_critic=with_critic)
@@ -425,6 +428,13 @@ def sync_actor_weights(job: RLJob, check_seed: int) -> SyncStats:
 
     # A direct load that fails the check under auto is retried with vLLM's reload (its docstring: why).
     return sync_with_fallback(sync, engine, job.device, auto=cfg.rollout.weight_load == "auto")
+
+
+def profiled(job: RLJob, step: int) -> contextlib.AbstractContextManager[None]:
+    """The step under torch.profiler on every rank if logging.profile_steps names it (its trace and op
+    table in output_dir/profile/step-<N>/, spmdrl/logging/profiler.py); else nothing."""
+    rank = job.run.env.rank
+    return profile_step(job.cfg.logging.profile_steps, job.run.output_dir, step, rank, job.device)
 
 
 def validates_at(job: RLJob, step: int) -> bool:

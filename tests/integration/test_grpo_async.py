@@ -76,8 +76,13 @@ def test_k0_is_the_synchronous_run_bitwise(tmp_path: Path) -> None:
 
 
 def test_k1_trains_one_version_behind(tmp_path: Path) -> None:
-    out = _train(tmp_path, "k1", "grpo_async_tiny", "trainer.max_staleness=1", nproc=4)
+    out = _train(
+        tmp_path, "k1", "grpo_async_tiny", "trainer.max_staleness=1", "logging.profile_steps=[2]", nproc=4
+    )
     rows = {r["step"]: r for r in read_metrics(out / "metrics.jsonl")}
+    # logging.profile_steps: step 2 traced on the trainer ranks (0-1) and on the rollout ranks (2-3).
+    traced = out / "profile" / "step-2"
+    assert sorted(p.name for p in traced.glob("*.json.gz")) == [f"rank-{r}.json.gz" for r in range(4)]
     assert sorted(rows) == [0, 1, 2, 3]
     assert rows[0]["val/accuracy"] >= 0 and "val/accuracy" in rows[3]
     # Batch 1 comes from the starting weights (the pipeline fills); batches 2 and 3 are one version old.

@@ -8,6 +8,7 @@ metrics, samples, curves and export.
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
@@ -76,10 +77,20 @@ def test_grpo_tiny_short_run(tmp_path: Path) -> None:
         "algorithm.entropy_coeff=0.01",
         f"reward.fn={tmp_path / 'my_reward.py'}:score",
         "reward.timeout_s=20",
+        "logging.profile_steps=[2]",
     )
 
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 2, 3]
+    # logging.profile_steps: step 2 alone, traced on each rank (the whole step: generation, update, sync).
+    assert sorted(p.name for p in (out / "profile").iterdir()) == ["step-2"]
+    for rank in (0, 1):
+        trace = json.loads(
+            gzip.decompress((out / "profile" / "step-2" / f"rank-{rank}.json.gz").read_bytes())
+        )
+        names = {e.get("name", "") for e in trace["traceEvents"]}
+        assert {"aten::mm", "aten::log_softmax"} & names and "Optimizer.step#AdamW.step" in names, rank
+        assert "Self CPU" in (out / "profile" / "step-2" / f"rank-{rank}.txt").read_text()
     assert "val/accuracy" in rows[0] and "val/accuracy" in rows[-1]
     train = rows[1:]
     for key in (
@@ -342,6 +353,7 @@ ALWAYS_RAISES = textwrap.dedent(
             "rollout.tp=2 does not split the model's 3 attention heads",
         ),
         (["reward.fn=gsm8k", "reward.batch_timeout_s=700"], "reward.batch_timeout_s=700.0 must stay below"),
+        (["logging.profile_steps=[0,41]"], "step(s) [0, 41] outside this run's steps 1..40"),
     ],
 )
 def test_bad_settings_fail_before_the_warm_start(tmp_path: Path, overrides: list[str], expect: str) -> None:
