@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU benchmark suite: four measurements on one CUDA GPU, at most about 12.7 minutes on an H100 (the sum
+# The GPU benchmark suite: four measurements on one CUDA GPU, at most about 13 minutes on an H100 (the sum
 # of the parts' time limits; SUITE_PARTS splits it).
 #
 #   bash benchmarks/gpu_suite.sh          # after installing vLLM for CUDA (a release from 0.24 to 0.32)
@@ -8,7 +8,9 @@
 # 1. grpo_step.py: one whole GRPO step of the real recipe (spmdrl on 1 rank) against TRL's GRPOTrainer at
 #    equal work (64 completions of <= 128 tokens, one optimizer step), on a random Qwen2 with
 #    Qwen2.5-0.5B's decoder (24 x 896, ~0.36B parameters) and the tiny tokenizer (--shape qwen2.5-0.5b);
-#    TRL twice: generating with model.generate, and with its colocated vLLM (vllm_mode="colocate").
+#    TRL twice: generating with model.generate, and with its colocated vLLM (vllm_mode="colocate"). The
+#    spmdrl job runs one more step under torch.profiler (logging.profile_steps), out of the figures: its
+#    trace and op table in grpo_step_profile/.
 # 2. rollout_vs_engine.py (1 rank): the recipe's rollout call against bare vllm.LLM.generate on the same
 #    engine, same requests and seeds: grpo_tiny's rollout (16x8x24) and grpo_step's (16x4x128).
 # 3. weight_sync.py --device cuda (1 rank): the FSDP2 -> vLLM sync (plain and checked) on the same model,
@@ -64,10 +66,10 @@ WORK=$(mktemp -d "${TMPDIR:-/tmp}/spmdrl-gpu-suite.XXXXXX")
 SUITE_T0=$(date +%s)
 
 # Seconds for each part (x SUITE_SCALE); grpo_step gets T_VARIANT more for each variant and T_TRL_VLLM for
-# TRL's colocated-vLLM run. Their sum, the whole suite's bound on an H100, is 760 s (12.7 minutes):
-# 40 + 205 + 120 + 110 + 60 + 3 x 75.
+# TRL's colocated-vLLM run. Their sum, the whole suite's bound on an H100, is 775 s (12.9 minutes):
+# 40 + 220 + 120 + 110 + 60 + 3 x 75.
 T_MODEL=40
-T_GRPO=205
+T_GRPO=220        # 5 measured steps, a warm-up, and one traced step (its trace written)
 T_VARIANT=100     # each grpo_step variant: one more spmdrl job
 T_TRL_VLLM=120    # TRL with vLLM colocated: its engine's start (CUDA graphs) and the same steps
 T_ROLLOUT=110
@@ -260,7 +262,8 @@ main() {
     grpo_secs=$(scaled $((T_GRPO + T_VARIANT * ${#variant_args[@]} / 2 + trl_vllm_secs)))
     [[ $WANT == *" grpo_step "* ]] && run_part grpo_step "$grpo_secs" "$PY" "$REPO/benchmarks/grpo_step.py" --shape "$SHAPE" --nproc 1 \
         --steps "$GRPO_STEPS" --warmup 1 --timeout "$(scaled $((T_GRPO * 4 / 5)))" --trl-modes "$TRL_MODES" \
-        ${variant_args[@]+"${variant_args[@]}"} ${SUITE_NO_TRL:+--no-trl} --spmdrl-log "$WORK/spmdrl_job.log" --json "$OUT/grpo_step.json"
+        ${variant_args[@]+"${variant_args[@]}"} ${SUITE_NO_TRL:+--no-trl} --spmdrl-log "$WORK/spmdrl_job.log" --json "$OUT/grpo_step.json" \
+        --profile "$OUT/grpo_step_profile"
     if [ -f "$WORK/spmdrl_job.log" ]; then
         {
             echo

@@ -44,6 +44,9 @@ ratio is spmdrl / TRL: below 1, spmdrl's step is faster. On CPU the two use the 
 spmdrl one rank per core (torchrun sets one thread each), TRL one process with torch's threads on every
 core; spmdrl's memory there is one rank's of ``--nproc``.
 
+``--profile DIR``: the default job runs one step more under ``logging.profile_steps`` (a torch.profiler
+trace and op table per rank; not among the measured steps), copied to ``DIR``.
+
 ``--json``: the default job's figures as ``grpo_step/<figure>`` with TRL's as baseline, then each
 variant's as ``grpo_step/<NAME>/<figure>`` with the default job's as baseline.
 """
@@ -137,6 +140,13 @@ def _args() -> argparse.Namespace:
     )
     p.add_argument("--timeout", type=float, default=900.0, help="seconds for the spmdrl job")
     p.add_argument("--spmdrl-log", default="", help="also keep the spmdrl job's log in this file")
+    p.add_argument(
+        "--profile",
+        default="",
+        metavar="DIR",
+        help="the default job runs one step more, under logging.profile_steps (left out of the figures), "
+        "and its traces and op tables go to DIR",
+    )
     p.add_argument("--json", default="", help="also write the figures to this JSON file")
     p.add_argument(
         "--variant",
@@ -296,6 +306,10 @@ class JobFailed(Exception):
 def run_spmdrl(a: argparse.Namespace, model_dir: Path, work: Path, variant: Variant) -> SideResult:
     out_dir = work / f"{variant.name}-run"
     overrides = [*spmdrl_overrides(a, model_dir, out_dir), *variant.overrides]
+    # --profile: one step after the measured ones, traced (the profiler's cost stays out of the figures).
+    traced = a.warmup + a.steps + 1 if a.profile and variant.name == DEFAULT else None
+    if traced is not None:
+        overrides += [f"trainer.total_steps={traced}", f"logging.profile_steps=[{traced}]"]
     cmd = [
         sys.executable,
         "-m",
@@ -322,7 +336,10 @@ def run_spmdrl(a: argparse.Namespace, model_dir: Path, work: Path, variant: Vari
         why = f"ran past --timeout {a.timeout:.0f} s" if code is None else f"failed (exit {code})"
         raise JobFailed(f"the {variant.name} job {why}; its last lines:\n{tail}")
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line]
-    measured = [r for r in rows if r["step"] > a.warmup]
+    measured = [r for r in rows if a.warmup < r["step"] <= a.warmup + a.steps]
+    if traced is not None:
+        shutil.copytree(out_dir / "profile" / f"step-{traced}", a.profile, dirs_exist_ok=True)
+        print(f"spmdrl: step {traced} traced (torch.profiler) -> {a.profile}", flush=True)
     result = _spmdrl_medians(measured)
     result.extra["job_wall_s"] = wall
     return result
