@@ -33,7 +33,7 @@ from spmdrl.checkpoint.checkpointer import (
     plan_resume_all_ranks,
 )
 from spmdrl.checkpoint.export import export_hf, write_hf_metadata
-from spmdrl.config import Config, ConfigError, derive
+from spmdrl.config import Config, derive
 from spmdrl.data.sft import SFTBatch, SFTDataset, collate_sft
 from spmdrl.data.tiny_task import TinyTaskConfig, resolve_data_files
 from spmdrl.data.tools_task import ToolsTaskConfig
@@ -41,6 +41,7 @@ from spmdrl.distributed.placement import Placement
 from spmdrl.distributed.reduce import all_reduce_sum
 from spmdrl.logging.metrics import rewind_logs
 from spmdrl.logging.plot import plot_curves
+from spmdrl.logging.profiler import check_profile_steps, profile_step
 from spmdrl.logging.samples import Sample, write_samples
 from spmdrl.models.build import build_fsdp_model, model_spec
 from spmdrl.models.generate import greedy_completions
@@ -128,15 +129,6 @@ def validation_loss(run: Run, model: torch.nn.Module, ds: SFTDataset, micro: int
     return totals["nll"] / max(totals["tokens"], 1.0)
 
 
-def check_config(cfg: Config) -> None:
-    """Settings this recipe would not honour fail at config load (spmdrl.config_loader calls this)."""
-    if cfg.logging.profile_steps:
-        raise ConfigError(
-            f"logging.profile_steps={cfg.logging.profile_steps} profiles RL steps (entries grpo, ppo, "
-            f"grpo_async); this recipe ({cfg.entry}, recipe {cfg.name!r}) does not run it: remove the setting"
-        )
-
-
 def main(cfg: Config) -> None:
     run = start_run(cfg)
     train_sft(run, cfg)
@@ -168,6 +160,8 @@ def train_sft(run: Run, cfg: Config, stage: str = "") -> Path:
     train_ds = load_sft_dataset(run, tokenizer, cfg.data.train_files)
     val_ds = load_sft_dataset(run, tokenizer, cfg.data.val_files) if cfg.data.val_files else None
     derived = derive(cfg, env.world_size, len(train_ds))
+    if not stage:  # an RL job's warm-start: its profile_steps are the RL steps, checked there
+        check_profile_steps(cfg.logging.profile_steps, derived.total_steps)
     run.log_derived(
         derived,
         stage=stage,
@@ -220,32 +214,35 @@ def train_sft(run: Run, cfg: Config, stage: str = "") -> Path:
 
     for step in range(start_step + 1, derived.total_steps + 1):
         t0 = time.perf_counter()
-        examples = [train_ds[i] for i in sampler.next_batch()]
-        batches = micro_batches(examples, derived.micro_batch_size, pad_id, env.device)
+        # logging.profile_steps: the step's training under torch.profiler (in an RL job's warm-start the
+        # listed steps are RL steps: none here).
+        with profile_step(() if stage else cfg.logging.profile_steps, out_dir, step, env.rank, env.device):
+            examples = [train_ds[i] for i in sampler.next_batch()]
+            batches = micro_batches(examples, derived.micro_batch_size, pad_id, env.device)
 
-        # Count the valid target tokens of the whole global batch once. Each micro-batch's summed
-        # loss is divided by that count, and gradients add up over micro-batches and (FSDP sums them)
-        # over ranks to the gradient of the global per-token mean (spmdrl/algos/aggregation.py).
-        local = {"tokens": sum(num_target_tokens(b) for b in batches), "seqs": len(examples)}
-        local["all_tokens"] = sum(int(b.attention_mask_BT.sum()) for b in batches)
-        counts = all_reduce_sum(local, env.device)
+            # Count the valid target tokens of the whole global batch once. Each micro-batch's summed
+            # loss is divided by that count, and gradients add up over micro-batches and (FSDP sums them)
+            # over ranks to the gradient of the global per-token mean (spmdrl/algos/aggregation.py).
+            local = {"tokens": sum(num_target_tokens(b) for b in batches), "seqs": len(examples)}
+            local["all_tokens"] = sum(int(b.attention_mask_BT.sum()) for b in batches)
+            counts = all_reduce_sum(local, env.device)
 
-        loss_sum = 0.0
-        for batch in batches:
-            loss = forward_loss(model, batch, counts["tokens"])
-            loss.backward()
-            loss_sum += float(loss.detach())
-        grad_norm = clip_grad_norm(model, cfg.optim.grad_clip)
-        train_loss = all_reduce_sum({"loss": loss_sum}, env.device)["loss"]
-        if not (math.isfinite(train_loss) and math.isfinite(grad_norm)):
-            raise FloatingPointError(
-                f"non-finite training loss {train_loss} / grad norm {grad_norm} at step {step}; "
-                f"try a lower optim.lr (now {cfg.optim.lr}) or check the data"
-            )
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-        step_s = time.perf_counter() - t0
+            loss_sum = 0.0
+            for batch in batches:
+                loss = forward_loss(model, batch, counts["tokens"])
+                loss.backward()
+                loss_sum += float(loss.detach())
+            grad_norm = clip_grad_norm(model, cfg.optim.grad_clip)
+            train_loss = all_reduce_sum({"loss": loss_sum}, env.device)["loss"]
+            if not (math.isfinite(train_loss) and math.isfinite(grad_norm)):
+                raise FloatingPointError(
+                    f"non-finite training loss {train_loss} / grad norm {grad_norm} at step {step}; "
+                    f"try a lower optim.lr (now {cfg.optim.lr}) or check the data"
+                )
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            step_s = time.perf_counter() - t0  # without the trace's writing
 
         metrics = {
             "train/loss": train_loss,

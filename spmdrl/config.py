@@ -291,9 +291,10 @@ class LoggingConfig:
     # rewards to samples.jsonl (0 turns it off).
     samples_every: int = 10
     samples_per_log: int = 4
-    # RL recipes: these steps (counted from 1, as logged) run under torch.profiler on every rank, each
-    # writing a Chrome trace and a table of the ops with the most self time to
-    # output_dir/profile/step-<N>/ (spmdrl/logging/profiler.py; docs/performance.md). Empty: off.
+    # These training steps (counted from 1, as logged; in an RL job the RL steps, not the warm-start's)
+    # run under torch.profiler on every rank, each writing a Chrome trace and a table of the ops with the
+    # most self time to output_dir/profile/step-<N>/ (spmdrl/logging/profiler.py; docs/performance.md).
+    # Empty: off.
     profile_steps: list[int] = field(default_factory=list)
 
 

@@ -1,8 +1,10 @@
-"""``logging.profile_steps``: chosen RL steps run under ``torch.profiler`` on every rank.
+"""``logging.profile_steps``: chosen training steps run under ``torch.profiler`` on every rank.
 
 The benchmarks profile one pass on a synthetic batch (benchmarks/update_profile.py); this profiles the
-run itself, with its data, lengths, engine and collectives, where a slow step actually happens. Each
-chosen step writes, under ``<output_dir>/profile/step-<N>/``:
+run itself, with its data, lengths, engine and collectives, where a slow step actually happens. The RL
+recipes trace the whole step (generation, passes, update, sync, logging); sft and rm their forward,
+backward and optimizer step (an RL job's SFT warm-start traces none: the listed steps are RL steps).
+Each chosen step writes, under ``<output_dir>/profile/step-<N>/``:
 
 - ``rank-<R>.json.gz``: the Chrome trace, gzipped (Perfetto opens it as it is): host ops, and on CUDA
   the kernels and copies on their streams, so idle gaps and host-bound stretches show (grpo_tiny's

@@ -84,6 +84,7 @@ def test_grpo_tiny_short_run(tmp_path: Path) -> None:
     assert [r["step"] for r in rows] == [0, 2, 3]
     # logging.profile_steps: step 2 alone, traced on each rank (the whole step: generation, update, sync).
     assert sorted(p.name for p in (out / "profile").iterdir()) == ["step-2"]
+    assert not (out / "sft" / "profile").exists()  # the warm-start's steps are not the RL steps listed
     for rank in (0, 1):
         trace = json.loads(
             gzip.decompress((out / "profile" / "step-2" / f"rank-{rank}.json.gz").read_bytes())

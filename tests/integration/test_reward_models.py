@@ -51,11 +51,15 @@ def rm_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "tiny_task.num_train=1024",
         "tiny_task.num_test=64",
         "optim.lr=3e-3",
+        "logging.profile_steps=[2]",
     )
     return out
 
 
 def test_rm_tiny_learns_and_exports(rm_run: Path) -> None:
+    # logging.profile_steps: step 2 traced, on each rank.
+    traced = sorted(p.name for p in (rm_run / "profile" / "step-2").iterdir())
+    assert traced == ["rank-0.json.gz", "rank-0.txt", "rank-1.json.gz", "rank-1.txt"]
     rows = read_metrics(rm_run / "metrics.jsonl")
     val = [(r["step"], r["val/pairwise_accuracy"]) for r in rows if "val/pairwise_accuracy" in r]
     assert val[0] == (0, 0.5), "the untrained head scores every response 0: a tie, half right"

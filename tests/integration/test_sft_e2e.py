@@ -30,6 +30,7 @@ def test_sft_tiny_two_ranks(tmp_path: Path) -> None:
             "trainer.global_batch_size=32",
             "trainer.micro_batch_size=8",
             "optim.warmup_steps=2",
+            "logging.profile_steps=[3]",
         ],
         nproc=2,
         cwd=tmp_path,  # any working directory works
@@ -43,6 +44,10 @@ def test_sft_tiny_two_ranks(tmp_path: Path) -> None:
     assert [r["step"] for r in rows] == list(range(1, 13))
     for key in ("train/loss", "train/grad_norm", "train/lr", "perf/tokens_per_s", "timing/step_s"):
         assert all(key in r for r in rows), key
+    # logging.profile_steps: step 3's forward, backward and optimizer step traced on each rank.
+    traced = sorted(p.name for p in (out / "profile" / "step-3").iterdir())
+    assert traced == ["rank-0.json.gz", "rank-0.txt", "rank-1.json.gz", "rank-1.txt"]
+    assert "aten::mm" in (out / "profile" / "step-3" / "rank-0.txt").read_text()
     val = [r["val/loss"] for r in rows if "val/loss" in r]
     assert len(val) == 2
     assert rows[-1]["train/loss"] < rows[0]["train/loss"] * 0.8, "training must reduce the loss"

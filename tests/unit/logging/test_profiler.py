@@ -49,11 +49,6 @@ def test_a_step_that_fails_leaves_no_trace(tmp_path: Path) -> None:
     assert not (tmp_path / "profile").exists()
 
 
-@pytest.mark.parametrize("recipe", ["sft_tiny", "rm_tiny"])
-def test_recipes_without_rl_steps_refuse_it_at_load(recipe: str) -> None:
-    with pytest.raises(ConfigError, match=r"logging.profile_steps=\[2\] profiles RL steps"):
-        load_config([f"recipe={recipe}", "logging.profile_steps=[2]"])
-
-
-def test_rl_recipes_take_it() -> None:
-    assert load_config(["recipe=grpo_tiny", "logging.profile_steps=[2,5]"]).logging.profile_steps == [2, 5]
+@pytest.mark.parametrize("recipe", ["grpo_tiny", "ppo_tiny", "grpo_async_tiny", "sft_tiny", "rm_tiny"])
+def test_every_recipe_takes_it(recipe: str) -> None:
+    assert load_config([f"recipe={recipe}", "logging.profile_steps=[2,5]"]).logging.profile_steps == [2, 5]
