@@ -404,16 +404,19 @@ class _Profile:
     def __init__(self) -> None:
         self.current: dict[str, float] = {}
 
+    def record(self, name: str, duration: float) -> None:
+        """One profiling context of TRL's that ended: its name and seconds."""
+        # A context is logged when it ends, so a forward logged before _prepare_inputs is inside it: the
+        # old logprobs (TRL computes them with vLLM, for its importance-sampling correction).
+        if name == TRL_LOGPS and TRL_PREPARE not in self.current:
+            name = TRL_OLD
+        self.current[name] = self.current.get(name, 0.0) + duration
+
     def install(self) -> None:
         from trl.extras import profiling
 
         def log_metrics(ctx: Any, duration: float) -> None:
-            name = ctx.name
-            # A context is logged when it ends, so a forward logged before _prepare_inputs is inside it:
-            # the old logprobs (TRL computes them with vLLM, for its importance-sampling correction).
-            if name == TRL_LOGPS and TRL_PREPARE not in self.current:
-                name = TRL_OLD
-            self.current[name] = self.current.get(name, 0.0) + duration
+            self.record(ctx.name, duration)
 
         profiling.ProfilingContext._log_metrics = log_metrics  # type: ignore[method-assign]
 
