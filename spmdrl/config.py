@@ -386,6 +386,11 @@ class RolloutConfig:
     # Allowed difference relative to the probed weights' magnitude. Exact kernels agree to float64
     # rounding (~1e-14); one optimizer step at lr 1e-6 moves the probed sums by ~1e-7 or more.
     weight_sync_check_tol: float = 1e-9
+    # Trainer/engine parity gate: stop the run when a step's mean |trainer - engine| logprob of the sampled
+    # tokens (mismatch/logprob_abs_diff_mean, measured before the update) exceeds this. 0: off. An fp32
+    # engine and an fp32 trainer agree to ~3e-7 on CPU (docs/rollout.md#trainerengine-parity), so 1e-6 is a
+    # gate for a smoke run; a bf16 engine differs by ~1e-3 from any trainer, by rounding alone.
+    parity_tol: float = 0.0
     # Samples per prompt (the GRPO group size).
     n: int = 5
     temperature: float = 1.0
@@ -826,6 +831,32 @@ def _validate_latency_tail(cfg: Config) -> None:
         )
 
 
+def _validate_parity_tol(cfg: Config) -> None:
+    """rollout.parity_tol compares two computations of the same distribution; refuse the settings where the
+    engine's logprobs are of another one, so that the gate cannot stop a run that is right."""
+    r = cfg.rollout
+    if not (math.isfinite(r.parity_tol) and r.parity_tol >= 0):
+        raise ConfigError(
+            f"rollout.parity_tol must be >= 0 (0: off; e.g. 1e-6 with an fp32 engine), got {r.parity_tol}"
+        )
+    if r.parity_tol == 0:
+        return
+    if cfg.trainer.max_staleness > 0:
+        raise ConfigError(
+            f"rollout.parity_tol={r.parity_tol} compares the trainer's logprobs with the engine's for the same "
+            f"weights, but with trainer.max_staleness={cfg.trainer.max_staleness} the engine samples from a policy "
+            "up to that many versions old, so they differ by design: set rollout.parity_tol=0, or "
+            "trainer.max_staleness=0 for a parity run"
+        )
+    if r.top_p < 1.0 or r.top_k > 0:
+        raise ConfigError(
+            f"rollout.parity_tol={r.parity_tol} with rollout.top_p={r.top_p}, rollout.top_k={r.top_k}: the engine "
+            "reports logprobs of the truncated, renormalized distribution it samples from, and the trainer of the "
+            "full one, so they differ by design (by -log of the kept mass): set rollout.top_p=1.0 and "
+            "rollout.top_k=-1 for a parity run, or rollout.parity_tol=0"
+        )
+
+
 def _validate_reward_model(cfg: Config) -> None:
     """reward_model.* and its judge: what is not supported yet, and values that cannot work."""
     import re
@@ -1085,6 +1116,7 @@ def validate(cfg: Config) -> None:
             f"parallel.placement={cfg.parallel.placement}, trainer.max_staleness={cfg.trainer.max_staleness}): "
             "set rollout.partial=off, or run recipe=grpo_async_tiny with trainer.max_staleness >= 1"
         )
+    _validate_parity_tol(cfg)
     if cfg.rollout.partial != "off" and cfg.rollout.multi_turn.enable:
         raise ConfigError(
             f"rollout.partial={cfg.rollout.partial} interrupts single-turn generations only; multi-turn "

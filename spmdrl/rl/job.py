@@ -64,6 +64,7 @@ from spmdrl.rl.reference import Reference
 from spmdrl.rl.samples import ScoredSamples, train_samples, validate
 from spmdrl.rl.token_budgets import measure_token_budgets, wants_memory_budgets
 from spmdrl.rollout.engine import RolloutEngine, build_engine, check_engine_config
+from spmdrl.rollout.mismatch import ParityError, parity_failure
 from spmdrl.rollout.rollout import Rollout, build_agent_loop, load_multi_turn_tools
 from spmdrl.rollout.weight_sync import Fanout, SyncCheck, SyncStats, sync_weights, sync_with_fallback
 from spmdrl.runtime import Run, restart_count, start_run
@@ -497,10 +498,24 @@ def log_step(
     if validated:
         metrics.update(val_metrics if val_metrics is not None else validation(job, step))
     metrics["timing/step_s"] = timer.elapsed()
-    if step % cfg.trainer.log_every == 0 or validated or step == job.total_steps:
+    # rollout.parity_tol: the reduced metrics are the same on every rank, so all stop together, after the
+    # step's row is written (the evidence) and before its checkpoint.
+    parity = parity_failure(cfg.rollout.parity_tol, metrics, step, lambda: _dtypes(job))
+    if step % cfg.trainer.log_every == 0 or validated or step == job.total_steps or parity:
         job.logger.log(step, metrics)
     if validated:
         draw_curves(job)
+    if parity:
+        raise ParityError(parity)
+
+
+def _dtypes(job: RLJob) -> str:
+    from spmdrl.models.build import resolve_dtype
+    from spmdrl.rollout.vllm_engine import resolve_engine_dtype
+
+    trainer = resolve_dtype(job.cfg.model.param_dtype, job.device)
+    engine = resolve_engine_dtype(job.cfg.rollout.dtype, job.device.type)
+    return f"trainer {str(trainer).removeprefix('torch.')}, engine {str(engine).removeprefix('torch.')}"
 
 
 def save_checkpoint(

@@ -1,13 +1,16 @@
 """Trainer-vs-engine logprob parity: the gap between the trainer's logprobs of the engine's samples and the
 engine's own.
 
-The engine samples in bf16 with its own kernels; the trainer scores the same tokens in its own precision.
-A small gap is expected. A large one means the weight sync is broken (stale or misnamed weights) or the
-two disagree on the sampling distribution (temperature), and it biases the policy gradient; recipes log
-these numbers every step.
+The engine samples with its own kernels; the trainer scores the same tokens with its own. With a bf16
+engine the gap is ~1e-3 from rounding alone; an fp32 engine and an fp32 trainer agree to ~3e-7. A large
+gap means the weight sync is broken (stale or misnamed weights) or the two disagree on the sampling
+distribution (temperature), and it biases the policy gradient; recipes log these numbers every step, and
+``rollout.parity_tol`` turns the mean into a gate that stops the run (:func:`parity_failure`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -43,3 +46,26 @@ def logprob_mismatch(
         "kl_k3": float(sums[1]) / count,
         "tokens": float(sums[2]),
     }
+
+
+class ParityError(RuntimeError):
+    """A step's trainer/engine logprob gap exceeded rollout.parity_tol."""
+
+
+def parity_failure(tol: float, metrics: dict[str, float], step: int, dtypes: Callable[[], str]) -> str | None:
+    """Why the step fails rollout.parity_tol (``tol`` > 0), or None. ``metrics``: the step's reduced metrics,
+    the same on every rank, so every rank decides alike; ``dtypes()``: the trainer's and the engine's, for
+    the message."""
+    mean = metrics.get("mismatch/logprob_abs_diff_mean")
+    if tol <= 0 or mean is None or mean <= tol:
+        return None
+    peak = metrics.get("mismatch/logprob_abs_diff_max", float("nan"))
+    return (
+        f"trainer/engine parity failed at step {step}: the mean |trainer - engine| logprob of the sampled tokens "
+        f"is {mean:.3g} (max {peak:.3g}), above rollout.parity_tol={tol:g} ({dtypes()}). The weight-sync check "
+        "passed, so the engine holds the trainer's weights; what differs is how the two compute with them. "
+        "Likely causes: a bf16 engine or trainer (rounding alone gives ~1e-3: use rollout.dtype=float32 and "
+        "model.param_dtype=float32 for a parity run), a model whose trainer and engine implementations differ "
+        "(rope scaling, sliding window, soft-capping, a custom architecture), or the sampling settings "
+        "(temperature). The step's metrics row is in metrics.jsonl; docs/rollout.md#trainerengine-parity"
+    )

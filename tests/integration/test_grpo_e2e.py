@@ -163,6 +163,52 @@ def test_grpo_tiny_mismatch_stays_flat(tmp_path: Path) -> None:
     assert all(0 < r["timing/weight_sync_check_s"] <= r["timing/weight_sync_s"] for r in rows)
 
 
+PARITY_RUN = (
+    "warmstart.enabled=false",
+    "trainer.total_steps=4",
+    "trainer.val_every=0",
+    "trainer.save_every=0",
+    "trainer.save_hf=false",
+    "logging.samples_every=0",
+    "tiny_task.num_train=256",
+    "trainer.global_batch_size=16",
+    "rollout.n=4",
+    "rollout.parity_tol=1e-6",
+)
+
+
+@pytest.mark.cpu_kinds
+def test_grpo_tiny_fp32_parity_gate_holds(tmp_path: Path) -> None:
+    """With an fp32 engine and an fp32 trainer, every step's trainer/engine logprob gap stays under 1e-6 on
+    average (slime's CI bar), through four updates and syncs on whatever GEMM path this CPU kind gives the
+    engine: the run's own gate (rollout.parity_tol) lets it finish, and the logged values agree."""
+    out = _train(tmp_path, "grpo_tiny", *PARITY_RUN, "rollout.dtype=float32", "model.param_dtype=float32")
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if "mismatch/logprob_abs_diff_mean" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    means = [r["mismatch/logprob_abs_diff_mean"] for r in rows]
+    # Not 0: two implementations (vLLM's kernels, the trainer's), agreeing to float32 rounding.
+    assert all(0 < m <= 1e-6 for m in means), means
+    assert all(r["mismatch/logprob_abs_diff_max"] < 1e-4 for r in rows), rows
+
+
+def test_parity_gate_stops_a_run_whose_engine_rounds_to_bf16(tmp_path: Path) -> None:
+    """The same run with a bf16 engine: its gap (~1e-3, rounding alone) fails the gate at step 1 on every
+    rank; the step's row is logged, its checkpoint never written, and the message names the dtypes."""
+    out = tmp_path / "run"
+    bf16 = ("trainer.save_every=1", "rollout.dtype=bfloat16", "rollout.cpu_gemm=torch")
+    res = torchrun(
+        ["-m", "spmdrl.train", "recipe=grpo_tiny", f"trainer.output_dir={out}", *PARITY_RUN, *bf16],
+        nproc=2,
+        cwd=tmp_path,
+        timeout_s=600,
+    )
+    assert res.returncode != 0
+    assert "trainer/engine parity failed at step 1" in res.output, res.output[-3000:]
+    assert "trainer float32, engine bfloat16" in res.output, res.output[-3000:]
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1]
+    assert not (out / "checkpoints" / "step-1").exists()
+
+
 def test_grpo_recipe_runs_verl_variants_by_name(tmp_path: Path) -> None:
     """Other estimators and losses by their verl names alone: remax (an extra greedy rollout as the
     baseline), GSPO's sequence-level loss, the KL folded into the reward with the adaptive controller."""

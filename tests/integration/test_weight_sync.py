@@ -362,8 +362,9 @@ def test_sync_and_check_on_every_cpu_gemm_path(tmp_path: Path) -> None:
         assert out["dtype"] == f"torch.{dtype}", where
         # Every linear layer and the LM head took the forced path (the tiny model's shapes all fit sgl).
         assert set(out["paths"]) == {path}, (where, out["paths"])
-        # bf16 engine vs fp32 trainer: small; fp32 vs fp32: kernel rounding only. Stale: far off.
-        tol = 0.02 if dtype == "bfloat16" else 2e-3
+        # bf16 engine vs fp32 trainer: small (rounding to bf16). fp32 vs fp32: float32 rounding only, ~2e-7
+        # fresh, ~5e-7 on these perturbed weights (docs/rollout.md#trainerengine-parity). Stale: far off.
+        tol = 0.02 if dtype == "bfloat16" else 2e-6
         assert out["fresh"]["logprob_abs_diff_mean"] < tol, (where, out["fresh"])
         for r in range(2):
             assert out[f"stale{r}"]["logprob_abs_diff_mean"] > 0.2, (where, r, out[f"stale{r}"])

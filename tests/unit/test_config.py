@@ -210,3 +210,29 @@ def test_critic_ranks_must_not_be_negative() -> None:
     cfg.parallel.critic_ranks = -1
     with pytest.raises(ConfigError, match="parallel.critic_ranks must be >= 0"):
         validate(cfg)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (["rollout.parity_tol=-1e-6"], r"rollout\.parity_tol must be >= 0"),
+        (["rollout.parity_tol=nan"], r"rollout\.parity_tol must be >= 0"),
+        (
+            ["recipe=grpo_async_tiny", "rollout.parity_tol=1e-6"],
+            r"trainer\.max_staleness=1 .*differ by design",
+        ),
+        (["rollout.parity_tol=1e-6", "rollout.top_p=0.9"], r"truncated, renormalized distribution"),
+        (["rollout.parity_tol=1e-6", "rollout.top_k=20"], r"rollout\.top_k=-1 for a parity run"),
+    ],
+)
+def test_parity_tol_refuses_settings_where_the_two_logprobs_differ_by_design(
+    overrides: list[str], match: str
+) -> None:
+    with pytest.raises(ConfigError, match=match):
+        load_config(overrides)
+
+
+def test_parity_tol_takes_a_parity_run() -> None:
+    cfg = load_config(["recipe=grpo_tiny", "rollout.parity_tol=1e-6", "rollout.dtype=float32"])
+    assert cfg.rollout.parity_tol == 1e-6
+    assert load_config(["recipe=grpo_async_tiny", "trainer.max_staleness=0", "rollout.parity_tol=1e-6"])

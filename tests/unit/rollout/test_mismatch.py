@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from spmdrl.rollout.mismatch import logprob_mismatch
+from spmdrl.rollout.mismatch import logprob_mismatch, parity_failure
 
 # Its outcome depends on the kernels the engine picks for the CPU: CI runs it as every CPU kind.
 pytestmark = pytest.mark.cpu_kinds
@@ -26,3 +26,22 @@ def test_logprob_mismatch_statistics() -> None:
     d = [0.1, 0.0, -0.5, 0.0, 0.3]
     assert stats["kl_k3"] == pytest.approx(sum(math.exp(x) - x - 1 for x in d) / 5, abs=1e-6)
     assert logprob_mismatch(trainer, trainer, mask)["kl_k3"] == 0.0
+
+
+def test_parity_failure_decides_on_the_reduced_mean() -> None:
+    metrics = {"mismatch/logprob_abs_diff_mean": 3e-7, "mismatch/logprob_abs_diff_max": 2e-6}
+    calls: list[int] = []
+
+    def dtypes() -> str:
+        calls.append(1)
+        return "trainer float32, engine bfloat16"
+
+    assert parity_failure(1e-6, metrics, 3, dtypes) is None
+    assert parity_failure(0.0, {**metrics, "mismatch/logprob_abs_diff_mean": 5.0}, 3, dtypes) is None  # off
+    assert parity_failure(1e-6, {"rollout/reward_mean": 1.0}, 3, dtypes) is None  # a rank without the pass
+    assert not calls  # the dtypes are worked out only for a message
+    msg = parity_failure(1e-6, {**metrics, "mismatch/logprob_abs_diff_mean": 1.5e-3}, 7, dtypes)
+    assert msg is not None and calls == [1]
+    for part in ("at step 7", "0.0015", "max 2e-06", "rollout.parity_tol=1e-06", "engine bfloat16",
+                 "rollout.dtype=float32", "metrics.jsonl"):  # fmt: skip
+        assert part in msg, (part, msg)
