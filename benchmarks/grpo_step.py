@@ -368,6 +368,10 @@ def _spmdrl_medians(rows: list[dict[str, Any]]) -> SideResult:
     resident = [r["perf/update_start_memory_gb"] for r in rows if "perf/update_start_memory_gb" in r]
     if resident:
         extra["update_start_memory_gb"] = max(resident)
+    # Trainer/engine parity on this device and dtype (docs/rollout.md#trainerengine-parity), for free.
+    gaps = [r[MISMATCH] for r in rows if MISMATCH in r]
+    if gaps:
+        extra["logprob_abs_diff_mean"] = statistics.median(gaps)
     return SideResult(step, phases, length, steps, extra, max_memory_gb=max(memory) if memory else None)
 
 
@@ -641,8 +645,10 @@ UNITS = {
     "response_len_mean": "tokens",
     "max_memory_gb": "GiB",
     "update_start_memory_gb": "GiB",
+    "logprob_abs_diff_mean": "nats",
 }
-FORMATS = {"s": ".3f", "tokens/s": ".0f", "tokens": ".1f", "GiB": ".2f"}
+FORMATS = {"s": ".3f", "tokens/s": ".0f", "tokens": ".1f", "GiB": ".2f", "nats": ".2e"}
+MISMATCH = "mismatch/logprob_abs_diff_mean"
 PREFIX = "grpo_step/"
 
 
@@ -661,8 +667,9 @@ def values(r: SideResult) -> dict[str, float]:
     out["response_len_mean"] = r.response_len
     if r.max_memory_gb is not None:
         out["max_memory_gb"] = r.max_memory_gb
-    if "update_start_memory_gb" in r.extra:
-        out["update_start_memory_gb"] = r.extra["update_start_memory_gb"]
+    for key in ("update_start_memory_gb", "logprob_abs_diff_mean"):
+        if key in r.extra:
+            out[key] = r.extra[key]
     return out
 
 

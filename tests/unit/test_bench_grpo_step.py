@@ -57,3 +57,19 @@ def test_generate_mode_has_no_sync_or_old_pass_rows(bench: ModuleType) -> None:
     r = bench._trl_medians([bench.TrlStep(5.2, profile.current, 3.2)], [113.0], 64)
     assert set(r.phases) == {"rollout", "reward", "update", "other"}
     assert r.phases["update"] == pytest.approx(2.7)
+
+
+def test_spmdrl_rows_report_the_trainer_engine_gap(bench: ModuleType) -> None:
+    """The job's own mismatch metric becomes a row (the GPU run's parity figure); TRL's columns have none."""
+    rows = [
+        {"step": s, "timing/step_s": 1.0, "timing/rollout_s": 0.5, "rollout/response_len_mean": 100.0,
+         "perf/rollout_tokens_per_s": 1e4, bench.MISMATCH: gap}
+        for s, gap in ((1, 3e-7), (2, 5e-7), (3, 4e-7))
+    ]  # fmt: skip
+    ours = bench._spmdrl_medians(rows)
+    assert bench.values(ours)["logprob_abs_diff_mean"] == pytest.approx(4e-7)
+    assert "logprob_abs_diff_mean" in bench.row_keys([ours])
+    trl = bench._trl_medians([_vllm_step(bench, 4.5)], [100.0], 64)
+    assert "logprob_abs_diff_mean" not in bench.values(trl)
+    (col,) = [c for c in bench.table_columns({bench.DEFAULT: ours}, trl) if c.header == bench.DEFAULT]
+    assert col.cell("logprob_abs_diff_mean") == "4.00e-07"
