@@ -62,9 +62,9 @@ def parity_failure(tol: float, metrics: dict[str, float], step: int, dtypes: Cal
     peak = metrics.get("mismatch/logprob_abs_diff_max", float("nan"))
     return (
         f"trainer/engine parity failed at step {step}: the mean |trainer - engine| logprob of the sampled tokens "
-        f"is {mean:.3g} (max {peak:.3g}), above rollout.parity_tol={tol:g} ({dtypes()}). The weight-sync check "
-        "passed, so the engine holds the trainer's weights; what differs is how the two compute with them. "
-        "Likely causes: a bf16 engine or trainer (rounding alone gives ~1e-3: use rollout.dtype=float32 and "
+        f"is {mean:.3g} (max {peak:.3g}), above rollout.parity_tol={tol:g} ({dtypes()}). With the weight-sync check "
+        "on (rollout.weight_sync_check, the default) the engine holds the trainer's weights, so what differs is "
+        "how the two compute with them. Likely causes: a bf16 engine or trainer (rounding alone gives ~1e-3: use rollout.dtype=float32 and "
         "model.param_dtype=float32 for a parity run), a model whose trainer and engine implementations differ "
         "(rope scaling, sliding window, soft-capping, a custom architecture), or the sampling settings "
         "(temperature). The step's metrics row is in metrics.jsonl; docs/rollout.md#trainerengine-parity"
