@@ -47,8 +47,8 @@ polls for it between engine steps and, when it is there, joins the broadcast mid
 (spmdrl/rollout/interruptible.py), skipping the sync after the generation. Rows then carry the version of
 each token; the ages, the guard and async/* count tokens (async/partial_frac: the samples interrupted).
 
-Deliberately simple: GRPO without DAPO's dynamic sampling and overlong shaping, ReMax, gdpo and balanced
-rows (refused by check_config). This file imports nothing from recipes/: a copy of it, alone,
+Deliberately simple: GRPO (with DAPO's overlong shaping, on the rollout ranks) without DAPO's dynamic
+sampling, ReMax, gdpo and balanced rows (refused by check_config). This file imports nothing from recipes/: a copy of it, alone,
 anywhere, is a fork.
 """
 
@@ -90,7 +90,7 @@ from spmdrl.rl.job import (
 )
 from spmdrl.rl.metrics import step_metrics
 from spmdrl.rl.perf import actor_perf_metrics
-from spmdrl.rl.samples import check_reward_errors, score, train_sampling
+from spmdrl.rl.samples import OverlongShaping, check_reward_errors, score, train_sampling
 from spmdrl.rl.staleness import (
     batch_ahead,
     batch_is_stale,
@@ -156,7 +156,6 @@ def check_config(cfg: Config) -> None:
         "algorithm.adv_estimator=remax (its greedy baseline is not sent yet)": est.needs_baseline,
         "algorithm.adv_estimator=gdpo (reward components are not sent yet)": a.adv_estimator == "gdpo",
         "algorithm.filter_groups.enable (DAPO's dynamic sampling)": a.filter_groups.enable,
-        "reward.overlong_buffer.enable": cfg.reward.overlong_buffer.enable,
         "parallel.balance_tokens": cfg.parallel.balance_tokens,
     }
     for what, on in refused.items():
@@ -263,9 +262,16 @@ def generate(
         samples = score(cfg, job.reward_fn, job.tokenizer, prompts, gens)
         if job.model_rewards is not None:  # reward_model.*: on the rollout ranks, weighted with the rule
             samples = job.model_rewards(samples, step)
+    # DAPO's overlong penalty (reward.overlong_buffer), added to the rows' rewards before they are sent.
+    shaping = (
+        OverlongShaping(cfg, job.device, job.rollout.group) if cfg.reward.overlong_buffer.enable else None
+    )
+    if shaping is not None:
+        samples = shaping(samples)
     # Reduced over the rollout ranks only (the trainer ranks are busy); they reach rank 0 with the rows.
     measured = {
         **job.rollout.take_multi_turn_metrics(job.device),  # multi-turn: turns, tool calls
+        **(shaping.metrics() if shaping else {}),  # reward/overlong_*
         **(job.model_rewards.metrics() if job.model_rewards else {}),  # reward/rm_score, ...
     }
     rows = pack_samples(

@@ -5,8 +5,8 @@ float64-packed buffer, no pickling), together with what the trainer needs beside
 column per row: the training reward, the policy version that generated the row, the prompt's dataset
 index, whether the response was truncated, and what the rollout rank measured (its reward failures on
 its first row, its generation and scoring seconds on every row). Metrics the rollout ranks reduced over
-their own group for the batch (the reward model's and judge's reward/*, the agent loop's multi_turn/*:
-CARRIED_METRICS) travel on every row as one more field, NaN where a metric was not measured, and become
+their own group for the batch (the reward model's and judge's reward/*, the overlong penalty's, the agent
+loop's multi_turn/*: CARRIED_METRICS) travel on every row as one more field, NaN where a metric was not measured, and become
 the trainer's ScoredSamples.metrics, which rank 0 logs. The trainer ranks rebuild from them the same
 PolicyBatch and ScoredSamples a colocated rank builds from its own generation, so the rest of the step
 (experience, update, metrics) is GRPO's.
@@ -39,7 +39,7 @@ from spmdrl.rl.batch import PolicyBatch
 from spmdrl.rl.experience import policy_batch
 from spmdrl.rl.metrics import peak_memory_gb
 from spmdrl.rl.model_rewards import ModelRewards
-from spmdrl.rl.samples import ScoredSamples
+from spmdrl.rl.samples import OverlongShaping, ScoredSamples
 from spmdrl.rollout.engine import Generation
 from spmdrl.rollout.rollout import MULTI_TURN_KEYS
 
@@ -75,7 +75,7 @@ COLUMNS: dict[str, torch.dtype] = {
 TOKEN_VERSIONS = "versions_BT"
 # The rollout ranks' reduced metrics of a batch, one per position of the "measured" field: a fixed list, so
 # the trainer reads them back without asking which were measured (the absent ones are NaN).
-CARRIED_METRICS: tuple[str, ...] = (*ModelRewards.METRIC_KEYS, *MULTI_TURN_KEYS)
+CARRIED_METRICS: tuple[str, ...] = (*ModelRewards.METRIC_KEYS, *OverlongShaping.METRIC_KEYS, *MULTI_TURN_KEYS)
 SPEC: dict[str, torch.dtype] = {
     **ROW_FIELDS,
     TOKEN_VERSIONS: torch.long,

@@ -90,10 +90,13 @@ def score(
 class OverlongShaping:
     """DAPO's overlong reward shaping (reward.overlong_buffer): a penalty growing linearly over the last
     ``len`` tokens before data.max_response_length, added to each sample's training reward. It keeps the
-    penalties of every batch of the step (dropped groups too) for its metrics."""
+    penalties of every batch of the step (dropped groups too) for its metrics, reduced over ``group`` (the
+    ranks that score: all of them, or the rollout ranks under parallel.placement=async)."""
 
-    def __init__(self, cfg: Config, device: torch.device) -> None:
-        self.cfg, self.device = cfg, device
+    METRIC_KEYS = ("reward/overlong_penalty_mean", "reward/overlong_frac")
+
+    def __init__(self, cfg: Config, device: torch.device, group: dist.ProcessGroup | None = None) -> None:
+        self.cfg, self.device, self.group = cfg, device, group
         self.penalties: list[float] = []
 
     def __call__(self, samples: ScoredSamples) -> ScoredSamples:
@@ -104,13 +107,13 @@ class OverlongShaping:
         return dataclasses.replace(samples, scores_B=samples.scores_B + penalty_B)
 
     def metrics(self) -> dict[str, float]:
-        """Over all ranks (every rank must call it)."""
+        """Over the ranks of ``group`` (every one must call it)."""
         p = self.penalties
-        t = all_reduce_sum({"sum": sum(p), "over": sum(x < 0 for x in p), "n": len(p)}, self.device)
-        return {
-            "reward/overlong_penalty_mean": t["sum"] / max(t["n"], 1),
-            "reward/overlong_frac": t["over"] / max(t["n"], 1),
-        }
+        t = all_reduce_sum(
+            {"sum": sum(p), "over": sum(x < 0 for x in p), "n": len(p)}, self.device, self.group
+        )
+        mean, frac = self.METRIC_KEYS
+        return {mean: t["sum"] / max(t["n"], 1), frac: t["over"] / max(t["n"], 1)}
 
 
 @dataclasses.dataclass

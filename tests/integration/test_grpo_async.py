@@ -2,7 +2,8 @@
 
 - k = 0 is the synchronous loop on disjoint ranks: 2 trainer + 2 rollout ranks produce, step for step,
   bitwise the metrics of a colocated GRPO run on 2 ranks (the same prompts per rank, the same request
-  seeds, the same rows in the same order on each trainer rank, the same weights in the engines); and a
+  seeds, the same rows in the same order on each trainer rank, the same weights in the engines, the same
+  overlong penalties); and a
   run resumed from its step-2 checkpoint logs step 3 exactly as the uninterrupted run.
 - k = 1 runs one batch ahead: every batch after the first is trained one version after the one that
   generated it (async/policy_age_*), the old logprobs are recomputed, and the run trains and saves.
@@ -46,10 +47,19 @@ def _compared(row: dict) -> dict:
     return {k: v for k, v in row.items() if k.startswith(COMPARED_PREFIXES) and k != "actor/lr"}
 
 
+# DAPO's overlong penalty: the colocated recipe adds it where it scores, the async one on the rollout ranks.
+OVERLONG = ("reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=12")
+
+
 def test_k0_is_the_synchronous_run_bitwise(tmp_path: Path) -> None:
-    sync = _train(tmp_path, "colocated", "grpo_tiny", nproc=2)
+    sync = _train(tmp_path, "colocated", "grpo_tiny", *OVERLONG, nproc=2)
     # grpo_tiny corrects nothing; with k = 0 the recipe's importance weights are ~1, not exactly 1.
-    k0 = ("parallel.rollout_ranks=2", "trainer.max_staleness=0", "algorithm.rollout_correction.rollout_is=")
+    k0 = (
+        "parallel.rollout_ranks=2",
+        "trainer.max_staleness=0",
+        "algorithm.rollout_correction.rollout_is=",
+        *OVERLONG,
+    )
     asyn = _train(tmp_path, "async", "grpo_async_tiny", *k0, "trainer.save_every=2", nproc=4)
     rows_sync, rows_async = read_metrics(sync / "metrics.jsonl"), read_metrics(asyn / "metrics.jsonl")
     assert [r["step"] for r in rows_sync] == [r["step"] for r in rows_async] == [0, 1, 2, 3]
@@ -61,6 +71,9 @@ def test_k0_is_the_synchronous_run_bitwise(tmp_path: Path) -> None:
         assert not diffs, f"step {a['step']}: {diffs}"
     trained = rows_async[1:]
     assert all(r["actor/grad_norm"] > 0 for r in trained)  # the comparison covers real updates
+    # ... and real penalties (compared above, with the rewards they shaped), not all the full one.
+    pens = [(r["reward/overlong_frac"], r["reward/overlong_penalty_mean"]) for r in trained]
+    assert all(frac > 0 and -1 < mean < 0 for frac, mean in pens), pens
     assert all(r["async/policy_age_max"] == 0 and r["async/staleness_k"] == 0 for r in trained)
     assert all(r["async/policy_age_frac_0"] == 1.0 and r["async/dropped_frac"] == 0 for r in trained)
 

@@ -167,7 +167,6 @@ def test_batch_must_be_whole_groups_on_both_sides() -> None:
         (["algorithm.filter_groups.enable=true"], "filter_groups"),
         (["algorithm.adv_estimator=remax"], "remax"),
         (["algorithm.adv_estimator=gae"], "needs a critic"),
-        (["reward.overlong_buffer.enable=true"], "overlong_buffer"),
         (["parallel.balance_tokens=true"], "balance_tokens"),
         (["trainer.max_staleness=-1"], "must be >= 0"),
         (["parallel.rollout_ranks=-1"], "must be >= 0"),
@@ -181,6 +180,11 @@ def test_config_errors(overrides: list[str], match: str) -> None:
 def test_staleness_needs_the_async_placement() -> None:
     with pytest.raises(ConfigError, match="applies to parallel.placement=async only"):
         load_config(["recipe=grpo_tiny", "trainer.max_staleness=1"])
+
+
+def test_overlong_shaping_runs_async() -> None:
+    cfg = _async_cfg("reward.overlong_buffer.enable=true")
+    assert cfg.reward.overlong_buffer.enable and cfg.parallel.placement == "async"
 
 
 def test_k0_may_save_in_the_middle() -> None:

@@ -15,7 +15,7 @@ from spmdrl.data.prompts import PromptExample
 from spmdrl.rewards.sandbox import RewardResult
 from spmdrl.rl.async_rows import CARRIED_METRICS, pack_samples, unpack
 from spmdrl.rl.model_rewards import ModelRewards
-from spmdrl.rl.samples import ScoredSamples
+from spmdrl.rl.samples import OverlongShaping, ScoredSamples
 from spmdrl.rollout.engine import Generation
 from spmdrl.rollout.rollout import MULTI_TURN_KEYS
 from spmdrl.testing.rows import IdsTokenizer, PromptsByIndex
@@ -66,7 +66,8 @@ def test_async_takes_multi_turn() -> None:
 
 
 def test_carried_metrics_cover_what_the_rollout_ranks_measure() -> None:
-    assert set(ModelRewards.METRIC_KEYS) | set(MULTI_TURN_KEYS) == set(CARRIED_METRICS)
+    measured = {*ModelRewards.METRIC_KEYS, *OverlongShaping.METRIC_KEYS, *MULTI_TURN_KEYS}
+    assert measured == set(CARRIED_METRICS)
     assert len(CARRIED_METRICS) == len(set(CARRIED_METRICS))
 
 
