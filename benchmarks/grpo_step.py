@@ -101,6 +101,8 @@ NESTED = {
     "critic_update": "update",
     **{f"weight_sync_{part}": "weight_sync" for part in ("wake", "load", "prefix_reset", "check")},
 }
+# The job's own trainer/engine logprob gap (its metrics.jsonl), reported as a row.
+MISMATCH = "mismatch/logprob_abs_diff_mean"
 TRL_GENERATE = "GRPOTrainer.transformers.generate"
 TRL_VLLM_GENERATE = "GRPOTrainer.vLLM.generate"
 TRL_SYNC = "GRPOTrainer.sync_weights"  # colocated vLLM: the trained weights into TRL's engine
@@ -648,7 +650,6 @@ UNITS = {
     "logprob_abs_diff_mean": "nats",
 }
 FORMATS = {"s": ".3f", "tokens/s": ".0f", "tokens": ".1f", "GiB": ".2f", "nats": ".2e"}
-MISMATCH = "mismatch/logprob_abs_diff_mean"
 PREFIX = "grpo_step/"
 
 
