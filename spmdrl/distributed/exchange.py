@@ -91,17 +91,20 @@ def _per_rank(num_rows: int, parts: int) -> int:
     return num_rows // parts
 
 
-def gather_lengths(lengths_B: torch.Tensor, device: torch.device) -> tuple[list[int], torch.Tensor]:
-    """Every rank's row count and every row's length, in global order (two small all_gathers)."""
-    world = dist.get_world_size()
+def gather_lengths(
+    lengths_B: torch.Tensor, device: torch.device, group: dist.ProcessGroup | None = None
+) -> tuple[list[int], torch.Tensor]:
+    """Every rank's row count and every row's length, in global order (two small all_gathers), over
+    ``group`` (default: every rank), in its ranks' order."""
+    world = dist.get_world_size(group)
     count = torch.tensor([lengths_B.numel()], dtype=torch.long, device=device)
     counts = [torch.zeros_like(count) for _ in range(world)]
-    dist.all_gather(counts, count)
+    dist.all_gather(counts, count, group=group)
     sizes = [int(c) for c in counts]
     padded = torch.zeros(max(sizes), dtype=torch.long, device=device)
     padded[: lengths_B.numel()] = lengths_B.to(device)
     parts = [torch.zeros_like(padded) for _ in range(world)]
-    dist.all_gather(parts, padded)
+    dist.all_gather(parts, padded, group=group)
     lengths = torch.cat([p[:s] for p, s in zip(parts, sizes, strict=True)]).cpu()
     return sizes, lengths
 

@@ -4,9 +4,12 @@ A rollout rank's scored samples travel as rows (spmdrl.distributed.exchange: poi
 float64-packed buffer, no pickling), together with what the trainer needs besides the tokens, one
 column per row: the training reward, the policy version that generated the row, the prompt's dataset
 index, whether the response was truncated, and what the rollout rank measured (its reward failures on
-its first row, its generation and scoring seconds on every row). Metrics the rollout ranks reduced over
+its first row, its generation and scoring seconds on every row); ReMax's baseline (the reward of the
+prompt's greedy answer) where algorithm.adv_estimator=remax; and the extra keys the reward function
+returned in its dict (gdpo's components among them), each row naming its own keys (REWARD_EXTRA_NAMES),
+so the trainer rebuilds RewardResult.extra as the rollout rank scored it. Metrics the rollout ranks reduced over
 their own group for the batch (the reward model's and judge's reward/*, the overlong penalty's, the agent
-loop's multi_turn/*: CARRIED_METRICS) travel on every row as one more field, NaN where a metric was not measured, and become
+loop's multi_turn/*, dynamic sampling's rollout/*: CARRIED_METRICS) travel on every row as one more field, NaN where a metric was not measured, and become
 the trainer's ScoredSamples.metrics, which rank 0 logs. The trainer ranks rebuild from them the same
 PolicyBatch and ScoredSamples a colocated rank builds from its own generation, so the rest of the step
 (experience, update, metrics) is GRPO's.
@@ -39,7 +42,7 @@ from spmdrl.rl.batch import PolicyBatch
 from spmdrl.rl.experience import policy_batch
 from spmdrl.rl.metrics import peak_memory_gb
 from spmdrl.rl.model_rewards import ModelRewards
-from spmdrl.rl.samples import OverlongShaping, ScoredSamples
+from spmdrl.rl.samples import DynamicSampling, OverlongShaping, ScoredSamples
 from spmdrl.rollout.engine import Generation
 from spmdrl.rollout.rollout import MULTI_TURN_KEYS
 
@@ -69,18 +72,31 @@ COLUMNS: dict[str, torch.dtype] = {
     "memory_gb": torch.float64,  # the rollout rank's peak memory so far (perf/rollout_max_memory_gb)
     "interrupted": torch.bool,  # rollout.partial: a weight switch landed while it was generating
     "regenerated": torch.bool,  # trainer.stale_policy=regenerate: generated again, the first one too old
+    "baseline": torch.float32,  # algorithm.adv_estimator=remax: the prompt's greedy reward; NaN otherwise
 }
 # Per token, the policy version that sampled it (the row's version everywhere unless rollout.partial
 # switched weights mid-generation); aligned with input_ids_BT, the prompt's positions hold the row's.
 TOKEN_VERSIONS = "versions_BT"
+# The reward function's extra keys (RewardResult.extra) of each row: their values (NaN where a sample had
+# none), and their names, "\n"-joined UTF-8 bytes; both as wide as the row's key count / name length (0
+# when the reward returns a plain score).
+REWARD_EXTRA, REWARD_EXTRA_NAMES = "reward_extra", "reward_extra_names"
 # The rollout ranks' reduced metrics of a batch, one per position of the "measured" field: a fixed list, so
 # the trainer reads them back without asking which were measured (the absent ones are NaN).
-CARRIED_METRICS: tuple[str, ...] = (*ModelRewards.METRIC_KEYS, *OverlongShaping.METRIC_KEYS, *MULTI_TURN_KEYS)
+# New keys go at the end: a queue saved by an earlier release reads its positions the same.
+CARRIED_METRICS: tuple[str, ...] = (
+    *ModelRewards.METRIC_KEYS,
+    *OverlongShaping.METRIC_KEYS,
+    *MULTI_TURN_KEYS,
+    *DynamicSampling.METRIC_KEYS,
+)
 SPEC: dict[str, torch.dtype] = {
     **ROW_FIELDS,
     TOKEN_VERSIONS: torch.long,
     **COLUMNS,
     "measured": torch.float64,
+    REWARD_EXTRA: torch.float64,
+    REWARD_EXTRA_NAMES: torch.long,
 }
 
 
@@ -129,12 +145,13 @@ def pack_samples(
     token_versions: list[list[int]] | None = None,
     interrupted: list[bool] | None = None,
     regenerated: bool = False,
+    baseline_B: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """A rollout rank's scored samples as the rows and columns it sends; ``measured``: metrics already
     reduced over the rollout ranks (keys of CARRIED_METRICS), the same on every row. ``token_versions``
     and ``interrupted`` (rollout.partial): each sample's per-token versions and whether it was switched
     mid-generation; None: every token is ``version``'s. ``regenerated``: the batch is generated again
-    (trainer.stale_policy=regenerate)."""
+    (trainer.stale_policy=regenerate). ``baseline_B``: ReMax's baseline of each row."""
     measured = dict(measured or {})
     unknown = sorted(set(measured) - set(CARRIED_METRICS))
     if unknown:  # a new metric must be listed to reach the log, not be dropped on the way
@@ -177,17 +194,51 @@ def pack_samples(
         "memory_gb": column([peak_memory_gb(device)["memory_gb"]] * B, torch.float64),
         "interrupted": column(list(interrupted) if interrupted is not None else [False] * B, torch.bool),
         "regenerated": column([regenerated] * B, torch.bool),
+        "baseline": (
+            torch.full((B, 1), math.nan, dtype=torch.float32, device=device)
+            if baseline_B is None
+            else baseline_B.to(device=device, dtype=torch.float32).view(B, 1)
+        ),
         "measured": torch.tensor(
             [measured.get(k, math.nan) for k in CARRIED_METRICS], dtype=torch.float64, device=device
         ).expand(B, -1),
+        **pack_reward_extra(samples.rewards.extra, B, device),
     }
 
 
+def pack_reward_extra(
+    extra: Mapping[str, list[float]], B: int, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """RewardResult.extra as the two fields REWARD_EXTRA and REWARD_EXTRA_NAMES (0 wide when empty)."""
+    keys = sorted(extra)
+    bad = [k for k in keys if "\n" in k]
+    if bad:  # the separator of the names on the wire
+        raise ValueError(f"the reward function returned extra keys with a newline, {bad}: rename them")
+    values = torch.empty(B, len(keys), dtype=torch.float64, device=device)
+    for j, k in enumerate(keys):
+        values[:, j] = torch.tensor(extra[k], dtype=torch.float64, device=device)
+    names = torch.tensor(list("\n".join(keys).encode()), dtype=torch.long, device=device)
+    return {REWARD_EXTRA: values, REWARD_EXTRA_NAMES: names.expand(B, -1)}
+
+
+def unpack_reward_extra(rows: Mapping[str, torch.Tensor]) -> dict[str, list[float]]:
+    """RewardResult.extra of the rows: each row's own keys (rows from different rollout ranks may name
+    different ones), NaN in a row for a key it has not, as a colocated RewardResult holds them."""
+    values, names = rows[REWARD_EXTRA].tolist(), rows[REWARD_EXTRA_NAMES].tolist()
+    per_row: list[dict[str, float]] = []
+    for vals, codes in zip(values, names, strict=True):
+        text = bytes(c for c in codes if c).decode()  # the wire pads a narrower row with 0
+        keys = text.split("\n") if text else []
+        per_row.append(dict(zip(keys, vals, strict=False)))
+    keys = sorted({k for row in per_row for k in row})
+    return {k: [row.get(k, math.nan) for row in per_row] for k in keys}
+
+
 def fill_missing_fields(rows: dict[str, torch.Tensor], version: int) -> dict[str, torch.Tensor]:
-    """Rows saved in a queue before TOKEN_VERSIONS, ``interrupted``, ``regenerated`` and the judge's and
-    reward model's counts travelled (a checkpoint of an earlier release): every token of ``version``'s,
-    nothing interrupted, generated again or failed by the judge or the reward model, as they were
-    generated."""
+    """Rows saved in a queue before TOKEN_VERSIONS, ``interrupted``, ``regenerated``, the judge's and
+    reward model's counts, ReMax's baseline and the reward's extra keys travelled (a checkpoint of an
+    earlier release): every token of ``version``'s, nothing interrupted, generated again or failed by the
+    judge or the reward model, no baseline and no extra keys, as they were generated."""
     if TOKEN_VERSIONS not in rows:
         rows[TOKEN_VERSIONS] = torch.full_like(rows["input_ids_BT"], version, dtype=torch.long)
     if "interrupted" not in rows:
@@ -197,6 +248,12 @@ def fill_missing_fields(rows: dict[str, torch.Tensor], version: int) -> dict[str
     for name in ("judge_errors", "judge_only", "rm_nonfinite", "rm_only"):
         if name not in rows:
             rows[name] = torch.zeros_like(rows["version"], dtype=torch.long)
+    if "baseline" not in rows:
+        rows["baseline"] = torch.full_like(rows["version"], math.nan, dtype=torch.float32)
+    B = rows["version"].shape[0]
+    for name in (REWARD_EXTRA, REWARD_EXTRA_NAMES):
+        if name not in rows:  # the reward's extra keys did not travel: none
+            rows[name] = torch.zeros(B, 0, dtype=SPEC[name], device=rows["version"].device)
     return rows
 
 
@@ -225,6 +282,8 @@ class ReceivedBatch:
     interrupted_B: torch.Tensor | None = None
     # trainer.stale_policy=regenerate: per row, whether the rollout ranks generated it again.
     regenerated_B: torch.Tensor | None = None
+    # algorithm.adv_estimator=remax: each row's baseline, its prompt's greedy reward (None otherwise).
+    baseline_B: torch.Tensor | None = None
     # (samples.metrics: the rollout ranks' reduced metrics that came with the rows, CARRIED_METRICS)
 
 
@@ -260,6 +319,7 @@ def unpack(
         scores_B,
         int(col["errors"].sum()),
         int(col["timeouts"].sum()),
+        unpack_reward_extra(rows),
         num_judge_errors=int(col["judge_errors"].sum()),
         num_judge_only=int(col["judge_only"].sum()),
         num_rm_nonfinite=int(col["rm_nonfinite"].sum()),
@@ -274,6 +334,8 @@ def unpack(
     seconds = {k: float(col[k].max()) for k in ("rollout_s", "reward_s", "latency_tail_s")}
     if not seconds["latency_tail_s"]:  # logged (timing/latency_tail_s) only where the tail is on
         del seconds["latency_tail_s"]
+    baseline_B = col["baseline"].to(torch.float32)
+    has_baseline = not bool(baseline_B.isnan().all())
     return ReceivedBatch(
         batch,
         samples,
@@ -283,4 +345,5 @@ def unpack(
         versions_BT=rows[TOKEN_VERSIONS][:, :width].long(),
         interrupted_B=col["interrupted"].bool(),
         regenerated_B=col["regenerated"].bool(),
+        baseline_B=baseline_B if has_baseline else None,
     )

@@ -8,7 +8,8 @@ the rows are numbered globally (spmdrl.distributed.exchange) and
   mask go back to the critic. These moves are the PPO recipe's (recipes/ppo.py), over ``RowPlan.move``;
 - ``parallel.balance_tokens``: each role's layout gives every rank the same number of rows and about
   the same number of tokens, mini-batch by mini-batch (``RowLayout.balanced``). Colocated, the rows
-  move only after the advantages, which may need a rank's whole groups (``RowPlan.balance_colocated``).
+  move only after the advantages, which may need a rank's whole groups (``RowPlan.balance_colocated``);
+  so do they under ``async``, among the trainer ranks that received them.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from spmdrl.config import Config, RLDerived
 from spmdrl.distributed.exchange import RowLayout, gather_lengths, move_rows
@@ -55,7 +57,8 @@ class RowPlan:
     def balance_colocated(
         self, batch: PolicyBatch | None, sampled_mask_BT: torch.Tensor | None
     ) -> tuple[PolicyBatch | None, torch.Tensor | None]:
-        """Colocated with balance_tokens: the whole batch (and the sampled mask) to the balanced layout."""
+        """Colocated (or on the trainer ranks of parallel.placement=async) with balance_tokens: the whole
+        batch (and the sampled mask) to the balanced layout; only the ranks that hold rows call it."""
         if self.placement.is_split or not self.balance:
             return batch, sampled_mask_BT
         assert batch is not None and sampled_mask_BT is not None
@@ -75,16 +78,19 @@ def plan_rows(
     local: PolicyBatch,
     device: torch.device,
     rl_critic: RLDerived | None = None,
+    group: dist.ProcessGroup | None = None,
 ) -> RowPlan:
     """This step's layouts (``rl_critic``: the critic's batch arithmetic, under a split placement). Every
-    rank calls it (two small all_gathers of row lengths when rows move)."""
+    rank that holds rows calls it (two small all_gathers of row lengths when rows move): every rank, or
+    under parallel.placement=async the trainer ranks, whose ``group`` it then takes."""
     balance = cfg.parallel.balance_tokens
     plan = RowPlan(placement, balance, device)
     if not placement.is_split and not balance:
         return plan
-    sizes, lengths_N = gather_lengths(local.attention_mask_BT.sum(dim=1), device)
+    sizes, lengths_N = gather_lengths(local.attention_mask_BT.sum(dim=1), device, group)
     plan.width = int(lengths_N.max())
-    plan.world = RowLayout.from_counts(sizes)
+    # As received: async's trainer ranks (the first ranks, the group's order), else every rank in order.
+    plan.world = RowLayout.from_counts(sizes, placement.role("actor").ranks if placement.is_async else None)
     total = lengths_N.numel()
 
     def layout(role: str, rl: RLDerived) -> RowLayout:

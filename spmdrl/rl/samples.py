@@ -137,10 +137,18 @@ class DynamicSampling:
     verl pools kept groups over the whole world; here each rank must end with the same number of rows
     (the update's FSDP collectives run once per micro-batch on every rank), so the decision to generate
     more is made on the smallest per-rank count, identical on every rank (one all_reduce per batch).
+    ``group``: the ranks that generate (all of them, or the rollout ranks under parallel.placement=async).
     """
 
-    def __init__(self, cfg: Config, step: int, device: torch.device) -> None:
-        self.cfg, self.step, self.device = cfg, step, device
+    METRIC_KEYS = tuple(
+        f"rollout/{k}"
+        for k in ("num_gen_batches", "num_kept_groups", "num_dropped_groups", "kept_group_fraction")
+    )
+
+    def __init__(
+        self, cfg: Config, step: int, device: torch.device, group: dist.ProcessGroup | None = None
+    ) -> None:
+        self.cfg, self.step, self.device, self.group = cfg, step, device, group
         self.target = 0  # this rank's prompts per step
         self.batches = self.generated = self.dropped = self.errors = self.timeouts = 0
         self.judge_errors = self.judge_only = self.rm_nonfinite = self.rm_only = 0
@@ -185,7 +193,7 @@ class DynamicSampling:
     def enough(self) -> bool:
         """Whether every rank has kept a step's worth of groups (the same answer on every rank); raises
         when algorithm.filter_groups.max_num_gen_batches batches did not give them."""
-        fewest = int(all_reduce_min({"kept": len(self._kept)}, self.device)["kept"])
+        fewest = int(all_reduce_min({"kept": len(self._kept)}, self.device, self.group)["kept"])
         try:
             return not should_generate_more(
                 fewest, self.target, self.batches, self.cfg.algorithm.filter_groups.max_num_gen_batches
@@ -216,13 +224,15 @@ class DynamicSampling:
         return ScoredSamples([k.prompt for k in kept], gens, rewards, responses, scores_B)
 
     def metrics(self) -> dict[str, float]:
-        """Over all ranks (every rank must call it)."""
+        """Over the ranks of ``group`` (every one must call it)."""
         totals = all_reduce_sum(
             {"batches": self.batches, "kept": self.generated - self.dropped, "dropped": self.dropped},
             self.device,
+            self.group,
         )
+        ranks = dist.get_world_size(self.group)
         dyn = dynamic_sampling_metrics(
-            int(totals["batches"] / dist.get_world_size()), int(totals["kept"]), int(totals["dropped"])
+            int(totals["batches"] / ranks), int(totals["kept"]), int(totals["dropped"])
         )
         return {f"rollout/{k}": v for k, v in dyn.items()}
 

@@ -4,13 +4,18 @@
   bitwise the metrics of a colocated GRPO run on 2 ranks (the same prompts per rank, the same request
   seeds, the same rows in the same order on each trainer rank, the same weights in the engines, the same
   overlong penalties); and a
-  run resumed from its step-2 checkpoint logs step 3 exactly as the uninterrupted run.
+  run resumed from its step-2 checkpoint logs step 3 exactly as the uninterrupted run. So do DAPO's
+  dynamic sampling (the rollout ranks generate further batches until each has a step's worth of groups
+  with signal) with ReMax (its greedy baselines travel with the rows) and parallel.balance_tokens (the
+  trainer ranks move rows among themselves), and with gdpo (the reward function's components travel
+  with the rows).
 - k = 1 runs one batch ahead: every batch after the first is trained one version after the one that
   generated it (async/policy_age_*), the old logprobs are recomputed, and the run trains and saves.
 """
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -27,7 +32,7 @@ pytestmark = pytest.mark.slow
 COMMON = SMALL_GRPO
 
 # What the update and the rollout computed; timings, memory and speeds differ by nature.
-COMPARED_PREFIXES = ("actor/", "rollout/", "mismatch/", "val/", "reward/")
+COMPARED_PREFIXES = ("actor/", "rollout/", "mismatch/", "val/", "reward/", "balance/")
 
 
 def _train(tmp_path: Path, name: str, recipe: str, *overrides: str, nproc: int) -> Path:
@@ -86,6 +91,55 @@ def test_k0_is_the_synchronous_run_bitwise(tmp_path: Path) -> None:
     assert [r["step"] for r in again] == [3]
     want, got = _compared(rows_async[3]), _compared(again[0])
     assert want == got, {k: (want[k], got.get(k)) for k in want if want[k] != got.get(k)}
+
+
+# Two reward components an untrained model earns by chance (gdpo's): the parity of the response's length,
+# and whether it is short. With rollout.n=2 about half the groups score alike, and dynamic sampling drops
+# them.
+COMPONENTS = """
+def score(response, ground_truth, *, data_source, extra_info):
+    parity, short = float(len(response) % 2), float(len(response) < 40)
+    return {"score": parity + short, "parity": parity, "short": short}
+"""
+
+
+@pytest.mark.parametrize(
+    "estimator",
+    [
+        ("algorithm.adv_estimator=remax", "parallel.balance_tokens=true"),
+        ("algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[parity,short]"),
+    ],
+    ids=["remax-balanced", "gdpo"],
+)
+def test_k0_dynamic_sampling_remax_gdpo_bitwise(tmp_path: Path, estimator: tuple[str, ...]) -> None:
+    (tmp_path / "components.py").write_text(textwrap.dedent(COMPONENTS))
+    run = (
+        *estimator,
+        f"reward.fn={tmp_path / 'components.py'}:score",
+        "algorithm.filter_groups.enable=true",
+        "rollout.n=2",
+        "trainer.total_steps=2",
+        "trainer.val_every=0",
+    )
+    sync = _train(tmp_path, "colocated", "grpo_tiny", *run, nproc=2)
+    k0 = ("parallel.rollout_ranks=2", "trainer.max_staleness=0", "algorithm.rollout_correction.rollout_is=")
+    asyn = _train(tmp_path, "async", "grpo_async_tiny", *run, *k0, nproc=4)
+    rows_sync, rows_async = read_metrics(sync / "metrics.jsonl"), read_metrics(asyn / "metrics.jsonl")
+    assert [r["step"] for r in rows_sync] == [r["step"] for r in rows_async] == [1, 2]
+    for a, b in zip(rows_sync, rows_async, strict=True):
+        want, got = _compared(a), _compared(b)
+        assert set(want) <= set(got), sorted(set(want) - set(got))
+        diffs = {k: (want[k], got[k]) for k in want if want[k] != got[k]}
+        assert not diffs, f"step {a['step']}: {diffs}"
+        assert b["actor/grad_norm"] > 0
+        # The reward's components reached the trainer ranks' rows (logged from them) ...
+        assert 0 <= b["reward/extra/parity"] <= 1 and 0 <= b["reward/extra/short"] <= 1
+        # ... and with parallel.balance_tokens the trainer ranks moved rows among themselves.
+        assert ("balance/actor_token_imbalance" in b) == ("parallel.balance_tokens=true" in estimator)
+    # ... and dynamic sampling really filtered: groups were dropped, and more batches generated to
+    # replace them (compared above, as the decisions the rollout ranks made together).
+    assert sum(r["rollout/num_dropped_groups"] for r in rows_async) > 0
+    assert max(r["rollout/num_gen_batches"] for r in rows_async) > 1
 
 
 def test_k1_trains_one_version_behind(tmp_path: Path) -> None:

@@ -164,10 +164,11 @@ def test_batch_must_be_whole_groups_on_both_sides() -> None:
     [
         (["parallel.placement=colocated", "trainer.max_staleness=0"], "runs only parallel.placement=async"),
         (["parallel.placement=split"], "applies to parallel.placement=async only"),
-        (["algorithm.filter_groups.enable=true"], "filter_groups"),
-        (["algorithm.adv_estimator=remax"], "remax"),
+        (
+            ["algorithm.filter_groups.enable=true", "rollout.partial=continue"],
+            "filter_groups.enable .* rollout.partial=continue",
+        ),
         (["algorithm.adv_estimator=gae"], "needs a critic"),
-        (["parallel.balance_tokens=true"], "balance_tokens"),
         (["trainer.max_staleness=-1"], "must be >= 0"),
         (["parallel.rollout_ranks=-1"], "must be >= 0"),
     ],
@@ -182,9 +183,19 @@ def test_staleness_needs_the_async_placement() -> None:
         load_config(["recipe=grpo_tiny", "trainer.max_staleness=1"])
 
 
-def test_overlong_shaping_runs_async() -> None:
-    cfg = _async_cfg("reward.overlong_buffer.enable=true")
-    assert cfg.reward.overlong_buffer.enable and cfg.parallel.placement == "async"
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("reward.overlong_buffer.enable=true",),
+        ("algorithm.filter_groups.enable=true",),
+        ("algorithm.adv_estimator=remax",),
+        ("algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[format,accuracy]"),
+        ("parallel.balance_tokens=true",),
+    ],
+)
+def test_the_colocated_recipes_algorithms_run_async(overrides: tuple[str, ...]) -> None:
+    cfg = _async_cfg(*overrides)
+    assert cfg.parallel.placement == "async"
 
 
 def test_k0_may_save_in_the_middle() -> None:

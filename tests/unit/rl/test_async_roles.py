@@ -1,6 +1,9 @@
-"""Reward models and multi-turn rollouts under parallel.placement=async, the parts that need no process
-group: where reward_model.placement may be what (config load), and the rollout ranks' reduced metrics carried with a batch's rows (CARRIED_METRICS) back to a trainer rank's samples.
-The runs themselves: tests/integration/test_grpo_async_reward_model.py and test_grpo_async_multi_turn.py."""
+"""Reward models, multi-turn rollouts, DAPO, ReMax and gdpo under parallel.placement=async, the parts
+that need no process group: where reward_model.placement may be what (config load); what the rollout
+ranks send besides the tokens, back to a trainer rank's samples: their reduced metrics (CARRIED_METRICS),
+ReMax's baselines and the reward function's extra keys (gdpo's components).
+The runs themselves: tests/integration/test_grpo_async_reward_model.py, test_grpo_async_multi_turn.py and
+test_grpo_async.py."""
 
 from __future__ import annotations
 
@@ -13,9 +16,17 @@ from spmdrl.config import ConfigError
 from spmdrl.config_loader import load_config
 from spmdrl.data.prompts import PromptExample
 from spmdrl.rewards.sandbox import RewardResult
-from spmdrl.rl.async_rows import CARRIED_METRICS, pack_samples, unpack
+from spmdrl.rl.async_rows import (
+    CARRIED_METRICS,
+    REWARD_EXTRA,
+    REWARD_EXTRA_NAMES,
+    fill_missing_fields,
+    pack_samples,
+    unpack,
+)
+from spmdrl.rl.experience import gdpo_reward_components
 from spmdrl.rl.model_rewards import ModelRewards
-from spmdrl.rl.samples import OverlongShaping, ScoredSamples
+from spmdrl.rl.samples import DynamicSampling, OverlongShaping, ScoredSamples
 from spmdrl.rollout.engine import Generation
 from spmdrl.rollout.rollout import MULTI_TURN_KEYS
 from spmdrl.testing.rows import IdsTokenizer, PromptsByIndex
@@ -66,7 +77,12 @@ def test_async_takes_multi_turn() -> None:
 
 
 def test_carried_metrics_cover_what_the_rollout_ranks_measure() -> None:
-    measured = {*ModelRewards.METRIC_KEYS, *OverlongShaping.METRIC_KEYS, *MULTI_TURN_KEYS}
+    measured = {
+        *ModelRewards.METRIC_KEYS,
+        *OverlongShaping.METRIC_KEYS,
+        *MULTI_TURN_KEYS,
+        *DynamicSampling.METRIC_KEYS,
+    }
     assert measured == set(CARRIED_METRICS)
     assert len(CARRIED_METRICS) == len(set(CARRIED_METRICS))
 
@@ -96,3 +112,77 @@ def test_measured_metrics_travel_with_the_rows() -> None:
 def test_an_unlisted_metric_is_refused_not_dropped() -> None:
     with pytest.raises(ValueError, match="add them to CARRIED_METRICS"):
         pack_samples(_samples(), 0, {}, 0, torch.device("cpu"), measured={"reward/new_thing": 1.0})
+
+
+# ------------------------------------------------------------------------------ ReMax and the reward's keys
+def _two_rank_wire(*packed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What a trainer rank receives from several rollout ranks (move_rows, width=None): each field as wide
+    as its widest sender's, a narrower sender's rows padded with 0."""
+    out = {}
+    for name in packed[0]:
+        w = max(p[name].shape[1] for p in packed)
+        out[name] = torch.cat([torch.nn.functional.pad(p[name], (0, w - p[name].shape[1])) for p in packed])
+    return out
+
+
+def _samples_with_extra(extra: dict[str, list[float]], index: int) -> ScoredSamples:
+    s = _samples()
+    prompts = [PromptExample(index, [1, 2], [], "a", "src", {})]
+    rewards = RewardResult(s.scores_B, 0, 0, extra)
+    return ScoredSamples(prompts, s.gens, rewards, s.responses, s.scores_B)
+
+
+def test_reward_extra_keys_travel_per_row() -> None:
+    """Two rollout ranks whose reward functions returned different keys (one sample of the first without
+    ``format``): the trainer rank's RewardResult.extra is what one colocated rank would hold for those
+    rows, NaN where a row has no value, and gdpo reads its components from it."""
+    cpu = torch.device("cpu")
+    a = pack_samples(
+        _samples_with_extra({"format": [1.0, math.nan], "accuracy": [0.0, 1.0]}, 3), 0, {}, 0, cpu
+    )
+    b = pack_samples(_samples_with_extra({"accuracy": [1.0, 1.0]}, 4), 0, {}, 0, cpu)
+    assert a[REWARD_EXTRA].shape == (2, 2) and b[REWARD_EXTRA].shape == (2, 1)
+    prompts = PromptsByIndex(
+        [PromptExample(3, [1, 2], [], "a", "src", {}), PromptExample(4, [1, 2], [], "a", "src", {})]
+    )
+    got = unpack(_two_rank_wire(a, b), prompts, IdsTokenizer(), 2, 0).samples.rewards  # type: ignore[arg-type]
+    assert sorted(got.extra) == ["accuracy", "format"]
+    assert got.extra["accuracy"] == [0.0, 1.0, 1.0, 1.0]
+    fmt = got.extra["format"]
+    assert fmt[0] == 1.0 and all(math.isnan(v) for v in fmt[1:])
+    cfg = load_config(
+        [
+            "recipe=grpo_async_tiny",
+            "algorithm.adv_estimator=gdpo",
+            "algorithm.gdpo_reward_keys=[accuracy,format]",
+        ]
+    )
+    components = gdpo_reward_components(cfg, got)
+    assert components is not None
+    err = cfg.reward.error_score
+    assert components.tolist() == [[0.0, 1.0], [1.0, err], [1.0, err], [1.0, err]]
+    # A plain score sends nothing wide; a key with the names' separator in it is refused, not garbled.
+    plain = pack_samples(_samples(), 0, {}, 0, cpu)
+    assert plain[REWARD_EXTRA].shape == (2, 0) and plain[REWARD_EXTRA_NAMES].shape == (2, 0)
+    with pytest.raises(ValueError, match="newline"):
+        pack_samples(_samples_with_extra({"a\nb": [1.0, 1.0]}, 3), 0, {}, 0, cpu)
+
+
+def test_remax_baselines_travel() -> None:
+    cpu = torch.device("cpu")
+    rows = pack_samples(_samples(), 0, {}, 0, cpu, baseline_B=torch.tensor([0.5, 0.5]))
+    wire = {k: torch.nn.functional.pad(v, (0, 40 - v.shape[1])) for k, v in rows.items()}
+    got = unpack(wire, PromptsByIndex(_samples().prompts), IdsTokenizer(), 2, 0)  # type: ignore[arg-type]
+    assert got.baseline_B is not None and got.baseline_B.tolist() == [0.5, 0.5]
+    none = pack_samples(_samples(), 0, {}, 0, cpu)
+    assert unpack(none, PromptsByIndex(_samples().prompts), IdsTokenizer(), 2, 0).baseline_B is None  # type: ignore[arg-type]
+
+
+def test_rows_queued_before_baselines_and_extra_keys_travelled() -> None:
+    cpu = torch.device("cpu")
+    rows = pack_samples(_samples_with_extra({"acc": [1.0, 0.0]}, 3), 5, {}, 0, cpu)
+    for name in ("baseline", REWARD_EXTRA, REWARD_EXTRA_NAMES):
+        rows.pop(name)
+    filled = fill_missing_fields(rows, 5)
+    got = unpack(filled, PromptsByIndex(_samples().prompts), IdsTokenizer(), 2, 0)  # type: ignore[arg-type]
+    assert got.baseline_B is None and got.samples.rewards.extra == {}

@@ -1,5 +1,6 @@
 """spmdrl/rl/role_rows.py on 4 gloo ranks: plan_rows' layouts for each placement, RowPlan.move and
-RowPlan.balance_colocated deliver every row bit-exact to the rank its layout names, in global order.
+RowPlan.balance_colocated deliver every row bit-exact to the rank its layout names, in global order
+(under parallel.placement=async, among the trainer ranks only).
 
 One spawned run goes through every scenario (starting 4 ranks costs seconds); the tests assert on what
 the ranks returned. Every rank builds the same global rows from a seed and holds a slice of them, so the
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from spmdrl.config import Config, ParallelConfig, RLDerived
 from spmdrl.distributed.placement import Placement
@@ -145,6 +147,22 @@ def _worker(rank: int, world: int) -> dict:
             "returns_at_critic": returns_at_critic,
             "balance_colocated_noop": nb is local and ns is sampled,
         }
+
+    # Async (trainer ranks 0-1, rollout ranks 2-3), balanced: the trainer ranks hold the step's rows (rows
+    # 0-7, as received) and balance them among themselves, over their own group; the rollout ranks, busy
+    # generating, never enter.
+    trainers = dist.new_group([0, 1])  # every rank creates it, as the placement's meshes are
+    if rank < 2:
+        cfg = Config(parallel=ParallelConfig(placement="async", rollout_ranks=2, balance_tokens=True))
+        plan = plan_rows(cfg, Placement.asynchronous(world, 2), _rl(2), local, cpu, group=trainers)
+        b, s = plan.balance_colocated(local, sampled)
+        assert b is not None and s is not None
+        out["async_balanced"] = {
+            "owners": _owners(plan),
+            "metrics": plan.metrics,
+            "batch": b.tensors(),
+            "sampled": s,
+        }
     return out
 
 
@@ -204,6 +222,26 @@ def test_colocated_balance_delivers_rows_and_mask_bit_exact_and_evens_tokens(res
     before = _tokens(torch.arange(WORLD).repeat_interleave(ROWS_PER_RANK), list(range(WORLD)))
     assert m["balance/actor_token_imbalance_before"] == pytest.approx(max(before) / (sum(before) / WORLD))
     assert m["balance/actor_token_imbalance_before"] > 2.0 and m["balance/actor_token_imbalance"] < 1.2
+
+
+def test_async_balances_among_the_trainer_ranks_only(results: list[dict]) -> None:
+    _, sampled = _global_rows()
+    held = 2 * ROWS_PER_RANK  # the trainer ranks' rows: 0-7
+    actor = results[0]["async_balanced"]["owners"]["actor"]
+    assert "async_balanced" not in results[2] and "async_balanced" not in results[3]
+    for rank in (0, 1):
+        r = results[rank]["async_balanced"]
+        assert torch.equal(r["owners"]["world"], torch.tensor([0, 1]).repeat_interleave(ROWS_PER_RANK)), rank
+        assert torch.equal(r["owners"]["actor"], actor) and actor.numel() == held, rank
+        rows = torch.nonzero(actor == rank).flatten()
+        # Equal counts, 2 rows of each mini-batch (2 chunks of 4 rows), every field bit-exact.
+        assert rows.numel() == ROWS_PER_RANK and int((rows < held // 2).sum()) == 2, (rank, rows)
+        _assert_bit_exact(r["batch"], _expected(rows), f"rank {rank}")
+        assert torch.equal(r["sampled"], sampled[rows]), rank
+    # Rank 0 received the 4 long rows; balanced, each trainer rank trains on 2.
+    assert sorted(int((actor[:ROWS_PER_RANK] == r).sum()) for r in (0, 1)) == [2, 2]
+    m = results[0]["async_balanced"]["metrics"]
+    assert m["balance/actor_token_imbalance_before"] > 1.5 > m["balance/actor_token_imbalance"]
 
 
 @pytest.mark.parametrize("kind", ["split_plain", "split_balanced"])

@@ -1,6 +1,7 @@
 """spmdrl/rl/samples.py: a step's sampling seeds, scoring generations with a real tokenizer and reward
 function, DAPO's overlong shaping and dynamic sampling as the rollout phase drives them, the reward-error
-stop, the samples to log; and, on 2 gloo ranks, that their decisions and metrics are the whole world's.
+stop, the samples to log; and, on 2 gloo ranks, that their decisions and metrics are the whole world's
+(on 3, that dynamic sampling decides over its group only: the rollout ranks of parallel.placement=async).
 
 The formulas themselves (overlong_penalty, groups_with_signal, should_generate_more) are tested in
 tests/unit/algos/test_dapo.py; here: what this module builds on them (which reward shaping adds to, which
@@ -13,6 +14,7 @@ import math
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from spmdrl.config import (
     AlgorithmConfig,
@@ -287,3 +289,38 @@ def test_decisions_and_metrics_are_the_whole_worlds() -> None:
         # Both ranks stop, the one whose own samples all scored too.
         assert r["stopped"] is not None and "step 2: 4 of 8 samples (50%)" in r["stopped"], rank
     assert results[0]["kept"] == ["gt-a", "gt-b"] and results[1]["kept"] == ["gt-a", "gt-d"]
+
+
+def _rollout_group_worker(rank: int, world: int) -> dict | None:
+    """Rank 0 is a trainer rank (parallel.placement=async): it never joins; ranks 1-2 generate and decide
+    among themselves, as ranks 0-1 of the whole world do above."""
+    group = dist.new_group([1, 2])  # every rank creates it, as the placement's meshes are
+    if rank == 0:
+        return None
+    mine = rank - 1
+    dyn = DynamicSampling(_dynamic_cfg(), step=1, device=CPU, group=group)
+    dyn.add(_samples(["a", "b"], raw=[1, 0, 1, 0] if mine == 0 else [1, 0, 1, 1]))
+    first = dyn.enough()
+    dyn.add(_samples(["c", "d"], raw=[1, 0, 0, 1] if mine == 0 else [0, 0, 0, 1]))
+    return {
+        "enough": (first, dyn.enough()),
+        "kept": [p.ground_truth for p in dyn.kept().prompts],
+        "m": dyn.metrics(),
+    }
+
+
+def test_dynamic_sampling_decides_over_its_group_only() -> None:
+    results = run_distributed(_rollout_group_worker, 3, timeout_s=120)
+    assert results[0] is None
+    for r in results[1:]:
+        assert r["enough"] == (False, True)
+        assert r["m"] == pytest.approx(
+            {
+                "rollout/num_gen_batches": 2.0,  # per rank of the group: the 2 ranks', not the 3 of the world
+                "rollout/num_kept_groups": 6.0,
+                "rollout/num_dropped_groups": 2.0,
+                "rollout/kept_group_fraction": 6 / 8,
+            }
+        )
+        assert tuple(r["m"]) == DynamicSampling.METRIC_KEYS  # what travels to the trainer ranks
+    assert results[1]["kept"] == ["gt-a", "gt-b"] and results[2]["kept"] == ["gt-a", "gt-d"]
