@@ -51,9 +51,10 @@ each token; the ages, the guard and async/* count tokens (async/partial_frac: th
 The rollout ranks also apply what the colocated recipe applies where it scores: DAPO's overlong shaping
 and dynamic sampling (decided among the rollout ranks: every one generates further batches until each
 has a step's worth of groups with signal), and ReMax's greedy baseline, which travels with the rows like
-the reward function's extra keys (gdpo's components). Deliberately simple: no critic, and no dynamic
-sampling with rollout.partial (refused by check_config). This file imports nothing from recipes/: a copy
-of it, alone, anywhere, is a fork.
+the reward function's extra keys (gdpo's components); with rollout.partial the weights may switch in
+any of dynamic sampling's batches, and each sample keeps its tokens' versions. Deliberately simple: no
+critic (refused by check_config). This file imports nothing from recipes/: a copy of it, alone,
+anywhere, is a fork.
 """
 
 from __future__ import annotations
@@ -164,19 +165,11 @@ def check_config(cfg: Config) -> None:
             f"{cfg.parallel.placement!r}: set parallel.placement=async, or entry: grpo (colocated) / entry: ppo "
             "(split)"
         )
-    a, est = cfg.algorithm, adv_estimator(cfg.algorithm.adv_estimator)
-    if est.needs_critic:
+    if adv_estimator(cfg.algorithm.adv_estimator).needs_critic:
         raise ConfigError(
-            f"algorithm.adv_estimator={a.adv_estimator} needs a critic (entry: ppo), which does not run with "
+            f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} needs a critic (entry: ppo), which does not run with "
             f"parallel.placement=async yet (recipe {cfg.name!r}): choose a critic-free estimator such as grpo, "
             "or use entry: ppo (recipe=ppo_tiny)"
-        )
-    if a.filter_groups.enable and cfg.rollout.partial != "off":
-        raise ConfigError(
-            f"algorithm.filter_groups.enable (DAPO's dynamic sampling) does not run with rollout.partial="
-            f"{cfg.rollout.partial} yet (recipe {cfg.name!r}): the per-token policy versions of a partial rollout "
-            "do not follow the groups dynamic sampling keeps over its generation batches; set "
-            "rollout.partial=off, or turn dynamic sampling off"
         )
 
 
@@ -267,16 +260,14 @@ def generate(
     dynamic = None
     if cfg.algorithm.filter_groups.enable and again is None:
         dynamic = DynamicSampling(cfg, step, job.device, group)
-    token_versions: list[list[int]] | None = None
-    interrupted: list[bool] | None = None
     for gen_batch in itertools.count(1):
         prompts = again if again is not None else [job.train_ds[i] for i in job.sampler.next_batch()]
         spec = train_sampling(cfg, step, gen_batch)
         with timer("rollout"):
             if notice is None:
                 gens = job.rollout.generate(prompts, spec)
-            else:  # (check_config refuses it with dynamic sampling: one generation batch)
-                gens, token_versions, interrupted = generate_partial(job, r, prompts, spec, notice, timer)
+            else:  # the weights may switch in any of the batches (once): each sample keeps its versions
+                gens = generate_partial(job, r, prompts, spec, notice, timer)
         with timer("reward"):
             samples = score(cfg, job.reward_fn, job.tokenizer, prompts, gens)
             if job.model_rewards is not None:  # reward_model.*: on the rollout ranks, weighted with the rule
@@ -289,6 +280,11 @@ def generate(
         if dynamic.enough():
             samples = dynamic.kept()
             break
+    token_versions: list[list[int]] | None = None  # rollout.partial: the kept samples' own
+    interrupted: list[bool] | None = None
+    if notice is not None:
+        token_versions = [g.versions or [] for g in samples.gens]
+        interrupted = [g.interrupted for g in samples.gens]
     tail_s, _ = job.rollout.take_tail_seconds()  # rollout.latency_tail: its share of the rollout phase
     if tail_s:
         timer.add("latency_tail", tail_s)
@@ -355,9 +351,9 @@ def generate_partial(
     spec: SamplingSpec,
     notice: Notice,
     timer: PhaseTimer,
-) -> tuple[list[Generation], list[list[int]], list[bool]]:
+) -> list[Generation]:
     """rollout.partial: the generation, interrupted when ``notice`` arrives by version ``notice.version``'s
-    sync (which then counts as this step's). rollout.latency_tail stalls it after its first engine step
+    sync (which then counts as this step's); each Generation holds its tokens' versions. rollout.latency_tail stalls it after its first engine step
     (the requests stay in flight while it waits), so an update can land in the middle of a slow batch."""
     cfg = job.cfg
     tail = cfg.rollout.latency_tail
@@ -391,7 +387,7 @@ def generate_partial(
         switch=switch,
         mode=cfg.rollout.partial,
     )
-    return out.generations, out.versions, out.interrupted
+    return out.generations
 
 
 # ------------------------------------------------------------------------------------- the trainer ranks

@@ -124,6 +124,11 @@ class Generation:
     # boundaries. None: every token was sampled.
     loss_mask: list[int] | None = None
     trajectory: TrajectoryInfo | None = None
+    # rollout.partial (spmdrl/rollout/interruptible.py): per token, the policy version whose weights
+    # sampled it, and whether a weight switch landed while the sample was unfinished. None / False: every
+    # token is the version that started the generation's.
+    versions: list[int] | None = None
+    interrupted: bool = False
 
 
 @dataclass

@@ -39,6 +39,8 @@ class VersionedGenerations:
 
     generations: list[Generation]
     # Per sample, per token: the policy version whose weights sampled it (and computed its logprob).
+    # (Each Generation holds its own too, Generation.versions / .interrupted: they follow it wherever it
+    # goes, through dynamic sampling's kept groups say.)
     versions: list[list[int]]
     # Per sample: whether a switch landed while it was unfinished (it was resubmitted).
     interrupted: list[bool]
@@ -114,7 +116,15 @@ def generate_interruptible(
                 s.ids, s.logprobs, s.versions = [], [], []
         pending = cut
     gens = [
-        Generation(s.prompt, s.ids, s.logprobs if spec.logprobs else [], s.finish_reason) for s in samples
+        Generation(
+            s.prompt,
+            s.ids,
+            s.logprobs if spec.logprobs else [],
+            s.finish_reason,
+            versions=s.versions,
+            interrupted=s.interrupted,
+        )
+        for s in samples
     ]
     n = spec.n
     result.generations = [

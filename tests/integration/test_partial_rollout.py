@@ -131,6 +131,8 @@ def _worker(rank: int, world: int, model_dir: str) -> dict:
             "finish": [g.finish_reason for g in cont.generations],
             "versions": cont.versions,
             "interrupted": cont.interrupted,
+            # Each Generation carries its own (they follow it through dynamic sampling's kept groups).
+            "own": [(g.versions, g.interrupted) for g in cont.generations],
             "switches": cont.switches,
             "recomputed": cont.recomputed_tokens,
             "discarded": cont.discarded_tokens,
@@ -164,6 +166,7 @@ def _worker(rank: int, world: int, model_dir: str) -> dict:
 
 
 def _check_switched(case: dict, mode: str) -> None:
+    assert case["own"] == list(zip(case["versions"], case["interrupted"], strict=True))
     assert case["switches"] == 1
     assert any(case["interrupted"]), "the switch landed after every sample had finished"
     for tokens, versions, interrupted, finish in zip(
@@ -247,6 +250,7 @@ def _tp2_worker(rank: int, world: int, model_dir: str) -> dict:
         "finish": [g.finish_reason for g in res.generations],
         "versions": res.versions,
         "interrupted": res.interrupted,
+        "own": [(g.versions, g.interrupted) for g in res.generations],
         "switches": res.switches,
         "recomputed": res.recomputed_tokens,
         "discarded": res.discarded_tokens,

@@ -10,6 +10,7 @@ metric the filter reads, what survives across generation batches, what every ran
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -197,6 +198,28 @@ def test_dynamic_sampling_keeps_groups_with_signal_until_enough() -> None:
     assert math.isnan(acc[0]) and math.isnan(acc[1]) and acc[2:] == [1, 0, 0, 1]
     # The failure counts are the whole step's, over both batches.
     assert (kept.rewards.num_errors, kept.rewards.num_timeouts) == (1, 2)
+
+
+def test_dynamic_sampling_keeps_each_samples_token_versions() -> None:
+    """rollout.partial under parallel.placement=async: a weight switch lands in some generation batch;
+    the kept samples keep their own per-token versions and interrupted flags (which the rows carry)."""
+    dyn = DynamicSampling(_dynamic_cfg(), step=2, device=CPU)
+    first = _samples(["a", "b"], raw=[1, 1, 0, 1])  # a: dropped; b: kept, switched mid-generation
+    first.gens = [
+        dataclasses.replace(g, versions=[1, 1, 2][: len(g.token_ids)], interrupted=True) for g in first.gens
+    ]
+    dyn.add(first)
+    second = _samples(["c", "d"], raw=[0, 1, 1, 1], tag=1)  # after the switch: all version 2; d dropped
+    second.gens = [dataclasses.replace(g, versions=[2] * len(g.token_ids)) for g in second.gens]
+    dyn.add(second)
+    kept = dyn.kept()
+    assert [p.ground_truth for p in kept.prompts] == ["gt-b", "gt-c"]
+    assert [(g.versions, g.interrupted) for g in kept.gens] == [
+        ([1, 1, 2], True),
+        ([1, 1, 2], True),
+        ([2, 2, 2], False),
+        ([2, 2, 2], False),
+    ]
 
 
 @pytest.mark.parametrize(
