@@ -73,6 +73,7 @@ from spmdrl.distributed.reduce import all_reduce_max
 from spmdrl.logging.timer import PhaseTimer
 from spmdrl.rl.async_queue import PipelineShape, QueuedBatch, load_queue, queue_file, queue_payload
 from spmdrl.rl.async_rows import (
+    CARRIED_METRICS,
     TOKEN_VERSIONS,
     BatchLayout,
     ReceivedBatch,
@@ -515,7 +516,8 @@ def checkpoint(job: RLJob, step: int, rollout: RolloutState | None) -> None:
         extra = None
         if rollout is not None:
             queued = [QueuedBatch(g.step, g.version, g.rows) for g in rollout.queue]
-            extra = {queue_file(rollout_index(job)): queue_payload(step, queued, job.sampler.state_dict())}
+            payload = queue_payload(step, queued, job.sampler.state_dict(), carried=CARRIED_METRICS)
+            extra = {queue_file(rollout_index(job)): payload}
         save_checkpoint(job, step, meta=PipelineShape.of(job.cfg, job.placement).as_meta(), extra=extra)
 
 
@@ -529,7 +531,7 @@ def restore_queue(job: RLJob) -> list[Generated]:
         return []
     job.sampler.load_state_dict(saved.sampler)
     return [
-        Generated(b.step, b.version, fill_missing_fields(b.rows, b.version))
+        Generated(b.step, b.version, fill_missing_fields(b.rows, b.version, saved.carried))
         for b in saved.batches
         if b.step <= job.total_steps
     ]

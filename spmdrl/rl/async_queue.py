@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -61,6 +61,9 @@ class SavedQueue:
 
     batches: list[QueuedBatch]
     sampler: dict[str, Any]
+    # The names of the rows' "measured" columns when they were saved (None: a queue saved before the names
+    # were, spmdrl.rl.async_rows.fill_missing_fields reads it by its width).
+    carried: list[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -94,9 +97,12 @@ class PipelineShape:
         return {META_KEY: asdict(self)}
 
 
-def queue_payload(step: int, batches: Iterable[QueuedBatch], sampler: dict[str, Any]) -> dict[str, Any]:
+def queue_payload(
+    step: int, batches: Iterable[QueuedBatch], sampler: dict[str, Any], carried: Sequence[str] = ()
+) -> dict[str, Any]:
     """A rollout rank's file at the checkpoint of ``step``: its queue (rows on the CPU, so any device
-    loads them) and its sampler's state."""
+    loads them), its sampler's state, and the names of the rows' measured metrics (``carried``, in their
+    column order: a later release that lists them otherwise reads them by name)."""
     return {
         "step": step,
         "batches": [
@@ -104,6 +110,7 @@ def queue_payload(step: int, batches: Iterable[QueuedBatch], sampler: dict[str, 
             for b in batches
         ],
         "sampler": sampler,
+        "carried": list(carried),
     }
 
 
@@ -125,7 +132,8 @@ def load_queue(checkpoint: Path, index: int, step: int, device: torch.device) ->
             f"{path} is the queue of step {saved['step']} with batches {[b.step for b in batches]}; "
             f"the checkpoint is of step {step}, whose queue holds batches {expected}"
         )
-    return SavedQueue(batches, saved["sampler"])
+    carried = saved.get("carried")
+    return SavedQueue(batches, saved["sampler"], None if carried is None else [str(c) for c in carried])
 
 
 def check_resume(checkpoint: Path, shape: PipelineShape) -> str:

@@ -28,7 +28,7 @@ trims to its rows' longest.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -83,13 +83,21 @@ TOKEN_VERSIONS = "versions_BT"
 REWARD_EXTRA, REWARD_EXTRA_NAMES = "reward_extra", "reward_extra_names"
 # The rollout ranks' reduced metrics of a batch, one per position of the "measured" field: a fixed list, so
 # the trainer reads them back without asking which were measured (the absent ones are NaN).
-# New keys go at the end: a queue saved by an earlier release reads its positions the same.
+# A queue saved since these names are saved with it reads its columns by name (fill_missing_fields).
 CARRIED_METRICS: tuple[str, ...] = (
     *ModelRewards.METRIC_KEYS,
     *OverlongShaping.METRIC_KEYS,
     *MULTI_TURN_KEYS,
     *DynamicSampling.METRIC_KEYS,
 )
+# What the measured columns were in queues saved without their names, by their count: before the overlong
+# penalty travelled, and after (the current list's first ones then).
+_UNNAMED_CARRIED: dict[int, tuple[str, ...]] = {
+    len(ModelRewards.METRIC_KEYS) + len(MULTI_TURN_KEYS): (*ModelRewards.METRIC_KEYS, *MULTI_TURN_KEYS),
+    len(ModelRewards.METRIC_KEYS) + len(OverlongShaping.METRIC_KEYS) + len(MULTI_TURN_KEYS): CARRIED_METRICS[
+        : len(ModelRewards.METRIC_KEYS) + len(OverlongShaping.METRIC_KEYS) + len(MULTI_TURN_KEYS)
+    ],
+}
 SPEC: dict[str, torch.dtype] = {
     **ROW_FIELDS,
     TOKEN_VERSIONS: torch.long,
@@ -234,11 +242,16 @@ def unpack_reward_extra(rows: Mapping[str, torch.Tensor]) -> dict[str, list[floa
     return {k: [row.get(k, math.nan) for row in per_row] for k in keys}
 
 
-def fill_missing_fields(rows: dict[str, torch.Tensor], version: int) -> dict[str, torch.Tensor]:
+def fill_missing_fields(
+    rows: dict[str, torch.Tensor], version: int, carried: Sequence[str] | None = None
+) -> dict[str, torch.Tensor]:
     """Rows saved in a queue before TOKEN_VERSIONS, ``interrupted``, ``regenerated``, the judge's and
     reward model's counts, ReMax's baseline and the reward's extra keys travelled (a checkpoint of an
     earlier release): every token of ``version``'s, nothing interrupted, generated again or failed by the
-    judge or the reward model, no baseline and no extra keys, as they were generated."""
+    judge or the reward model, no baseline and no extra keys, as they were generated. The measured
+    metrics go to CARRIED_METRICS' columns by name: ``carried``, the names the queue was saved with (None:
+    saved without them, read by their count; an unknown count measured nothing that can be named)."""
+    rows["measured"] = _measured_by_name(rows["measured"], carried)
     if TOKEN_VERSIONS not in rows:
         rows[TOKEN_VERSIONS] = torch.full_like(rows["input_ids_BT"], version, dtype=torch.long)
     if "interrupted" not in rows:
@@ -255,6 +268,22 @@ def fill_missing_fields(rows: dict[str, torch.Tensor], version: int) -> dict[str
         if name not in rows:  # the reward's extra keys did not travel: none
             rows[name] = torch.zeros(B, 0, dtype=SPEC[name], device=rows["version"].device)
     return rows
+
+
+def _measured_by_name(measured_BM: torch.Tensor, carried: Sequence[str] | None) -> torch.Tensor:
+    names = _UNNAMED_CARRIED.get(measured_BM.shape[1], ()) if carried is None else tuple(carried)
+    if names == CARRIED_METRICS[: len(names)] and len(names) == measured_BM.shape[1]:
+        return measured_BM  # the current order (or its first part): as it is
+    out = torch.full(
+        (measured_BM.shape[0], len(CARRIED_METRICS)),
+        math.nan,
+        dtype=measured_BM.dtype,
+        device=measured_BM.device,
+    )
+    for j, name in enumerate(names[: measured_BM.shape[1]]):
+        if name in CARRIED_METRICS:  # a metric no longer carried is dropped
+            out[:, CARRIED_METRICS.index(name)] = measured_BM[:, j]
+    return out
 
 
 def transfer(

@@ -40,7 +40,7 @@ def _checkpoint(root: Path, step: int, shape: PipelineShape | None, queues: int)
     (path / "meta.json").write_text(json.dumps(meta))
     for j in range(queues):
         rows = {"input_ids_BT": torch.arange(12).view(2, 6) + j, "version": torch.full((2, 1), step - 1)}
-        payload = queue_payload(step, [QueuedBatch(step + 1, step - 1, rows)], SAMPLER)
+        payload = queue_payload(step, [QueuedBatch(step + 1, step - 1, rows)], SAMPLER, carried=("a", "b"))
         (path / queue_file(j)).parent.mkdir(exist_ok=True)
         torch.save(payload, path / queue_file(j))
     return path
@@ -50,7 +50,7 @@ def test_queue_reads_back_as_saved(tmp_path: Path) -> None:
     path = _checkpoint(tmp_path, 2, SHAPE, queues=2)
     check_resume(path, SHAPE)
     saved = load_queue(path, 1, 2, torch.device("cpu"))
-    assert saved is not None and saved.sampler == SAMPLER
+    assert saved is not None and saved.sampler == SAMPLER and saved.carried == ["a", "b"]
     [batch] = saved.batches
     assert (batch.step, batch.version) == (3, 1)
     assert torch.equal(batch.rows["input_ids_BT"], torch.arange(12).view(2, 6) + 1)

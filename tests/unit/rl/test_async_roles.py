@@ -186,3 +186,39 @@ def test_rows_queued_before_baselines_and_extra_keys_travelled() -> None:
     filled = fill_missing_fields(rows, 5)
     got = unpack(filled, PromptsByIndex(_samples().prompts), IdsTokenizer(), 2, 0)  # type: ignore[arg-type]
     assert got.baseline_B is None and got.samples.rewards.extra == {}
+
+
+def _measured_after_restore(
+    names: tuple[str, ...] | None, values: list[float], width: int
+) -> dict[str, float]:
+    """Rows queued with ``width`` measured columns (``values`` first, NaN after), restored as a resumed run
+    restores them (``names``: those the queue was saved with), as a trainer rank reads them."""
+    cpu = torch.device("cpu")
+    rows = pack_samples(_samples(), 0, {}, 0, cpu)
+    rows["measured"] = torch.tensor(values + [math.nan] * (width - len(values)), dtype=torch.float64).expand(
+        2, -1
+    )
+    filled = fill_missing_fields(rows, 0, names)
+    return unpack(filled, PromptsByIndex(_samples().prompts), IdsTokenizer(), 2, 0).samples.metrics  # type: ignore[arg-type]
+
+
+def test_queued_metrics_are_read_by_name() -> None:
+    """A queue saved by another release, whose measured columns were in another order, resumes with each
+    value under its own name: by the names it was saved with, or, saved without them, by their count."""
+    rm, mt = len(ModelRewards.METRIC_KEYS), len(MULTI_TURN_KEYS)
+    # Saved before the overlong penalty travelled: the reward model's columns, then multi-turn's.
+    legacy = [0.0] * (rm + mt)
+    legacy[rm] = 3.0  # the first multi-turn metric
+    got = _measured_after_restore(None, legacy, rm + mt)
+    assert got[MULTI_TURN_KEYS[0]] == 3.0 and not any(k.startswith("reward/overlong") for k in got)
+    # Saved with the overlong penalty's columns (the current list's first ones): as they are.
+    ov = [math.nan] * rm + [-0.5, 0.25] + [7.0] * mt
+    got = _measured_after_restore(None, ov, rm + 2 + mt)
+    assert got["reward/overlong_penalty_mean"] == -0.5 and got[MULTI_TURN_KEYS[-1]] == 7.0
+    # Saved with its names, in another order, one no longer carried: by name.
+    got = _measured_after_restore(
+        ("reward/overlong_frac", "gone/metric", "rollout/num_gen_batches"), [0.5, 9.0, 2.0], 3
+    )
+    assert got == {"reward/overlong_frac": 0.5, "rollout/num_gen_batches": 2.0}
+    # Saved without names, in a layout no release wrote: nothing to name, nothing misnamed.
+    assert _measured_after_restore(None, [1.0, 2.0, 3.0], 3) == {}
