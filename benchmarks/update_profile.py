@@ -6,8 +6,8 @@
     python benchmarks/update_profile.py --shape qwen2.5-1.5b --variant 'ac=model.activation_checkpointing=full'
 
 A random decoder of a named shape (Qwen2.5's config.json numbers with the real vocabulary; ``tiny`` for CPU)
-is built on the meta device, sharded with FSDP2 on one rank as the RL job shards its actor (spmdrl's
-apply_ac / apply_fsdp) and materialized on the device with random weights (fp32 master weights, bf16
+is built on the meta device, parallelized on one rank as the RL job builds its actor (spmdrl.models.build's
+parallelize: activation checkpointing, ``model.compile``, FSDP2) and materialized on the device with random weights (fp32 master weights, bf16
 compute on a GPU: ``model.param_dtype=auto``). On a synthetic batch of ``--rows`` rows of ``--length``
 tokens (the first ``--prompt`` of each a prompt, the rest sampled), it runs spmdrl's own passes:
 
@@ -28,6 +28,11 @@ under torch.profiler and once more counting host-device syncs. Reported per pass
   reports; on CPU spmdrl.testing.syncs.SyncCounter's model of them;
 - the attention ops the profiler saw (``aten::_scaled_dot_product_flash_attention`` and its kin): which
   SDPA kernel the pass took, e.g. flash for padded rows under causal SDPA (spmdrl.models.causal_attention).
+
+Micro-batches as the RL job forms them: on CUDA, with the token budgets left at auto (the default), the
+budgets the job would take from the card's free memory (spmdrl.rl.token_budgets, measured before the model
+is built; printed, and in the JSON as ``update_token_budget`` / ``no_grad_token_budget``); on CPU the
+shape's ``micro`` sequences. ``--micro N``: N sequences per micro-batch on any device (budgets off).
 
 ``--ragged``: rows of different lengths (each row's sampled part drawn from 1 to its maximum, right-padded),
 so micro-batches carry padding as the RL job's do; the default rows are all ``--length`` long.
@@ -99,7 +104,12 @@ def _args() -> argparse.Namespace:
     p.add_argument("--rows", type=int, default=0, help="sequences in the batch (default: the shape's)")
     p.add_argument("--length", type=int, default=0, help="tokens per sequence (default: the shape's)")
     p.add_argument("--prompt", type=int, default=-1, help="prompt tokens per sequence (default: the shape's)")
-    p.add_argument("--micro", type=int, default=0, help="trainer.micro_batch_size (default: the shape's)")
+    p.add_argument(
+        "--micro",
+        type=int,
+        default=0,
+        help="N sequences per micro-batch, token budgets off (default: the job's: on CUDA its token budgets)",
+    )
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="", help="default: the shape's")
     p.add_argument("--steps", type=int, default=3, help="timed passes of each kind after one warm-up")
     p.add_argument("--ragged", action="store_true", help="rows of different lengths, right-padded")
@@ -111,6 +121,8 @@ def _args() -> argparse.Namespace:
     p.add_argument("--json", default="", help="also write the figures to this JSON file")
     a = p.parse_args()
     w = WORKLOADS[a.shape]
+    # a.fixed_micro: sequence-count micro-batches asked for; else the job's default (token budgets on CUDA).
+    a.fixed_micro = a.micro > 0
     a.rows, a.length, a.micro = a.rows or w.rows, a.length or w.length, a.micro or w.micro
     a.prompt = w.prompt if a.prompt < 0 else a.prompt
     a.optimizer = a.optimizer or w.optimizer
@@ -141,32 +153,51 @@ def config_overrides(a: argparse.Namespace) -> list[str]:
         f"data.max_response_length={a.length - a.prompt}",
         f"model.activation_checkpointing={w.ac}",
         "algorithm.use_kl_loss=true",  # the reference's KL term, as GRPO runs it
+        *(
+            ["trainer.ppo_max_token_len_per_gpu=0", "trainer.log_prob_max_token_len_per_gpu=0"]
+            * a.fixed_micro
+        ),
     ]
 
 
 # ------------------------------------------------------------------------------------------- the model
+def job_token_budgets(shape: str, cfg: Any, device: torch.device) -> tuple[int, int] | None:
+    """The (update, no-grad) token budgets the RL job would take on this device (None: it keeps
+    sequence counts), from the shape's config.json: spmdrl.rl.token_budgets, before the model is built."""
+    import tempfile
+
+    from transformers import Qwen2Config
+
+    from spmdrl.distributed.placement import Placement
+    from spmdrl.rl.token_budgets import measure_token_budgets, wants_memory_budgets
+
+    if not wants_memory_budgets(cfg, device):
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        Qwen2Config(**SHAPES[shape], max_position_embeddings=32768).save_pretrained(tmp)
+        b = measure_token_budgets(cfg, Path(tmp), device, Placement.colocated(1), needs_critic=False)
+    print(
+        f"token budgets (the job's, from free memory): update {b.train}, no-grad {b.no_grad} tokens",
+        flush=True,
+    )
+    return b.train, b.no_grad
+
+
 def build_random_actor(shape: str, cfg: Any, device: torch.device) -> torch.nn.Module:
     """The RL job's actor build (spmdrl.models.build.build_fsdp_model's steps 1-3: meta, checkpointing and
     FSDP2, materialize) with random weights instead of step 4's checkpoint: no file of 15-30 GB to write."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from spmdrl.config import ac_mode
     from spmdrl.distributed.placement import Placement
-    from spmdrl.models.build import _params_on_meta, attention_kwargs, model_spec
+    from spmdrl.models.build import _params_on_meta, attention_kwargs, model_spec, parallelize
     from spmdrl.models.causal_attention import use_causal_sdpa
-    from spmdrl.models.parallelize import apply_ac, apply_fsdp
 
     spec = model_spec(cfg.model, Path(shape), device, train=True)
     hf = Qwen2Config(**SHAPES[shape], max_position_embeddings=32768)
     with _params_on_meta():  # parameters on meta, buffers (rotary frequencies) computed for real
         model = AutoModelForCausalLM.from_config(hf, dtype=torch.float32, **attention_kwargs(hf))
     buffers = [(m, n, b.detach().clone()) for m in model.modules() for n, b in m.named_buffers(recurse=False)]
-    if ac_mode(spec.activation_checkpointing) != "off":
-        apply_ac(model, ac_mode(spec.activation_checkpointing), every=spec.ac_every)
-    mesh = Placement.colocated(1).build_meshes(device.type).fsdp("actor")
-    apply_fsdp(
-        model, mesh, param_dtype=spec.param_dtype, reduce_dtype=spec.reduce_dtype, offload=spec.offload
-    )
+    parallelize(model, spec, Placement.colocated(1).build_meshes(device.type).fsdp("actor"))
     model.to_empty(device=torch.device("cpu") if spec.offload else device)
     g = torch.Generator(device=device if not spec.offload else "cpu").manual_seed(0)
     with torch.no_grad():
@@ -299,10 +330,11 @@ def measure(a: argparse.Namespace, overrides: list[str], device: torch.device, p
     from spmdrl.config_loader import load_config
     from spmdrl.logging.flops import DecoderShape, forward_flops, training_flops, utilization
     from spmdrl.optim import build_optimizer
-    from spmdrl.rl.update import logprobs_of, micro_rows, update_policy
+    from spmdrl.rl.update import logprobs_of, loss_modes, micro_rows, mini_batches, update_policy
 
     cfg = load_config([*config_overrides(a), *a.set, *overrides])
-    rl = derive_rl(cfg, derive(cfg, 1, a.rows, samples_per_item=1))
+    budgets = job_token_budgets(a.shape, cfg, device)
+    rl = derive_rl(cfg, derive(cfg, 1, a.rows, samples_per_item=1), memory_budgets=budgets)
     model = build_random_actor(a.shape, cfg, device)
     if a.optimizer == "adamw":
         optimizer = build_optimizer(model, cfg.optim)
@@ -312,9 +344,9 @@ def measure(a: argparse.Namespace, overrides: list[str], device: torch.device, p
     parts = micro_rows(cfg, rl, batch)
     lengths = batch.row_lengths()
     shape = DecoderShape.from_hf_config(model.config)
-    epochs, minis = cfg.algorithm.ppo_epochs, rl.mini_batches_per_step
-    # The update plans each mini-batch alone: as many micro-batches as parts, per mini-batch, per epoch.
-    n_micro_update = epochs * minis * len(micro_rows(cfg, rl, batch.rows(0, rl.per_rank_mini_batch_seqs)))
+    epochs = cfg.algorithm.ppo_epochs
+    # The update's own plan (its token budget, each mini-batch alone), every epoch.
+    n_micro_update = sum(len(plan) for _, _, plan, _, _ in mini_batches(cfg, rl, batch, loss_modes(cfg)))
     passes: dict[str, tuple[Callable[[], Any], int]] = {
         "update": (lambda: update_policy(cfg, rl, model, optimizer, batch), n_micro_update),
         "forward": (
@@ -372,6 +404,8 @@ def measure(a: argparse.Namespace, overrides: list[str], device: torch.device, p
     if device.type == "cuda":
         r.figures["peak_memory_gb"] = (torch.cuda.max_memory_allocated(device) / 2**30, "GiB")
     r.context["params"] = sum(p.numel() for p in model.parameters())
+    r.context["update_token_budget"] = rl.ppo_max_token_len
+    r.context["no_grad_token_budget"] = rl.log_prob_max_token_len
     r.context["activation_checkpointing"] = str(cfg.model.activation_checkpointing)
     return r
 
@@ -406,8 +440,8 @@ def main() -> None:
     peak = a.peak_tflops * 1e12 if a.peak_tflops > 0 else device_peak_flops(device)
     peak_note = "--peak-tflops" if a.peak_tflops > 0 else ("table" if peak else "unknown: no MFU")
     print(
-        f"update profile: {a.shape}, {a.rows} rows x {a.length} tokens ({a.prompt} prompt), micro-batch "
-        f"{a.micro}, {a.optimizer}; device {name}, peak {peak / 1e12 if peak else 0:.1f} TFLOP/s ({peak_note})",
+        f"update profile: {a.shape}, {a.rows} rows x {a.length} tokens ({a.prompt} prompt), micro-batches "
+        f"of {a.micro} sequences{'' if a.fixed_micro else ' or the token budgets'}, {a.optimizer}; device {name}, peak {peak / 1e12 if peak else 0:.1f} TFLOP/s ({peak_note})",
         flush=True,
     )
     runs: dict[str, Result] = {}

@@ -292,8 +292,9 @@ class LoggingConfig:
     samples_every: int = 10
     samples_per_log: int = 4
     # These training steps (counted from 1, as logged; in an RL job the RL steps, not the warm-start's)
-    # run under torch.profiler on every rank, each writing a Chrome trace and a table of the ops with the
-    # most self time to output_dir/profile/step-<N>/ (spmdrl/logging/profiler.py; docs/performance.md).
+    # run under torch.profiler on every rank, each writing a Chrome trace and a table of the step's phases
+    # (host and device time) and of the ops with the most self time to output_dir/profile/step-<N>/
+    # (spmdrl/logging/profiler.py; docs/performance.md).
     # Empty: off.
     profile_steps: list[int] = field(default_factory=list)
 

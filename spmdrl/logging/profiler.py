@@ -9,8 +9,11 @@ Each chosen step writes, under ``<output_dir>/profile/step-<N>/``:
 - ``rank-<R>.json.gz``: the Chrome trace, gzipped (Perfetto opens it as it is): host ops, and on CUDA
   the kernels and copies on their streams, so idle gaps and host-bound stretches show (grpo_tiny's
   step: 15 MB a rank unzipped, about 1 MB zipped);
-- ``rank-<R>.txt``: the ops with the most self time (device time on CUDA, host time otherwise), the
-  table rank 0 also logs.
+- ``rank-<R>.txt``: first the step's phases (spmdrl.logging.timer.PhaseTimer's ``phase/<name>``
+  ranges, the timing/* metrics' names): host milliseconds, and on CUDA the device's kernel milliseconds
+  inside each and their ratio, which says at a glance whether a phase is host-bound (a ratio well
+  under 1: the GPU waits for the host); then the ops with the most self time (device time on CUDA, host
+  time otherwise). Rank 0 also logs both.
 
 Only the chosen steps pay the profiler's overhead, and their ``timing/*`` metrics carry it. Files are
 written under a temporary name and renamed, so a step that fails leaves no half-written trace.
@@ -22,10 +25,13 @@ import contextlib
 import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch.autograd import DeviceType
 
 from spmdrl.errors import ConfigError
+from spmdrl.logging.timer import PHASE_PREFIX
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +48,31 @@ def check_profile_steps(steps: Sequence[int], total_steps: int) -> None:
             f"logging.profile_steps={list(steps)}: step(s) {bad} outside this run's steps 1..{total_steps} "
             "(steps count from 1, as logged); pick steps the run takes, e.g. logging.profile_steps=[3]"
         )
+
+
+def phase_table(events: Any, cuda: bool) -> str:
+    """The step's phases (``phase/<name>`` ranges) from ``prof.events()``, in the order of their host
+    time: calls, host ms, and on CUDA the device ms of the kernels launched inside and device / host.
+    From the host-side ranges only: on CUDA the profiler also records each range's span on the GPU's
+    timeline under the same name, which counts idle time as busy (key_averages would merge the two)."""
+    totals: dict[str, list[float]] = {}  # name -> [calls, host us, device us]
+    for e in events:
+        if e.name.startswith(PHASE_PREFIX) and e.device_type == DeviceType.CPU:
+            t = totals.setdefault(e.name.removeprefix(PHASE_PREFIX), [0, 0.0, 0.0])
+            t[0] += 1
+            t[1] += e.time_range.elapsed_us()
+            t[2] += e.device_time_total if cuda else 0.0
+    if not totals:
+        return "phases: none (no PhaseTimer range ran in this step)"
+    head = f"{'phase':<32}{'calls':>7}{'host ms':>12}"
+    head += f"{'device ms':>12}{'device/host':>13}" if cuda else ""
+    lines = ["phases (spmdrl.logging.timer ranges; nested phases count in their parents too)", head]
+    for name, (calls, host_us, device_us) in sorted(totals.items(), key=lambda kv: -kv[1][1]):
+        line = f"{name:<32}{int(calls):>7}{host_us / 1e3:>12.1f}"
+        if cuda:
+            line += f"{device_us / 1e3:>12.1f}{device_us / host_us if host_us else 0.0:>13.2f}"
+        lines.append(line)
+    return "\n".join(lines)
 
 
 def profile_dir(output_dir: Path, step: int) -> Path:
@@ -71,7 +102,8 @@ def profile_step(
     prof.export_chrome_trace(str(tmp))
     tmp.replace(trace)
     sort_by = "self_device_time_total" if cuda else "self_cpu_time_total"
-    table = prof.key_averages().table(sort_by=sort_by, row_limit=TABLE_ROWS)
+    table = phase_table(prof.events(), cuda) + "\n\n"
+    table += prof.key_averages().table(sort_by=sort_by, row_limit=TABLE_ROWS)
     tmp = out / f".rank-{rank}.txt.tmp"
     tmp.write_text(table)
     tmp.replace(out / f"rank-{rank}.txt")

@@ -121,6 +121,19 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def parallelize(model: nn.Module, spec: ModelSpec, mesh: DeviceMesh) -> None:
+    """Step 2 of :func:`build_fsdp_model`, on a model still on the meta device: activation checkpointing
+    inside, then torch.compile per block, FSDP2 outside (torchtitan's order). Its own function so that a
+    benchmark building a model of random weights (benchmarks/update_profile.py) runs the same steps."""
+    if ac_mode(spec.activation_checkpointing) != "off":
+        apply_ac(model, ac_mode(spec.activation_checkpointing), every=spec.ac_every)
+    if spec.compile:
+        apply_compile(model)
+    apply_fsdp(
+        model, mesh, param_dtype=spec.param_dtype, reduce_dtype=spec.reduce_dtype, offload=spec.offload
+    )
+
+
 def build_fsdp_model(spec: ModelSpec, mesh: DeviceMesh, device: torch.device) -> nn.Module:
     hf_config = AutoConfig.from_pretrained(spec.path, trust_remote_code=spec.trust_remote_code)
     # 1. Build on meta: the architecture without memory.
@@ -168,13 +181,7 @@ def build_fsdp_model(spec: ModelSpec, mesh: DeviceMesh, device: torch.device) ->
             if not p.requires_grad:
                 p.data = p.data.to(spec.param_dtype)
     # 2. Parallelize: activation checkpointing inside, then compile, FSDP2 outside.
-    if ac_mode(spec.activation_checkpointing) != "off":
-        apply_ac(model, ac_mode(spec.activation_checkpointing), every=spec.ac_every)
-    if spec.compile:
-        apply_compile(model)
-    apply_fsdp(
-        model, mesh, param_dtype=spec.param_dtype, reduce_dtype=spec.reduce_dtype, offload=spec.offload
-    )
+    parallelize(model, spec, mesh)
     # 3. Materialize: each rank allocates only its shards; buffers get their computed values back.
     # (In host memory when offloaded: FSDP2 copies each unit's shards over for its compute. Buffers are
     # not FSDP2's to manage: they go to the compute device either way, where the forward reads them.)

@@ -4,7 +4,10 @@ on the tiny shape under FSDP2 (one gloo rank) and writes its figures in bench_re
 A CPU has no peak in the table, so the run is given one (``--peak-tflops``): the MFU path runs, and its
 figure must be the FLOPs of spmdrl.logging.flops over the measured time. ``--set`` turns on activation
 checkpointing, which must reach the config the benchmark builds: the hardware FLOPs then exceed the model
-FLOPs, which stay 3 x the forward's.
+FLOPs, which stay 3 x the forward's. A ``model.compile=true`` variant must compile the model's blocks as the
+RL job's build does (spmdrl.models.build.parallelize): its update runs fewer ATen ops per micro-batch (the
+fused kernels replace them). An earlier build of the benchmark skipped that step, and a GPU run measured
+"compile" as the eager model.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ def test_the_profile_dry_run_writes_every_figure(tmp_path: Path) -> None:
         "--steps=1",
         f"--peak-tflops={PEAK_TFLOPS}",
         "--set=model.activation_checkpointing=full",
+        "--variant=compiled=model.compile=true",
         f"--json={out}",
     ]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
@@ -58,3 +62,8 @@ def test_the_profile_dry_run_writes_every_figure(tmp_path: Path) -> None:
     assert figs["hfu_update"]["value"] > figs["mfu_update"]["value"]
     assert doc["activation_checkpointing"] == "full"
     assert doc["update_micro_batches"] == doc["rows"] // doc["micro_batch_size"]
+    # CPU: sequence-count micro-batches (token budgets come from a CUDA card's memory only).
+    assert doc["update_token_budget"] == 0 and doc["no_grad_token_budget"] == 0
+    compiled = figs["compiled/launches_per_micro_batch_update"]
+    assert compiled["baseline"] == figs["launches_per_micro_batch_update"]["value"]
+    assert compiled["value"] < 0.9 * compiled["baseline"], compiled
