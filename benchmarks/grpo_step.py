@@ -641,7 +641,18 @@ def _trl_medians(steps: list[TrlStep], lengths: list[float], completions: int) -
 
 
 # ------------------------------------------------------------------------------------------- report
-ROWS = ("rollout", "reward", "old_ref", "update", "actor_update", "weight_sync", "weight_sync_check", "other")
+ROWS = (
+    "rollout",
+    "reward",
+    "engine_sleep",
+    "experience",
+    "old_ref",
+    "update",
+    "actor_update",
+    "weight_sync",
+    "weight_sync_check",
+    "other",
+)
 UNITS = {
     "rollout_tokens_per_s": "tokens/s",
     "response_len_mean": "tokens",

@@ -165,9 +165,11 @@ def make_experience(job: RLJob, s: Step) -> None:
     then the advantages on the edited mask. A rank holds whole groups, so only batch-wide statistics
     (whitening, GPG's scale) are summed over the ranks."""
     cfg = job.cfg
-    job.engine.sleep(keep_weights=False)  # generation is over (CUDA: the next engine call is the sync)
-    batch = policy_batch(s.samples, job.tokenizer.pad_token_id, job.device)
-    rows = plan_rows(cfg, job.placement, job.rl, batch, job.device)  # parallel.balance_tokens' layout
+    with s.timer("engine_sleep"):  # generation is over (CUDA: the next engine call is the sync)
+        job.engine.sleep(keep_weights=False)
+    with s.timer("experience"):  # the rows on the device, and where they go (parallel.balance_tokens)
+        batch = policy_batch(s.samples, job.tokenizer.pad_token_id, job.device)
+        rows = plan_rows(cfg, job.placement, job.rl, batch, job.device)
     sampled_mask_BT = batch.response_mask_BT  # the mismatch metric reads every sampled token
     # Timed only when a pass runs (the old logprobs, the reference's): an on-policy step without a
     # reference runs neither, and logs no timing/old_ref_s.
@@ -175,10 +177,11 @@ def make_experience(job: RLJob, s: Step) -> None:
         batch = old_and_ref_logprobs(
             cfg, job.rl, job.actor, job.ref, batch, job.actor_group, recompute_old=job.recompute_old
         )
-    components_BK = gdpo_reward_components(cfg, s.samples.rewards)
-    batch, s.metrics = batch_advantages(
-        cfg, batch, s.baseline_B, job.kl_ctrl, job.device, job.actor_group, components_BK
-    )
+    with s.timer("experience"):  # the advantages
+        components_BK = gdpo_reward_components(cfg, s.samples.rewards)
+        batch, s.metrics = batch_advantages(
+            cfg, batch, s.baseline_B, job.kl_ctrl, job.device, job.actor_group, components_BK
+        )
     # parallel.balance_tokens: the rows move only now, as the group advantages needed whole groups.
     with s.timer.maybe("exchange", rows.moves):
         s.batch, s.sampled_mask_BT = rows.balance_colocated(batch, sampled_mask_BT)  # type: ignore[assignment]

@@ -147,9 +147,11 @@ def make_experience(job: RLJob, s: Step) -> None:
     critic's (at the same time, when split); GAE on the actor's ranks, after the KL in the reward and the
     rollout correction (verl's order), so the returns and the final response mask go back to the critic."""
     cfg = job.cfg
-    job.engine.sleep(keep_weights=False)  # generation is over (CUDA: the next engine call is the sync)
-    local = policy_batch(s.samples, job.tokenizer.pad_token_id, job.device)
-    rows = plan_rows(cfg, job.placement, job.rl, local, job.device, job.rl_critic)
+    with s.timer("engine_sleep"):  # generation is over (CUDA: the next engine call is the sync)
+        job.engine.sleep(keep_weights=False)
+    with s.timer("experience"):  # the rows on the device, and where each role's go
+        local = policy_batch(s.samples, job.tokenizer.pad_token_id, job.device)
+        rows = plan_rows(cfg, job.placement, job.rl, local, job.device, job.rl_critic)
     with s.timer.maybe("exchange", rows.moves):
         batch, critic_batch = to_role(rows, local, "actor"), to_role(rows, local, "critic")
     sampled_mask_BT = batch.response_mask_BT if batch is not None else None  # the mismatch metric's
@@ -169,7 +171,8 @@ def make_experience(job: RLJob, s: Step) -> None:
     with s.timer.maybe("exchange", rows.moves):
         batch = values_to_actor(rows, critic_batch, batch)
     if batch is not None:
-        batch, s.metrics = batch_advantages(cfg, batch, None, job.kl_ctrl, job.device, job.actor_group)
+        with s.timer("experience"):  # GAE
+            batch, s.metrics = batch_advantages(cfg, batch, None, job.kl_ctrl, job.device, job.actor_group)
     with s.timer.maybe("exchange", rows.moves):
         critic_batch = returns_to_critic(rows, batch, critic_batch)
         # parallel.balance_tokens, colocated: the rows move only now, as GAE's whitening is batch-wide.

@@ -24,6 +24,8 @@ from spmdrl.rollout.mismatch import logprob_mismatch
 PHASES = (
     "rollout",
     "reward",
+    "engine_sleep",
+    "experience",
     "exchange",
     "old_ref",
     "values",

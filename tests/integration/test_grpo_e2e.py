@@ -95,7 +95,8 @@ def test_grpo_tiny_short_run(tmp_path: Path) -> None:
         assert "Self CPU" in table
         # The step's phases head the table, under the timing/* metrics' names.
         phases = {line.split()[0] for line in table.split("\n\n")[0].splitlines()[2:]}
-        assert {"rollout", "reward", "update", "actor_update", "weight_sync"} <= phases, table[:2000]
+        want = {"rollout", "reward", "engine_sleep", "experience", "update", "actor_update", "weight_sync"}
+        assert want <= phases, table[:2000]
     assert "val/accuracy" in rows[0] and "val/accuracy" in rows[-1]
     train = rows[1:]
     for key in (
@@ -110,6 +111,8 @@ def test_grpo_tiny_short_run(tmp_path: Path) -> None:
         "perf/rollout_tokens_per_s",
         "perf/train_tokens_per_s",
         "timing/rollout_s",
+        "timing/engine_sleep_s",
+        "timing/experience_s",
         "timing/actor_update_s",
         "timing/weight_sync_s",
         "mismatch/logprob_abs_diff_mean",
