@@ -76,7 +76,8 @@ from shapes import SHAPES
 @dataclass(frozen=True)
 class Workload:
     """A shape's default batch: rows x length tokens (prompt first), rows per micro-batch, checkpointing,
-    optimizer. Sized for an H100 (80 GB) in well under a minute of steps; tiny for a CPU."""
+    optimizer. Sized for an H100 (80 GB) in well under a minute of steps; tiny for a CPU. ``budgets``:
+    on CUDA the micro-batches are the job's token budgets (else ``micro`` rows everywhere)."""
 
     rows: int
     length: int
@@ -84,13 +85,18 @@ class Workload:
     micro: int
     ac: str = "off"
     optimizer: str = "adamw"
+    budgets: bool = True
 
 
 WORKLOADS = {
     "tiny": Workload(rows=8, length=64, prompt=16, micro=2),
     "qwen2.5-0.5b": Workload(rows=32, length=1024, prompt=256, micro=8),
     "qwen2.5-1.5b": Workload(rows=32, length=1024, prompt=256, micro=4),
-    "qwen2.5-7b": Workload(rows=16, length=1024, prompt=256, micro=4, ac="full", optimizer="sgd"),
+    # Fixed micro-batches: the job's budget on one GPU counts the whole 7B state (AdamW and a reference,
+    # ~128 GiB), which leaves an H100 one row per micro-batch; the job would shard that over several GPUs.
+    "qwen2.5-7b": Workload(
+        rows=16, length=1024, prompt=256, micro=4, ac="full", optimizer="sgd", budgets=False
+    ),
 }
 PREFIX = "update_profile/"
 # The ATen ops that name the SDPA kernel a pass took (flash, memory-efficient, cuDNN, math, CPU flash).
@@ -122,7 +128,7 @@ def _args() -> argparse.Namespace:
     a = p.parse_args()
     w = WORKLOADS[a.shape]
     # a.fixed_micro: sequence-count micro-batches asked for; else the job's default (token budgets on CUDA).
-    a.fixed_micro = a.micro > 0
+    a.fixed_micro = a.micro > 0 or not WORKLOADS[a.shape].budgets
     a.rows, a.length, a.micro = a.rows or w.rows, a.length or w.length, a.micro or w.micro
     a.prompt = w.prompt if a.prompt < 0 else a.prompt
     a.optimizer = a.optimizer or w.optimizer
@@ -161,23 +167,36 @@ def config_overrides(a: argparse.Namespace) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------- the model
-def job_token_budgets(shape: str, cfg: Any, device: torch.device) -> tuple[int, int] | None:
+def job_token_budgets(shape: str, cfg: Any, device: torch.device, optimizer: str) -> tuple[int, int] | None:
     """The (update, no-grad) token budgets the RL job would take on this device (None: it keeps
-    sequence counts), from the shape's config.json: spmdrl.rl.token_budgets, before the model is built."""
+    sequence counts), from the shape's config.json: spmdrl.rl.token_budgets, before the model is built.
+    The job's memory model counts AdamW's two float32 moments (8 bytes per parameter); under ``--optimizer
+    sgd`` (stateless) that memory is left to the micro-batches, as free memory on top of the card's."""
     import tempfile
 
     from transformers import Qwen2Config
 
     from spmdrl.distributed.placement import Placement
+    from spmdrl.models.memory_model import DecoderShape
     from spmdrl.rl.token_budgets import measure_token_budgets, wants_memory_budgets
 
     if not wants_memory_budgets(cfg, device):
         return None
+    hf = Qwen2Config(**SHAPES[shape], max_position_embeddings=32768)
+    no_moments = 0 if optimizer == "adamw" else 8 * DecoderShape.from_hf(hf).params
+
+    def mem_get_info(d: torch.device) -> tuple[int, int]:
+        free, total = torch.cuda.mem_get_info(d)
+        return free + no_moments, total
+
     with tempfile.TemporaryDirectory() as tmp:
-        Qwen2Config(**SHAPES[shape], max_position_embeddings=32768).save_pretrained(tmp)
-        b = measure_token_budgets(cfg, Path(tmp), device, Placement.colocated(1), needs_critic=False)
+        hf.save_pretrained(tmp)
+        b = measure_token_budgets(
+            cfg, Path(tmp), device, Placement.colocated(1), needs_critic=False, mem_get_info=mem_get_info
+        )
     print(
-        f"token budgets (the job's, from free memory): update {b.train}, no-grad {b.no_grad} tokens",
+        f"token budgets (the job's, from free memory{' + the moments SGD does not keep' * bool(no_moments)}): "
+        f"update {b.train}, no-grad {b.no_grad} tokens",
         flush=True,
     )
     return b.train, b.no_grad
@@ -333,7 +352,7 @@ def measure(a: argparse.Namespace, overrides: list[str], device: torch.device, p
     from spmdrl.rl.update import logprobs_of, loss_modes, micro_rows, mini_batches, update_policy
 
     cfg = load_config([*config_overrides(a), *a.set, *overrides])
-    budgets = job_token_budgets(a.shape, cfg, device)
+    budgets = job_token_budgets(a.shape, cfg, device, a.optimizer)
     rl = derive_rl(cfg, derive(cfg, 1, a.rows, samples_per_item=1), memory_budgets=budgets)
     model = build_random_actor(a.shape, cfg, device)
     if a.optimizer == "adamw":
