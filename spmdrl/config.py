@@ -370,6 +370,11 @@ class RolloutConfig:
     cpu_gemm: str = choice("auto", CPU_GEMM_PATHS)
     # CUDA only: release the KV cache and weights while training (vLLM sleep mode).
     free_cache_engine: bool = True
+    # CUDA only: vLLM's model runner. "auto": vLLM's choice (VLLM_USE_V2_MODEL_RUNNER if set; vLLM 0.32 takes
+    # V2, 0.24 V2 only for some architectures, not Qwen2). "v2" / "v1" force one. V1 samples a request
+    # that has its own seed (spmdrl seeds every request) with a Python loop over requests at every decode
+    # step; V2 draws the whole batch's noise at once (docs/rollout.md#gpu-model-runner-v2).
+    model_runner: str = choice("auto", ("auto", "v1", "v2"))
     # Weight sync gathers the actor's shards in buckets of about this many MB (one all-gather each).
     weight_sync_bucket_mb: float = 32.0
     # How the engine takes the synced weights. "direct": the model's own load_weights writes each tensor

@@ -243,6 +243,15 @@ class RolloutEngine(Protocol):
         ...
 
 
+def check_model_runner(cfg: RolloutConfig, device_type: str) -> None:
+    """rollout.model_runner other than auto: CUDA only (vLLM's CPU backend has one model runner)."""
+    if cfg.model_runner != "auto" and device_type != "cuda":
+        raise ConfigError(
+            f"rollout.model_runner={cfg.model_runner} chooses between vLLM's CUDA model runners; vLLM's "
+            f"{device_type.upper()} backend has one: set rollout.model_runner=auto"
+        )
+
+
 def check_engine_config(cfg: RolloutConfig, device_type: str) -> None:
     """What can be checked about the engine without building it: the installed release, and a forced CPU
     GEMM path this machine cannot run (for the engine dtype the config resolves to). Recipes call it first, so a bad setting fails before any
@@ -252,6 +261,7 @@ def check_engine_config(cfg: RolloutConfig, device_type: str) -> None:
     from spmdrl.rollout.vllm_version import require_supported_vllm
 
     require_supported_vllm()
+    check_model_runner(cfg, device_type)
     if device_type == "cpu":
         from spmdrl.rollout.cpu_gemm import check_available
         from spmdrl.rollout.vllm_engine import resolve_engine_dtype

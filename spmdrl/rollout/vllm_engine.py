@@ -66,6 +66,7 @@ from spmdrl.rollout.engine import (
     LoadSeconds,
     SamplingSpec,
     TurnOutput,
+    check_model_runner,
     check_prompt_lengths,
     request_seed,
 )
@@ -341,6 +342,9 @@ class VLLMEngine:
         self._warned_no_sleep = False
 
         _prepare_environment()
+        check_model_runner(cfg, device_type)
+        if cfg.model_runner != "auto":  # read when the engine's config is built (LLM(...) below)
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if cfg.model_runner == "v2" else "0"
         require_supported_vllm()
         self._settings = _SettingsSwap()  # before importing vLLM, which changes some of them
         from vllm import LLM
@@ -403,6 +407,13 @@ class VLLMEngine:
         # CPU, tp >= 2: which all-reduce the TP group took ("" elsewhere). gloo is several times slower per
         # decode step; vLLM falls back to it silently when the ranks' segment names disagree.
         self.tp_all_reduce = cpu_shm.tp_all_reduce() if shm_names else ""
+        if device_type == "cuda":  # which runner vLLM took decides how it samples (rollout.model_runner)
+            v2 = getattr(self.llm.llm_engine.vllm_config, "use_v2_model_runner", None)
+            log.info(
+                "vLLM model runner: %s (rollout.model_runner=%s)",
+                {True: "V2", False: "V1"}.get(v2, "?"),
+                cfg.model_runner,
+            )
         if shm_names and self.tp_all_reduce != "shared memory" and cpu_shm.shm_all_reduce_available():
             log.warning(
                 "vLLM's tensor-parallel all-reduce fell back to gloo although this vLLM build has the "
