@@ -128,7 +128,7 @@ def _args() -> argparse.Namespace:
     a = p.parse_args()
     w = WORKLOADS[a.shape]
     # a.fixed_micro: sequence-count micro-batches asked for; else the job's default (token budgets on CUDA).
-    a.fixed_micro = a.micro > 0 or not WORKLOADS[a.shape].budgets
+    a.fixed_micro = a.micro > 0 or not w.budgets
     a.rows, a.length, a.micro = a.rows or w.rows, a.length or w.length, a.micro or w.micro
     a.prompt = w.prompt if a.prompt < 0 else a.prompt
     a.optimizer = a.optimizer or w.optimizer
@@ -167,6 +167,13 @@ def config_overrides(a: argparse.Namespace) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------- the model
+def shape_config(shape: str) -> Any:
+    """The HF config of a named shape (benchmarks/shapes.py)."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(**SHAPES[shape], max_position_embeddings=32768)
+
+
 def job_token_budgets(shape: str, cfg: Any, device: torch.device, optimizer: str) -> tuple[int, int] | None:
     """The (update, no-grad) token budgets the RL job would take on this device (None: it keeps
     sequence counts), from the shape's config.json: spmdrl.rl.token_budgets, before the model is built.
@@ -174,15 +181,13 @@ def job_token_budgets(shape: str, cfg: Any, device: torch.device, optimizer: str
     sgd`` (stateless) that memory is left to the micro-batches, as free memory on top of the card's."""
     import tempfile
 
-    from transformers import Qwen2Config
-
     from spmdrl.distributed.placement import Placement
     from spmdrl.models.memory_model import DecoderShape
     from spmdrl.rl.token_budgets import measure_token_budgets, wants_memory_budgets
 
     if not wants_memory_budgets(cfg, device):
         return None
-    hf = Qwen2Config(**SHAPES[shape], max_position_embeddings=32768)
+    hf = shape_config(shape)
     no_moments = 0 if optimizer == "adamw" else 8 * DecoderShape.from_hf(hf).params
 
     def mem_get_info(d: torch.device) -> tuple[int, int]:
@@ -205,14 +210,14 @@ def job_token_budgets(shape: str, cfg: Any, device: torch.device, optimizer: str
 def build_random_actor(shape: str, cfg: Any, device: torch.device) -> torch.nn.Module:
     """The RL job's actor build (spmdrl.models.build.build_fsdp_model's steps 1-3: meta, checkpointing and
     FSDP2, materialize) with random weights instead of step 4's checkpoint: no file of 15-30 GB to write."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import AutoModelForCausalLM
 
     from spmdrl.distributed.placement import Placement
     from spmdrl.models.build import _params_on_meta, attention_kwargs, model_spec, parallelize
     from spmdrl.models.causal_attention import use_causal_sdpa
 
     spec = model_spec(cfg.model, Path(shape), device, train=True)
-    hf = Qwen2Config(**SHAPES[shape], max_position_embeddings=32768)
+    hf = shape_config(shape)
     with _params_on_meta():  # parameters on meta, buffers (rotary frequencies) computed for real
         model = AutoModelForCausalLM.from_config(hf, dtype=torch.float32, **attention_kwargs(hf))
     buffers = [(m, n, b.detach().clone()) for m in model.modules() for n, b in m.named_buffers(recurse=False)]
@@ -397,9 +402,9 @@ def measure(a: argparse.Namespace, overrides: list[str], device: torch.device, p
         for name, (run, _) in passes.items()
     }
     for name, (run, n_micro) in passes.items():
-        seconds = statistics.median(timed[name][0])
+        times, prof = timed[name]
+        seconds = statistics.median(times)
         model_flops, hw_flops = flops[name]
-        prof = timed[name][1]
         host = [s["step"] for s in optimizer.state.values() if "step" in s] + list(parts)
         syncs, where = count_syncs(run, device, host)
         f = r.figures

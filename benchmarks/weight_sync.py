@@ -180,7 +180,11 @@ def main() -> None:
     ]
     # The floor of moving these bytes: on one rank nothing crosses ranks, so the copy; else the all-gather
     # (which writes every byte once too).
-    floor = rows[1][1] if env.world_size == 1 else rows[0][1]
+    floor_name, floor = (
+        ("one device copy of the whole model's bytes", rows[1][1])
+        if env.world_size == 1
+        else ("one all_gather of the whole model's bytes", rows[0][1])
+    )
     copy_buffers.clear()
     bucket_sizes = [float(x) for x in a.buckets_mb.split(",")]
     for mb in bucket_sizes:
@@ -266,11 +270,6 @@ def main() -> None:
             print(f"(no direct-load row: the engine's CPU GEMM paths {engine.gemm_paths} keep packed copies)")
         engine.close()
 
-    floor_name = (
-        "one device copy of the whole model's bytes"
-        if env.world_size == 1
-        else "one all_gather of the whole model's bytes"
-    )
     if env.is_main:
         print(
             f"\nweight sync: {env.world_size} ranks on {device.type}, {len(weights)} tensors, "
