@@ -132,6 +132,8 @@ def _args() -> argparse.Namespace:
     a.rows, a.length, a.micro = a.rows or w.rows, a.length or w.length, a.micro or w.micro
     a.prompt = w.prompt if a.prompt < 0 else a.prompt
     a.optimizer = a.optimizer or w.optimizer
+    if a.micro < 0:
+        p.error(f"--micro {a.micro}: sequences per micro-batch must be > 0 (or leave it out for the job's)")
     if not 0 < a.prompt < a.length:
         p.error(f"--prompt {a.prompt} must be between 0 and --length {a.length} (exclusive)")
     for s in a.set:

@@ -69,3 +69,10 @@ def test_the_profile_dry_run_writes_every_figure(tmp_path: Path) -> None:
         compiled = figs[f"compiled/launches_per_micro_batch_{name}"]
         assert compiled["baseline"] == figs[f"launches_per_micro_batch_{name}"]["value"]
         assert compiled["value"] < 0.9 * compiled["baseline"], (name, compiled)
+
+
+def test_a_negative_micro_batch_is_refused_before_any_work(tmp_path: Path) -> None:
+    cmd = [sys.executable, str(REPO / "benchmarks" / "update_profile.py"), "--shape=tiny", "--micro=-2"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "--micro -2: sequences per micro-batch must be > 0" in proc.stderr
