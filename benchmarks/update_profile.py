@@ -1,6 +1,7 @@
 """The actor's update path profiled on one device: MFU, device busy fraction, launches and syncs.
 
     python benchmarks/update_profile.py --shape tiny                        # CPU, under a minute
+    python benchmarks/update_profile.py --shape deep-narrow --variant 'layer=model.fsdp_unit=layer'  # CPU: host work
     python benchmarks/update_profile.py --shape qwen2.5-7b --json p.json    # one GPU (H100: ~1-2 minutes)
     python benchmarks/update_profile.py --shape qwen2.5-0.5b --set trainer.pack_sequences=true
     python benchmarks/update_profile.py --shape qwen2.5-1.5b --variant 'ac=model.activation_checkpointing=full'
@@ -90,6 +91,7 @@ class Workload:
 
 WORKLOADS = {
     "tiny": Workload(rows=8, length=64, prompt=16, micro=2),
+    "deep-narrow": Workload(rows=8, length=64, prompt=16, micro=2),
     "qwen2.5-0.5b": Workload(rows=32, length=1024, prompt=256, micro=8),
     "qwen2.5-1.5b": Workload(rows=32, length=1024, prompt=256, micro=4),
     # Fixed micro-batches: the job's budget on one GPU counts the whole 7B state (AdamW and a reference,

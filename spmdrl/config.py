@@ -108,6 +108,13 @@ class ModelConfig:
     offload_params: bool = False
     offload_optimizer: bool = False
     offload_ref: bool = False
+    # FSDP2's units (spmdrl.models.parallelize.apply_fsdp; docs/performance.md, "One FSDP2 unit on one
+    # rank"): layer, one unit per decoder layer plus the root (each layer gathered just before it computes
+    # and freed after it); model, the whole model as one unit (one gather per pass: a fraction of the host
+    # work per micro-batch, with the whole model's unsharded parameters, and in training their gradients,
+    # alive during a pass). auto: model where the model's mesh is one rank and, on a GPU, that unsharded
+    # copy (spmdrl.models.memory_model.whole_model_unit) fits in 1/8 of the card; layer otherwise.
+    fsdp_unit: str = choice("auto", ("auto", "layer", "model"))
     trust_remote_code: bool = False
     # Where the tiny model and generated data are cached. "": $SPMDRL_CACHE or ~/.cache/spmdrl.
     cache_dir: str = ""

@@ -83,7 +83,21 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
 
     With FSDP2 the grads are DTensor shards; clip_grad_norm_ reduces the norm over the mesh.
     """
+    if isinstance(model, FSDPModule) and not all(isinstance(p, DTensor) for p in model.parameters()):
+        # Every unit reshards in its post-backward; one still gathered had none: its gradients sit on the
+        # gathered copy, and the optimizer, which steps the shards, would silently skip them.
+        raise RuntimeError(
+            f"FSDP2's backward did not finish on {type(model).__name__}: some parameters are still gathered "
+            "after backward, their gradients never reduced into the shards. The loss must pass through the "
+            "model's outputs (spmdrl.models.parallelize.through_outputs)"
+        )
     params = [p for p in model.parameters() if p.grad is not None]
+    if not params:  # a silent no-op update otherwise
+        raise RuntimeError(
+            f"no parameter of {type(model).__name__} has a gradient after backward: the loss does not depend on "
+            "the model's outputs (with FSDP2 a loss must pass through them, or the gradients are never reduced "
+            "into the sharded parameters: spmdrl.models.parallelize.through_outputs)"
+        )
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()

@@ -26,6 +26,7 @@ from transformers import (
 
 from spmdrl.config import LoraConfig, ModelConfig, ac_mode
 from spmdrl.models.lora import apply_lora, initial_adapter_weights
+from spmdrl.models.memory_model import whole_model_unit
 from spmdrl.models.parallelize import apply_ac, apply_compile, apply_fsdp
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,8 @@ class ModelSpec:
     offload: bool = False
     # LoRA adapters (spmdrl.models.lora): only they train. None: every weight trains (or none, frozen).
     lora: LoraConfig | None = None
+    # model.fsdp_unit: auto / layer / model (resolved in parallelize, where the mesh is known).
+    fsdp_unit: str = "auto"
 
 
 def model_spec(
@@ -83,6 +86,7 @@ def model_spec(
         head=head,
         offload=cfg.offload_params if train else cfg.offload_ref,
         lora=cfg.lora if cfg.lora.enabled and train and head == "lm" else None,
+        fsdp_unit=cfg.fsdp_unit,
     )
 
 
@@ -130,7 +134,26 @@ def parallelize(model: nn.Module, spec: ModelSpec, mesh: DeviceMesh) -> None:
     if spec.compile:
         apply_compile(model)
     apply_fsdp(
-        model, mesh, param_dtype=spec.param_dtype, reduce_dtype=spec.reduce_dtype, offload=spec.offload
+        model,
+        mesh,
+        param_dtype=spec.param_dtype,
+        reduce_dtype=spec.reduce_dtype,
+        offload=spec.offload,
+        whole_model=spec_whole_model(spec, model, mesh),
+    )
+
+
+def spec_whole_model(spec: ModelSpec, model: nn.Module, mesh: DeviceMesh) -> bool:
+    """model.fsdp_unit for this model on ``mesh`` (spmdrl.models.memory_model.whole_model_unit; the token
+    budgets resolve the actor's the same way, from the card's total memory)."""
+    total = torch.cuda.mem_get_info()[1] if mesh.device_type == "cuda" else None
+    return whole_model_unit(
+        spec.fsdp_unit,
+        mesh_ranks=mesh.size(),
+        params=sum(p.numel() for p in model.parameters()),
+        compute_bytes=spec.param_dtype.itemsize,
+        trained=spec.train,
+        total_bytes=total,
     )
 
 

@@ -25,6 +25,7 @@ from torch import nn
 from spmdrl.algos.losses import entropy_from_logits, sum_pi_squared_from_logits, token_logprobs
 from spmdrl.config import ModelConfig
 from spmdrl.models.fused_logprob import HeadOut, fused_head
+from spmdrl.models.parallelize import through_outputs
 
 
 def fused_chunk_for(cfg: ModelConfig, model: nn.Module, device: torch.device) -> int:
@@ -70,14 +71,17 @@ def head_on_positions(
     handle = model.get_decoder().register_forward_hook(on_decoder_output)
     try:
         no_logits = torch.empty(0, dtype=torch.long, device=source_N.device)
-        call(**call_kwargs, logits_to_keep=no_logits)
+        result = call(**call_kwargs, logits_to_keep=no_logits)
     finally:
         handle.remove()
     if len(found) != 1:
         raise RuntimeError(
             f"{type(model).__name__}'s decoder ran {len(found)} times in one forward, expected once"
         )
-    return found[0]
+    # The head's results leave the forward through the hook, not the model's outputs (see through_outputs).
+    out = found[0]
+    out.logprobs_N = through_outputs(out.logprobs_N, result)
+    return out
 
 
 def _head(

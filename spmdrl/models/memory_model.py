@@ -47,7 +47,8 @@ Fixed bytes (not per token), per rank, the parameters sharded over S ranks (P pa
     gathered = (2 layer_params + root_params) x (b + 4) training: FSDP2's unsharded compute-dtype parameters
                of the layer being computed and the prefetched one, and of the root (embeddings, LM head),
                which stays gathered from forward to backward, plus their unsharded float32 gradients before
-               the reduce-scatter; x b for a no-grad pass
+               the reduce-scatter; x b for a no-grad pass. P x (b + 4), P x b when the whole model is one
+               unit (model.fsdp_unit: whole_model_unit)
 
     mask     = (1 + b) per (query, key) pair: a boolean 4-D mask and SDPA's additive copy. Padded rows: max_len
                keys per token; packed rows through the mask (trainer.packed_attention=mask): x^2 for x tokens;
@@ -76,6 +77,11 @@ BUDGET_MULTIPLE = 256
 # only scored positions, peaked at 2.07 MiB per token where this model gives 1.27 (1.6x); until the
 # budgets are measured on GPUs the margin covers that.
 HEADROOM = 1.6
+# model.fsdp_unit=auto makes the whole model one FSDP2 unit on a one-rank mesh only while its unsharded
+# compute-dtype parameters and float32 gradients take at most this share of the card: a 0.5B or 1.5B model
+# on an 80 GB card, not a 7B one (whose update is compute-bound anyway, and whose budget that copy would eat).
+WHOLE_MODEL_SHARE = 1 / 8
+FSDP_UNITS = ("auto", "layer", "model")
 # A trained parameter's bytes: its float32 master copy, its float32 gradient, AdamW's two float32 moments.
 TRAINED_BYTES = 16
 MASTER_BYTES = 4
@@ -190,6 +196,31 @@ class MemoryInputs:
     # causal SDPA and no mask: spmdrl.models.causal_attention), "padded" (rows padded to the longest, with a
     # 4-D mask) or "packed_mask" (packed rows through a block-diagonal mask over all their tokens).
     attention: str = "varlen"
+    # The whole model is one FSDP2 unit (model.fsdp_unit, whole_model_unit): all of it gathered in a pass.
+    whole_model: bool = False
+
+
+def whole_model_unit(
+    mode: str, *, mesh_ranks: int, params: int, compute_bytes: int, trained: bool, total_bytes: int | None
+) -> bool:
+    """model.fsdp_unit resolved: whether one FSDP2 unit holds the whole model (True) or each decoder layer
+    is a unit of its own (False).
+
+    Per-layer units let a multi-rank mesh gather layer i + 1 while layer i computes and keep one layer's
+    parameters unsharded at a time. On a one-rank mesh there is nothing to overlap (the "all-gather" is a
+    local copy), and each unit costs host work in every forward and backward (its hooks, the copy, the
+    reduce), which a GPU step that the host already bounds pays in full. auto chooses the whole model there
+    when its unsharded copy (``compute_bytes`` per parameter, + 4 for the float32 gradients of a
+    ``trained`` model) is at most WHOLE_MODEL_SHARE of the card's ``total_bytes`` (None: a CPU, no limit).
+    """
+    if mode not in FSDP_UNITS:
+        raise ConfigError(f"model.fsdp_unit={mode!r} is not one of {', '.join(FSDP_UNITS)}")
+    if mode != "auto":
+        return mode == "model"
+    if mesh_ranks != 1:
+        return False
+    unsharded = params * (compute_bytes + (4 if trained else 0))
+    return total_bytes is None or unsharded <= total_bytes * WHOLE_MODEL_SHARE
 
 
 def norm_bytes_per_token(m: MemoryInputs) -> int:
@@ -256,7 +287,7 @@ def gathered_param_bytes(m: MemoryInputs, *, grad: bool) -> int:
     """FSDP2's unsharded parameters during a pass (and, training, their float32 gradients)."""
     s = m.shape
     per_param = m.compute_bytes + (4 if grad else 0)
-    return (2 * s.layer_params + s.root_params) * per_param
+    return (s.params if m.whole_model else 2 * s.layer_params + s.root_params) * per_param
 
 
 def model_state_bytes(params: int, trained: int, storage_bytes: int, shards: int) -> int:

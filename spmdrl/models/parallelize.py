@@ -6,7 +6,9 @@ Each takes the model, a mesh and plain values (never the whole config) and logs 
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -74,6 +76,54 @@ def apply_compile(model: nn.Module) -> None:
     log.info("torch.compile on %d decoder layers", len(layers))
 
 
+def through_outputs(value: torch.Tensor, output: object) -> torch.Tensor:
+    """``value`` plus an exact 0.0 computed from the model's output logits (a sum over none of them): the same
+    numbers, now in a graph that passes through the model's outputs.
+
+    For what a forward hook takes from inside the model (the LM head on chosen positions, a reward head's
+    per-token scores): FSDP2 starts a unit's backward, and queues the reduce of every unit's gradients at the
+    end of backward, from hooks on that unit's forward outputs. Per-layer units get there through their
+    layers' outputs; a whole-model unit (model.fsdp_unit) has only the model's, so without this its
+    gradients would never reach the sharded parameters.
+    """
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor) and logits.requires_grad:
+        return value + logits.flatten()[:0].sum()
+    return value
+
+
+# Set on a whole-model unit while gathered_through keeps it gathered between no-grad forwards.
+_KEEP_GATHERED = "_spmdrl_keep_gathered"
+
+
+def _reshard_after_no_grad(module: nn.Module, args: object, output: object) -> None:
+    """A whole-model unit's forward hook: free the gathered parameters after a no-grad forward, which no
+    backward will reshard (a training forward keeps them for its backward), unless a pass of several
+    forwards keeps them (gathered_through)."""
+    if (
+        not torch.is_grad_enabled()
+        and isinstance(module, FSDPModule)
+        and not getattr(module, _KEEP_GATHERED, False)
+    ):
+        module.reshard()
+
+
+@contextlib.contextmanager
+def gathered_through(model: nn.Module) -> Iterator[None]:
+    """A no-grad pass of several micro-batches: a whole-model unit is gathered once, by the first forward,
+    and resharded when the pass ends, instead of once per micro-batch. Nothing for per-layer units, whose
+    layers each gather per forward anyway."""
+    if not isinstance(model, FSDPModule) or not hasattr(model, _KEEP_GATHERED):
+        yield
+        return
+    setattr(model, _KEEP_GATHERED, True)
+    try:
+        yield
+    finally:
+        setattr(model, _KEEP_GATHERED, False)
+        model.reshard()
+
+
 def apply_fsdp(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -82,8 +132,10 @@ def apply_fsdp(
     reduce_dtype: torch.dtype,
     reshard_after_forward: bool = True,
     offload: bool = False,
+    whole_model: bool = False,
 ) -> None:
-    """fully_shard each decoder layer, then the root (embeddings, final norm, lm_head; tied weights stay tied).
+    """fully_shard each decoder layer, then the root (embeddings, final norm, lm_head; tied weights stay tied);
+    with ``whole_model``, the root alone, one unit for everything (model.fsdp_unit, below).
 
     Per-layer units let FSDP2 all-gather layer i+1 while layer i computes, and free each layer's
     full parameters after use. The root's last unit is not resharded after forward because
@@ -95,16 +147,33 @@ def apply_fsdp(
     their own shard that backward could reuse: kept, that copy would stay alive after every no-grad pass
     (the reference's, the old logprobs') until the next forward, a param_dtype copy of the whole model
     beside a waking engine, and ``reshard()`` on the root would no longer leave only DTensors.
+
+    ``whole_model`` (model.fsdp_unit=model, and auto on a one-rank mesh: whole_model_unit): every unit costs
+    host work in each forward and backward (its pre/post hooks, the gather's copy-in and copy-out, the
+    reduce's), about 2 ms per layer per forward + backward measured on a CPU host, which a GPU step that the
+    host bounds pays in full; one unit pays it once. That unit is the root: like the root of per-layer units
+    it stays gathered from a training forward to its backward, which reshards it (its backward hooks sit on
+    the model's outputs, which spmdrl.models.head ties the head's results to); a no-grad forward reshards it
+    as it returns (_reshard_after_no_grad), for the reason above: no copy of the model outlives a no-grad
+    pass (a pass of several micro-batches gathers it once: gathered_through).
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     # Pinned host memory makes the copies asynchronous; there is nothing to pin for on a CPU mesh.
     policy = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload else OffloadPolicy()
     layers = decoder_layers(model)
-    for layer in layers:
-        fully_shard(
-            layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, offload_policy=policy
-        )
+    if not whole_model:
+        for layer in layers:
+            fully_shard(
+                layer,
+                mesh=mesh,
+                mp_policy=mp,
+                reshard_after_forward=reshard_after_forward,
+                offload_policy=policy,
+            )
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False, offload_policy=policy)
+    if whole_model:
+        setattr(model, _KEEP_GATHERED, False)
+        model.register_forward_hook(_reshard_after_no_grad)
     # Sum gradients over ranks instead of averaging: every loss already divides by the global count of
     # its units (spmdrl/algos/aggregation.py), so no loss needs to know the world size (torchtitan's way).
     # A plain SUM collective, not PREMUL_SUM(1.0): gloo has no PREMUL_SUM, and on NCCL the two agree.
@@ -117,11 +186,13 @@ def apply_fsdp(
             if hasattr(module, "set_force_sum_reduction_for_comms"):
                 module.set_force_sum_reduction_for_comms(True)
     log.info(
-        "FSDP2 over mesh %s (%s): %d layer units + root, param %s, reduce %s, gradients summed over ranks, "
+        "FSDP2 over mesh %s (%s): %s, param %s, reduce %s, gradients summed over ranks, "
         "layers resharded after forward: %s%s",
         tuple(mesh.shape),
         ",".join(mesh.mesh_dim_names or ()),
-        len(layers),
+        f"the whole model one unit ({len(layers)} layers)"
+        if whole_model
+        else f"{len(layers)} layer units + root",
         param_dtype,
         reduce_dtype,
         reshard_after_forward,

@@ -26,6 +26,7 @@ from spmdrl.config import ModelConfig, RewardModelConfig
 from spmdrl.data.prompts import encode
 from spmdrl.models.build import ModelSpec, build_fsdp_model, resolve_dtype
 from spmdrl.models.load import load_tokenizer
+from spmdrl.models.parallelize import gathered_through, through_outputs
 from spmdrl.rewards.reward_model_path import check_reward_model_dir
 
 log = logging.getLogger("spmdrl")
@@ -75,11 +76,12 @@ def sequence_scores(
     caught: list[torch.Tensor] = []
     handle = model.score.register_forward_hook(lambda _m, _i, out: caught.append(out))
     try:
-        model(input_ids=input_ids_BT, attention_mask=attention_mask_BT, use_cache=False)
+        output = model(input_ids=input_ids_BT, attention_mask=attention_mask_BT, use_cache=False)
     finally:
         handle.remove()
     last_B = attention_mask_BT.sum(-1) - 1
-    return caught[0][torch.arange(input_ids_BT.shape[0], device=input_ids_BT.device), last_B, 0].float()
+    scores_B = caught[0][torch.arange(input_ids_BT.shape[0], device=input_ids_BT.device), last_B, 0].float()
+    return through_outputs(scores_B, output)  # the hook's output, not the model's (see through_outputs)
 
 
 class RewardModel:
@@ -113,11 +115,12 @@ class RewardModel:
             dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.group)
         pad_id = self.tokenizer.pad_token_id
         scores: list[torch.Tensor] = []
-        for i in range(int(most.item())):
-            chunk = chunks[i] if i < len(chunks) else [[pad_id]]  # a filler forward, its score dropped
-            s_B = sequence_scores(self.model, *pad_right(chunk, pad_id, self.device))
-            if i < len(chunks):
-                scores.append(s_B.cpu())
+        with gathered_through(self.model):  # a whole-model unit: gathered once for all micro-batches
+            for i in range(int(most.item())):
+                chunk = chunks[i] if i < len(chunks) else [[pad_id]]  # a filler forward, its score dropped
+                s_B = sequence_scores(self.model, *pad_right(chunk, pad_id, self.device))
+                if i < len(chunks):
+                    scores.append(s_B.cpu())
         return torch.cat(scores) if scores else torch.zeros(0)
 
 

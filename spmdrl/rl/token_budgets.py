@@ -37,6 +37,7 @@ from spmdrl.models.memory_model import (
     model_state_bytes,
     scoring_pass_bytes,
     token_budgets,
+    whole_model_unit,
 )
 
 log = logging.getLogger(__name__)
@@ -51,12 +52,18 @@ def wants_memory_budgets(cfg: Config, device: torch.device) -> bool:
 
 
 def memory_inputs(
-    cfg: Config, shape: DecoderShape, attention_kernel: str, *, padded_mask: bool = True
+    cfg: Config,
+    shape: DecoderShape,
+    attention_kernel: str,
+    *,
+    padded_mask: bool = True,
+    whole_model: bool = False,
 ) -> MemoryInputs:
     """The memory model's inputs from the model's section, for a CUDA trainer whose packed rows attend
     with ``attention_kernel`` (spmdrl.models.varlen.choose_kernel: "mask" or a varlen kernel).
     ``padded_mask``: padded rows attend through a 4-D mask; False for a model whose layers all attend fully
-    with SDPA, which the RL build switches to causal SDPA with no mask (spmdrl.models.causal_attention)."""
+    with SDPA, which the RL build switches to causal SDPA with no mask (spmdrl.models.causal_attention).
+    ``whole_model``: the actor is one FSDP2 unit (model.fsdp_unit; actor_whole_model)."""
     m, t = cfg.model, cfg.trainer
     if not t.pack_sequences:
         attention = "padded" if padded_mask else "causal"
@@ -69,6 +76,20 @@ def memory_inputs(
         checkpoint_every=m.activation_checkpointing_every,
         fused_chunk_tokens=m.fused_head_chunk(shape.vocab, "cuda"),
         attention=attention,
+        whole_model=whole_model,
+    )
+
+
+def actor_whole_model(cfg: Config, shape: DecoderShape, placement: Placement, total_bytes: int) -> bool:
+    """model.fsdp_unit resolved for the actor on a card of ``total_bytes`` (as the build resolves it:
+    spmdrl.models.build.parallelize)."""
+    return whole_model_unit(
+        cfg.model.fsdp_unit,
+        mesh_ranks=placement.role("actor").num_ranks,
+        params=shape.params,
+        compute_bytes=4 if cfg.model.param_dtype == "float32" else 2,
+        trained=True,
+        total_bytes=total_bytes,
     )
 
 
@@ -257,7 +278,13 @@ def measure_token_budgets(
     # Without sliding windows or soft-capping (eager attention) the model attends with causal SDPA.
     padded_mask = features.sliding_window or features.softcap
     budgets = token_budgets(
-        memory_inputs(cfg, shape, kernel, padded_mask=padded_mask),
+        memory_inputs(
+            cfg,
+            shape,
+            kernel,
+            padded_mask=padded_mask,
+            whole_model=actor_whole_model(cfg, shape, placement, total),
+        ),
         free_bytes=free - engine,
         state_bytes=state,
         reserve_bytes=reserve,

@@ -31,6 +31,7 @@ from spmdrl.distributed.reduce import all_reduce_sum, all_reduce_sum_tensors
 from spmdrl.models import packing
 from spmdrl.models.forward import attention_mask_for, packed_attention_mask, policy_forward, policy_logprobs
 from spmdrl.models.head import fused_chunk_for
+from spmdrl.models.parallelize import gathered_through
 from spmdrl.optim import clip_grad_norm
 from spmdrl.rl.batch import PolicyBatch
 from spmdrl.rl.micro_batches import MicroBatch, micro_batch_rows, plan_micro_batches
@@ -91,23 +92,24 @@ def logprobs_and_sum_pi_squared_of(
     out_BT = torch.zeros_like(batch.engine_logprobs_BT)
     sps_BT = torch.zeros_like(batch.engine_logprobs_BT) if with_sum_pi_squared else None
     # Sizes read once, indices moved once: nothing inside the loop waits for the device.
-    for plan in plan_micro_batches(parts, batch.row_lengths(), out_BT.device):
-        mb = batch.take(plan.index_B, plan.width)
-        fwd = policy_forward(
-            model,
-            mb.input_ids_BT,
-            mb.attention_mask_BT,
-            temperature=temperature,
-            with_sum_pi_squared=with_sum_pi_squared,
-            pack_sequences=pack,
-            first_column=plan.first_column,
-            lengths_B=plan.lengths,
-            first_columns_B=plan.first_columns,
-            fused_chunk_tokens=fused_chunk_tokens,
-        )
-        out_BT[plan.index_B, : fwd.logprobs_BT.shape[1]] = fwd.logprobs_BT
-        if sps_BT is not None and fwd.sum_pi_squared_BT is not None:
-            sps_BT[plan.index_B, : fwd.sum_pi_squared_BT.shape[1]] = fwd.sum_pi_squared_BT
+    with gathered_through(model):  # a whole-model unit: gathered once for the pass
+        for plan in plan_micro_batches(parts, batch.row_lengths(), out_BT.device):
+            mb = batch.take(plan.index_B, plan.width)
+            fwd = policy_forward(
+                model,
+                mb.input_ids_BT,
+                mb.attention_mask_BT,
+                temperature=temperature,
+                with_sum_pi_squared=with_sum_pi_squared,
+                pack_sequences=pack,
+                first_column=plan.first_column,
+                lengths_B=plan.lengths,
+                first_columns_B=plan.first_columns,
+                fused_chunk_tokens=fused_chunk_tokens,
+            )
+            out_BT[plan.index_B, : fwd.logprobs_BT.shape[1]] = fwd.logprobs_BT
+            if sps_BT is not None and fwd.sum_pi_squared_BT is not None:
+                sps_BT[plan.index_B, : fwd.sum_pi_squared_BT.shape[1]] = fwd.sum_pi_squared_BT
     return out_BT, sps_BT
 
 
@@ -152,9 +154,10 @@ def values_of(
 ) -> torch.Tensor:
     """A no-grad pass over the rank's batch: the critic's values (see _shifted_values), (B, T)."""
     out_BT = torch.zeros_like(batch.engine_logprobs_BT)
-    for plan in plan_micro_batches(parts, batch.row_lengths(), out_BT.device):
-        v_BT = _shifted_values(critic, batch.take(plan.index_B, plan.width), pack, plan.lengths)
-        out_BT[plan.index_B, : v_BT.shape[1]] = v_BT
+    with gathered_through(critic):
+        for plan in plan_micro_batches(parts, batch.row_lengths(), out_BT.device):
+            v_BT = _shifted_values(critic, batch.take(plan.index_B, plan.width), pack, plan.lengths)
+            out_BT[plan.index_B, : v_BT.shape[1]] = v_BT
     return out_BT
 
 

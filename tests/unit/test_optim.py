@@ -10,7 +10,7 @@ import torch
 from transformers import get_constant_schedule_with_warmup, get_cosine_with_min_lr_schedule_with_warmup
 
 from spmdrl.config import OptimConfig
-from spmdrl.optim import build_lr_scheduler
+from spmdrl.optim import build_lr_scheduler, clip_grad_norm
 
 
 def _optimizer(lr: float = 1e-3) -> torch.optim.Optimizer:
@@ -83,3 +83,14 @@ def test_resume_restores_the_schedule_exactly() -> None:
     opt2.load_state_dict(saved["optim"])
     sched2.load_state_dict(saved["scheduler"])
     assert first + _lrs(sched2, total - cut) == straight
+
+
+def test_clip_grad_norm_refuses_a_model_without_gradients() -> None:
+    """A backward that reached no parameter (a loss that bypasses FSDP2's hooks) must stop the run, not
+    step an optimizer over nothing."""
+    model = torch.nn.Linear(3, 2)
+    model(torch.ones(1, 3)).detach().sum()  # nothing backpropagated
+    with pytest.raises(RuntimeError, match="no parameter of Linear has a gradient after backward"):
+        clip_grad_norm(model, 1.0)
+    model(torch.ones(1, 3)).sum().backward()
+    assert clip_grad_norm(model, 1.0) > 0

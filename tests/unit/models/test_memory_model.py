@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from spmdrl.errors import ConfigError
 from spmdrl.models.memory_model import (
     DecoderShape,
     MemoryInputs,
@@ -19,6 +20,7 @@ from spmdrl.models.memory_model import (
     token_budget,
     token_budgets,
     train_bytes_per_token,
+    whole_model_unit,
 )
 
 GIB = 2**30
@@ -197,3 +199,51 @@ def test_layer_term_is_what_autograd_saves_in_a_real_qwen2_layer() -> None:
     per_layer = (_saved_bytes_per_token(3, (2, 32)) - _saved_bytes_per_token(1, (2, 32))) / 2
     shape = DecoderShape(64, 192, 1, 4, 2, 1000, tied_embeddings=True)
     assert per_layer == layer_bytes_per_token(MemoryInputs(shape)) == 20 * 64 + 4 * 32 + 8 * 192 + 4 * 4 + 8
+
+
+H100 = 80 * 10**9  # an 80 GB card's total bytes
+
+
+@pytest.mark.parametrize(
+    ("mode", "ranks", "params", "total", "expected"),
+    [
+        ("auto", 1, 494_032_768, H100, True),  # 0.5B: 6 B/param unsharded = 3.0 GB <= 10 GB
+        ("auto", 1, 1_543_714_304, H100, True),  # 1.5B: 9.3 GB <= 10 GB
+        ("auto", 1, 7_615_616_512, H100, False),  # 7B: 45.7 GB > 10 GB
+        ("auto", 2, 494_032_768, H100, False),  # two ranks: the gathers overlap compute per layer
+        ("auto", 1, 7_615_616_512, None, True),  # a CPU: no card to fit
+        ("layer", 1, 494_032_768, None, False),
+        ("model", 8, 7_615_616_512, H100, True),  # asked for: taken as asked
+    ],
+)
+def test_whole_model_unit_rule(mode: str, ranks: int, params: int, total: int | None, expected: bool) -> None:
+    got = whole_model_unit(
+        mode, mesh_ranks=ranks, params=params, compute_bytes=2, trained=True, total_bytes=total
+    )
+    assert got is expected
+
+
+def test_whole_model_unit_frozen_counts_no_gradients_and_rejects_typos() -> None:
+    # A frozen model has no gradients: 2 B/param; 7B (14 GB) is over an 80 GB card's eighth, 4B (8 GB) not.
+    assert not whole_model_unit(
+        "auto", mesh_ranks=1, params=7 * 10**9, compute_bytes=2, trained=False, total_bytes=H100
+    )
+    assert whole_model_unit(
+        "auto", mesh_ranks=1, params=4 * 10**9, compute_bytes=2, trained=False, total_bytes=H100
+    )
+    with pytest.raises(ConfigError, match="model.fsdp_unit='layers' is not one of auto, layer, model"):
+        whole_model_unit("layers", mesh_ranks=1, params=1, compute_bytes=2, trained=True, total_bytes=None)
+
+
+def test_whole_model_unit_gathers_every_parameter() -> None:
+    """The fixed bytes of a pass: the whole model unsharded instead of two layers and the root."""
+    s = QWEN_05B
+    per_layer = MemoryInputs(s)
+    whole = MemoryInputs(s, whole_model=True)
+    assert gathered_param_bytes(per_layer, grad=True) == (2 * s.layer_params + s.root_params) * 6
+    assert gathered_param_bytes(whole, grad=True) == s.params * 6
+    assert gathered_param_bytes(whole, grad=False) == s.params * 2
+    free = 78 * GIB
+    b_layer = token_budgets(per_layer, free_bytes=free, state_bytes=0, reserve_bytes=0, max_len=1024)
+    b_whole = token_budgets(whole, free_bytes=free, state_bytes=0, reserve_bytes=0, max_len=1024)
+    assert b_whole.train < b_layer.train and b_whole.no_grad <= b_layer.no_grad
