@@ -1,5 +1,6 @@
 """FSDP2 settings of the trained models: trainer.defer_grad_sync reduce-scatters once per optimizer step
-and gives the same update; a one-rank mesh reshards its layers after forward like any other.
+and gives the same update; a one-rank mesh leaves no gathered copy after a no-grad forward, with per-layer
+units or one unit for the whole model.
 
 2 gloo ranks, 4 micro-batches per rank in one mini-batch, SGD, no clipping. The reduce-scatters are
 counted by wrapping FSDP2's own foreach_reduce (it still runs). Deferring changes the order of the sums
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.slow
 N, PROMPTS = 2, 4  # 8 rows: 4 per rank, micro-batches of 1
 
 
-def _worker(rank: int, world: int, model_dir: str) -> dict:
+def _worker(rank: int, world: int, model_dir: str, unit: str = "auto") -> dict:
     import torch.distributed.fsdp._fully_shard._fsdp_param_group as param_group
     from torch.distributed.tensor import DTensor
 
@@ -68,7 +69,9 @@ def _worker(rank: int, world: int, model_dir: str) -> dict:
         )
         rl = derive_rl(cfg, derive(cfg, world, 100, samples_per_item=N))
         actor = build_fsdp_model(
-            ModelSpec(Path(model_dir), torch.float32, torch.float32), mesh, torch.device("cpu")
+            ModelSpec(Path(model_dir), torch.float32, torch.float32, fsdp_unit=unit),
+            mesh,
+            torch.device("cpu"),
         )
         optimizer = torch.optim.SGD(actor.parameters(), lr=0.1)
         params = optimizer.param_groups[0]["params"]
@@ -103,10 +106,13 @@ def test_deferred_sync_reduces_once_per_step_and_gives_the_same_update(model_dir
         assert res["layer_sharded_after_forward"]  # 2 ranks: resharded after forward
 
 
-def test_one_rank_reshards_its_layers_after_forward(model_dir: Path) -> None:
-    """Kept unsharded, a one-rank layer would hold a copy of itself after every no-grad pass."""
-    (res,) = run_distributed(_worker, 1, str(model_dir), timeout_s=600)
+@pytest.mark.parametrize(("unit", "units"), [("layer", 3), ("auto", 1)])
+def test_one_rank_reshards_after_a_no_grad_forward(model_dir: Path, unit: str, units: int) -> None:
+    """Kept unsharded, a one-rank model would hold a copy of itself after every no-grad pass: per-layer
+    units reshard their layers after forward, the whole-model unit (auto on one rank, model.fsdp_unit)
+    reshards after a no-grad forward; deferring reduces once per unit per step either way."""
+    (res,) = run_distributed(_worker, 1, str(model_dir), unit, timeout_s=600)
     assert res["layer_sharded_after_forward"]
-    assert res[True]["reduces"] == 3 and res[False]["reduces"] == 8 * 3  # all 8 rows: 8 micro-batches
+    assert res[True]["reduces"] == units and res[False]["reduces"] == 8 * units  # 8 rows: 8 micro-batches
     for w_once, w_each in zip(res[True]["weights"], res[False]["weights"], strict=True):
         torch.testing.assert_close(w_once, w_each, rtol=1e-5, atol=1e-6)
