@@ -20,9 +20,10 @@ import math
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from spmdrl.config import OptimConfig
 
@@ -49,7 +50,43 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     # the shards live in host memory, so that is foreach too.
     on_cuda = bool(decay or no_decay) and all(p.device.type == "cuda" for p in decay + no_decay)
     kind = {"fused": True} if on_cuda else {"foreach": True}
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.betas[0], cfg.betas[1]), eps=cfg.eps, **kind)
+    return ShardLocalAdamW(groups, lr=cfg.lr, betas=(cfg.betas[0], cfg.betas[1]), eps=cfg.eps, **kind)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    # The DTensor's own local tensor: writes to it are writes to the shard. Read as the attribute, not through
+    # to_local(), an autograd function (a view and a graph node per tensor with grad enabled, as in the clip:
+    # ~35 us per tensor on a CPU host, 10 ms for 290 tensors, more than the rest of the clip).
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+class ShardLocalAdamW(torch.optim.AdamW):
+    """AdamW that steps FSDP2's DTensor shards as the plain tensors they hold.
+
+    AdamW is elementwise, so each rank's shard of a parameter steps alone, with the same kernels
+    (fused or foreach) on the same numbers: the result is the DTensor step's to the last bit
+    (tests/unit/test_optim.py). What it saves is DTensor's dispatch of those multi-tensor kernels, host time
+    per step that grows with the parameter count: on a CPU host, 290 tensors (a 24-layer Qwen2), fused
+    12.1 ms against 2.4 ms for plain tensors, foreach 18.2 ms against 9.1 ms. The state stays DTensors
+    (created by the base class from the parameters), so checkpoints save and reshard it as before.
+    """
+
+    def _init_group(  # type: ignore[override]
+        self,
+        group: dict,
+        params_with_grad: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        exp_avgs: list[torch.Tensor],
+        exp_avg_sqs: list[torch.Tensor],
+        max_exp_avg_sqs: list[torch.Tensor],
+        state_steps: list[torch.Tensor],
+    ) -> bool:
+        has_complex = super()._init_group(
+            group, params_with_grad, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps
+        )
+        for tensors in (params_with_grad, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs):
+            tensors[:] = [_local(t) for t in tensors]
+        return has_complex
 
 
 def lr_lambda(step: int, *, warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: float) -> float:
@@ -83,7 +120,8 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
 
     With FSDP2 the grads are DTensor shards; clip_grad_norm_ reduces the norm over the mesh.
     """
-    if isinstance(model, FSDPModule) and not all(isinstance(p, DTensor) for p in model.parameters()):
+    every = list(model.parameters())  # one walk of the module tree (~5 ms for a 24-layer model on a CPU host)
+    if isinstance(model, FSDPModule) and not all(isinstance(p, DTensor) for p in every):
         # Every unit reshards in its post-backward; one still gathered had none: its gradients sit on the
         # gathered copy, and the optimizer, which steps the shards, would silently skip them.
         raise RuntimeError(
@@ -91,17 +129,47 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
             "after backward, their gradients never reduced into the shards. The loss must pass through the "
             "model's outputs (spmdrl.models.parallelize.through_outputs)"
         )
-    params = [p for p in model.parameters() if p.grad is not None]
+    params = [p for p in every if p.grad is not None]
     if not params:  # a silent no-op update otherwise
         raise RuntimeError(
             f"no parameter of {type(model).__name__} has a gradient after backward: the loss does not depend on "
             "the model's outputs (with FSDP2 a loss must pass through them, or the gradients are never reduced "
             "into the sharded parameters: spmdrl.models.parallelize.through_outputs)"
         )
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
-    return float(norm)
+    grads = [p.grad for p in params if p.grad is not None]
+    limit = max_norm if max_norm > 0 else float("inf")
+    if not isinstance(grads[0], DTensor):
+        return float(torch.nn.utils.clip_grad_norm_(params, limit))
+    return float(_clip_shards(grads, limit))
+
+
+def _clip_shards(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """clip_grad_norm_ over DTensor gradients computed on their local shards, with DTensor's arithmetic in
+    DTensor's order, so the norm and the clipped gradients are its own to the last bit
+    (tests/unit/test_optim.py): each tensor's norm over its shards (per sharded mesh dimension, the square of
+    each rank's norm summed over that dimension's ranks, one all_reduce for all tensors, and the square root
+    taken), the total norm of those, the clip coefficient from it. What it saves is DTensor's dispatch of
+    each multi-tensor op (on a CPU host, 290 tensors: 5.3 ms against 1.6 ms). Replicated dimensions
+    (HSDP's) hold the same gradients and are not summed. Returns the total norm before clipping."""
+    first = grads[0]
+    assert isinstance(first, DTensor)
+    mesh, placements = first.device_mesh, first.placements
+    if any(not isinstance(g, DTensor) or g.placements != placements or g.device_mesh != mesh for g in grads):
+        raise ValueError("clip_grad_norm: every gradient must be a DTensor on one mesh with one placement")
+    local = [_local(g) for g in grads]
+    norms = torch.stack(torch._foreach_norm(local, 2.0))
+    for dim, placement in enumerate(placements):
+        if isinstance(placement, Shard):
+            norms = norms**2.0
+            if mesh.size(dim) > 1:  # on the mesh's device: offloaded shards' norms are on the CPU
+                on_mesh = norms.to(mesh.device_type)
+                dist.all_reduce(on_mesh, group=mesh.get_group(dim))
+                norms = on_mesh.to(norms.device)
+            norms = norms ** (1.0 / 2.0)
+    total = torch.linalg.vector_norm(norms, 2.0)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    torch._foreach_mul_(local, coef)
+    return total
 
 
 class OptimizerOffload:

@@ -94,3 +94,58 @@ def test_clip_grad_norm_refuses_a_model_without_gradients() -> None:
         clip_grad_norm(model, 1.0)
     model(torch.ones(1, 3)).sum().backward()
     assert clip_grad_norm(model, 1.0) > 0
+
+
+def _optimizer_worker(rank: int, world_size: int, fused: bool) -> dict[str, object]:
+    """Two copies of one FSDP2 model: ShardLocalAdamW and clip_grad_norm against torch.optim.AdamW and
+    torch's clip_grad_norm_ on the DTensors, the same gradients, three steps."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from spmdrl.optim import ShardLocalAdamW
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+        fully_shard(m, mesh=mesh)
+        models.append(m)
+    kind = {"fused": True} if fused else {"foreach": True}
+    ours = ShardLocalAdamW(models[0].parameters(), lr=0.1, weight_decay=0.1, **kind)
+    ref = torch.optim.AdamW(models[1].parameters(), lr=0.1, weight_decay=0.1, **kind)
+    norms = []
+    for step in range(3):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * rank + step))
+        for m in models:
+            m(x).pow(2).sum().backward()
+        norm = clip_grad_norm(models[0], 0.5)
+        ref_norm = torch.nn.utils.clip_grad_norm_(list(models[1].parameters()), 0.5).full_tensor()
+        norms.append((norm, float(ref_norm)))
+        ours.step()
+        ref.step()
+        for opt in (ours, ref):
+            opt.zero_grad(set_to_none=True)
+    weights = [
+        (p.full_tensor(), q.full_tensor())
+        for p, q in zip(models[0].parameters(), models[1].parameters(), strict=True)
+    ]
+    states = [isinstance(v, DTensor) for s in ours.state.values() for k, v in s.items() if k != "step"]
+    return {"norms": norms, "weights": weights, "states_are_dtensors": bool(states) and all(states)}
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("fused", [False, True])
+def test_shard_local_adamw_and_clip_match_the_dtensor_step(world_size: int, fused: bool) -> None:
+    """Stepping and clipping the shards as plain tensors is the DTensor step and clip to the last bit (one
+    rank and two: uneven shards of 5 and 3 rows), and the state stays DTensors (which checkpoints reshard)."""
+    from spmdrl.testing.spawn import run_distributed
+
+    for result in run_distributed(_optimizer_worker, world_size, fused):
+        for norm, ref_norm in result["norms"]:
+            assert norm == ref_norm
+            assert norm > 0.5  # the clip was active
+        for ours, ref in result["weights"]:
+            assert torch.equal(ours, ref)
+        assert result["states_are_dtensors"]
