@@ -71,20 +71,11 @@ class ShardLocalAdamW(torch.optim.AdamW):
     (created by the base class from the parameters), so checkpoints save and reshard it as before.
     """
 
-    def _init_group(  # type: ignore[override]
-        self,
-        group: dict,
-        params_with_grad: list[torch.Tensor],
-        grads: list[torch.Tensor],
-        exp_avgs: list[torch.Tensor],
-        exp_avg_sqs: list[torch.Tensor],
-        max_exp_avg_sqs: list[torch.Tensor],
-        state_steps: list[torch.Tensor],
-    ) -> bool:
-        has_complex = super()._init_group(
-            group, params_with_grad, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps
-        )
-        for tensors in (params_with_grad, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs):
+    def _init_group(self, group: dict, *lists: list[torch.Tensor]) -> bool:  # type: ignore[override]
+        # Adam's lists, in its order: params with a gradient, gradients, the two moments, amsgrad's maximum,
+        # the step counters (plain tensors already). Passed through whole, so the signature is Adam's own.
+        has_complex = super()._init_group(group, *lists)
+        for tensors in lists:
             tensors[:] = [_local(t) for t in tensors]
         return has_complex
 
