@@ -18,6 +18,8 @@
 # 4. update_profile.py, once per shape (qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b with the real vocabulary,
 #    random weights): the actor's update and no-grad forward under FSDP2 on the GPU: MFU, GPU busy
 #    fraction, kernel launches and syncs per micro-batch (parts update_profile-<shape>).
+# 5. optimizer_step.py, only when SUITE_PARTS names it: AdamW and the gradient clip on FSDP2's shards
+#    against the DTensor path, host time per call.
 #
 # Each part runs on its own, under its own time limit (a failing part does not stop the others; what
 # it left running is ended before the next one starts), and writes to $OUT (default:
@@ -75,6 +77,7 @@ T_TRL_VLLM=120    # TRL with vLLM colocated: its engine's start (CUDA graphs) an
 T_ROLLOUT=110
 T_SYNC=60
 T_PROFILE=75      # each update_profile shape: start, build, 12 passes, the profiler's trace (7B: ~1 minute)
+T_OPT=40          # optimizer_step (not in the default parts)
 
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # No network is needed: models are made on the fly, nothing is downloaded.
@@ -289,6 +292,9 @@ main() {
                 --shape "$shape" ${profile_args[@]+"${profile_args[@]}"} --json "$OUT/update_profile-$shape.json"
         done
     fi
+
+    [[ $WANT == *" optimizer_step "* ]] && run_part optimizer_step "$(scaled $T_OPT)" "$PY" \
+        "$REPO/benchmarks/optimizer_step.py" --device "$DEVICE" --json "$OUT/optimizer_step.json"
 
     summary
 }
