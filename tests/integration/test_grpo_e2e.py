@@ -90,7 +90,9 @@ def test_grpo_tiny_short_run(tmp_path: Path) -> None:
             gzip.decompress((out / "profile" / "step-2" / f"rank-{rank}.json.gz").read_bytes())
         )
         names = {e.get("name", "") for e in trace["traceEvents"]}
-        assert {"aten::mm", "aten::log_softmax"} & names and "Optimizer.step#ShardLocalAdamW.step" in names, rank
+        assert {"aten::mm", "aten::log_softmax"} & names and "Optimizer.step#ShardLocalAdamW.step" in names, (
+            rank
+        )
         table = (out / "profile" / "step-2" / f"rank-{rank}.txt").read_text()
         assert "Self CPU" in table
         # The step's phases head the table, under the timing/* metrics' names.
