@@ -3,8 +3,8 @@
     python benchmarks/optimizer_step.py                     # CPU, one gloo rank, ~20 s
     python benchmarks/optimizer_step.py --device cuda --json opt.json
 
-A random Qwen2 of Qwen2.5-0.5B's 24 layers at a narrow width (so the host's work per tensor shows, not the
-arithmetic: 290 tensors), sharded with the job's apply_fsdp on one rank, one backward for gradients. Timed,
+A random Qwen2 of shape ``deep-narrow`` (benchmarks/shapes.py: Qwen2.5-0.5B's 24 layers at the tiny width,
+so the host's work per tensor shows more than the arithmetic: 290 tensors), sharded with the job's apply_fsdp on one rank, one backward for gradients. Timed,
 each the best of 3 rounds of ``--steps`` calls (the device synchronized around each round):
 
 - ``torch.optim.AdamW`` on the DTensor parameters against ``spmdrl.optim.ShardLocalAdamW`` (what the job
@@ -28,16 +28,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from bench_report import Figure, fmt_ratio, write_json
-
-SHAPE = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=24,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    tie_word_embeddings=True,
-)
+from shapes import SHAPES
 
 
 def _args() -> argparse.Namespace:
@@ -81,7 +72,7 @@ def main() -> None:
     if device.type == "cuda":
         torch.cuda.set_device(0)
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(**SHAPE)).to(device)
+    model = Qwen2ForCausalLM(Qwen2Config(**SHAPES["deep-narrow"])).to(device)
     apply_fsdp(model, init_device_mesh(a.device, (1,)), param_dtype=torch.float32, reduce_dtype=torch.float32)
     model(input_ids=torch.randint(0, 512, (2, 16), device=device)).logits.sum().backward()
     params = list(model.parameters())

@@ -127,7 +127,7 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
             "the model's outputs (with FSDP2 a loss must pass through them, or the gradients are never reduced "
             "into the sharded parameters: spmdrl.models.parallelize.through_outputs)"
         )
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = [p.grad for p in params]
     limit = max_norm if max_norm > 0 else float("inf")
     if not isinstance(grads[0], DTensor):
         return float(torch.nn.utils.clip_grad_norm_(params, limit))

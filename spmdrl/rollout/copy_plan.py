@@ -80,7 +80,8 @@ def _last(t: torch.Tensor) -> int:
 def _within(src: torch.Tensor, t: torch.Tensor) -> bool:
     """Whether ``src`` is a view of ``t``'s elements (the same storage and dtype, inside ``t``'s span), so
     that the same view of the next sync's tensor is its source."""
-    if src.dtype != t.dtype or _storage(src) is None or _storage(src) != _storage(t):
+    storage = _storage(src)
+    if src.dtype != t.dtype or storage is None or storage != _storage(t):
         return False
     start = src.storage_offset() - t.storage_offset()
     return start >= 0 and start + _last(src) <= _last(t)
