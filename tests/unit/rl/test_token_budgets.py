@@ -126,3 +126,30 @@ def test_state_counts_trained_and_frozen_models_and_offload() -> None:
     Pc = shape.params_with_head("value")  # the critic: a one-output value head instead of the LM head
     expected = 16 * P // 8 + 16 * Pc // 8 + (2 * P // 8 if with_ref else 0)
     assert state_bytes(ppo, shape, colocated, needs_critic=True) == expected
+
+
+@pytest.mark.parametrize(
+    ("overrides", "world", "whole"),
+    [
+        ([], 1, True),  # one GPU, 0.5B: the whole model one unit, counted as gathered
+        ([], 8, False),  # eight: per-layer units
+        (["model.fsdp_unit=layer"], 1, False),
+        (["model.fsdp_unit=model"], 8, True),
+    ],
+)
+def test_the_budgets_resolve_the_unit_as_the_build_does(
+    overrides: list[str], world: int, whole: bool
+) -> None:
+    """model.fsdp_unit for the actor, from the config and placement the budgets see (an 80 GB card), and the
+    gathered bytes that follow: the whole model's only when it is one unit."""
+    from spmdrl.models.memory_model import gathered_param_bytes
+    from spmdrl.rl.token_budgets import actor_whole_model
+
+    cfg = load_config(["recipe=grpo_gsm8k", *overrides])
+    shape = DecoderShape(896, 4864, 24, 14, 2, 151936, tied_embeddings=True)
+    placement = plan_placement(cfg.parallel, world, needs_critic=False)
+    got = actor_whole_model(cfg, shape, placement, total_bytes=80 * 10**9)
+    assert got is whole
+    m = memory_inputs(cfg, shape, "varlen", whole_model=got)
+    expected = shape.params if whole else 2 * shape.layer_params + shape.root_params
+    assert gathered_param_bytes(m, grad=True) == expected * (m.compute_bytes + 4)
