@@ -22,6 +22,12 @@ small tensor, instead of three numbers per tensor. A read per tensor would stop 
 had run everything queued before it, hundreds of times per sync (three per tensor on each side: about
 1,400 for a 0.5B model), and on the trainer side, where the sums are taken while the weights stream
 into the engine, it would also keep the host from queueing the next gather ahead of the load.
+
+The check's cost is host work per tensor, not arithmetic (a few thousand probed numbers per tensor), so
+each tensor costs one operation: its probed columns, taken with one ``index_select`` whose index (one per
+input size per sync) is built once; every sum is taken at the read, by one ``index_add_`` over all the
+tensors added since the last read (:meth:`Fingerprint.values`). One-hot probe rows for the engine's
+kernels are likewise built once per input size (:meth:`ProbeRows.get`).
 """
 
 from __future__ import annotations
@@ -55,56 +61,128 @@ def vector_key(name: str) -> str:
     return f"{'layer ' + m.group(1) if m else 'top'}: vectors"
 
 
-def probe(full: torch.Tensor, cols: list[int]) -> torch.Tensor:
-    """``full``'s columns ``cols`` (as rows): taken as views of the tensor, so that no index tensor is
-    copied from the host (a blocking copy on a GPU, which waits for the stream)."""
-    return torch.stack([full[:, c] for c in cols])
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without stopping the host: on CUDA a pinned copy, queued on the stream
+    (a copy from pageable memory would wait for everything queued before it)."""
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)  # (on the host itself: the tensor, no copy)
+
+
+class ProbeRows:
+    """Per sync, the probe inputs each (input size, device) needs, built once and reused by every tensor of
+    that input size: the probed columns' index (trainer side) and the one-hot rows (engine side)."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self._index: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self._rows: dict[tuple[int, int, int, torch.dtype, torch.device], torch.Tensor] = {}
+
+    def index(self, input_size: int, device: torch.device) -> torch.Tensor:
+        """The probed columns of a tensor with this input size, as an index tensor on ``device``."""
+        key = (input_size, device)
+        if key not in self._index:
+            cols = torch.tensor(probe_columns(input_size, self.seed), dtype=torch.long)
+            self._index[key] = to_device(cols, device)
+        return self._index[key]
+
+    def get(
+        self, input_size: int, local_size: int, start: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """One-hot rows for a layer whose input is columns ``start .. start + local_size`` of
+        ``input_size`` (a TP slice, or all of it): row ``i`` selects probed column ``i`` where this rank
+        holds it, and is zero where another rank does."""
+        key = (input_size, local_size, start, dtype, device)
+        if key not in self._rows:
+            cols = probe_columns(input_size, self.seed)
+            x = torch.zeros(len(cols), local_size, dtype=dtype)
+            for row, c in enumerate(cols):
+                if start <= c < start + local_size:
+                    x[row, c - start] = 1
+            self._rows[key] = to_device(x, device)
+        return self._rows[key]
 
 
 class Fingerprint:
     """Per key: [sum, sum of squares, sum of |x|] in float64, and the names that contributed.
 
-    :meth:`add` keeps each tensor's three sums on the tensor's device; :attr:`values` reads all of them
-    in one copy to the host (once per batch of adds) and adds them to the keys' running totals.
+    :meth:`add` keeps the probed values on their device, unreduced; :attr:`values` reduces all of them
+    at once (one ``index_add_`` per device), reads the sums in one copy to the host and adds them to the
+    keys' running totals.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, probes: ProbeRows | None = None) -> None:
         self.names: dict[str, list[str]] = {}
         self._totals: dict[str, list[float]] = {}
-        # Per key, [sum, sum of squares, sum of |x|] of each tensor added since the last read, not yet read.
-        self._pending: dict[str, list[torch.Tensor]] = {}
+        # Added since the last read, not yet reduced: (key, how many times it counts, the probed values).
+        self._pending: list[tuple[str, int, torch.Tensor]] = []
+        self._probes = probes
 
     @property
     def values(self) -> dict[str, list[float]]:
         """Per key [sum, sum of squares, sum of |x|] (float64), every add so far included."""
         if self._pending:
-            keys = list(self._pending)
-            per_key = torch.stack([torch.stack(self._pending[k]).sum(0) for k in keys])
-            for key, sums in zip(keys, per_key.tolist(), strict=True):  # the one read
-                acc = self._totals.setdefault(key, [0.0, 0.0, 0.0])
-                for i in range(3):
-                    acc[i] += sums[i]
-            self._pending.clear()
+            by_device: dict[torch.device, list[tuple[str, int, torch.Tensor]]] = {}
+            for entry in self._pending:
+                by_device.setdefault(entry[2].device, []).append(entry)
+            self._pending = []
+            for entries in by_device.values():
+                for (key, times), sums in _segment_sums(entries):
+                    acc = self._totals.setdefault(key, [0.0, 0.0, 0.0])
+                    for i in range(3):
+                        acc[i] += times * sums[i]
         return self._totals
 
     @values.setter
     def values(self, totals: dict[str, list[float]]) -> None:
-        self._pending.clear()
+        self._pending = []
         self._totals = totals
 
     def add(self, key: str, name: str, probed: torch.Tensor, times: int = 1) -> None:
-        x = probed.detach().reshape(-1).to(torch.float64)
-        sums = torch.stack([x, x * x, x.abs()]).sum(1)
-        self._pending.setdefault(key, []).append(sums if times == 1 else sums * times)
+        """``probed``: the values this tensor contributes to ``key``, in any shape and float dtype;
+        ``times``: how many engine layers compute from it (0: it counts elsewhere, the key still exists)."""
         self.names.setdefault(key, []).append(name)
+        if times == 0:
+            self._totals.setdefault(key, [0.0, 0.0, 0.0])
+        else:
+            # (detach only what has autograd history: each call is host time the check pays per tensor)
+            probed = probed.detach() if probed.requires_grad else probed
+            self._pending.append((key, times, probed.reshape(-1)))
 
     def add_matrix(self, name: str, full: torch.Tensor, seed: int, times: int = 1) -> None:
         """A trainer tensor (out x in): its probed columns, as a one-hot probe through a kernel returns them."""
-        cols = probe_columns(full.shape[1], seed)
-        self.add(matrix_key(name, full.shape[1]), name, probe(full, cols), times)
+        if self._probes is None or self._probes.seed != seed:
+            self._probes = ProbeRows(seed)
+        index = self._probes.index(full.shape[1], full.device)
+        full = full.detach() if full.requires_grad else full
+        self.add(matrix_key(name, full.shape[1]), name, full.index_select(1, index), times)
 
     def add_vector(self, name: str, full: torch.Tensor, times: int = 1) -> None:
-        self.add(vector_key(name), name, full, times)
+        # A copy: a streamed tensor is a view of its bucket's buffer, which the pending values would
+        # otherwise keep alive until the read (every bucket of the sync at once).
+        full = full.detach() if full.requires_grad else full
+        self.add(vector_key(name), name, full.clone(), times)
+
+
+def _segment_sums(
+    entries: list[tuple[str, int, torch.Tensor]],
+) -> list[tuple[tuple[str, int], list[float]]]:
+    """[sum, sum of squares, sum of |x|] per (key, times) over the entries (all on one device), with
+    one reduction and one read to the host."""
+    segments: dict[tuple[str, int], int] = {}
+    ids = [segments.setdefault((key, times), len(segments)) for key, times, _ in entries]
+    lengths = [x.numel() for _, _, x in entries]
+    device = entries[0][2].device
+    # cat promotes mixed float dtypes (bfloat16 with float32 norms) exactly; float64 is exact for both.
+    x = torch.cat([x for _, _, x in entries]).to(torch.float64)
+    segment_of = torch.repeat_interleave(
+        to_device(torch.tensor(ids, dtype=torch.long), device),
+        to_device(torch.tensor(lengths, dtype=torch.long), device),
+        output_size=sum(lengths),  # known here: no read of the repeats back from the device
+    )
+    sums = torch.zeros(len(segments), 3, dtype=torch.float64, device=device)
+    sums.index_add_(0, segment_of, torch.stack([x, x * x, x.abs()], dim=1))
+    return list(zip(segments, sums.tolist(), strict=True))  # the one read
 
 
 def observe(

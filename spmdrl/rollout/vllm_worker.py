@@ -16,7 +16,7 @@ from torch import nn
 
 from spmdrl.rollout import cpu_gemm
 from spmdrl.rollout.copy_plan import CopyPlan
-from spmdrl.rollout.fingerprint import Fingerprint, matrix_key, probe_columns, vector_key
+from spmdrl.rollout.fingerprint import Fingerprint, ProbeRows, matrix_key, vector_key
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,8 @@ def fingerprint(worker: Any, seed: int, tp_rank: int, dtype: torch.dtype) -> Fin
 
     model = _model(worker)
     device = next(model.parameters()).device
-    fp = Fingerprint()
+    probes = ProbeRows(seed)
+    fp = Fingerprint(probes)
     probed: set[int] = set()
     # A model with no LM head module computes its logits from the input embedding itself (vLLM 0.32's
     # Gemma 2: logits_processor(model.embed_tokens, ...); 0.24's tied Qwen2: lm_head = model.embed_tokens). That embedding is then two layers, as the
@@ -121,12 +122,7 @@ def fingerprint(worker: Any, seed: int, tp_rank: int, dtype: torch.dtype) -> Fin
             start = 0
         else:
             continue
-        cols = probe_columns(k_global, seed)
-        x = torch.zeros(len(cols), k_local, dtype=dtype, device=device)
-        for row, c in enumerate(cols):
-            if start <= c < start + k_local:
-                x[row, c - start] = 1
-        y = m.quant_method.apply(m, x)
+        y = m.quant_method.apply(m, probes.get(k_global, k_local, start, dtype, device))
         times = 1 if _is_sliced(m) or tp_rank == 0 else 0
         fp.add(matrix_key(name, k_global), name, y, times)
         if isinstance(m, (ParallelLMHead, LinearBase)):

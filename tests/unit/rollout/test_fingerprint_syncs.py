@@ -5,21 +5,25 @@ sums while the weights stream into the engine, so a read per tensor also kept th
 next gather. Counted on CPU with spmdrl.testing.syncs.SyncCounter (tensors made before it model device
 tensors), for the trainer's pass-through (``observe``) over a small decoder's tensors, and the values
 checked against the per-tensor float64 sums the check is defined by.
+
+The check's cost is host work per tensor (on the H200, 33 ms of a 130 ms sync for a small model), so
+each tensor also costs a fixed, small number of operations, and the sums one reduction whatever the count.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from spmdrl.rollout.fingerprint import Fingerprint, matrix_key, observe, probe_columns, vector_key
 from spmdrl.testing.syncs import SyncCounter
 
 
-def _decoder_tensors() -> dict[str, torch.Tensor]:
+def _decoder_tensors(layers: int = 3) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     out = {"model.embed_tokens.weight": torch.randn(96, 32, generator=g)}
-    for i in range(3):
+    for i in range(layers):
         pre = f"model.layers.{i}."
         out |= {
             pre + "self_attn.q_proj.weight": torch.randn(32, 32, generator=g),
@@ -83,3 +87,38 @@ def test_adds_after_a_read_join_the_totals() -> None:
         "model.layers.0.up_proj.weight",
         "model.layers.0.up_proj.weight",
     ]
+
+
+class _OpCount(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _trainer_ops(layers: int) -> tuple[int, int, int]:
+    """(tensors, operations while they stream past, operations of the read)."""
+    tensors = _decoder_tensors(layers)
+    fp = Fingerprint()
+    with _OpCount() as streaming:
+        list(observe(tensors.items(), fp, 5, {}))
+    with _OpCount() as read:
+        values = fp.values
+    expected = _reference(tensors, 5, {})
+    assert values.keys() == expected.keys()
+    assert all(values[k] == pytest.approx(v, rel=1e-13) for k, v in expected.items())
+    return len(tensors), streaming.ops, read.ops
+
+
+def test_each_tensor_costs_at_most_two_operations_and_the_read_a_fixed_number() -> None:
+    """Per streamed tensor, one operation takes its probed values (and at most one view); every sum is
+    taken at the read, by operations whose number does not grow with the tensors (a sum per tensor cost
+    about ten: slicing, stacking, casting, squaring, reducing)."""
+    small_n, small_ops, small_read = _trainer_ops(3)
+    big_n, big_ops, big_read = _trainer_ops(12)
+    assert big_n - small_n == 36
+    assert big_ops - small_ops <= 2 * (big_n - small_n), (small_ops, big_ops)
+    assert big_read == small_read
