@@ -361,6 +361,12 @@ class RolloutConfig:
     # CUDA: fraction of GPU memory vLLM may take (weights + KV cache). CPU: see cpu_kvcache_gib.
     gpu_memory_utilization: float = 0.5
     cpu_kvcache_gib: float = 1.0
+    # The KV cache's size in tokens, on any device; 0: what gpu_memory_utilization leaves (CUDA) or
+    # cpu_kvcache_gib (CPU). Rollouts need at most max_num_seqs (or the step's sequences per engine, if
+    # fewer) x max_model_len tokens at once, and prefix-cache KV does not outlive a weight sync; a larger
+    # cache costs every sync's prefix-cache reset (vLLM walks every block) and every wake and sleep
+    # (docs/rollout.md#the-kv-caches-size).
+    kv_cache_tokens: int = 0
     # 0: max_prompt_length + max_response_length.
     max_model_len: int = 0
     max_num_seqs: int = 256
@@ -1053,6 +1059,11 @@ def validate(cfg: Config) -> None:
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{key} must be > 0, got {value}")
+    if cfg.rollout.kv_cache_tokens < 0:
+        raise ConfigError(
+            f"rollout.kv_cache_tokens must be >= 0 (0: sized from rollout.gpu_memory_utilization on CUDA, "
+            f"rollout.cpu_kvcache_gib on CPU), got {cfg.rollout.kv_cache_tokens}"
+        )
     _validate_lora(cfg.model.lora)
     if ac_mode(cfg.model.activation_checkpointing) not in AC_MODES:
         raise ConfigError(

@@ -125,6 +125,12 @@ class DecoderShape:
     def kv_width(self) -> int:
         return self.kv_heads * (self.head_dim or self.hidden // self.heads)
 
+    def kv_cache_bytes_per_token(self, dtype_bytes: int, tp: int = 1) -> int:
+        """One token's keys and values in every layer, on one of ``tp`` ranks: each rank holds
+        kv_heads / tp heads, or one where tp exceeds kv_heads (vLLM replicates them)."""
+        heads = max(1, self.kv_heads // tp)
+        return 2 * self.layers * heads * (self.head_dim or self.hidden // self.heads) * dtype_bytes
+
     @property
     def layer_params(self) -> int:
         h, q, kv = self.hidden, self.q_width, self.kv_width

@@ -63,7 +63,7 @@ from spmdrl.rl.models import Critic, build_critic, build_models
 from spmdrl.rl.reference import Reference
 from spmdrl.rl.samples import ScoredSamples, train_samples, validate
 from spmdrl.rl.token_budgets import measure_token_budgets, wants_memory_budgets
-from spmdrl.rollout.engine import RolloutEngine, build_engine, check_engine_config
+from spmdrl.rollout.engine import RolloutEngine, build_engine, check_engine_config, check_kv_cache_tokens
 from spmdrl.rollout.mismatch import ParityError, parity_failure
 from spmdrl.rollout.rollout import Rollout, build_agent_loop, load_multi_turn_tools
 from spmdrl.rollout.weight_sync import Fanout, SyncCheck, SyncStats, sync_weights, sync_with_fallback
@@ -221,6 +221,7 @@ def build_job(cfg: Config, *, with_critic: bool = False, asynchronous: bool = Fa
     else:
         rl = rl_critic = derive_rl(cfg, derived, memory_budgets=budgets)
     check_model_fits(base_dir, rl.max_model_len, cfg.rollout.tp, cfg.model.trust_remote_code)
+    check_kv_cache_tokens(cfg.rollout.kv_cache_tokens, rl.max_model_len)
     # Multi-turn: the chat template must render tool turns, the parser must load (before the warm-start).
     agent = build_agent_loop(cfg, tokenizer, tools, max_model_len=rl.max_model_len)
     reward_fn = load_reward_fn(cfg.reward.fn)

