@@ -361,10 +361,11 @@ class RolloutConfig:
     # CUDA: fraction of GPU memory vLLM may take (weights + KV cache). CPU: see cpu_kvcache_gib.
     gpu_memory_utilization: float = 0.5
     cpu_kvcache_gib: float = 1.0
-    # The KV cache's size in tokens, on any device; 0: what gpu_memory_utilization leaves (CUDA) or
-    # cpu_kvcache_gib (CPU). Rollouts need at most max_num_seqs (or the step's sequences per engine, if
-    # fewer) x max_model_len tokens at once, and prefix-cache KV does not outlive a weight sync; a larger
-    # cache costs every sync's prefix-cache reset (vLLM walks every block) and every wake and sleep
+    # The KV cache's size in tokens per engine, on any device. 0: what gpu_memory_utilization leaves
+    # (CUDA) or cpu_kvcache_gib (CPU); -1: room for max_num_seqs whole sequences (max_num_seqs x
+    # max_model_len, the most the engine runs at once; on CUDA only where that is well below what memory
+    # gives); N: N tokens. Prefix-cache KV does not outlive a weight sync, and a larger cache costs every
+    # sync's prefix-cache reset (vLLM walks every block) and every wake and sleep
     # (docs/rollout.md#the-kv-caches-size).
     kv_cache_tokens: int = 0
     # 0: max_prompt_length + max_response_length.
@@ -1059,10 +1060,11 @@ def validate(cfg: Config) -> None:
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{key} must be > 0, got {value}")
-    if cfg.rollout.kv_cache_tokens < 0:
+    if cfg.rollout.kv_cache_tokens < -1:
         raise ConfigError(
-            f"rollout.kv_cache_tokens must be >= 0 (0: sized from rollout.gpu_memory_utilization on CUDA, "
-            f"rollout.cpu_kvcache_gib on CPU), got {cfg.rollout.kv_cache_tokens}"
+            f"rollout.kv_cache_tokens must be a number of tokens, 0 (sized from rollout."
+            f"gpu_memory_utilization on CUDA, rollout.cpu_kvcache_gib on CPU) or -1 (rollout.max_num_seqs "
+            f"whole sequences), got {cfg.rollout.kv_cache_tokens}"
         )
     _validate_lora(cfg.model.lora)
     if ac_mode(cfg.model.activation_checkpointing) not in AC_MODES:

@@ -274,14 +274,18 @@ def check_engine_config(cfg: RolloutConfig, device_type: str) -> None:
             )
 
 
+# rollout.kv_cache_tokens: room for max_num_seqs whole sequences.
+KV_CACHE_SEQUENCES = -1
+
+
 def check_kv_cache_tokens(tokens: int, max_model_len: int) -> None:
     """A cache that cannot hold one whole sequence is refused by vLLM only once the engine is built."""
     if 0 < tokens < max_model_len:
         raise ConfigError(
             f"rollout.kv_cache_tokens={tokens} cannot hold one sequence of max_model_len={max_model_len} "
             "(data.max_prompt_length + data.max_response_length, or rollout.max_model_len): raise it to at "
-            "least that, times the sequences the engine should run at once, or set 0 to size the cache "
-            "from memory"
+            "least that, times the sequences the engine should run at once; or set 0 to size the cache "
+            "from memory, or -1 for rollout.max_num_seqs whole sequences"
         )
 
 

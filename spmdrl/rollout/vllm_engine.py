@@ -62,6 +62,7 @@ import torch.distributed as dist
 from spmdrl.config import ConfigError, RolloutConfig
 from spmdrl.rollout import cpu_gemm, cpu_shm, vllm_worker
 from spmdrl.rollout.engine import (
+    KV_CACHE_SEQUENCES,
     Generation,
     LoadSeconds,
     SamplingSpec,
@@ -271,17 +272,38 @@ class _ExpectedReloadWarnings(logging.Filter):
         return not (msg.endswith(": Failed to load weights") and msg.split(":", 1)[0] in self.layers)
 
 
-def kv_cache_bytes(model_dir: Path, tokens: int, max_model_len: int, tp: int, dtype: torch.dtype) -> int:
-    """vLLM's KV cache argument (bytes per rank) for ``rollout.kv_cache_tokens``: vLLM divides it by a
-    block's keys and values in every layer, so a decoder whose layers all attend over the whole sequence
-    gets room for ``tokens`` (rounded down to whole blocks); vLLM logs the capacity it made."""
+def kv_cache_bytes(
+    model_dir: Path, cfg: RolloutConfig, max_model_len: int, dtype: torch.dtype, device_type: str
+) -> int | None:
+    """vLLM's KV cache argument (bytes per rank) for ``rollout.kv_cache_tokens``, or None to size the
+    cache from memory. vLLM divides it by a block's keys and values in every layer, so a decoder whose
+    layers all attend over the whole sequence gets room for the tokens (rounded down to whole blocks;
+    vLLM logs the capacity it made)."""
     from transformers import AutoConfig
 
     from spmdrl.models.memory_model import DecoderShape
 
-    check_kv_cache_tokens(tokens, max_model_len)
+    check_kv_cache_tokens(cfg.kv_cache_tokens, max_model_len)
     shape = DecoderShape.from_hf(AutoConfig.from_pretrained(model_dir))
-    return tokens * shape.kv_cache_bytes_per_token(torch.empty((), dtype=dtype).element_size(), tp)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    whole = cfg.kv_cache_tokens == KV_CACHE_SEQUENCES
+    tokens = cfg.max_num_seqs * max_model_len if whole else cfg.kv_cache_tokens
+    want = tokens * shape.kv_cache_bytes_per_token(itemsize, cfg.tp)
+    if whole and device_type == "cuda":
+        # What memory sizing would give at most: the engine's share of the card less its weights. Where the
+        # sequences' cache is not well below it, memory sizing makes no cache much larger than needed, and
+        # leaves vLLM its own accounting of activations and CUDA graphs.
+        share = cfg.gpu_memory_utilization * torch.cuda.mem_get_info()[1] - shape.params * itemsize / cfg.tp
+        if want > share / 2:
+            log.info(
+                "rollout.kv_cache_tokens=-1: %d tokens (%.1f GiB) is not well below what memory sizing "
+                "gives (%.1f GiB); the cache is sized from memory",
+                tokens,
+                want / 2**30,
+                share / 2**30,
+            )
+            return None
+    return want
 
 
 def _checkpoint_names(model_dir: Path, tied: bool) -> set[str]:
@@ -383,10 +405,9 @@ class VLLMEngine:
             # is the behaviour policy the trainer's importance ratios need; "raw" would ignore temperature.
             logprobs_mode="processed_logprobs",
         )
-        if cfg.kv_cache_tokens:
-            kwargs["kv_cache_memory_bytes"] = kv_cache_bytes(
-                model_dir, cfg.kv_cache_tokens, max_model_len, cfg.tp, self.dtype
-            )
+        kv_bytes = kv_cache_bytes(model_dir, cfg, max_model_len, self.dtype, device_type)
+        if kv_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = kv_bytes
         elif device_type == "cpu":
             # The engine argument behind VLLM_CPU_KVCACHE_SPACE, in bytes: fractions of a GiB work, and
             # an explicit size also skips the CPU worker's profiling warm-up.
@@ -408,8 +429,8 @@ class VLLMEngine:
             kwargs["dtype"],
             f" (rollout.dtype={cfg.dtype})" if cfg.dtype == "auto" else "",
             max_model_len,
-            f"{cfg.kv_cache_tokens} tokens, {kwargs['kv_cache_memory_bytes'] / 2**20:.1f} MiB per rank"
-            if cfg.kv_cache_tokens
+            f"{kv_bytes / 2**20:.1f} MiB per rank (rollout.kv_cache_tokens={cfg.kv_cache_tokens})"
+            if kv_bytes is not None
             else "sized from memory",
         )
         # CPU, tp >= 2: the TP all-reduce's shared-memory segments named after this build, not after the

@@ -14,6 +14,7 @@ from spmdrl.testing.spawn import run_distributed
 
 TOKENS = 1000
 MAX_MODEL_LEN = 64
+MAX_NUM_SEQS = 8
 
 
 def _capacity(rank: int, world: int, model_dir: str, tokens: int) -> tuple[int, int, list[int]]:
@@ -23,7 +24,9 @@ def _capacity(rank: int, world: int, model_dir: str, tokens: int) -> tuple[int, 
 
     engine = build_engine(
         Path(model_dir),
-        RolloutConfig(tp=world, kv_cache_tokens=tokens, max_num_seqs=8, dtype="float32", cpu_gemm="torch"),
+        RolloutConfig(
+            tp=world, kv_cache_tokens=tokens, max_num_seqs=MAX_NUM_SEQS, dtype="float32", cpu_gemm="torch"
+        ),
         max_model_len=MAX_MODEL_LEN,
         device_type="cpu",
     )
@@ -35,16 +38,20 @@ def _capacity(rank: int, world: int, model_dir: str, tokens: int) -> tuple[int, 
     return blocks, block_size, [len(g.token_ids) for g in out]
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_the_cache_holds_the_tokens_asked_for(tmp_path: Path, tp: int) -> None:
+@pytest.mark.parametrize(
+    ("setting", "tokens", "tp"),
+    [(TOKENS, TOKENS, 1), (TOKENS, TOKENS, 2), (-1, MAX_NUM_SEQS * MAX_MODEL_LEN, 1)],
+    ids=["tokens-tp1", "tokens-tp2", "whole-sequences"],
+)
+def test_the_cache_holds_the_tokens_asked_for(tmp_path: Path, setting: int, tokens: int, tp: int) -> None:
     from spmdrl.models.tiny import ensure_tiny_model
 
     model_dir = str(ensure_tiny_model(tmp_path))
-    results = run_distributed(_capacity, tp, model_dir, TOKENS, timeout_s=600)
+    results = run_distributed(_capacity, tp, model_dir, setting, timeout_s=600)
     for blocks, block_size, lengths in results:
         # Rounded to whole blocks (and vLLM's null block): within one block of what was asked, where
         # the default (rollout.cpu_kvcache_gib=1) would hold millions of the tiny model's tokens.
-        assert abs(blocks * block_size - TOKENS) <= block_size, (blocks, block_size)
+        assert abs(blocks * block_size - tokens) <= block_size, (blocks, block_size)
         assert len(lengths) == 4 and all(1 <= n <= 8 for n in lengths)  # and it generates
 
 
@@ -56,6 +63,8 @@ def test_a_cache_smaller_than_one_sequence_is_refused_before_the_engine() -> Non
     check_kv_cache_tokens(0, 64)  # sized from memory
     check_kv_cache_tokens(64, 64)
     cfg = Config()
-    cfg.rollout.kv_cache_tokens = -1
-    with pytest.raises(ConfigError, match="rollout.kv_cache_tokens must be >= 0"):
+    cfg.rollout.kv_cache_tokens = -2
+    with pytest.raises(ConfigError, match="rollout.kv_cache_tokens must be a number of tokens, 0 .* or -1"):
         validate(cfg)
+    cfg.rollout.kv_cache_tokens = -1
+    validate(cfg)
