@@ -283,6 +283,8 @@ def kv_cache_bytes(
 
     from spmdrl.models.memory_model import DecoderShape
 
+    if cfg.kv_cache_tokens == 0:
+        return None
     check_kv_cache_tokens(cfg.kv_cache_tokens, max_model_len)
     shape = DecoderShape.from_hf(AutoConfig.from_pretrained(model_dir))
     itemsize = torch.empty((), dtype=dtype).element_size()

@@ -68,3 +68,28 @@ def test_a_cache_smaller_than_one_sequence_is_refused_before_the_engine() -> Non
         validate(cfg)
     cfg.rollout.kv_cache_tokens = -1
     validate(cfg)
+
+
+def test_the_argument_vllm_gets(tmp_path: Path) -> None:
+    """0 leaves vLLM's own sizing (no kv_cache_memory_bytes: a 0 there is a cache of nothing); N is N
+    tokens of keys and values in every layer, on each TP rank its share of the key/value heads."""
+    import torch
+    from transformers import AutoConfig
+
+    from spmdrl.config import RolloutConfig
+    from spmdrl.models.tiny import ensure_tiny_model
+    from spmdrl.rollout.vllm_engine import kv_cache_bytes
+
+    model_dir = ensure_tiny_model(tmp_path)
+    c = AutoConfig.from_pretrained(model_dir)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 4  # float32
+    assert kv_cache_bytes(model_dir, RolloutConfig(), MAX_MODEL_LEN, torch.float32, "cpu") is None
+    at = RolloutConfig(kv_cache_tokens=TOKENS)
+    assert kv_cache_bytes(model_dir, at, MAX_MODEL_LEN, torch.float32, "cpu") == TOKENS * per_token
+    two = RolloutConfig(kv_cache_tokens=TOKENS, tp=2)
+    assert kv_cache_bytes(model_dir, two, MAX_MODEL_LEN, torch.bfloat16, "cpu") == TOKENS * per_token // 4
+    whole = RolloutConfig(kv_cache_tokens=-1, max_num_seqs=MAX_NUM_SEQS)
+    assert kv_cache_bytes(model_dir, whole, MAX_MODEL_LEN, torch.float32, "cpu") == (
+        MAX_NUM_SEQS * MAX_MODEL_LEN * per_token
+    )
