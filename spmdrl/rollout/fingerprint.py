@@ -32,6 +32,7 @@ kernels are likewise built once per input size (:meth:`ProbeRows.get`).
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -51,11 +52,14 @@ def probe_columns(input_size: int, seed: int, num: int = NUM_PROBE_COLUMNS) -> l
     return sorted({int(c) for c in rng.integers(0, input_size, size=min(num, input_size))})
 
 
+# (Cached: the same few hundred names come back every sync, on both sides.)
+@functools.lru_cache(maxsize=1 << 14)
 def matrix_key(name: str, input_size: int) -> str:
     m = _LAYER.search(name)
     return f"{'layer ' + m.group(1) if m else 'top'}: matrices, input size {input_size}"
 
 
+@functools.lru_cache(maxsize=1 << 14)
 def vector_key(name: str) -> str:
     m = _LAYER.search(name)
     return f"{'layer ' + m.group(1) if m else 'top'}: vectors"
