@@ -40,6 +40,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from spmdrl.transfer import to_device
+
 # Probe columns per input size per sync: enough that a stale layer cannot hide in an unchanged column.
 NUM_PROBE_COLUMNS = 4
 
@@ -63,14 +65,6 @@ def matrix_key(name: str, input_size: int) -> str:
 def vector_key(name: str) -> str:
     m = _LAYER.search(name)
     return f"{'layer ' + m.group(1) if m else 'top'}: vectors"
-
-
-def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on ``device`` without stopping the host: on CUDA a pinned copy, queued on the stream
-    (a copy from pageable memory would wait for everything queued before it)."""
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)  # (on the host itself: the tensor, no copy)
 
 
 class ProbeRows:
@@ -115,12 +109,18 @@ class Fingerprint:
     keys' running totals.
     """
 
-    def __init__(self, probes: ProbeRows | None = None) -> None:
+    def __init__(self) -> None:
         self.names: dict[str, list[str]] = {}
         self._totals: dict[str, list[float]] = {}
         # Added since the last read, not yet reduced: (key, how many times it counts, the probed values).
         self._pending: list[tuple[str, int, torch.Tensor]] = []
-        self._probes = probes
+        self._probes: ProbeRows | None = None
+
+    def probes(self, seed: int) -> ProbeRows:
+        """The probe inputs of the sync with this seed, shared by every tensor added under it."""
+        if self._probes is None or self._probes.seed != seed:
+            self._probes = ProbeRows(seed)
+        return self._probes
 
     @property
     def values(self) -> dict[str, list[float]]:
@@ -155,9 +155,7 @@ class Fingerprint:
 
     def add_matrix(self, name: str, full: torch.Tensor, seed: int, times: int = 1) -> None:
         """A trainer tensor (out x in): its probed columns, as a one-hot probe through a kernel returns them."""
-        if self._probes is None or self._probes.seed != seed:
-            self._probes = ProbeRows(seed)
-        index = self._probes.index(full.shape[1], full.device)
+        index = self.probes(seed).index(full.shape[1], full.device)
         full = full.detach() if full.requires_grad else full
         self.add(matrix_key(name, full.shape[1]), name, full.index_select(1, index), times)
 
@@ -179,9 +177,10 @@ def _segment_sums(
     device = entries[0][2].device
     # cat promotes mixed float dtypes (bfloat16 with float32 norms) exactly; float64 is exact for both.
     x = torch.cat([x for _, _, x in entries]).to(torch.float64)
+    ids_and_lengths = to_device(torch.tensor([ids, lengths], dtype=torch.long), device)  # one copy
     segment_of = torch.repeat_interleave(
-        to_device(torch.tensor(ids, dtype=torch.long), device),
-        to_device(torch.tensor(lengths, dtype=torch.long), device),
+        ids_and_lengths[0],
+        ids_and_lengths[1],
         output_size=sum(lengths),  # known here: no read of the repeats back from the device
     )
     sums = torch.zeros(len(segments), 3, dtype=torch.float64, device=device)

@@ -16,7 +16,7 @@ from torch import nn
 
 from spmdrl.rollout import cpu_gemm
 from spmdrl.rollout.copy_plan import CopyPlan
-from spmdrl.rollout.fingerprint import Fingerprint, ProbeRows, matrix_key, vector_key
+from spmdrl.rollout.fingerprint import Fingerprint, matrix_key, vector_key
 
 log = logging.getLogger(__name__)
 
@@ -103,8 +103,8 @@ def fingerprint(worker: Any, seed: int, tp_rank: int, dtype: torch.dtype) -> Fin
 
     model = _model(worker)
     device = next(model.parameters()).device
-    probes = ProbeRows(seed)
-    fp = Fingerprint(probes)
+    fp = Fingerprint()
+    probes = fp.probes(seed)
     probed: set[int] = set()
     # A model with no LM head module computes its logits from the input embedding itself (vLLM 0.32's
     # Gemma 2: logits_processor(model.embed_tokens, ...); 0.24's tied Qwen2: lm_head = model.embed_tokens). That embedding is then two layers, as the

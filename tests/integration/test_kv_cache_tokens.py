@@ -93,3 +93,25 @@ def test_the_argument_vllm_gets(tmp_path: Path) -> None:
     assert kv_cache_bytes(model_dir, whole, MAX_MODEL_LEN, torch.float32, "cpu") == (
         MAX_NUM_SEQS * MAX_MODEL_LEN * per_token
     )
+
+
+def test_whole_sequences_on_cuda_only_where_well_below_memory_sizing(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """-1 on CUDA: the sequences' cache where it is under half of the engine's share of the card less its
+    weights, else memory sizing. The card's size comes from a stand-in for ``torch.cuda.mem_get_info``
+    (no GPU here; only the arithmetic runs, no engine is built)."""
+    import torch
+    from transformers import AutoConfig
+
+    from spmdrl.config import RolloutConfig
+    from spmdrl.models.memory_model import DecoderShape
+    from spmdrl.models.tiny import ensure_tiny_model
+    from spmdrl.rollout.vllm_engine import kv_cache_bytes
+
+    model_dir = ensure_tiny_model(tmp_path)
+    shape = DecoderShape.from_hf(AutoConfig.from_pretrained(model_dir))
+    whole = RolloutConfig(kv_cache_tokens=-1, max_num_seqs=MAX_NUM_SEQS, gpu_memory_utilization=0.5)
+    want = MAX_NUM_SEQS * MAX_MODEL_LEN * shape.kv_cache_bytes_per_token(2)
+    weights = shape.params * 2
+    for total, expected in [(1 << 40, want), (2 * (weights + 2 * want), want), (2 * (weights + want), None)]:
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *_, t=total: (t, t))
+        assert kv_cache_bytes(model_dir, whole, MAX_MODEL_LEN, torch.bfloat16, "cuda") == expected, total
