@@ -9,6 +9,7 @@ those two numbers. docs/scaling.md has the sizing rules this belongs to.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 
 from spmdrl.config import ConfigError
 
@@ -89,3 +90,9 @@ def _positive_env(name: str, default: int) -> int:
             f"{name}={raw!r} must be a positive integer (torchrun sets it; unset it outside torchrun)"
         )
     return value
+
+
+def ranks_on_node(ranks: Iterable[int], rank: int, local_world_size: int) -> int:
+    """How many of ``ranks`` share ``rank``'s node (torchrun numbers ranks node by node)."""
+    node = rank // local_world_size
+    return sum(1 for r in ranks if r // local_world_size == node)

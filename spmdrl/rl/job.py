@@ -46,7 +46,7 @@ from spmdrl.data.tiny_task import TinyTaskConfig, resolve_data_files
 from spmdrl.data.tools_task import ToolsTaskConfig
 from spmdrl.distributed.env import DistEnv, broadcast_object
 from spmdrl.distributed.placement import Meshes, Placement, plan_placement
-from spmdrl.distributed.topology import check_tp_within_nodes, node_layout_from_env
+from spmdrl.distributed.topology import check_tp_within_nodes, node_layout_from_env, ranks_on_node
 from spmdrl.logging.metrics import NullLogger, rewind_logs
 from spmdrl.logging.plot import plot_curves
 from spmdrl.logging.profiler import check_profile_steps, profile_step
@@ -63,7 +63,13 @@ from spmdrl.rl.models import Critic, build_critic, build_models
 from spmdrl.rl.reference import Reference
 from spmdrl.rl.samples import ScoredSamples, train_samples, validate
 from spmdrl.rl.token_budgets import measure_token_budgets, wants_memory_budgets
-from spmdrl.rollout.engine import RolloutEngine, build_engine, check_engine_config, check_kv_cache_tokens
+from spmdrl.rollout.engine import (
+    RolloutEngine,
+    build_engine,
+    check_engine_config,
+    check_kv_cache_fits,
+    check_kv_cache_tokens,
+)
 from spmdrl.rollout.mismatch import ParityError, parity_failure
 from spmdrl.rollout.rollout import Rollout, build_agent_loop, load_multi_turn_tools
 from spmdrl.rollout.weight_sync import Fanout, SyncCheck, SyncStats, sync_weights, sync_with_fallback
@@ -222,6 +228,15 @@ def build_job(cfg: Config, *, with_critic: bool = False, asynchronous: bool = Fa
         rl = rl_critic = derive_rl(cfg, derived, memory_budgets=budgets)
     check_model_fits(base_dir, rl.max_model_len, cfg.rollout.tp, cfg.model.trust_remote_code)
     check_kv_cache_tokens(cfg.rollout.kv_cache_tokens, rl.max_model_len)
+    # The engines' KV caches against the memory they would live in (on CPU, the node's host memory).
+    rollout_ranks = placement.role("rollout").ranks if placement.is_async else range(env.world_size)
+    check_kv_cache_fits(
+        base_dir,
+        cfg.rollout,
+        rl.max_model_len,
+        env.device.type,
+        engines_on_node=ranks_on_node(rollout_ranks, env.rank, node_layout_from_env()[1]),
+    )
     # Multi-turn: the chat template must render tool turns, the parser must load (before the warm-start).
     agent = build_agent_loop(cfg, tokenizer, tools, max_model_len=rl.max_model_len)
     reward_fn = load_reward_fn(cfg.reward.fn)

@@ -289,6 +289,16 @@ def check_kv_cache_tokens(tokens: int, max_model_len: int) -> None:
         )
 
 
+def check_kv_cache_fits(
+    model_dir: Path, cfg: RolloutConfig, max_model_len: int, device_type: str, engines_on_node: int
+) -> None:
+    """The engine's KV cache against the memory it would live in, before anything expensive runs
+    (the engine's own check; only vLLM is registered)."""
+    from spmdrl.rollout.vllm_engine import check_kv_cache_fits as check
+
+    check(model_dir, cfg, max_model_len, device_type, engines_on_node)
+
+
 @overload
 def build_engine(
     model_dir: Path, cfg: RolloutConfig, *, max_model_len: int, device_type: str, ranks: None = None

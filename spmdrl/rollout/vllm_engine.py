@@ -308,6 +308,66 @@ def kv_cache_bytes(
     return want
 
 
+def check_kv_cache_fits(
+    model_dir: Path, cfg: RolloutConfig, max_model_len: int, device_type: str, engines_on_node: int
+) -> None:
+    """Refuses, at start, a KV cache larger than the memory it would be allocated in; vLLM allocates what
+    it is told, so such a cache fails only once the engine is built, after the warm-start: with the CUDA
+    allocator's out-of-memory error, or on CPU (host memory) with the kernel's OOM killer, which prints
+    nothing. CUDA: a set ``kv_cache_tokens`` against the engine's share of one card
+    (``gpu_memory_utilization`` x the card, less this rank's share of the weights); memory sizing (0, and
+    -1 where it falls back) never asks for more. CPU: the caches of the ``engines_on_node`` engine ranks
+    of this node together against the memory the host has available now."""
+    from transformers import AutoConfig
+
+    from spmdrl.models.memory_model import DecoderShape
+
+    dtype = resolve_engine_dtype(cfg.dtype, device_type)
+    want = kv_cache_bytes(model_dir, cfg, max_model_len, dtype, device_type)
+    gib = 2**30
+    if device_type == "cuda":
+        if want is None:
+            return
+        shape = DecoderShape.from_hf(AutoConfig.from_pretrained(model_dir))
+        card = torch.cuda.mem_get_info()[1]
+        weights = shape.params * torch.empty((), dtype=dtype).element_size() / cfg.tp
+        share = cfg.gpu_memory_utilization * card - weights
+        if want > share:
+            raise ConfigError(
+                f"rollout.kv_cache_tokens={cfg.kv_cache_tokens} needs {want / gib:.1f} GiB of KV cache on each "
+                f"engine rank, more than the engine's share of the GPU: rollout.gpu_memory_utilization="
+                f"{cfg.gpu_memory_utilization} x {card / gib:.1f} GiB less {weights / gib:.1f} GiB of weights = "
+                f"{share / gib:.1f} GiB. Lower rollout.kv_cache_tokens (or set 0 to size the cache from memory, "
+                "-1 for rollout.max_num_seqs whole sequences), or raise rollout.gpu_memory_utilization"
+            )
+        return
+    per_rank = want if want is not None else int(cfg.cpu_kvcache_gib * gib)
+    available = host_available_bytes()
+    if available is None or per_rank * engines_on_node <= available:
+        return
+    setting = "rollout.kv_cache_tokens" if want is not None else "rollout.cpu_kvcache_gib"
+    value = cfg.kv_cache_tokens if want is not None else cfg.cpu_kvcache_gib
+    raise ConfigError(
+        f"{setting}={value} gives each engine rank a {per_rank / gib:.2f} GiB KV cache in host memory; the "
+        f"{engines_on_node} engine rank(s) on this node need {per_rank * engines_on_node / gib:.2f} GiB, "
+        f"but the host has {available / gib:.2f} GiB available. Lower {setting} or run fewer ranks per node "
+        "(rollout.kv_cache_tokens=-1 sizes the cache for rollout.max_num_seqs whole sequences)"
+    )
+
+
+def host_available_bytes() -> int | None:
+    """The kernel's estimate of memory available to new allocations without swapping (``MemAvailable``
+    in /proc/meminfo); None where there is no such file."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        return None
+    return None
+
+
 def _checkpoint_names(model_dir: Path, tied: bool) -> set[str]:
     """The tensor names the engine must receive on a weight load (from the safetensors headers)."""
     from safetensors import safe_open

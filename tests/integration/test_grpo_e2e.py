@@ -410,6 +410,7 @@ ALWAYS_RAISES = textwrap.dedent(
         ),
         (["reward.fn=gsm8k", "reward.batch_timeout_s=700"], "reward.batch_timeout_s=700.0 must stay below"),
         (["logging.profile_steps=[0,41]"], "step(s) [0, 41] outside this run's steps 1..40"),
+        (["rollout.cpu_kvcache_gib=100000"], "the 2 engine rank(s) on this node need 200000.00 GiB"),
     ],
 )
 def test_bad_settings_fail_before_the_warm_start(tmp_path: Path, overrides: list[str], expect: str) -> None:

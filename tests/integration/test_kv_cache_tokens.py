@@ -115,3 +115,56 @@ def test_whole_sequences_on_cuda_only_where_well_below_memory_sizing(tmp_path: P
     for total, expected in [(1 << 40, want), (2 * (weights + 2 * want), want), (2 * (weights + want), None)]:
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *_, t=total: (t, t))
         assert kv_cache_bytes(model_dir, whole, MAX_MODEL_LEN, torch.bfloat16, "cuda") == expected, total
+
+
+def test_a_cache_larger_than_host_memory_is_refused_at_start(tmp_path: Path) -> None:
+    """CPU: the node's engine ranks' caches together against the memory the host has available now
+    (read from the real /proc/meminfo), whether the size comes from kv_cache_tokens or cpu_kvcache_gib."""
+    from spmdrl.config import RolloutConfig
+    from spmdrl.models.tiny import ensure_tiny_model
+    from spmdrl.rollout.engine import check_kv_cache_fits
+    from spmdrl.rollout.vllm_engine import host_available_bytes
+
+    model_dir = ensure_tiny_model(tmp_path)
+    available = host_available_bytes()
+    assert available is not None and available > 0
+    # A little under half of what is free: one engine rank fits, three on the node do not.
+    part = RolloutConfig(cpu_kvcache_gib=0.45 * available / 2**30)
+    check_kv_cache_fits(model_dir, part, MAX_MODEL_LEN, "cpu", engines_on_node=1)
+    with pytest.raises(ConfigError, match=r"rollout.cpu_kvcache_gib=.* the 3 engine rank\(s\) on this node"):
+        check_kv_cache_fits(model_dir, part, MAX_MODEL_LEN, "cpu", engines_on_node=3)
+    check_kv_cache_fits(
+        model_dir, RolloutConfig(kv_cache_tokens=TOKENS), MAX_MODEL_LEN, "cpu", engines_on_node=2
+    )
+    huge = RolloutConfig(kv_cache_tokens=10**13, dtype="float32")
+    with pytest.raises(ConfigError, match=r"rollout.kv_cache_tokens=10000000000000 gives each engine rank"):
+        check_kv_cache_fits(model_dir, huge, MAX_MODEL_LEN, "cpu", engines_on_node=1)
+
+
+def test_a_cache_larger_than_the_engines_share_of_the_card_is_refused(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """CUDA: a set kv_cache_tokens against gpu_memory_utilization x the card less the rank's weights. The
+    card's size comes from a stand-in for ``torch.cuda.mem_get_info`` (no GPU here; only the arithmetic
+    runs, no engine is built)."""
+    import torch
+    from transformers import AutoConfig
+
+    from spmdrl.config import RolloutConfig
+    from spmdrl.models.memory_model import DecoderShape
+    from spmdrl.models.tiny import ensure_tiny_model
+    from spmdrl.rollout.engine import check_kv_cache_fits
+
+    model_dir = ensure_tiny_model(tmp_path)
+    shape = DecoderShape.from_hf(AutoConfig.from_pretrained(model_dir))
+    cfg = RolloutConfig(kv_cache_tokens=TOKENS, gpu_memory_utilization=0.5)
+    want, weights = TOKENS * shape.kv_cache_bytes_per_token(2), shape.params * 2
+    fits = 2 * (weights + want)  # the share is exactly the weights and the cache
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *_: (fits, fits))
+    check_kv_cache_fits(model_dir, cfg, MAX_MODEL_LEN, "cuda", engines_on_node=8)
+    short = fits - 4096
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *_: (short, short))
+    with pytest.raises(
+        ConfigError, match=r"more than the engine's share of the GPU: rollout.gpu_memory_utilization=0.5"
+    ):
+        check_kv_cache_fits(model_dir, cfg, MAX_MODEL_LEN, "cuda", engines_on_node=1)
+    # Sized from memory (0), vLLM never asks for more than the share: nothing to check.
+    check_kv_cache_fits(model_dir, RolloutConfig(), MAX_MODEL_LEN, "cuda", engines_on_node=1)

@@ -6,7 +6,7 @@ import pytest
 
 from spmdrl.config import ConfigError
 from spmdrl.distributed.placement import rollout_tp_groups
-from spmdrl.distributed.topology import check_tp_within_nodes, node_layout_from_env
+from spmdrl.distributed.topology import check_tp_within_nodes, node_layout_from_env, ranks_on_node
 
 
 @pytest.mark.parametrize(
@@ -95,3 +95,10 @@ def test_layout_rejects_bad_values(monkeypatch: pytest.MonkeyPatch, bad: str) ->
     monkeypatch.setenv("LOCAL_WORLD_SIZE", bad)
     with pytest.raises(ConfigError, match="LOCAL_WORLD_SIZE"):
         node_layout_from_env()
+
+
+def test_ranks_on_node_counts_the_given_ranks_sharing_this_ranks_node() -> None:
+    # Two nodes of 4 ranks; the engines on ranks 2..5 (async placement's rollout ranks, say).
+    assert [ranks_on_node(range(2, 6), rank, 4) for rank in (0, 3, 4, 7)] == [2, 2, 2, 2]
+    assert ranks_on_node(range(8), 5, 4) == 4
+    assert ranks_on_node([6, 7], 1, 4) == 0
