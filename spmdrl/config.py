@@ -386,9 +386,15 @@ class RolloutConfig:
     free_cache_engine: bool = True
     # CUDA only: vLLM's model runner. "auto": vLLM's choice (VLLM_USE_V2_MODEL_RUNNER if set; vLLM 0.32 takes
     # V2, 0.24 V2 only for some architectures, not Qwen2). "v2" / "v1" force one. V1 samples a request
-    # that has its own seed (spmdrl seeds every request) with a Python loop over requests at every decode
+    # that has its own seed (spmdrl's default: seed_per_request) with a Python loop over requests at every decode
     # step; V2 draws the whole batch's noise at once (docs/rollout.md#gpu-model-runner-v2).
     model_runner: str = choice("auto", ("auto", "v1", "v2"))
+    # true: every request carries a seed of its own (from the call's seed, the engine and the prompt), so a
+    # sample does not depend on what else was batched with it. false: requests carry none, and the
+    # engine's sampler draws from its device's RNG, seeded from the same values at every generate call:
+    # runs stay reproducible, samples depend on their batch, and vLLM V1 no longer draws each request's
+    # noise one by one (docs/rollout.md#seeds-per-request-or-per-call).
+    seed_per_request: bool = True
     # Weight sync gathers the actor's shards in buckets of about this many MB (one all-gather each).
     weight_sync_bucket_mb: float = 32.0
     # How the engine takes the synced weights. "direct": the model's own load_weights writes each tensor

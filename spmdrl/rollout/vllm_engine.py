@@ -130,6 +130,19 @@ def _isolated_rng(device_type: str) -> Iterator[None]:
             np.random.set_state(np_state)
 
 
+def _seed_sampler(seed: int, device_type: str) -> None:
+    """``rollout.seed_per_request=false``: what vLLM samples requests without a seed of their own from,
+    seeded (inside :func:`_isolated_rng`, which puts the trainer's states back): the device's torch
+    generator (V1's batch noise on CUDA; the CPU sampler's) and numpy's (V2 draws each unseeded
+    request's seed from it). The same calls in the same order then give the same samples, on every TP
+    rank of an engine alike."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.default_generator.manual_seed(seed)
+    if device_type == "cuda":
+        torch.cuda.manual_seed(seed)  # the current device's generator
+
+
 @contextlib.contextmanager
 def _keep_thread_settings() -> Iterator[None]:
     set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
@@ -222,10 +235,14 @@ def _request_seed(base: int, dp_index: int, prompt_index: int) -> int:
 
 
 def _sampling_params(
-    spec: SamplingSpec, *, final_only: bool = False, end_of_turn_ids: Iterable[int] = ()
+    spec: SamplingSpec,
+    *,
+    final_only: bool = False,
+    end_of_turn_ids: Iterable[int] = (),
+    seeded: bool = True,
 ) -> Any:
-    """vLLM's SamplingParams for a spec whose ``seed`` is the request's own; ``end_of_turn_ids`` end a
-    sample too (:func:`spmdrl.data.turns.end_of_turn_ids`)."""
+    """vLLM's SamplingParams for a spec whose ``seed`` is the request's own (dropped unless ``seeded``:
+    :func:`_seed_sampler`); ``end_of_turn_ids`` end a sample too (:func:`spmdrl.data.turns.end_of_turn_ids`)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -240,7 +257,7 @@ def _sampling_params(
         max_tokens=spec.max_tokens,
         stop=list(spec.stop) or None,
         stop_token_ids=sorted({*spec.stop_token_ids, *end_of_turn_ids}) or None,
-        seed=spec.seed,
+        seed=spec.seed if seeded else None,
         logprobs=0 if spec.logprobs else None,
         flat_logprobs=True,
         # Recipes decode token ids themselves; vLLM's incremental detokenizer is per-token Python work
@@ -432,6 +449,7 @@ class VLLMEngine:
         self.groups = TPGroups(cfg.tp, None if self.world.group is None else self.world.ranks)
         # Different engines (data-parallel groups) must sample differently; the ranks of one engine alike.
         self.seed = cfg.seed + self.groups.dp_index
+        self.seed_per_request = cfg.seed_per_request
         self._calls = 0
         self.sleep_enabled = device_type == "cuda" and cfg.free_cache_engine
         self._sleeping: set[str] = set()
@@ -569,10 +587,13 @@ class VLLMEngine:
             _sampling_params(
                 replace(params, seed=_request_seed(base, self.groups.dp_index, i)),
                 end_of_turn_ids=self.end_of_turn_ids,
+                seeded=self.seed_per_request,
             )
             for i in range(len(gathered.prompts))
         ]
         with _isolated_rng(self.device_type), self._settings.engine_call(), self.world.vllm():
+            if not self.seed_per_request:
+                _seed_sampler(request_seed(base, self.groups.dp_index), self.device_type)
             outputs = self.llm.generate(
                 [TokensPrompt(prompt_token_ids=p) for p in gathered.prompts], sampling, use_tqdm=False
             )
@@ -592,7 +613,13 @@ class VLLMEngine:
         for multi-turn rollouts; the same RNG and settings isolation as :meth:`generate`."""
         self._require_weights("stepper")
         self._wake(("weights", "kv_cache"))
-        stepper = _Stepper(self.llm.llm_engine, self.end_of_turn_ids, self.world)
+        stepper = _Stepper(
+            self.llm.llm_engine,
+            self.end_of_turn_ids,
+            self.world,
+            seed_per_request=self.seed_per_request,
+            device_type=self.device_type,
+        )
         with _isolated_rng(self.device_type), self._settings.engine_call():
             try:
                 yield stepper
@@ -813,9 +840,21 @@ def _wake_empties_cache() -> bool:
 class _Stepper:
     """One multi-turn rollout's view of the in-process ``LLMEngine`` (see ``VLLMEngine.stepper``)."""
 
-    def __init__(self, llm_engine: Any, end_of_turn_ids: list[int], world: EngineWorld) -> None:
+    def __init__(
+        self,
+        llm_engine: Any,
+        end_of_turn_ids: list[int],
+        world: EngineWorld,
+        *,
+        seed_per_request: bool = True,
+        device_type: str = "cpu",
+    ) -> None:
         self.engine = llm_engine
         self.end_of_turn_ids = end_of_turn_ids
+        # rollout.seed_per_request=false: requests carry no seed; the first one's seeds the sampler.
+        self.seed_per_request = seed_per_request
+        self.device_type = device_type
+        self._sampler_seeded = False
         # Each call into vLLM runs in its world; the agent loop between calls in the trainer's.
         self.world = world
         self.unfinished: set[str] = set()
@@ -834,8 +873,14 @@ class _Stepper:
         if request_id in self.unfinished:
             raise ValueError(f"EngineStepper.add: request {request_id!r} is already running")
         # Tracked requests report every step (vLLM's cumulative output kind), the others only at the end.
+        if not self.seed_per_request and not self._sampler_seeded:
+            _seed_sampler(params.seed if params.seed is not None else 0, self.device_type)
+            self._sampler_seeded = True
         sampling = _sampling_params(
-            params, final_only=not track_partial, end_of_turn_ids=self.end_of_turn_ids
+            params,
+            final_only=not track_partial,
+            end_of_turn_ids=self.end_of_turn_ids,
+            seeded=self.seed_per_request,
         )
         with self.world.vllm():
             self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt_ids), sampling)
