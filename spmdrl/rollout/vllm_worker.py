@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -89,6 +90,88 @@ def _output_sliced(module: nn.Module) -> bool:
     return _is_sliced(module) and out is not None and per is not None and per < out
 
 
+@dataclass(frozen=True)
+class _Probed:
+    """A layer the check probes through its kernel (a linear layer, an LM head): its input width, this
+    rank's slice of it, and whether TP splits it."""
+
+    name: str
+    module: nn.Module
+    k_global: int
+    k_local: int
+    start: int
+    sliced: bool
+
+
+@dataclass(frozen=True)
+class _Read:
+    """A tensor the check reads directly (an embedding table, a norm, a bias), by its module and name: a
+    reload may replace the parameter object, never the module."""
+
+    name: str
+    module: nn.Module
+    pname: str
+    matrix: bool
+    sliced: bool
+
+
+@dataclass(frozen=True)
+class _ProbePlan:
+    """What :func:`fingerprint` probes and reads, found once per model: walking the modules and
+    parameters and classifying each cost more host time per sync than the probes' own launches."""
+
+    layers: list[_Probed]
+    tensors: list[_Read]
+    device: torch.device
+
+    @classmethod
+    def of(cls, model: nn.Module) -> _ProbePlan:
+        from vllm.model_executor.layers.linear import LinearBase
+        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+        layers: list[_Probed] = []
+        probed: set[int] = set()
+        # A model with no LM head module computes its logits from the input embedding itself (vLLM 0.32's
+        # Gemma 2: logits_processor(model.embed_tokens, ...); 0.24's tied Qwen2: lm_head = model.embed_tokens).
+        # That embedding is then two layers, as the trainer counts a tied embedding: the lookup (read
+        # directly below) and the output projection, probed here through the kernel that computes the
+        # logits (on CPU, a packed copy the reload must rebuild).
+        head_less = not any(isinstance(m, ParallelLMHead) for m in model.modules())
+        for name, m in model.named_modules():
+            if isinstance(m, LinearBase):
+                k_global, k_local = int(m.input_size), int(m.input_size_per_partition)
+                start = int(getattr(m, "tp_rank", 0)) * k_local if k_local < k_global else 0
+            elif isinstance(m, ParallelLMHead) or (
+                head_less and isinstance(m, VocabParallelEmbedding) and vector_key(name).startswith("top")
+            ):
+                k_global = k_local = int(m.embedding_dim)
+                start = 0
+            else:
+                continue
+            layers.append(_Probed(name, m, k_global, k_local, start, _is_sliced(m)))
+            if isinstance(m, (ParallelLMHead, LinearBase)):
+                probed.add(id(m))  # (a head-less model's embedding is also read directly, as the lookup)
+        tensors: list[_Read] = []
+        for name, m in model.named_modules():
+            for pname, p in m.named_parameters(recurse=False):
+                if pname == "weight" and id(m) in probed:
+                    continue
+                full = f"{name}.{pname}" if name else pname
+                if p.dim() == 2:  # an embedding table (vocab-parallel when TP splits it)
+                    # (A tied LM head that *is* the embedding module, vLLM 0.24's Qwen2: lm_head =
+                    # model.embed_tokens, makes the model head-less: its LM-head use was probed above.)
+                    tensors.append(_Read(full, m, pname, True, _is_sliced(m)))
+                elif p.dim() == 1:
+                    tensors.append(
+                        _Read(full, m, pname, False, _output_sliced(m) and hasattr(p, "output_dim"))
+                    )
+        return cls(layers, tensors, next(model.parameters()).device)
+
+
+# The model's _ProbePlan, found at its first fingerprint (an attribute of the engine's model, like _PLAN).
+_PROBE_PLAN = "_spmdrl_probe_plan"
+
+
 @torch.no_grad()
 def fingerprint(worker: Any, seed: int, tp_rank: int, dtype: torch.dtype) -> Fingerprint:
     """This rank's share of the engine's fingerprint (see spmdrl.rollout.fingerprint).
@@ -98,46 +181,26 @@ def fingerprint(worker: Any, seed: int, tp_rank: int, dtype: torch.dtype) -> Fin
     only (with zero weight elsewhere, so every rank has the same keys), a split one on every rank: the
     sum over the group is then the whole model's, whatever the split.
     """
-    from vllm.model_executor.layers.linear import LinearBase
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-
     model = _model(worker)
-    device = next(model.parameters()).device
+    plan = getattr(model, _PROBE_PLAN, None)
+    if plan is None:
+        plan = _ProbePlan.of(model)
+        setattr(model, _PROBE_PLAN, plan)
     fp = Fingerprint()
     probes = fp.probes(seed)
-    probed: set[int] = set()
-    # A model with no LM head module computes its logits from the input embedding itself (vLLM 0.32's
-    # Gemma 2: logits_processor(model.embed_tokens, ...); 0.24's tied Qwen2: lm_head = model.embed_tokens). That embedding is then two layers, as the
-    # trainer counts a tied embedding: the lookup (read directly below) and the output projection, probed
-    # here through the kernel that computes the logits (on CPU, a packed copy the reload must rebuild).
-    head_less = not any(isinstance(m, ParallelLMHead) for m in model.modules())
-    for name, m in model.named_modules():
-        if isinstance(m, LinearBase):
-            k_global, k_local = int(m.input_size), int(m.input_size_per_partition)
-            start = int(getattr(m, "tp_rank", 0)) * k_local if k_local < k_global else 0
-        elif isinstance(m, ParallelLMHead) or (
-            head_less and isinstance(m, VocabParallelEmbedding) and vector_key(name).startswith("top")
-        ):
-            k_global = k_local = int(m.embedding_dim)
-            start = 0
+    for layer in plan.layers:
+        m = layer.module
+        y = m.quant_method.apply(
+            m, probes.get(layer.k_global, layer.k_local, layer.start, dtype, plan.device)
+        )
+        fp.add(
+            matrix_key(layer.name, layer.k_global), layer.name, y, 1 if layer.sliced or tp_rank == 0 else 0
+        )
+    for t in plan.tensors:
+        p = t.module._parameters[t.pname]
+        times = 1 if t.sliced or tp_rank == 0 else 0
+        if t.matrix:
+            fp.add_matrix(t.name, p, seed, times)
         else:
-            continue
-        y = m.quant_method.apply(m, probes.get(k_global, k_local, start, dtype, device))
-        times = 1 if _is_sliced(m) or tp_rank == 0 else 0
-        fp.add(matrix_key(name, k_global), name, y, times)
-        if isinstance(m, (ParallelLMHead, LinearBase)):
-            probed.add(id(m))  # (a head-less model's embedding is also read directly, as the lookup)
-    for name, m in model.named_modules():
-        for pname, p in m.named_parameters(recurse=False):
-            full = f"{name}.{pname}" if name else pname
-            if pname == "weight" and id(m) in probed:
-                continue
-            if p.dim() == 2:  # an embedding table (vocab-parallel when TP splits it)
-                # (A tied LM head that *is* the embedding module, vLLM 0.24's Qwen2: lm_head =
-                # model.embed_tokens, makes the model head-less: its LM-head use was probed above.)
-                times = 1 if _is_sliced(m) or tp_rank == 0 else 0
-                fp.add_matrix(full, p, seed, times)
-            elif p.dim() == 1:
-                sliced = _output_sliced(m) and hasattr(p, "output_dim")
-                fp.add_vector(full, p, 1 if sliced or tp_rank == 0 else 0)
+            fp.add_vector(t.name, p, times)
     return fp

@@ -314,10 +314,24 @@ def _paths_worker(rank: int, world: int, model_dir: str, cases: list[tuple[str, 
             out[f"synced{round_}"] = _mismatch(model, engine, prompts, seed=3)
         # The engine's side of the check reads its sums from the device once (a GPU sync), whatever the
         # kernels (the engine's weights, made before the counter, model device tensors).
-        with SyncCounter() as c:
-            engine.weight_fingerprint(5).values  # noqa: B018 - the read is what is counted
+        # And after its first fingerprint it walks no module: what it probes and reads is found once per
+        # model (module and parameter names; the reloads above replaced parameters, and the checks passed).
+        walks = []
+        named_modules = torch.nn.Module.named_modules
+
+        def counted(self, *args, walks=walks, named_modules=named_modules, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            walks.append(type(self).__name__)
+            return named_modules(self, *args, **kwargs)
+
+        torch.nn.Module.named_modules = counted  # type: ignore[method-assign]
+        try:
+            with SyncCounter() as c:
+                engine.weight_fingerprint(5).values  # noqa: B018 - the read is what is counted
+        finally:
+            torch.nn.Module.named_modules = named_modules  # type: ignore[method-assign]
         reads = sum(1 for e in c.events if e.kind != "h2d")
         out["fingerprint_reads"] = (reads, c.count(), c.summary())
+        out["fingerprint_module_walks"] = walks
         # Break the sync on purpose; the check must stop it and say where.
         if path in PACKED:
             # (a) the real failure mode: packed copies left stale by the reload (the tied LM head's).
@@ -376,6 +390,7 @@ def test_sync_and_check_on_every_cpu_gemm_path(tmp_path: Path) -> None:
         # either. vLLM's packed CPU kernels build their outputs on the host side of the counter's model.
         reads, events, _ = out["fingerprint_reads"]
         assert reads == 1, (where, out["fingerprint_reads"])
+        assert out["fingerprint_module_walks"] == [], where
         if path == "torch":
             assert events == 1, (where, out["fingerprint_reads"])
         if path in PACKED:
