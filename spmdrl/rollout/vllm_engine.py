@@ -60,6 +60,7 @@ import torch
 import torch.distributed as dist
 
 from spmdrl.config import ConfigError, RolloutConfig
+from spmdrl.models.memory_model import DecoderShape
 from spmdrl.rollout import cpu_gemm, cpu_shm, vllm_worker
 from spmdrl.rollout.engine import (
     KV_CACHE_SEQUENCES,
@@ -298,8 +299,6 @@ def kv_cache_bytes(
     vLLM logs the capacity it made)."""
     from transformers import AutoConfig
 
-    from spmdrl.models.memory_model import DecoderShape
-
     if cfg.kv_cache_tokens == 0:
         return None
     check_kv_cache_tokens(cfg.kv_cache_tokens, max_model_len)
@@ -312,7 +311,7 @@ def kv_cache_bytes(
         # What memory sizing would give at most: the engine's share of the card less its weights. Where the
         # sequences' cache is not well below it, memory sizing makes no cache much larger than needed, and
         # leaves vLLM its own accounting of activations and CUDA graphs.
-        share = cfg.gpu_memory_utilization * torch.cuda.mem_get_info()[1] - shape.params * itemsize / cfg.tp
+        share = _engine_share(cfg, shape, itemsize)
         if want > share / 2:
             log.info(
                 "rollout.kv_cache_tokens=-1: %d tokens (%.1f GiB) is not well below what memory sizing "
@@ -323,6 +322,12 @@ def kv_cache_bytes(
             )
             return None
     return want
+
+
+def _engine_share(cfg: RolloutConfig, shape: DecoderShape, itemsize: int) -> float:
+    """Bytes of one card the engine's KV cache may take: ``gpu_memory_utilization`` of the card, less this
+    rank's share of the weights."""
+    return cfg.gpu_memory_utilization * torch.cuda.mem_get_info()[1] - shape.params * itemsize / cfg.tp
 
 
 def check_kv_cache_fits(
@@ -337,8 +342,6 @@ def check_kv_cache_fits(
     of this node together against the memory the host has available now."""
     from transformers import AutoConfig
 
-    from spmdrl.models.memory_model import DecoderShape
-
     dtype = resolve_engine_dtype(cfg.dtype, device_type)
     want = kv_cache_bytes(model_dir, cfg, max_model_len, dtype, device_type)
     gib = 2**30
@@ -346,16 +349,16 @@ def check_kv_cache_fits(
         if want is None:
             return
         shape = DecoderShape.from_hf(AutoConfig.from_pretrained(model_dir))
-        card = torch.cuda.mem_get_info()[1]
-        weights = shape.params * torch.empty((), dtype=dtype).element_size() / cfg.tp
-        share = cfg.gpu_memory_utilization * card - weights
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        share = _engine_share(cfg, shape, itemsize)
         if want > share:
             raise ConfigError(
                 f"rollout.kv_cache_tokens={cfg.kv_cache_tokens} needs {want / gib:.1f} GiB of KV cache on each "
                 f"engine rank, more than the engine's share of the GPU: rollout.gpu_memory_utilization="
-                f"{cfg.gpu_memory_utilization} x {card / gib:.1f} GiB less {weights / gib:.1f} GiB of weights = "
-                f"{share / gib:.1f} GiB. Lower rollout.kv_cache_tokens (or set 0 to size the cache from memory, "
-                "-1 for rollout.max_num_seqs whole sequences), or raise rollout.gpu_memory_utilization"
+                f"{cfg.gpu_memory_utilization} x {torch.cuda.mem_get_info()[1] / gib:.1f} GiB less "
+                f"{shape.params * itemsize / cfg.tp / gib:.1f} GiB of weights = {share / gib:.1f} GiB. Lower "
+                "rollout.kv_cache_tokens (or set 0 to size the cache from memory, -1 for rollout.max_num_seqs "
+                "whole sequences), or raise rollout.gpu_memory_utilization"
             )
         return
     per_rank = want if want is not None else int(cfg.cpu_kvcache_gib * gib)
