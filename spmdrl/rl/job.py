@@ -179,7 +179,8 @@ def build_job(cfg: Config, *, with_critic: bool = False, asynchronous: bool = Fa
     )
     if placement.is_async:
         check_async_batch(cfg, placement)
-    check_tp_within_nodes(cfg.rollout.tp, *node_layout_from_env())  # an engine never spans two nodes
+    world_size, local_world_size = node_layout_from_env()
+    check_tp_within_nodes(cfg.rollout.tp, world_size, local_world_size)  # an engine never spans two nodes
     log.info("placement %s", placement.describe())
 
     # Resume: the newest complete checkpoint of this output directory (trainer.resume=auto), a path, or
@@ -235,7 +236,7 @@ def build_job(cfg: Config, *, with_critic: bool = False, asynchronous: bool = Fa
         cfg.rollout,
         rl.max_model_len,
         env.device.type,
-        engines_on_node=ranks_on_node(rollout_ranks, env.rank, node_layout_from_env()[1]),
+        engines_on_node=ranks_on_node(rollout_ranks, env.rank, local_world_size),
     )
     # Multi-turn: the chat template must render tool turns, the parser must load (before the warm-start).
     agent = build_agent_loop(cfg, tokenizer, tools, max_model_len=rl.max_model_len)

@@ -297,13 +297,11 @@ def kv_cache_bytes(
     cache from memory. vLLM divides it by a block's keys and values in every layer, so a decoder whose
     layers all attend over the whole sequence gets room for the tokens (rounded down to whole blocks;
     vLLM logs the capacity it made)."""
-    from transformers import AutoConfig
-
     if cfg.kv_cache_tokens == 0:
         return None
     check_kv_cache_tokens(cfg.kv_cache_tokens, max_model_len)
-    shape = DecoderShape.from_hf(AutoConfig.from_pretrained(model_dir))
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    shape = _decoder_shape(model_dir)
+    itemsize = dtype.itemsize
     whole = cfg.kv_cache_tokens == KV_CACHE_SEQUENCES
     tokens = cfg.max_num_seqs * max_model_len if whole else cfg.kv_cache_tokens
     want = tokens * shape.kv_cache_bytes_per_token(itemsize, cfg.tp)
@@ -324,6 +322,14 @@ def kv_cache_bytes(
     return want
 
 
+@functools.lru_cache(maxsize=8)
+def _decoder_shape(model_dir: Path) -> DecoderShape:
+    """The checkpoint's decoder shape (its config.json), read once for the start-up checks and the build."""
+    from transformers import AutoConfig
+
+    return DecoderShape.from_hf(AutoConfig.from_pretrained(model_dir))
+
+
 def _engine_share(cfg: RolloutConfig, shape: DecoderShape, itemsize: int) -> float:
     """Bytes of one card the engine's KV cache may take: ``gpu_memory_utilization`` of the card, less this
     rank's share of the weights."""
@@ -340,16 +346,13 @@ def check_kv_cache_fits(
     (``gpu_memory_utilization`` x the card, less this rank's share of the weights); memory sizing (0, and
     -1 where it falls back) never asks for more. CPU: the caches of the ``engines_on_node`` engine ranks
     of this node together against the memory the host has available now."""
-    from transformers import AutoConfig
-
     dtype = resolve_engine_dtype(cfg.dtype, device_type)
     want = kv_cache_bytes(model_dir, cfg, max_model_len, dtype, device_type)
     gib = 2**30
     if device_type == "cuda":
         if want is None:
             return
-        shape = DecoderShape.from_hf(AutoConfig.from_pretrained(model_dir))
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        shape, itemsize = _decoder_shape(model_dir), dtype.itemsize
         share = _engine_share(cfg, shape, itemsize)
         if want > share:
             raise ConfigError(

@@ -168,6 +168,11 @@ class _ProbePlan:
         return cls(layers, tensors, next(model.parameters()).device)
 
 
+def _times(sliced: bool, tp_rank: int) -> int:
+    """How often this rank counts a tensor: a TP-split one on every rank, a replicated one on rank 0 only."""
+    return 1 if sliced or tp_rank == 0 else 0
+
+
 # The model's _ProbePlan, found at its first fingerprint (an attribute of the engine's model, like _PLAN).
 _PROBE_PLAN = "_spmdrl_probe_plan"
 
@@ -193,12 +198,10 @@ def fingerprint(worker: Any, seed: int, tp_rank: int, dtype: torch.dtype) -> Fin
         y = m.quant_method.apply(
             m, probes.get(layer.k_global, layer.k_local, layer.start, dtype, plan.device)
         )
-        fp.add(
-            matrix_key(layer.name, layer.k_global), layer.name, y, 1 if layer.sliced or tp_rank == 0 else 0
-        )
+        fp.add(matrix_key(layer.name, layer.k_global), layer.name, y, _times(layer.sliced, tp_rank))
     for t in plan.tensors:
         p = t.module._parameters[t.pname]
-        times = 1 if t.sliced or tp_rank == 0 else 0
+        times = _times(t.sliced, tp_rank)
         if t.matrix:
             fp.add_matrix(t.name, p, seed, times)
         else:
