@@ -235,10 +235,14 @@ class TrainerConfig:
     micro_batch_tokens: int = 0
     # RL: pack each micro-batch's sequences end to end (padding removed; spmdrl/models/packing.py).
     pack_sequences: bool = False
-    # RL updates: reduce-scatter the gradients once per optimizer step, after the last micro-batch, instead
-    # of after each (FSDP2's set_requires_gradient_sync). Costs memory: each rank keeps the unsharded
-    # gradients (reduce_dtype, the whole trained model) between micro-batches (docs/performance.md).
-    defer_grad_sync: bool = False
+    # RL updates: when FSDP2 reduces the gradients (spmdrl.rl.update.gradient_sync). "false": after every
+    # micro-batch's backward. "true": once per optimizer step, after the mini-batch's last micro-batch
+    # (set_requires_gradient_sync); until then each rank keeps the unsharded gradients (reduce_dtype, the
+    # whole trained model) where the default keeps its 1/N shard, memory that a sharded model pays.
+    # "auto" (the default): true where the model's shard dimension has one rank (one GPU; pure
+    # replication), whose shard is the whole gradient anyway, so deferring costs no memory; false
+    # elsewhere. A boolean means true / false (docs/performance.md).
+    defer_grad_sync: str = "auto"
     # How packed rows attend (spmdrl/models/varlen.py): "mask", a block-diagonal (R, 1, C, C) mask through
     # the model's own attention; "varlen", each sequence within its segment with no mask (on CUDA torch's
     # varlen_attn, flash_attn or flex attention where the model's features allow, on CPU an exact reference
@@ -777,6 +781,16 @@ def ac_mode(value: str | bool) -> str:
     return _AC_BOOLEANS.get(str(value).lower(), str(value))
 
 
+# trainer.defer_grad_sync's modes (spmdrl.rl.update.gradient_sync).
+DEFER_MODES = ("auto", "true", "false")
+
+
+def defer_mode(value: str | bool) -> str:
+    """trainer.defer_grad_sync as one of DEFER_MODES: a YAML or command-line boolean (which the string field
+    holds as "True" / "False") is true / false."""
+    return str(value).lower()
+
+
 def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ConfigError(f"{key}={value!r} is not one of {', '.join(choices)}")
@@ -1120,6 +1134,10 @@ def validate(cfg: Config) -> None:
         ):  # it would make every reward it touches NaN or inf, caught only at step 1
             raise ConfigError(f"{key} must be a finite number, got {value}")
     _validate_token_budgets(cfg)
+    if defer_mode(cfg.trainer.defer_grad_sync) not in DEFER_MODES:
+        raise ConfigError(
+            f"trainer.defer_grad_sync={cfg.trainer.defer_grad_sync!r} is not one of {', '.join(DEFER_MODES)}"
+        )
     if cfg.trainer.packed_attention == "varlen" and not cfg.trainer.pack_sequences:
         raise ConfigError(
             "trainer.packed_attention=varlen needs packed micro-batches: set trainer.pack_sequences=true, or "

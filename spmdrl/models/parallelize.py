@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Iterator
 
 import torch
@@ -21,6 +22,7 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
+from torch.distributed.tensor import DTensor, Shard
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +124,26 @@ def gathered_through(model: nn.Module) -> Iterator[None]:
     finally:
         setattr(model, _KEEP_GATHERED, False)
         model.reshard()
+
+
+def shard_ranks(model: nn.Module) -> int:
+    """The ranks an FSDP2 model's parameters are sharded over (the mesh dimensions its DTensors are Shard
+    on); 1 for a one-rank mesh or pure replication, and for a model that is not sharded."""
+    p = next(model.parameters(), None)
+    if not isinstance(p, DTensor):
+        return 1
+    return math.prod(p.device_mesh.size(d) for d, pl in enumerate(p.placements) if isinstance(pl, Shard))
+
+
+def gathered_between_micro_batches(model: nn.Module, keep: bool) -> None:
+    """A whole-model unit (model.fsdp_unit) stays gathered after a training backward while ``keep``: the
+    next micro-batch of the same mini-batch, on the same weights, then skips the gather's copy-in and
+    copy-out and FSDP2's per-parameter work, at no memory a micro-batch does not already hold (the whole
+    model is gathered in each). The mini-batch's last backward must reshard (``keep=False``): the
+    optimizer steps the shards, and spmdrl.optim.clip_grad_norm refuses a model left gathered.
+    Nothing for per-layer units, which would keep every layer gathered at once."""
+    if isinstance(model, FSDPModule) and hasattr(model, _KEEP_GATHERED):
+        model.set_reshard_after_backward(not keep)
 
 
 def apply_fsdp(

@@ -63,6 +63,7 @@ from spmdrl.rl.models import Critic, build_critic, build_models
 from spmdrl.rl.reference import Reference
 from spmdrl.rl.samples import ScoredSamples, train_samples, validate
 from spmdrl.rl.token_budgets import measure_token_budgets, wants_memory_budgets
+from spmdrl.rl.update import describe_grad_sync
 from spmdrl.rollout.engine import (
     RolloutEngine,
     build_engine,
@@ -286,6 +287,10 @@ def build_job(cfg: Config, *, with_critic: bool = False, asynchronous: bool = Fa
     actor, ref = build_models(cfg, env.device, meshes, model_dir)
     critic = build_critic(cfg, env.device, meshes, model_dir, run.cache_dir) if is_critic else None
     optimizer = build_optimizer(actor, cfg.optim) if is_actor else None
+    if is_actor:
+        log.info("actor update: %s", describe_grad_sync(actor, cfg.trainer.defer_grad_sync))
+    if critic is not None:
+        log.info("critic update: %s", describe_grad_sync(critic.model, cfg.trainer.defer_grad_sync))
     # model.offload_optimizer: the moments in (pinned) host memory between updates.
     actor_offload = OptimizerOffload(optimizer, env.device, offload_optim) if optimizer else None
     critic_offload = OptimizerOffload(critic.optimizer, env.device, offload_optim) if critic else None

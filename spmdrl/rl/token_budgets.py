@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from spmdrl.config import AUTO_TOKENS, Config, ac_mode, max_sequence_length
+from spmdrl.config import AUTO_TOKENS, Config, ac_mode, defer_mode, max_sequence_length
 from spmdrl.distributed.placement import Placement
 from spmdrl.distributed.reduce import all_reduce_min
 from spmdrl.models.memory_model import (
@@ -170,8 +170,14 @@ def rank_states(
     if rm_shape is not None and cfg.reward_model.enable and not placement.is_async:
         rm = model_state_bytes(rm_shape.params_with_head("reward"), 0, frozen, shards)
     # trainer.defer_grad_sync: a rank keeps the unsharded gradients (reduce_dtype) until the mini-batch's
-    # last micro-batch, of one model at a time (the actor's and the critic's updates take turns).
-    grad_bytes = (4 if m.reduce_dtype == "float32" else 2) if cfg.trainer.defer_grad_sync else 0
+    # last micro-batch, of one model at a time (the actor's and the critic's updates take turns). Only on a
+    # sharded model is that more than its shard's gradients (auto defers nowhere else).
+    reduce_bytes = 4 if m.reduce_dtype == "float32" else 2
+
+    def deferred(ranks: int) -> int:
+        return reduce_bytes if defer_mode(cfg.trainer.defer_grad_sync) == "true" and ranks > 1 else 0
+
+    grad_bytes = deferred(shards)
     roles = ["actor", "critic"] if critic_here else ["actor"]
     states = [
         RankState(
@@ -187,7 +193,10 @@ def rank_states(
         critic = critic_bytes(cfg, shape, placement.role("critic").dp_shard)
         states.append(
             RankState(
-                "critic", critic=critic, deferred_grads=grad_bytes * trained_params(cfg, shape, "critic")
+                "critic",
+                critic=critic,
+                deferred_grads=deferred(placement.role("critic").dp_shard)
+                * trained_params(cfg, shape, "critic"),
             )
         )
     return states

@@ -26,12 +26,12 @@ from spmdrl.algos.aggregation import Aggregation, count_units_of_rows
 from spmdrl.algos.kl import kl_penalty
 from spmdrl.algos.policy_losses import POLICY_LOSSES, agg_mode_for
 from spmdrl.algos.value_loss import clipped_value_loss
-from spmdrl.config import Config, RLDerived
+from spmdrl.config import Config, RLDerived, defer_mode
 from spmdrl.distributed.reduce import all_reduce_sum, all_reduce_sum_tensors
 from spmdrl.models import packing
 from spmdrl.models.forward import attention_mask_for, packed_attention_mask, policy_forward, policy_logprobs
 from spmdrl.models.head import fused_chunk_for
-from spmdrl.models.parallelize import gathered_through
+from spmdrl.models.parallelize import gathered_between_micro_batches, gathered_through, shard_ranks
 from spmdrl.optim import clip_grad_norm
 from spmdrl.rl.batch import PolicyBatch
 from spmdrl.rl.micro_batches import MicroBatch, micro_batch_rows, plan_micro_batches
@@ -161,14 +161,34 @@ def values_of(
     return out_BT
 
 
+def defers_grad_sync(model: torch.nn.Module, setting: str | bool) -> bool:
+    """trainer.defer_grad_sync resolved for ``model``: true / false as set; auto defers where the model's
+    parameters are sharded over one rank, whose shard is the whole gradient anyway (no memory to pay)."""
+    mode = defer_mode(setting)
+    if mode != "auto":
+        return mode == "true"
+    return isinstance(model, FSDPModule) and shard_ranks(model) == 1
+
+
+def describe_grad_sync(model: torch.nn.Module, setting: str | bool) -> str:
+    """The gradient reduce the update runs, for the start-up log."""
+    when = "once per optimizer step" if defers_grad_sync(model, setting) else "after every micro-batch"
+    return f"gradients reduced {when} (trainer.defer_grad_sync={defer_mode(setting)}, {shard_ranks(model)} shard rank(s))"
+
+
 def gradient_sync(model: torch.nn.Module, defer: bool, *, last: bool) -> None:
-    """trainer.defer_grad_sync: FSDP2 reduce-scatters the gradients only in the backward of a mini-batch's
-    last micro-batch (one reduce-scatter per optimizer step instead of one per micro-batch); the ones
-    before accumulate into each rank's unsharded gradients, which stay allocated until then (a
-    reduce_dtype copy of the trained parameters per rank). Every rank runs the same number of micro-batches
-    (micro_batch_rows), so the collectives still pair up."""
-    if defer and isinstance(model, FSDPModule):
+    """Before each micro-batch's forward. ``defer`` (defers_grad_sync): FSDP2 reduces the gradients only in
+    the backward of a mini-batch's last micro-batch (one reduce per optimizer step instead of one per
+    micro-batch); the ones before accumulate into each rank's unsharded gradients, which stay allocated
+    until then (a reduce_dtype copy of the trained parameters per rank). Every rank runs the same number
+    of micro-batches (micro_batch_rows), so the collectives still pair up. A whole-model unit also stays
+    gathered until that last backward (gathered_between_micro_batches): its weights do not change before
+    the optimizer step."""
+    if not isinstance(model, FSDPModule):
+        return
+    if defer:
         model.set_requires_gradient_sync(last)
+    gathered_between_micro_batches(model, keep=not last)
 
 
 def mini_batches(
@@ -234,9 +254,10 @@ def update_critic(
     assert batch.values_BT is not None and batch.returns_BT is not None
     sums = _DeviceSums()
     grad_norms = []
+    defer = defers_grad_sync(critic.model, cfg.trainer.defer_grad_sync)
     for _, _, plans, micro_batches, (agg,) in mini_batches(cfg, rl, batch, (a.loss_agg_mode,), group):
         for i, (plan, mb) in enumerate(zip(plans, micro_batches, strict=True)):
-            gradient_sync(critic.model, cfg.trainer.defer_grad_sync, last=i == len(micro_batches) - 1)
+            gradient_sync(critic.model, defer, last=i == len(micro_batches) - 1)
             values_BT = _shifted_values(critic.model, mb, cfg.trainer.pack_sequences, plan.lengths)
             assert mb.values_BT is not None and mb.returns_BT is not None
             loss, stats = clipped_value_loss(
@@ -409,9 +430,10 @@ def update_policy(
     captured_BT = torch.zeros_like(batch.engine_logprobs_BT)
     sums = _DeviceSums()
     grad_norms, skipped = [], 0
+    defer = defers_grad_sync(actor, cfg.trainer.defer_grad_sync)
     for epoch, m, plans, micro_batches, (pg_agg, agg) in mini_batches(cfg, rl, batch, modes, group):
         for i, (plan, mb) in enumerate(zip(plans, micro_batches, strict=True)):
-            gradient_sync(actor, cfg.trainer.defer_grad_sync, last=i == len(micro_batches) - 1)
+            gradient_sync(actor, defer, last=i == len(micro_batches) - 1)
             out = micro_batch_loss(cfg, actor, mb, agg, pg_agg, plan)
             if old_BT is None and epoch == 0:  # on-policy: this forward is the old policy
                 captured_BT[plan.index_B, : out.logprobs_BT.shape[1]] = out.logprobs_BT

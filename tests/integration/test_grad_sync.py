@@ -1,9 +1,10 @@
 """FSDP2 settings of the trained models: trainer.defer_grad_sync reduce-scatters once per optimizer step
-and gives the same update; a one-rank mesh leaves no gathered copy after a no-grad forward, with per-layer
-units or one unit for the whole model.
+and gives the same update (auto: on one rank only); a one-rank mesh leaves no gathered copy after a
+no-grad forward, with per-layer units or one unit for the whole model, which the update gathers once per
+mini-batch.
 
 2 gloo ranks, 4 micro-batches per rank in one mini-batch, SGD, no clipping. The reduce-scatters are
-counted by wrapping FSDP2's own foreach_reduce (it still runs). Deferring changes the order of the sums
+counted by wrapping FSDP2's own foreach_reduce (it still runs), the gathers by wrapping its unshard. Deferring changes the order of the sums
 (micro-batches summed per rank before the cross-rank sum instead of after), so the weights agree to
 float32 rounding (rtol 1e-5, atol 1e-6, as tests/integration/test_update_numerics.py), not bitwise.
 """
@@ -41,14 +42,20 @@ def _worker(rank: int, world: int, model_dir: str, unit: str = "auto") -> dict:
     from spmdrl.rl.batch import PolicyBatch
     from spmdrl.rl.update import update_policy
 
-    calls = [0]
+    calls, gathers = [0], [0]
     real = param_group.foreach_reduce
+    real_unshard = param_group.FSDPParamGroup.unshard
 
     def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         calls[0] += 1
         return real(*args, **kwargs)
 
+    def counted_unshard(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        gathers[0] += not self.is_unsharded and self._all_gather_result is None  # a gather, not a no-op
+        return real_unshard(self, *args, **kwargs)
+
     param_group.foreach_reduce = counted
+    param_group.FSDPParamGroup.unshard = counted_unshard
     g = torch.Generator().manual_seed(0)
     B = PROMPTS * N
     ids, attn, resp = padded_rows(
@@ -60,7 +67,7 @@ def _worker(rank: int, world: int, model_dir: str, unit: str = "auto") -> dict:
     batch = PolicyBatch(ids[rows], attn[rows], resp[rows], engine_lp[rows], adv[rows])
     mesh = Placement.colocated(world).build_meshes("cpu").fsdp("actor")
     out: dict = {}
-    for defer in (False, True):
+    for defer in ("false", "true", "auto"):
         cfg = Config(
             trainer=TrainerConfig(global_batch_size=PROMPTS, micro_batch_size=1, defer_grad_sync=defer),
             rollout=RolloutConfig(n=N),
@@ -75,14 +82,22 @@ def _worker(rank: int, world: int, model_dir: str, unit: str = "auto") -> dict:
         )
         optimizer = torch.optim.SGD(actor.parameters(), lr=0.1)
         params = optimizer.param_groups[0]["params"]
-        calls[0] = 0
+        calls[0] = gathers[0] = 0
         metrics = update_policy(cfg, rl, actor, optimizer, batch).metrics
-        out[defer] = dict(reduces=calls[0], metrics=metrics, weights=[p.full_tensor() for p in params])
+        out[defer] = dict(
+            reduces=calls[0], gathers=gathers[0], metrics=metrics, weights=[p.full_tensor() for p in params]
+        )
+    # Each mode left the model as it found it: resharded, its gradients reduced at every backward.
+    assert all(isinstance(p, DTensor) for p in actor.parameters())
     # After a forward, a layer's parameters are plain (unsharded) tensors only where it was not resharded.
     with torch.no_grad():
         actor(input_ids=batch.input_ids_BT)
     out["layer_sharded_after_forward"] = isinstance(next(actor.model.layers[0].parameters()), DTensor)
     return out
+
+
+def _bitwise(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 @pytest.fixture(scope="module")
@@ -93,11 +108,13 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_deferred_sync_reduces_once_per_step_and_gives_the_same_update(model_dir: Path) -> None:
+    """On 2 ranks auto (the default) does not defer: the unsharded gradients would cost memory there."""
     out = run_distributed(_worker, 2, str(model_dir), timeout_s=600)
     units = 3  # two decoder layers and the root
     for res in out:
-        each, once = res[False], res[True]
+        each, once = res["false"], res["true"]
         assert each["reduces"] == 4 * units and once["reduces"] == units
+        assert res["auto"]["reduces"] == 4 * units and _bitwise(res["auto"]["weights"], each["weights"])
         for w_once, w_each in zip(once["weights"], each["weights"], strict=True):
             torch.testing.assert_close(w_once, w_each, rtol=1e-5, atol=1e-6)
         for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
@@ -110,9 +127,17 @@ def test_deferred_sync_reduces_once_per_step_and_gives_the_same_update(model_dir
 def test_one_rank_reshards_after_a_no_grad_forward(model_dir: Path, unit: str, units: int) -> None:
     """Kept unsharded, a one-rank model would hold a copy of itself after every no-grad pass: per-layer
     units reshard their layers after forward, the whole-model unit (auto on one rank, model.fsdp_unit)
-    reshards after a no-grad forward; deferring reduces once per unit per step either way."""
+    reshards after a no-grad forward; deferring reduces once per unit per step either way, and auto
+    defers on one rank, whose shard is the whole gradient. The whole-model unit is gathered once per
+    mini-batch, not once per micro-batch: its weights do not change before the optimizer step."""
     (res,) = run_distributed(_worker, 1, str(model_dir), unit, timeout_s=600)
     assert res["layer_sharded_after_forward"]
-    assert res[True]["reduces"] == units and res[False]["reduces"] == 8 * units  # 8 rows: 8 micro-batches
-    for w_once, w_each in zip(res[True]["weights"], res[False]["weights"], strict=True):
+    assert res["false"]["reduces"] == 8 * units  # 8 rows: 8 micro-batches
+    assert res["true"]["reduces"] == res["auto"]["reduces"] == units
+    assert _bitwise(res["auto"]["weights"], res["true"]["weights"])
+    for w_once, w_each in zip(res["true"]["weights"], res["false"]["weights"], strict=True):
         torch.testing.assert_close(w_once, w_each, rtol=1e-5, atol=1e-6)
+    if unit == "auto":  # one unit, one mini-batch: one gather in every mode
+        assert [res[m]["gathers"] for m in ("false", "true", "auto")] == [1, 1, 1]
+    else:  # each layer unit gathers in each forward and again in its backward
+        assert res["false"]["gathers"] >= 8 * 2 * (units - 1)

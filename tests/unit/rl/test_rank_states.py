@@ -106,6 +106,12 @@ def test_lora_actor_reference_and_reward_model_colocated() -> None:
     # defer_grad_sync keeps the unsharded gradients of the trained parameters only: the adapters'.
     (d,) = _states(["model.lora.rank=32", "trainer.defer_grad_sync=true"], Placement.colocated(S))
     assert d.deferred_grads == 4 * A
+    # auto (the default) defers only where a rank's shard is the whole gradient anyway: nothing to count.
+    (auto,) = _states(["model.lora.rank=32"], Placement.colocated(S))
+    assert auto.deferred_grads == 0
+    # Nor on one rank, where deferring holds what the shard's gradients would.
+    (one,) = _states(["trainer.defer_grad_sync=true"], Placement.colocated(1))
+    assert one.deferred_grads == 0 and one.actor == 16 * P
 
 
 def test_split_counts_each_roles_ranks_and_the_busier_one_plans() -> None:
