@@ -38,7 +38,8 @@
 # 'offload_optim=model.offload_optimizer=true;offload_params=model.offload_params=true', T_VARIANT more
 # seconds each), SUITE_NO_TRL=1 (grpo_step without its TRL baselines), SUITE_TRL_MODES (TRL's modes, default
 # generate,vllm_colocate), SUITE_PROFILE_SHAPES (update_profile's shapes), SUITE_PROFILE_ARGS (more
-# arguments for each of them, split on spaces, e.g. '--set trainer.pack_sequences=true'). A dry run
+# arguments for each of them, split on spaces, e.g. '--set trainer.pack_sequences=true', or '--plain' for
+# the same work on the bare Hugging Face module next to spmdrl's, about 30 s more per shape). A dry run
 # of the suite's plumbing on a CPU machine (small model, slow, same steps):
 #   SUITE_DEVICE=cpu SUITE_SHAPE=tiny SUITE_SCALE=5 bash benchmarks/gpu_suite.sh
 

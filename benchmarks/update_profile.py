@@ -5,6 +5,7 @@
     python benchmarks/update_profile.py --shape qwen2.5-7b --json p.json    # one GPU (H100: ~1-2 minutes)
     python benchmarks/update_profile.py --shape qwen2.5-0.5b --set trainer.pack_sequences=true
     python benchmarks/update_profile.py --shape qwen2.5-1.5b --variant 'ac=model.activation_checkpointing=full'
+    python benchmarks/update_profile.py --shape qwen2.5-0.5b --plain        # against the bare module
 
 A random decoder of a named shape (Qwen2.5's config.json numbers with the real vocabulary; ``tiny`` for CPU)
 is built on the meta device, parallelized on one rank as the RL job builds its actor (spmdrl.models.build's
@@ -29,6 +30,13 @@ under torch.profiler and once more counting host-device syncs. Reported per pass
   reports; on CPU spmdrl.testing.syncs.SyncCounter's model of them;
 - the attention ops the profiler saw (``aten::_scaled_dot_product_flash_attention`` and its kin): which
   SDPA kernel the pass took, e.g. flash for padded rows under causal SDPA (spmdrl.models.causal_attention).
+
+``--plain``: one more column, the same work without a framework: the bare Hugging Face module of the same
+shape and weights (float32 parameters under bf16 autocast on a GPU, no FSDP2), the same micro-batches, TRL's
+loss path (the LM head on completion positions, a float32 log-softmax, the clipped loss with its k3 KL term,
+token-mean), ``clip_grad_norm_`` and Hugging Face Trainer's default optimizer (fused AdamW on a GPU). What
+spmdrl's passes cost beyond that floor is the framework's; the run checks the two score the first
+micro-batch's tokens alike before any update (``plain/logprob_max_abs_diff``).
 
 Micro-batches as the RL job forms them: on CUDA, with the token budgets left at auto (the default), the
 budgets the job would take from the card's free memory (spmdrl.rl.token_budgets, measured before the model
@@ -126,6 +134,17 @@ def _args() -> argparse.Namespace:
     )
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override")
     p.add_argument("--variant", action="append", default=[], metavar="'NAME=KEY=VALUE ...'")
+    p.add_argument(
+        "--plain",
+        action="store_true",
+        help="also the same work on the bare Hugging Face module (no FSDP2; column 'plain')",
+    )
+    p.add_argument(
+        "--interleave",
+        action="store_true",
+        help="build every column first, then time them in turn, step by step (a shared machine's drift "
+        "falls on all alike; no peak memory per column)",
+    )
     p.add_argument("--json", default="", help="also write the figures to this JSON file")
     a = p.parse_args()
     w = WORKLOADS[a.shape]
@@ -267,21 +286,137 @@ def synthetic_batch(a: argparse.Namespace, vocab: int, device: torch.device) -> 
     return batch.to(device)
 
 
+# -------------------------------------------------------------------------------- the plain baseline
+def build_plain_model(shape: str, cfg: Any, device: torch.device) -> torch.nn.Module:
+    """The bare Hugging Face module of the shape, as a single-GPU trainer without a framework holds it
+    (TRL's GRPOTrainer on one GPU): float32 parameters on the device, no FSDP2, SDPA attention, Hugging
+    Face's own activation checkpointing where the config asks for it; the weights build_random_actor
+    draws (the same generator, the same order: on one rank a shard is the whole tensor)."""
+    from transformers import AutoModelForCausalLM
+
+    from spmdrl.config import ac_mode
+
+    model = AutoModelForCausalLM.from_config(
+        shape_config(shape), dtype=torch.float32, attn_implementation="sdpa"
+    ).to(device)
+    g = torch.Generator(device=device).manual_seed(0)  # build_random_actor's draws, in its order
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, 0.02, generator=g)
+    model.config.use_cache = False
+    if ac_mode(cfg.model.activation_checkpointing) != "off":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return model
+
+
+def _plain_logprobs(model: torch.nn.Module, mb: Any, first: int, temperature: float) -> torch.Tensor:
+    """TRL's way: the LM head on the completion positions only (``logits_to_keep``), a float32
+    log-softmax, each sampled token's logprob gathered; (rows, width - first), under the caller's
+    autocast."""
+    ids = mb.input_ids_BT
+    keep = ids.shape[1] - first + 1
+    logits = model(input_ids=ids, attention_mask=mb.attention_mask_BT, logits_to_keep=keep).logits[:, :-1]
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return logp.gather(-1, ids[:, first:, None]).squeeze(-1)
+
+
+def plain_passes(
+    cfg: Any, rl: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any, parts: list
+) -> tuple[Callable[[], Any], Callable[[], Any]]:
+    """The update and the no-grad forward on the bare module, over the micro-batches spmdrl's passes run
+    (the update's plan from mini_batches, the no-grad pass's rows from micro_rows): per micro-batch the
+    clipped policy loss with its k3 KL term against the reference, summed over sampled tokens and divided
+    by the mini-batch's count (token-mean), backward; then clip_grad_norm_ and the optimizer step. bf16
+    autocast on CUDA, float32 on CPU, as spmdrl's param_dtype=auto. No metrics, no checks: the floor."""
+    from spmdrl.rl.update import loss_modes, mini_batches
+
+    a = cfg.algorithm
+    device = batch.input_ids_BT.device
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    temperature = cfg.rollout.temperature
+    plans = list(mini_batches(cfg, rl, batch, loss_modes(cfg)))
+    counts = [int(sum(mb.response_mask_BT.sum() for mb in mbs)) for _, _, _, mbs, _ in plans]  # host, once
+
+    def update() -> None:
+        for (_, _, micro_plans, micro_batches, _), count in zip(plans, counts, strict=True):
+            for plan, mb in zip(micro_plans, micro_batches, strict=True):
+                first = plan.first_column
+                with autocast:
+                    lp = _plain_logprobs(model, mb, first, temperature)
+                mask = mb.response_mask_BT[:, first:]
+                adv = mb.advantages_BT[:, first:]
+                ratio = torch.exp(lp - mb.engine_logprobs_BT[:, first:])
+                clipped = torch.clamp(ratio, 1 - a.clip_ratio_low, 1 + a.clip_ratio_high)
+                pg = -torch.min(ratio * adv, clipped * adv)
+                d = mb.ref_logprobs_BT[:, first:] - lp
+                kl = torch.exp(d) - d - 1
+                loss = ((pg + a.kl_loss_coef * kl) * mask).sum() / count
+                loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    lengths = batch.row_lengths()
+    forward_parts = [  # (rows on the device, width, first sampled column), planned once on the host
+        (
+            rows.to(device),
+            max(lengths.tokens[i] for i in rows.tolist()),
+            min(lengths.tokens[i] - lengths.response_tokens[i] for i in rows.tolist()),
+        )
+        for rows in parts
+    ]
+
+    @torch.no_grad()
+    def forward() -> None:
+        for rows, width, first in forward_parts:
+            with autocast:
+                _plain_logprobs(model, batch.take(rows, width), first, temperature)
+
+    return update, forward
+
+
+@torch.no_grad()
+def first_logprobs(
+    model: torch.nn.Module, batch: Any, rows: torch.Tensor, temperature: float, plain: bool
+) -> torch.Tensor:
+    """The logprobs of the sampled tokens of ``rows`` (one no-grad micro-batch), flat, by spmdrl's pass or
+    the plain one: the two runs' must agree (float32 on CPU: to rounding)."""
+    from spmdrl.rl.update import logprobs_of
+
+    device = batch.input_ids_BT.device
+    lengths = batch.row_lengths()
+    width = max(lengths.tokens[i] for i in rows.tolist())
+    first = min(lengths.tokens[i] - lengths.response_tokens[i] for i in rows.tolist())
+    mb = batch.take(rows.to(device), width)
+    mask = mb.response_mask_BT[:, first:].bool()
+    if plain:
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            return _plain_logprobs(model, mb, first, temperature)[mask].float()
+    return logprobs_of(model, mb, [torch.arange(mb.num_rows)], temperature)[:, first:][mask].float()
+
+
 # ------------------------------------------------------------------------------------------ measuring
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
+def time_once(run: Callable[[], Any], device: torch.device) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    run()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
 def time_pass(run: Callable[[], Any], device: torch.device, steps: int) -> list[float]:
-    out = []
-    for _ in range(steps + 1):  # one warm-up
-        _sync(device)
-        t0 = time.perf_counter()
-        run()
-        _sync(device)
-        out.append(time.perf_counter() - t0)
-    return out[1:]
+    return [time_once(run, device) for _ in range(steps + 1)][1:]  # one warm-up
 
 
 @dataclass
@@ -351,23 +486,52 @@ def count_syncs(run: Callable[[], Any], device: torch.device, host: list[torch.T
 class Result:
     figures: dict[str, tuple[float, str]] = field(default_factory=dict)  # key -> (value, unit)
     context: dict[str, Any] = field(default_factory=dict)
+    # The first no-grad micro-batch's logprobs of its sampled tokens, before any update: the plain run
+    # must score what spmdrl's does (the same weights, build_plain_model).
+    probe: torch.Tensor | None = None
 
 
-def measure(a: argparse.Namespace, overrides: list[str], device: torch.device, peak: float | None) -> Result:
+@dataclass
+class Column:
+    """One column of the table, built and ready to run: spmdrl's passes with some overrides, or the plain
+    ones (plain_passes)."""
+
+    cfg: Any
+    rl: Any
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    parts: list
+    passes: dict[str, tuple[Callable[[], Any], int]]  # name -> (run it once, its micro-batches)
+    flops: dict[str, tuple[float, float]]  # name -> (model FLOPs, hardware FLOPs)
+    tokens: int
+    probe: torch.Tensor  # first_logprobs, taken before any pass
+
+
+def build_column(
+    a: argparse.Namespace, overrides: list[str], device: torch.device, plain: bool = False
+) -> Column:
+    """spmdrl's passes with ``overrides``, or (``plain``) the same work on the bare module."""
     from spmdrl.config import ac_mode, derive, derive_rl
     from spmdrl.config_loader import load_config
-    from spmdrl.logging.flops import DecoderShape, forward_flops, training_flops, utilization
+    from spmdrl.logging.flops import DecoderShape, forward_flops, training_flops
     from spmdrl.optim import build_optimizer
     from spmdrl.rl.update import logprobs_of, loss_modes, micro_rows, mini_batches, update_policy
 
     cfg = load_config([*config_overrides(a), *a.set, *overrides])
     budgets = job_token_budgets(a.shape, cfg, device, a.optimizer)
     rl = derive_rl(cfg, derive(cfg, 1, a.rows, samples_per_item=1), memory_budgets=budgets)
-    model = build_random_actor(a.shape, cfg, device)
-    if a.optimizer == "adamw":
-        optimizer = build_optimizer(model, cfg.optim)
-    else:  # stateless: no moments (the 7B arithmetic in the docstring)
+    model = build_plain_model(a.shape, cfg, device) if plain else build_random_actor(a.shape, cfg, device)
+    if a.optimizer != "adamw":  # stateless: no moments (the 7B arithmetic in the docstring)
         optimizer = torch.optim.SGD(model.parameters(), lr=cfg.optim.lr)
+    elif plain:  # Hugging Face Trainer's default (adamw_torch_fused) on a GPU; foreach, as spmdrl's, on CPU
+        optimizer = torch.optim.AdamW(
+            model.parameters(),
+            lr=cfg.optim.lr,
+            weight_decay=cfg.optim.weight_decay,
+            fused=device.type == "cuda",
+        )
+    else:
+        optimizer = build_optimizer(model, cfg.optim)
     batch = synthetic_batch(a, model.config.vocab_size, device)
     parts = micro_rows(cfg, rl, batch)
     lengths = batch.row_lengths()
@@ -375,13 +539,16 @@ def measure(a: argparse.Namespace, overrides: list[str], device: torch.device, p
     epochs = cfg.algorithm.ppo_epochs
     # The update's own plan (its token budget, each mini-batch alone), every epoch.
     n_micro_update = sum(len(plan) for _, _, plan, _, _ in mini_batches(cfg, rl, batch, loss_modes(cfg)))
-    passes: dict[str, tuple[Callable[[], Any], int]] = {
-        "update": (lambda: update_policy(cfg, rl, model, optimizer, batch), n_micro_update),
-        "forward": (
-            lambda: logprobs_of(model, batch, parts, cfg.rollout.temperature, cfg.trainer.pack_sequences),
-            len(parts),
-        ),
-    }
+    if plain:
+        update, forward = plain_passes(cfg, rl, model, optimizer, batch, parts)
+    else:
+
+        def update() -> Any:
+            return update_policy(cfg, rl, model, optimizer, batch)
+
+        def forward() -> Any:
+            return logprobs_of(model, batch, parts, cfg.rollout.temperature, cfg.trainer.pack_sequences)
+
     train = training_flops(
         shape,
         lengths.tokens,
@@ -389,31 +556,56 @@ def measure(a: argparse.Namespace, overrides: list[str], device: torch.device, p
         recompute=ac_mode(cfg.model.activation_checkpointing),
         every=cfg.model.activation_checkpointing_every,
     )
-    flops = {
-        "update": (train.model * epochs, train.hardware * epochs),
-        "forward": (forward_flops(shape, lengths.tokens, lengths.response_tokens).model,) * 2,
-    }
-    tokens = sum(lengths.tokens)
-    r = Result()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    return Column(
+        cfg=cfg,
+        rl=rl,
+        model=model,
+        optimizer=optimizer,
+        parts=parts,
+        passes={"update": (update, n_micro_update), "forward": (forward, len(parts))},
+        flops={
+            "update": (train.model * epochs, train.hardware * epochs),
+            "forward": (forward_flops(shape, lengths.tokens, lengths.response_tokens).model,) * 2,
+        },
+        tokens=sum(lengths.tokens) * epochs,
+        probe=first_logprobs(model, batch, parts[0], cfg.rollout.temperature, plain),
+    )
+
+
+def time_columns(cols: list[Column], device: torch.device, steps: int) -> list[dict[str, list[float]]]:
+    """Each column's passes timed in turn, step by step (one warm-up, then ``steps``), so every column
+    meets the same moments of a shared machine: ratios between columns hold where absolute times drift."""
+    times: list[dict[str, list[float]]] = [{name: [] for name in c.passes} for c in cols]
+    for _ in range(steps + 1):
+        for c, t in zip(cols, times, strict=True):
+            for name, (run, _) in c.passes.items():
+                t[name].append(time_once(run, device))
+    return [{name: v[1:] for name, v in t.items()} for t in times]
+
+
+def measure(
+    c: Column, times: dict[str, list[float]], device: torch.device, peak: float | None, memory: bool = True
+) -> Result:
+    """The figures of a built column from its passes' ``times``, then each pass once under the profiler
+    and once counting syncs. ``memory``: report the peak (only when this column alone was on the device)."""
+    from spmdrl.logging.flops import utilization
+
+    r = Result(probe=c.probe)
     launch_unit = "kernels" if device.type == "cuda" else "aten ops (CPU proxy)"
     # Every pass timed and profiled before any is counted for syncs: on CPU the counter is a dispatch
     # mode, under which torch.compile (model.compile) gives up on the blocks' frame for good, so a pass
     # after it would run eager.
-    timed = {
-        name: (time_pass(run, device, a.steps), profile_pass(run, device))
-        for name, (run, _) in passes.items()
-    }
-    for name, (run, n_micro) in passes.items():
-        times, prof = timed[name]
-        seconds = statistics.median(times)
-        model_flops, hw_flops = flops[name]
-        host = [s["step"] for s in optimizer.state.values() if "step" in s] + list(parts)
+    profiled = {name: profile_pass(run, device) for name, (run, _) in c.passes.items()}
+    for name, (run, n_micro) in c.passes.items():
+        prof = profiled[name]
+        seconds = statistics.median(times[name])
+        model_flops, hw_flops = c.flops[name]
+        host = [s["step"] for s in c.optimizer.state.values() if "step" in s] + list(c.parts)
         syncs, where = count_syncs(run, device, host)
         f = r.figures
         f[f"{name}_s"] = (seconds, "s")
-        f[f"tokens_per_s_{name}"] = (tokens * (epochs if name == "update" else 1) / seconds, "tokens/s")
+        tokens = c.tokens if name == "update" else c.tokens // c.cfg.algorithm.ppo_epochs
+        f[f"tokens_per_s_{name}"] = (tokens / seconds, "tokens/s")
         f[f"tflops_{name}"] = (model_flops / seconds / 1e12, "TFLOP/s")
         mfu = utilization(model_flops, seconds, 1, peak)
         if mfu is not None:
@@ -436,12 +628,12 @@ def measure(a: argparse.Namespace, overrides: list[str], device: torch.device, p
             + f", {n_micro} micro-batches, {syncs} syncs, attention: {', '.join(prof.attention) or '-'}",
             flush=True,
         )
-    if device.type == "cuda":
+    if device.type == "cuda" and memory:
         r.figures["peak_memory_gb"] = (torch.cuda.max_memory_allocated(device) / 2**30, "GiB")
-    r.context["params"] = sum(p.numel() for p in model.parameters())
-    r.context["update_token_budget"] = rl.ppo_max_token_len
-    r.context["no_grad_token_budget"] = rl.log_prob_max_token_len
-    r.context["activation_checkpointing"] = str(cfg.model.activation_checkpointing)
+    r.context["params"] = sum(p.numel() for p in c.model.parameters())
+    r.context["update_token_budget"] = c.rl.ppo_max_token_len
+    r.context["no_grad_token_budget"] = c.rl.log_prob_max_token_len
+    r.context["activation_checkpointing"] = str(c.cfg.model.activation_checkpointing)
     return r
 
 
@@ -449,17 +641,21 @@ def print_table(runs: dict[str, Result]) -> None:
     names = list(runs)
     base = runs["default"].figures
     keys = [k for k in base] + sorted({k for r in runs.values() for k in r.figures} - set(base))
-    header = f"{'figure':<34}" + "".join(f"{n:>14}" for n in names)
-    header += "".join(f"{n + '/default':>18}" for n in names[1:])
+    # Each column at least one space wider than its name (a variant's name may be long).
+    wide = {n: max(14, len(n) + 2) for n in names}
+    ratio_wide = {n: max(18, len(n) + 10) for n in names}
+    header = f"{'figure':<34}" + "".join(f"{n:>{wide[n]}}" for n in names)
+    header += "".join(f"{n + '/default':>{ratio_wide[n]}}" for n in names[1:])
     print(header)
     for k in keys:
         cells = "".join(
-            f"{runs[n].figures[k][0]:>14.4g}" if k in runs[n].figures else f"{'-':>14}" for n in names
+            f"{runs[n].figures[k][0]:>{wide[n]}.4g}" if k in runs[n].figures else f"{'-':>{wide[n]}}"
+            for n in names
         )
         ratios = ""
         for n in names[1:]:
             v, b = runs[n].figures.get(k), base.get(k)
-            ratios += f"{v[0] / b[0]:>18.2f}" if v and b and b[0] else f"{'-':>18}"
+            ratios += f"{v[0] / b[0]:>{ratio_wide[n]}.2f}" if v and b and b[0] else f"{'-':>{ratio_wide[n]}}"
         unit = next(r.figures[k][1] for r in runs.values() if k in r.figures)
         print(f"{k:<34}{cells}{ratios}  {unit}")
 
@@ -480,14 +676,42 @@ def main() -> None:
         flush=True,
     )
     runs: dict[str, Result] = {}
-    for vname, overrides in [("default", []), *a.variants.items()]:
-        print(f"== {vname}: {' '.join([*a.set, *overrides]) or '(no overrides)'}", flush=True)
-        runs[vname] = measure(a, overrides, device, peak)
-        gc.collect()  # the run's model and optimizer, before the next one's
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    columns = [(vname, overrides, False) for vname, overrides in [("default", []), *a.variants.items()]]
+    columns += [("plain", [], True)] * a.plain
+    if a.interleave:  # every column built first, then timed in turn (time_columns)
+        built = {}
+        for vname, overrides, plain in columns:
+            print(f"== building {vname}: {' '.join([*a.set, *overrides]) or '(no overrides)'}", flush=True)
+            built[vname] = build_column(a, overrides, device, plain)
+        times = time_columns(list(built.values()), device, a.steps)
+        for (vname, col), t in zip(built.items(), times, strict=True):
+            print(f"== {vname}", flush=True)
+            runs[vname] = measure(col, t, device, peak, memory=False)
+    else:  # one column at a time: each alone on the device (its peak memory its own)
+        for vname, overrides, plain in columns:
+            print(f"== {vname}: {' '.join([*a.set, *overrides]) or '(no overrides)'}", flush=True)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            col = build_column(a, overrides, device, plain)
+            t = {name: time_pass(run, device, a.steps) for name, (run, _) in col.passes.items()}
+            runs[vname] = measure(col, t, device, peak)
+            del col
+            gc.collect()  # the run's model and optimizer, before the next one's
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     print(f"\nupdate profile: {a.shape} on {name}")
     print_table(runs)
+    if a.plain:
+        base, bare = runs["default"].figures, runs["plain"].figures
+        for k in ("update_s", "forward_s"):
+            print(f"spmdrl / plain, {k.removesuffix('_s')}: {base[k][0] / bare[k][0]:.2f}x the time")
+        ours, theirs = runs["default"].probe, runs["plain"].probe
+        assert ours is not None and theirs is not None
+        diff = float((ours - theirs).abs().max()) if ours.shape == theirs.shape else float("inf")
+        bare["logprob_max_abs_diff"] = (diff, "nats")
+        print(
+            f"spmdrl / plain, the first micro-batch's logprobs before any update: max |diff| {diff:.3g} nats"
+        )
     if a.json:
         base = runs["default"].figures
         figs = [Figure(f"{PREFIX}{k}", v, u) for k, (v, u) in base.items()]

@@ -1,5 +1,6 @@
 """benchmarks/update_profile.py's CPU dry run: the profiler benchmark runs spmdrl's update and no-grad forward
-on the tiny shape under FSDP2 (one gloo rank) and writes its figures in bench_report's format.
+on the tiny shape under FSDP2 (one gloo rank) and writes its figures in bench_report's format; ``--plain``
+runs the same work on the bare Hugging Face module from the same weights, whose logprobs must be spmdrl's.
 
 A CPU has no peak in the table, so the run is given one (``--peak-tflops``): the MFU path runs, and its
 figure must be the FLOPs of spmdrl.logging.flops over the measured time. ``--set`` turns on activation
@@ -34,6 +35,7 @@ def test_the_profile_dry_run_writes_every_figure(tmp_path: Path) -> None:
         f"--peak-tflops={PEAK_TFLOPS}",
         "--set=model.activation_checkpointing=full",
         "--variant=compiled=model.compile=true",
+        "--plain",
         f"--json={out}",
     ]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
@@ -65,6 +67,12 @@ def test_the_profile_dry_run_writes_every_figure(tmp_path: Path) -> None:
     assert doc["update_micro_batches"] == doc["rows"] // doc["micro_batch_size"]
     # CPU: sequence-count micro-batches (token budgets come from a CUDA card's memory only).
     assert doc["update_token_budget"] == 0 and doc["no_grad_token_budget"] == 0
+    # --plain: the same work on the bare module, from the same weights: it scores the same tokens alike.
+    assert figs["plain/logprob_max_abs_diff"]["value"] < 1e-4
+    for name in ("update", "forward"):
+        plain = figs[f"plain/{name}_s"]
+        assert plain["value"] > 0 and plain["baseline"] == figs[f"{name}_s"]["value"]
+        assert figs[f"plain/launches_per_micro_batch_{name}"]["value"] > 0
     for name in ("update", "forward"):  # the no-grad pass too (it compiles again, without autograd)
         compiled = figs[f"compiled/launches_per_micro_batch_{name}"]
         assert compiled["baseline"] == figs[f"launches_per_micro_batch_{name}"]["value"]
@@ -76,3 +84,32 @@ def test_a_negative_micro_batch_is_refused_before_any_work(tmp_path: Path) -> No
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "--micro -2: sequences per micro-batch must be > 0" in proc.stderr
+
+
+def test_interleaved_columns_each_get_their_figures(tmp_path: Path) -> None:
+    """--interleave builds every column first and times them in turn: each still gets its own figures.
+    The variant reduces the gradients after every micro-batch (trainer.defer_grad_sync=false), which on
+    one rank auto defers: more ATen ops per update micro-batch, the same no-grad pass."""
+    out = tmp_path / "interleaved.json"
+    cmd = [
+        sys.executable,
+        str(REPO / "benchmarks" / "update_profile.py"),
+        "--shape=tiny",
+        "--steps=2",
+        "--interleave",
+        "--plain",
+        "--variant=reduce_each=trainer.defer_grad_sync=false",
+        f"--json={out}",
+    ]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    figs = {f["name"].removeprefix("update_profile/"): f for f in json.loads(out.read_text())["figures"]}
+    for column in ("reduce_each", "plain"):
+        for name in ("update", "forward"):
+            assert figs[f"{column}/{name}_s"]["value"] > 0
+            assert figs[f"{column}/{name}_s"]["baseline"] == figs[f"{name}_s"]["value"]
+    each = figs["reduce_each/launches_per_micro_batch_update"]
+    assert each["value"] > each["baseline"]
+    forward = figs["reduce_each/launches_per_micro_batch_forward"]
+    assert forward["value"] == forward["baseline"]
+    assert figs["plain/logprob_max_abs_diff"]["value"] < 1e-4
