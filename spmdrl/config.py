@@ -240,8 +240,8 @@ class TrainerConfig:
     # (set_requires_gradient_sync); until then each rank keeps the unsharded gradients (reduce_dtype, the
     # whole trained model) where the default keeps its 1/N shard, memory that a sharded model pays.
     # "auto" (the default): true where the model's shard dimension has one rank (one GPU; pure
-    # replication), whose shard is the whole gradient anyway, so deferring costs no memory; false
-    # elsewhere. A boolean means true / false (docs/performance.md).
+    # replication) and its shards are not offloaded, whose shard is the whole gradient anyway, so
+    # deferring costs no memory; false elsewhere. A boolean means true / false (docs/performance.md).
     defer_grad_sync: str = "auto"
     # How packed rows attend (spmdrl/models/varlen.py): "mask", a block-diagonal (R, 1, C, C) mask through
     # the model's own attention; "varlen", each sequence within its segment with no mask (on CUDA torch's

@@ -135,6 +135,13 @@ def shard_ranks(model: nn.Module) -> int:
     return math.prod(p.device_mesh.size(d) for d, pl in enumerate(p.placements) if isinstance(pl, Shard))
 
 
+def offloaded_to_host(model: nn.Module) -> bool:
+    """Whether an FSDP2 model's shards live in host memory while it computes on another device
+    (model.offload_params); False on a CPU mesh, where there is no other memory to keep them in."""
+    p = next(model.parameters(), None)
+    return isinstance(p, DTensor) and p.device.type != p.device_mesh.device_type
+
+
 def gathered_between_micro_batches(model: nn.Module, keep: bool) -> None:
     """A whole-model unit (model.fsdp_unit) stays gathered after a training backward while ``keep``: the
     next micro-batch of the same mini-batch, on the same weights, then skips the gather's copy-in and

@@ -170,12 +170,14 @@ def rank_states(
     if rm_shape is not None and cfg.reward_model.enable and not placement.is_async:
         rm = model_state_bytes(rm_shape.params_with_head("reward"), 0, frozen, shards)
     # trainer.defer_grad_sync: a rank keeps the unsharded gradients (reduce_dtype) until the mini-batch's
-    # last micro-batch, of one model at a time (the actor's and the critic's updates take turns). Only on a
-    # sharded model is that more than its shard's gradients (auto defers nowhere else).
+    # last micro-batch, of one model at a time (the actor's and the critic's updates take turns). That is
+    # more device memory than its shard's gradients only on a sharded model, or with the shards (and so
+    # their gradients) offloaded to the host; auto defers in neither (spmdrl.rl.update.auto_defers).
     reduce_bytes = 4 if m.reduce_dtype == "float32" else 2
 
     def deferred(ranks: int) -> int:
-        return reduce_bytes if defer_mode(cfg.trainer.defer_grad_sync) == "true" and ranks > 1 else 0
+        costs = ranks > 1 or m.offload_params
+        return reduce_bytes if defer_mode(cfg.trainer.defer_grad_sync) == "true" and costs else 0
 
     grad_bytes = deferred(shards)
     roles = ["actor", "critic"] if critic_here else ["actor"]

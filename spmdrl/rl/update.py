@@ -31,7 +31,12 @@ from spmdrl.distributed.reduce import all_reduce_sum, all_reduce_sum_tensors
 from spmdrl.models import packing
 from spmdrl.models.forward import attention_mask_for, packed_attention_mask, policy_forward, policy_logprobs
 from spmdrl.models.head import fused_chunk_for
-from spmdrl.models.parallelize import gathered_between_micro_batches, gathered_through, shard_ranks
+from spmdrl.models.parallelize import (
+    gathered_between_micro_batches,
+    gathered_through,
+    offloaded_to_host,
+    shard_ranks,
+)
 from spmdrl.optim import clip_grad_norm
 from spmdrl.rl.batch import PolicyBatch
 from spmdrl.rl.micro_batches import MicroBatch, micro_batch_rows, plan_micro_batches
@@ -162,12 +167,20 @@ def values_of(
 
 
 def defers_grad_sync(model: torch.nn.Module, setting: str | bool) -> bool:
-    """trainer.defer_grad_sync resolved for ``model``: true / false as set; auto defers where the model's
-    parameters are sharded over one rank, whose shard is the whole gradient anyway (no memory to pay)."""
+    """trainer.defer_grad_sync resolved for ``model``: true / false as set; auto: auto_defers."""
     mode = defer_mode(setting)
     if mode != "auto":
         return mode == "true"
-    return isinstance(model, FSDPModule) and shard_ranks(model) == 1
+    return isinstance(model, FSDPModule) and auto_defers(shard_ranks(model), offloaded_to_host(model))
+
+
+def auto_defers(shard_ranks: int, offloaded: bool) -> bool:
+    """trainer.defer_grad_sync=auto: defer where that costs no memory. With the parameters sharded over one
+    rank the shard is the whole gradient anyway, and between micro-batches the deferred gradients take its
+    place; but not with the shards offloaded (model.offload_params): their gradients live in host memory,
+    and the deferred ones would stay on the device, a reduce_dtype copy of the model that offloading is
+    there to avoid."""
+    return shard_ranks == 1 and not offloaded
 
 
 def describe_grad_sync(model: torch.nn.Module, setting: str | bool) -> str:

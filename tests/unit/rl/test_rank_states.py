@@ -32,6 +32,7 @@ from spmdrl.rl.token_budgets import (
     reward_model_shape,
     state_bytes,
 )
+from spmdrl.rl.update import auto_defers
 from spmdrl.testing.models import QWEN2_5_0_5B
 
 # Qwen2.5-0.5B's config (tied, q/k/v biases) and a small untied Llama (no biases).
@@ -112,6 +113,15 @@ def test_lora_actor_reference_and_reward_model_colocated() -> None:
     # Nor on one rank, where deferring holds what the shard's gradients would.
     (one,) = _states(["trainer.defer_grad_sync=true"], Placement.colocated(1))
     assert one.deferred_grads == 0 and one.actor == 16 * P
+    # Offloaded shards keep their gradients in host memory: deferred ones would stay on the device.
+    (off,) = _states(["trainer.defer_grad_sync=true", "model.offload_params=true"], Placement.colocated(1))
+    assert off.deferred_grads == 4 * P and off.actor == 0
+
+
+def test_auto_defers_only_where_it_costs_no_device_memory() -> None:
+    assert auto_defers(1, offloaded=False)  # one shard rank: the shard is the whole gradient
+    assert not auto_defers(2, offloaded=False)  # sharded: the unsharded gradients are N x the shard's
+    assert not auto_defers(1, offloaded=True)  # the shards' gradients in host memory, the deferred on the GPU
 
 
 def test_split_counts_each_roles_ranks_and_the_busier_one_plans() -> None:
