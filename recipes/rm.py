@@ -52,11 +52,12 @@ from spmdrl.config import Config, ConfigError, choice, derive, register_config_s
 from spmdrl.data.tiny_pairs import PreferencePair, tiny_pairs
 from spmdrl.data.tiny_task import TinyTaskConfig, generate
 from spmdrl.distributed.placement import Placement
-from spmdrl.distributed.reduce import all_reduce_sum
+from spmdrl.distributed.reduce import all_reduce_sum, all_reduce_sum_tensors
 from spmdrl.logging.metrics import rewind_logs
 from spmdrl.logging.plot import plot_curves
 from spmdrl.logging.profiler import check_profile_steps, profile_step
 from spmdrl.models.build import build_fsdp_model, model_spec
+from spmdrl.models.grad_sync import defers_grad_sync, describe_grad_sync, gradient_sync
 from spmdrl.models.load import load_tokenizer, resolve_model_path_all_ranks
 from spmdrl.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
 from spmdrl.rewards.reward_model import encode_for_rm, pad_right, sequence_scores
@@ -257,22 +258,28 @@ def main(cfg: Config) -> None:
     if start_step == 0 and cfg.trainer.val_every > 0:  # the untrained model's accuracy: the curve's start
         logger.log(0, validate(run, model, tokenizer, val_pairs, derived.micro_batch_size))
 
+    defer = defers_grad_sync(model, cfg.trainer.defer_grad_sync)
+    log.info("%s", describe_grad_sync(model, cfg.trainer.defer_grad_sync))
     for step in range(start_step + 1, derived.total_steps + 1):
         t0 = time.perf_counter()
         with profile_step(cfg.logging.profile_steps, run.output_dir, step, env.rank, env.device):
             pairs = [train_pairs[i] for i in sampler.next_batch()]
             num_pairs = all_reduce_sum({"pairs": len(pairs)}, env.device)["pairs"]
-            loss_sum = correct = 0.0
-            for i in range(0, len(pairs), derived.micro_batch_size):
+            # Loss and accuracy summed on the device and read once (no host-device sync per micro-batch);
+            # the gradients reduced per trainer.defer_grad_sync (spmdrl.models.grad_sync).
+            sums = {"loss": torch.zeros((), device=env.device), "correct": torch.zeros((), device=env.device)}
+            starts = range(0, len(pairs), derived.micro_batch_size)
+            for i in starts:
+                gradient_sync(model, defer, last=i == starts[-1])
                 chosen_B, rejected_B = pair_scores(
                     model, tokenizer, pairs[i : i + derived.micro_batch_size], _max_length(cfg), env.device
                 )
                 loss, right = bradley_terry_loss(chosen_B, rejected_B, num_pairs)
                 loss.backward()
-                loss_sum += float(loss.detach())
-                correct += float(right)
+                sums["loss"] += loss.detach()
+                sums["correct"] += right
             grad_norm = clip_grad_norm(model, cfg.optim.grad_clip)
-            t = all_reduce_sum({"loss": loss_sum, "correct": correct}, env.device)
+            t = all_reduce_sum_tensors(sums)
             if not (math.isfinite(t["loss"]) and math.isfinite(grad_norm)):
                 raise FloatingPointError(
                     f"non-finite loss {t['loss']} / grad norm {grad_norm} at step {step}"

@@ -38,13 +38,14 @@ from spmdrl.data.sft import SFTBatch, SFTDataset, collate_sft
 from spmdrl.data.tiny_task import TinyTaskConfig, resolve_data_files
 from spmdrl.data.tools_task import ToolsTaskConfig
 from spmdrl.distributed.placement import Placement
-from spmdrl.distributed.reduce import all_reduce_sum
+from spmdrl.distributed.reduce import all_reduce_sum, all_reduce_sum_tensors
 from spmdrl.logging.metrics import rewind_logs
 from spmdrl.logging.plot import plot_curves
 from spmdrl.logging.profiler import check_profile_steps, profile_step
 from spmdrl.logging.samples import Sample, write_samples
 from spmdrl.models.build import build_fsdp_model, model_spec
 from spmdrl.models.generate import greedy_completions
+from spmdrl.models.grad_sync import defers_grad_sync, describe_grad_sync, gradient_sync
 from spmdrl.models.load import load_tokenizer, resolve_model_path_all_ranks
 from spmdrl.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
 from spmdrl.rollout.rollout import load_multi_turn_tools
@@ -212,6 +213,8 @@ def train_sft(run: Run, cfg: Config, stage: str = "") -> Path:
         rewind_logs(out_dir, -1)
     logger = run.metric_logger(derived.total_steps, stage, resume_step=start_step)
 
+    defer = defers_grad_sync(model, cfg.trainer.defer_grad_sync)
+    log.info("%s", describe_grad_sync(model, cfg.trainer.defer_grad_sync))
     for step in range(start_step + 1, derived.total_steps + 1):
         t0 = time.perf_counter()
         # logging.profile_steps: the step's training under torch.profiler (in an RL job's warm-start the
@@ -227,13 +230,16 @@ def train_sft(run: Run, cfg: Config, stage: str = "") -> Path:
             local["all_tokens"] = sum(int(b.attention_mask_BT.sum()) for b in batches)
             counts = all_reduce_sum(local, env.device)
 
-            loss_sum = 0.0
-            for batch in batches:
+            # The loss summed on the device and read once (no host-device sync per micro-batch); the
+            # gradients reduced per trainer.defer_grad_sync (spmdrl.models.grad_sync).
+            loss_sum = torch.zeros((), device=env.device)
+            for i, batch in enumerate(batches):
+                gradient_sync(model, defer, last=i == len(batches) - 1)
                 loss = forward_loss(model, batch, counts["tokens"])
                 loss.backward()
-                loss_sum += float(loss.detach())
+                loss_sum += loss.detach()
             grad_norm = clip_grad_norm(model, cfg.optim.grad_clip)
-            train_loss = all_reduce_sum({"loss": loss_sum}, env.device)["loss"]
+            train_loss = all_reduce_sum_tensors({"loss": loss_sum})["loss"]
             if not (math.isfinite(train_loss) and math.isfinite(grad_norm)):
                 raise FloatingPointError(
                     f"non-finite training loss {train_loss} / grad norm {grad_norm} at step {step}; "

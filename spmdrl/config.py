@@ -235,7 +235,8 @@ class TrainerConfig:
     micro_batch_tokens: int = 0
     # RL: pack each micro-batch's sequences end to end (padding removed; spmdrl/models/packing.py).
     pack_sequences: bool = False
-    # RL updates: when FSDP2 reduces the gradients (spmdrl.rl.update.gradient_sync). "false": after every
+    # When FSDP2 reduces the gradients of a step's micro-batches, in every trainer (RL, SFT, reward model;
+    # spmdrl.models.grad_sync). "false": after every
     # micro-batch's backward. "true": once per optimizer step, after the mini-batch's last micro-batch
     # (set_requires_gradient_sync); until then each rank keeps the unsharded gradients (reduce_dtype, the
     # whole trained model) where the default keeps its 1/N shard, memory that a sharded model pays.

@@ -52,6 +52,7 @@ from spmdrl.logging.plot import plot_curves
 from spmdrl.logging.profiler import check_profile_steps, profile_step
 from spmdrl.logging.samples import Sample, write_samples
 from spmdrl.logging.timer import PhaseTimer
+from spmdrl.models.grad_sync import describe_grad_sync
 from spmdrl.models.load import load_tokenizer, resolve_model_path_all_ranks
 from spmdrl.optim import OptimizerOffload, build_lr_scheduler, build_optimizer
 from spmdrl.rewards.registry import check_data_sources, load_reward_fn
@@ -63,7 +64,6 @@ from spmdrl.rl.models import Critic, build_critic, build_models
 from spmdrl.rl.reference import Reference
 from spmdrl.rl.samples import ScoredSamples, train_samples, validate
 from spmdrl.rl.token_budgets import measure_token_budgets, wants_memory_budgets
-from spmdrl.rl.update import describe_grad_sync
 from spmdrl.rollout.engine import (
     RolloutEngine,
     build_engine,

@@ -20,23 +20,18 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
 
 from spmdrl.algos.aggregation import Aggregation, count_units_of_rows
 from spmdrl.algos.kl import kl_penalty
 from spmdrl.algos.policy_losses import POLICY_LOSSES, agg_mode_for
 from spmdrl.algos.value_loss import clipped_value_loss
-from spmdrl.config import Config, RLDerived, defer_mode
+from spmdrl.config import Config, RLDerived
 from spmdrl.distributed.reduce import all_reduce_sum, all_reduce_sum_tensors
 from spmdrl.models import packing
 from spmdrl.models.forward import attention_mask_for, packed_attention_mask, policy_forward, policy_logprobs
+from spmdrl.models.grad_sync import defers_grad_sync, gradient_sync
 from spmdrl.models.head import fused_chunk_for
-from spmdrl.models.parallelize import (
-    gathered_between_micro_batches,
-    gathered_through,
-    offloaded_to_host,
-    shard_ranks,
-)
+from spmdrl.models.parallelize import gathered_through
 from spmdrl.optim import clip_grad_norm
 from spmdrl.rl.batch import PolicyBatch
 from spmdrl.rl.micro_batches import MicroBatch, micro_batch_rows, plan_micro_batches
@@ -164,44 +159,6 @@ def values_of(
             v_BT = _shifted_values(critic, batch.take(plan.index_B, plan.width), pack, plan.lengths)
             out_BT[plan.index_B, : v_BT.shape[1]] = v_BT
     return out_BT
-
-
-def defers_grad_sync(model: torch.nn.Module, setting: str | bool) -> bool:
-    """trainer.defer_grad_sync resolved for ``model``: true / false as set; auto: auto_defers."""
-    mode = defer_mode(setting)
-    if mode != "auto":
-        return mode == "true"
-    return isinstance(model, FSDPModule) and auto_defers(shard_ranks(model), offloaded_to_host(model))
-
-
-def auto_defers(shard_ranks: int, offloaded: bool) -> bool:
-    """trainer.defer_grad_sync=auto: defer where that costs no memory. With the parameters sharded over one
-    rank the shard is the whole gradient anyway, and between micro-batches the deferred gradients take its
-    place; but not with the shards offloaded (model.offload_params): their gradients live in host memory,
-    and the deferred ones would stay on the device, a reduce_dtype copy of the model that offloading is
-    there to avoid."""
-    return shard_ranks == 1 and not offloaded
-
-
-def describe_grad_sync(model: torch.nn.Module, setting: str | bool) -> str:
-    """The gradient reduce the update runs, for the start-up log."""
-    when = "once per optimizer step" if defers_grad_sync(model, setting) else "after every micro-batch"
-    return f"gradients reduced {when} (trainer.defer_grad_sync={defer_mode(setting)}, {shard_ranks(model)} shard rank(s))"
-
-
-def gradient_sync(model: torch.nn.Module, defer: bool, *, last: bool) -> None:
-    """Before each micro-batch's forward. ``defer`` (defers_grad_sync): FSDP2 reduces the gradients only in
-    the backward of a mini-batch's last micro-batch (one reduce per optimizer step instead of one per
-    micro-batch); the ones before accumulate into each rank's unsharded gradients, which stay allocated
-    until then (a reduce_dtype copy of the trained parameters per rank). Every rank runs the same number
-    of micro-batches (micro_batch_rows), so the collectives still pair up. A whole-model unit also stays
-    gathered until that last backward (gathered_between_micro_batches): its weights do not change before
-    the optimizer step."""
-    if not isinstance(model, FSDPModule):
-        return
-    if defer:
-        model.set_requires_gradient_sync(last)
-    gathered_between_micro_batches(model, keep=not last)
 
 
 def mini_batches(

@@ -23,6 +23,7 @@ from transformers import (
 from spmdrl.config import ConfigError, LoraConfig
 from spmdrl.config_loader import load_config
 from spmdrl.distributed.placement import Placement
+from spmdrl.models.grad_sync import auto_defers
 from spmdrl.models.lora import apply_lora
 from spmdrl.models.memory_model import DecoderShape, lora_adapter_params
 from spmdrl.rl.token_budgets import (
@@ -32,7 +33,6 @@ from spmdrl.rl.token_budgets import (
     reward_model_shape,
     state_bytes,
 )
-from spmdrl.rl.update import auto_defers
 from spmdrl.testing.models import QWEN2_5_0_5B
 
 # Qwen2.5-0.5B's config (tied, q/k/v biases) and a small untied Llama (no biases).
