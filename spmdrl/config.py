@@ -236,10 +236,10 @@ class TrainerConfig:
     # RL: pack each micro-batch's sequences end to end (padding removed; spmdrl/models/packing.py).
     pack_sequences: bool = False
     # When FSDP2 reduces the gradients of a step's micro-batches, in every trainer (RL, SFT, reward model;
-    # spmdrl.models.grad_sync). "false": after every
-    # micro-batch's backward. "true": once per optimizer step, after the mini-batch's last micro-batch
-    # (set_requires_gradient_sync); until then each rank keeps the unsharded gradients (reduce_dtype, the
-    # whole trained model) where the default keeps its 1/N shard, memory that a sharded model pays.
+    # spmdrl.models.grad_sync). "false": after every micro-batch's backward. "true": once per optimizer
+    # step, after the mini-batch's last micro-batch (set_requires_gradient_sync); until then each rank
+    # keeps the unsharded gradients (reduce_dtype, the whole trained model) where "false" keeps its 1/N
+    # shard, memory that a sharded model pays.
     # "auto" (the default): true where the model's shard dimension has one rank (one GPU; pure
     # replication) and its shards are not offloaded, whose shard is the whole gradient anyway, so
     # deferring costs no memory; false elsewhere. A boolean means true / false (docs/performance.md).
@@ -782,7 +782,7 @@ def ac_mode(value: str | bool) -> str:
     return _AC_BOOLEANS.get(str(value).lower(), str(value))
 
 
-# trainer.defer_grad_sync's modes (spmdrl.rl.update.gradient_sync).
+# trainer.defer_grad_sync's modes (spmdrl.models.grad_sync).
 DEFER_MODES = ("auto", "true", "false")
 
 

@@ -28,19 +28,20 @@ def auto_defers(shard_ranks: int, offloaded: bool) -> bool:
 
 
 def describe_grad_sync(model: torch.nn.Module, setting: str | bool) -> str:
-    """The gradient reduce the update runs, for the start-up log."""
+    """The gradient reduce a trainer runs, for the start-up log."""
     when = "once per optimizer step" if defers_grad_sync(model, setting) else "after every micro-batch"
-    return f"gradients reduced {when} (trainer.defer_grad_sync={defer_mode(setting)}, {shard_ranks(model)} shard rank(s))"
+    mode, ranks = defer_mode(setting), shard_ranks(model)
+    return f"gradients reduced {when} (trainer.defer_grad_sync={mode}, {ranks} shard rank(s))"
 
 
 def gradient_sync(model: torch.nn.Module, defer: bool, *, last: bool) -> None:
     """Before each micro-batch's forward. ``defer`` (defers_grad_sync): FSDP2 reduces the gradients only in
     the backward of a mini-batch's last micro-batch (one reduce per optimizer step instead of one per
     micro-batch); the ones before accumulate into each rank's unsharded gradients, which stay allocated
-    until then (a reduce_dtype copy of the trained parameters per rank). Every rank must run the same number
-    of micro-batches, so the collectives still pair up. A whole-model unit also stays
-    gathered until that last backward (gathered_between_micro_batches): its weights do not change before
-    the optimizer step."""
+    until then (a reduce_dtype copy of the trained parameters per rank). Every rank must run the same
+    number of micro-batches, so the collectives still pair up. A whole-model unit also stays gathered
+    until that last backward (gathered_between_micro_batches): its weights do not change before the
+    optimizer step."""
     if not isinstance(model, FSDPModule):
         return
     if defer:

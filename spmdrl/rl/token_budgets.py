@@ -172,7 +172,7 @@ def rank_states(
     # trainer.defer_grad_sync: a rank keeps the unsharded gradients (reduce_dtype) until the mini-batch's
     # last micro-batch, of one model at a time (the actor's and the critic's updates take turns). That is
     # more device memory than its shard's gradients only on a sharded model, or with the shards (and so
-    # their gradients) offloaded to the host; auto defers in neither (spmdrl.rl.update.auto_defers).
+    # their gradients) offloaded to the host; auto defers in neither (spmdrl.models.grad_sync.auto_defers).
     reduce_bytes = 4 if m.reduce_dtype == "float32" else 2
 
     def deferred(ranks: int) -> int:
