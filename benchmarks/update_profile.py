@@ -230,6 +230,22 @@ def job_token_budgets(shape: str, cfg: Any, device: torch.device, optimizer: str
     return b.train, b.no_grad
 
 
+def init_random_(model: torch.nn.Module, device: torch.device) -> None:
+    """Random weights, drawn in the parameters' order from one generator seeded on ``device`` (where they
+    live): norms 1, biases 0, the rest N(0, 0.02). An FSDP2 model draws each local shard, which on one rank
+    is the whole tensor, so the bare module (build_plain_model) gets the FSDP2 actor's weights exactly."""
+    g = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            if name.endswith("norm.weight"):
+                local.fill_(1.0)
+            elif name.endswith(".bias"):
+                local.zero_()
+            else:
+                local.normal_(0.0, 0.02, generator=g)
+
+
 def build_random_actor(shape: str, cfg: Any, device: torch.device) -> torch.nn.Module:
     """The RL job's actor build (spmdrl.models.build.build_fsdp_model's steps 1-3: meta, checkpointing and
     FSDP2, materialize) with random weights instead of step 4's checkpoint: no file of 15-30 GB to write."""
@@ -246,18 +262,10 @@ def build_random_actor(shape: str, cfg: Any, device: torch.device) -> torch.nn.M
     buffers = [(m, n, b.detach().clone()) for m in model.modules() for n, b in m.named_buffers(recurse=False)]
     parallelize(model, spec, Placement.colocated(1).build_meshes(device.type).fsdp("actor"))
     model.to_empty(device=torch.device("cpu") if spec.offload else device)
-    g = torch.Generator(device=device if not spec.offload else "cpu").manual_seed(0)
     with torch.no_grad():
         for m, n, b in buffers:
             m._buffers[n] = b.to(device)
-        for name, p in model.named_parameters():
-            local = p.to_local() if hasattr(p, "to_local") else p
-            if name.endswith("norm.weight"):
-                local.fill_(1.0)
-            elif name.endswith(".bias"):
-                local.zero_()
-            else:
-                local.normal_(0.0, 0.02, generator=g)
+    init_random_(model, torch.device("cpu") if spec.offload else device)
     model.config.use_cache = False
     use_causal_sdpa(model)  # as spmdrl.rl.models.build_models does
     model.train()
@@ -290,8 +298,8 @@ def synthetic_batch(a: argparse.Namespace, vocab: int, device: torch.device) -> 
 def build_plain_model(shape: str, cfg: Any, device: torch.device) -> torch.nn.Module:
     """The bare Hugging Face module of the shape, as a single-GPU trainer without a framework holds it
     (TRL's GRPOTrainer on one GPU): float32 parameters on the device, no FSDP2, SDPA attention, Hugging
-    Face's own activation checkpointing where the config asks for it; the weights build_random_actor
-    draws (the same generator, the same order: on one rank a shard is the whole tensor)."""
+    Face's own activation checkpointing where the config asks for it; build_random_actor's weights
+    (init_random_)."""
     from transformers import AutoModelForCausalLM
 
     from spmdrl.config import ac_mode
@@ -299,15 +307,7 @@ def build_plain_model(shape: str, cfg: Any, device: torch.device) -> torch.nn.Mo
     model = AutoModelForCausalLM.from_config(
         shape_config(shape), dtype=torch.float32, attn_implementation="sdpa"
     ).to(device)
-    g = torch.Generator(device=device).manual_seed(0)  # build_random_actor's draws, in its order
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name.endswith(".bias"):
-                p.zero_()
-            else:
-                p.normal_(0.0, 0.02, generator=g)
+    init_random_(model, device)  # build_random_actor's weights
     model.config.use_cache = False
     if ac_mode(cfg.model.activation_checkpointing) != "off":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
