@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from collections.abc import Iterator
 
 import torch
@@ -22,7 +21,6 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
-from torch.distributed.tensor import DTensor, Shard
 
 log = logging.getLogger(__name__)
 
@@ -126,20 +124,23 @@ def gathered_through(model: nn.Module) -> Iterator[None]:
         model.reshard()
 
 
+# Set by apply_fsdp on the root: how its parameters are sharded, read by shard_ranks / offloaded_to_host.
+# Not read off the parameters, which are plain tensors while a unit is gathered (the root of per-layer
+# units stays gathered after a no-grad forward until the next backward).
+_SHARD_RANKS = "_spmdrl_shard_ranks"
+_OFFLOADED = "_spmdrl_offloaded_to_host"
+
+
 def shard_ranks(model: nn.Module) -> int:
-    """The ranks an FSDP2 model's parameters are sharded over (the mesh dimensions its DTensors are Shard
-    on); 1 for a one-rank mesh or pure replication, and for a model that is not sharded."""
-    p = next(model.parameters(), None)
-    if not isinstance(p, DTensor):
-        return 1
-    return math.prod(p.device_mesh.size(d) for d, pl in enumerate(p.placements) if isinstance(pl, Shard))
+    """The ranks an FSDP2 model's parameters are sharded over (its mesh's last dimension: HSDP replicates
+    over the others); 1 for a one-rank mesh or pure replication, and for a model that is not sharded."""
+    return getattr(model, _SHARD_RANKS, 1)
 
 
 def offloaded_to_host(model: nn.Module) -> bool:
     """Whether an FSDP2 model's shards live in host memory while it computes on another device
     (model.offload_params); False on a CPU mesh, where there is no other memory to keep them in."""
-    p = next(model.parameters(), None)
-    return isinstance(p, DTensor) and p.device.type != p.device_mesh.device_type
+    return getattr(model, _OFFLOADED, False)
 
 
 def gathered_between_micro_batches(model: nn.Module, keep: bool) -> None:
@@ -200,6 +201,8 @@ def apply_fsdp(
                 offload_policy=policy,
             )
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False, offload_policy=policy)
+    setattr(model, _SHARD_RANKS, mesh.size(mesh.ndim - 1))
+    setattr(model, _OFFLOADED, offload and mesh.device_type != "cpu")
     if whole_model:
         setattr(model, _KEEP_GATHERED, False)
         model.register_forward_hook(_reshard_after_no_grad)

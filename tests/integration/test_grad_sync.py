@@ -39,6 +39,8 @@ def _worker(rank: int, world: int, model_dir: str, unit: str = "auto") -> dict:
     )
     from spmdrl.distributed.placement import Placement
     from spmdrl.models.build import ModelSpec, build_fsdp_model
+    from spmdrl.models.grad_sync import defers_grad_sync
+    from spmdrl.models.parallelize import shard_ranks
     from spmdrl.rl.batch import PolicyBatch
     from spmdrl.rl.update import update_policy
 
@@ -93,6 +95,9 @@ def _worker(rank: int, world: int, model_dir: str, unit: str = "auto") -> dict:
     with torch.no_grad():
         actor(input_ids=batch.input_ids_BT)
     out["layer_sharded_after_forward"] = isinstance(next(actor.model.layers[0].parameters()), DTensor)
+    # Resolved from how the model was sharded, not from its parameters, which the root of per-layer units
+    # leaves gathered (plain tensors) after that no-grad forward.
+    out["auto_after_forward"] = (shard_ranks(actor), defers_grad_sync(actor, "auto"))
     return out
 
 
@@ -121,6 +126,7 @@ def test_deferred_sync_reduces_once_per_step_and_gives_the_same_update(model_dir
             assert once["metrics"][key] == pytest.approx(each["metrics"][key], rel=1e-5, abs=1e-7), key
         assert each["metrics"]["actor/grad_norm"] > 1e-3
         assert res["layer_sharded_after_forward"]  # 2 ranks: resharded after forward
+        assert res["auto_after_forward"] == (2, False)
 
 
 @pytest.mark.parametrize(("unit", "units"), [("layer", 3), ("auto", 1)])
@@ -132,6 +138,7 @@ def test_one_rank_reshards_after_a_no_grad_forward(model_dir: Path, unit: str, u
     mini-batch, not once per micro-batch: its weights do not change before the optimizer step."""
     (res,) = run_distributed(_worker, 1, str(model_dir), unit, timeout_s=600)
     assert res["layer_sharded_after_forward"]
+    assert res["auto_after_forward"] == (1, True)
     assert res["false"]["reduces"] == 8 * units  # 8 rows: 8 micro-batches
     assert res["true"]["reduces"] == res["auto"]["reduces"] == units
     assert _bitwise(res["auto"]["weights"], res["true"]["weights"])
