@@ -315,6 +315,20 @@ def build_plain_model(shape: str, cfg: Any, device: torch.device) -> torch.nn.Mo
     return model
 
 
+def _autocast(device: torch.device) -> torch.autocast:
+    """The plain passes' precision: bf16 autocast over float32 parameters on CUDA (spmdrl's param_dtype=auto
+    there), float32 elsewhere."""
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
+def _span(rows: torch.Tensor, lengths: Any) -> tuple[int, int]:
+    """(width, first sampled column) of a micro-batch of ``rows``, from the rows' host-side lengths."""
+    picked = rows.tolist()
+    return max(lengths.tokens[i] for i in picked), min(
+        lengths.tokens[i] - lengths.response_tokens[i] for i in picked
+    )
+
+
 def _plain_logprobs(model: torch.nn.Module, mb: Any, first: int, temperature: float) -> torch.Tensor:
     """TRL's way: the LM head on the completion positions only (``logits_to_keep``), a float32
     log-softmax, each sampled token's logprob gathered; (rows, width - first), under the caller's
@@ -338,7 +352,7 @@ def plain_passes(
 
     a = cfg.algorithm
     device = batch.input_ids_BT.device
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    autocast = _autocast(device)
     temperature = cfg.rollout.temperature
     plans = list(mini_batches(cfg, rl, batch, loss_modes(cfg)))
     counts = [int(sum(mb.response_mask_BT.sum() for mb in mbs)) for _, _, _, mbs, _ in plans]  # host, once
@@ -363,14 +377,8 @@ def plain_passes(
             optimizer.zero_grad(set_to_none=True)
 
     lengths = batch.row_lengths()
-    forward_parts = [  # (rows on the device, width, first sampled column), planned once on the host
-        (
-            rows.to(device),
-            max(lengths.tokens[i] for i in rows.tolist()),
-            min(lengths.tokens[i] - lengths.response_tokens[i] for i in rows.tolist()),
-        )
-        for rows in parts
-    ]
+    # (rows on the device, width, first sampled column), planned once on the host
+    forward_parts = [(rows.to(device), *_span(rows, lengths)) for rows in parts]
 
     @torch.no_grad()
     def forward() -> None:
@@ -390,13 +398,11 @@ def first_logprobs(
     from spmdrl.rl.update import logprobs_of
 
     device = batch.input_ids_BT.device
-    lengths = batch.row_lengths()
-    width = max(lengths.tokens[i] for i in rows.tolist())
-    first = min(lengths.tokens[i] - lengths.response_tokens[i] for i in rows.tolist())
+    width, first = _span(rows, batch.row_lengths())
     mb = batch.take(rows.to(device), width)
     mask = mb.response_mask_BT[:, first:].bool()
     if plain:
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        with _autocast(device):
             return _plain_logprobs(model, mb, first, temperature)[mask].float()
     return logprobs_of(model, mb, [torch.arange(mb.num_rows)], temperature)[:, first:][mask].float()
 

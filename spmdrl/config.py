@@ -133,7 +133,7 @@ class ModelConfig:
     def fused_head_chunk(self, vocab_size: int, device_type: str) -> int:
         """The chunk policy_forward's head runs in for a model of ``vocab_size`` tokens on ``device_type``:
         fused_chunk_tokens when fused, 0 for the plain head."""
-        mode = fused_kernels_mode(self.use_fused_kernels)
+        mode = switch_mode(self.use_fused_kernels)
         on = mode == "true" or (
             mode == "auto" and (vocab_size >= FUSED_AUTO_MIN_VOCAB or device_type == "cuda")
         )
@@ -143,11 +143,12 @@ class ModelConfig:
 # model.use_fused_kernels=auto fuses the LM head from this vocabulary size on (Llama 3, Qwen2.5, Gemma all
 # have 128k-256k; a plain head on N positions keeps N x V float32 logits and their softmax for backward).
 FUSED_AUTO_MIN_VOCAB = 32768
-FUSED_KERNELS_MODES = ("auto", "true", "false")
+# The values of an auto / true / false setting (model.use_fused_kernels, trainer.defer_grad_sync).
+SWITCH_MODES = ("auto", "true", "false")
 
 
-def fused_kernels_mode(value: str | bool) -> str:
-    """model.use_fused_kernels as one of FUSED_KERNELS_MODES: a YAML or command-line boolean (which the
+def switch_mode(value: str | bool) -> str:
+    """An auto / true / false setting as one of SWITCH_MODES: a YAML or command-line boolean (which the
     string field holds as "True" / "False") is its lower-case name."""
     return str(value).lower()
 
@@ -782,16 +783,6 @@ def ac_mode(value: str | bool) -> str:
     return _AC_BOOLEANS.get(str(value).lower(), str(value))
 
 
-# trainer.defer_grad_sync's modes (spmdrl.models.grad_sync).
-DEFER_MODES = ("auto", "true", "false")
-
-
-def defer_mode(value: str | bool) -> str:
-    """trainer.defer_grad_sync as one of DEFER_MODES: a YAML or command-line boolean (which the string field
-    holds as "True" / "False") is true / false."""
-    return str(value).lower()
-
-
 def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ConfigError(f"{key}={value!r} is not one of {', '.join(choices)}")
@@ -1098,10 +1089,12 @@ def validate(cfg: Config) -> None:
             f"model.activation_checkpointing_every must be >= 1 (1: every decoder layer, k: every k-th), got "
             f"{cfg.model.activation_checkpointing_every}"
         )
-    if fused_kernels_mode(cfg.model.use_fused_kernels) not in FUSED_KERNELS_MODES:
-        raise ConfigError(
-            f"model.use_fused_kernels={cfg.model.use_fused_kernels!r} is not one of {', '.join(FUSED_KERNELS_MODES)}"
-        )
+    for key, value in (
+        ("model.use_fused_kernels", cfg.model.use_fused_kernels),
+        ("trainer.defer_grad_sync", cfg.trainer.defer_grad_sync),
+    ):
+        if switch_mode(value) not in SWITCH_MODES:
+            raise ConfigError(f"{key}={value!r} is not one of {', '.join(SWITCH_MODES)}")
     if cfg.model.fused_chunk_tokens < 1:
         raise ConfigError(
             f"model.fused_chunk_tokens must be >= 1 (positions per chunk of the fused LM head), got "
@@ -1135,10 +1128,6 @@ def validate(cfg: Config) -> None:
         ):  # it would make every reward it touches NaN or inf, caught only at step 1
             raise ConfigError(f"{key} must be a finite number, got {value}")
     _validate_token_budgets(cfg)
-    if defer_mode(cfg.trainer.defer_grad_sync) not in DEFER_MODES:
-        raise ConfigError(
-            f"trainer.defer_grad_sync={cfg.trainer.defer_grad_sync!r} is not one of {', '.join(DEFER_MODES)}"
-        )
     if cfg.trainer.packed_attention == "varlen" and not cfg.trainer.pack_sequences:
         raise ConfigError(
             "trainer.packed_attention=varlen needs packed micro-batches: set trainer.pack_sequences=true, or "

@@ -6,13 +6,13 @@ from __future__ import annotations
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-from spmdrl.config import defer_mode
+from spmdrl.config import switch_mode
 from spmdrl.models.parallelize import gathered_between_micro_batches, offloaded_to_host, shard_ranks
 
 
 def defers_grad_sync(model: torch.nn.Module, setting: str | bool) -> bool:
     """trainer.defer_grad_sync resolved for ``model``: true / false as set; auto: auto_defers."""
-    mode = defer_mode(setting)
+    mode = switch_mode(setting)
     if mode != "auto":
         return mode == "true"
     return isinstance(model, FSDPModule) and auto_defers(shard_ranks(model), offloaded_to_host(model))
@@ -30,7 +30,7 @@ def auto_defers(shard_ranks: int, offloaded: bool) -> bool:
 def describe_grad_sync(model: torch.nn.Module, setting: str | bool) -> str:
     """The gradient reduce a trainer runs, for the start-up log."""
     when = "once per optimizer step" if defers_grad_sync(model, setting) else "after every micro-batch"
-    mode, ranks = defer_mode(setting), shard_ranks(model)
+    mode, ranks = switch_mode(setting), shard_ranks(model)
     return f"gradients reduced {when} (trainer.defer_grad_sync={mode}, {ranks} shard rank(s))"
 
 

@@ -24,9 +24,10 @@ from pathlib import Path
 
 import torch
 
-from spmdrl.config import AUTO_TOKENS, Config, ac_mode, defer_mode, max_sequence_length
+from spmdrl.config import AUTO_TOKENS, Config, ac_mode, max_sequence_length, switch_mode
 from spmdrl.distributed.placement import Placement
 from spmdrl.distributed.reduce import all_reduce_min
+from spmdrl.models.grad_sync import auto_defers
 from spmdrl.models.memory_model import (
     MASTER_BYTES,
     TRAINED_BYTES,
@@ -176,8 +177,8 @@ def rank_states(
     reduce_bytes = 4 if m.reduce_dtype == "float32" else 2
 
     def deferred(ranks: int) -> int:
-        costs = ranks > 1 or m.offload_params
-        return reduce_bytes if defer_mode(cfg.trainer.defer_grad_sync) == "true" and costs else 0
+        costs = not auto_defers(ranks, offloaded=m.offload_params)
+        return reduce_bytes if switch_mode(cfg.trainer.defer_grad_sync) == "true" and costs else 0
 
     grad_bytes = deferred(shards)
     roles = ["actor", "critic"] if critic_here else ["actor"]

@@ -25,23 +25,35 @@ REPO = Path(__file__).resolve().parents[2]
 PEAK_TFLOPS = 1.0
 
 
-def test_the_profile_dry_run_writes_every_figure(tmp_path: Path) -> None:
+def _run_profile(tmp_path: Path, *args: str) -> dict:
+    """update_profile.py on the tiny shape with ``args``; its JSON document."""
     out = tmp_path / "profile.json"
     cmd = [
         sys.executable,
         str(REPO / "benchmarks" / "update_profile.py"),
         "--shape=tiny",
+        *args,
+        f"--json={out}",
+    ]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def _figures(doc: dict) -> dict:
+    return {f["name"].removeprefix("update_profile/"): f for f in doc["figures"]}
+
+
+def test_the_profile_dry_run_writes_every_figure(tmp_path: Path) -> None:
+    doc = _run_profile(
+        tmp_path,
         "--steps=1",
         f"--peak-tflops={PEAK_TFLOPS}",
         "--set=model.activation_checkpointing=full",
         "--variant=compiled=model.compile=true",
         "--plain",
-        f"--json={out}",
-    ]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    doc = json.loads(out.read_text())
-    figs = {f["name"].removeprefix("update_profile/"): f for f in doc["figures"]}
+    )
+    figs = _figures(doc)
     assert doc["benchmark"] == "update_profile" and doc["device"] == "cpu"
     for name in ("update", "forward"):
         seconds = figs[f"{name}_s"]["value"]
@@ -90,20 +102,15 @@ def test_interleaved_columns_each_get_their_figures(tmp_path: Path) -> None:
     """--interleave builds every column first and times them in turn: each still gets its own figures.
     The variant reduces the gradients after every micro-batch (trainer.defer_grad_sync=false), which on
     one rank auto defers: more ATen ops per update micro-batch, the same no-grad pass."""
-    out = tmp_path / "interleaved.json"
-    cmd = [
-        sys.executable,
-        str(REPO / "benchmarks" / "update_profile.py"),
-        "--shape=tiny",
-        "--steps=2",
-        "--interleave",
-        "--plain",
-        "--variant=reduce_each=trainer.defer_grad_sync=false",
-        f"--json={out}",
-    ]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    figs = {f["name"].removeprefix("update_profile/"): f for f in json.loads(out.read_text())["figures"]}
+    figs = _figures(
+        _run_profile(
+            tmp_path,
+            "--steps=2",
+            "--interleave",
+            "--plain",
+            "--variant=reduce_each=trainer.defer_grad_sync=false",
+        )
+    )
     for column in ("reduce_each", "plain"):
         for name in ("update", "forward"):
             assert figs[f"{column}/{name}_s"]["value"] > 0

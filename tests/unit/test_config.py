@@ -16,6 +16,10 @@ from spmdrl.config_loader import load_config
         ("trainer.global_batch_size=0", "trainer.global_batch_size must be > 0"),
         ("parallel.dp_replicate=0", "parallel.dp_replicate"),
         ("tiny_task.correct_fraction=1.5", "correct_fraction"),
+        (
+            "trainer.defer_grad_sync=sometimes",
+            "trainer.defer_grad_sync='sometimes' is not one of auto, true, false",
+        ),
     ],
 )
 def test_bad_values_rejected(override: str, match: str) -> None:
