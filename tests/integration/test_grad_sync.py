@@ -148,3 +148,40 @@ def test_one_rank_reshards_after_a_no_grad_forward(model_dir: Path, unit: str, u
         assert [res[m]["gathers"] for m in ("false", "true", "auto")] == [1, 1, 1]
     else:  # each layer unit gathers in each forward and again in its backward
         assert res["false"]["gathers"] >= 8 * 2 * (units - 1)
+
+
+def test_sft_step_defers_on_one_rank(tmp_path: Path) -> None:
+    """The SFT recipe's step goes through the same rule (spmdrl.models.grad_sync): on one rank auto reduces
+    once per step, false after each of its 2 micro-batches. Counted as FSDP2's own post-backward reduce
+    ranges in the traced step (logging.profile_steps); one torchrun process each."""
+    import gzip
+    import json
+    import os
+
+    from spmdrl.testing.launch import torchrun
+
+    counts = {}
+    for mode in ("auto", "false"):
+        out = tmp_path / mode
+        res = torchrun(
+            [
+                "-m",
+                "spmdrl.train",
+                "recipe=sft_tiny",
+                f"trainer.output_dir={out}",
+                "trainer.total_steps=2",
+                "trainer.global_batch_size=16",
+                "trainer.micro_batch_size=8",
+                "trainer.val_every=0",
+                "logging.profile_steps=[2]",
+                f"trainer.defer_grad_sync={mode}",
+            ],
+            nproc=1,
+            cwd=tmp_path,
+            timeout_s=600,
+            env={"SPMDRL_CACHE": os.environ.get("SPMDRL_CACHE", str(Path.home() / ".cache" / "spmdrl"))},
+        )
+        assert res.returncode == 0, res.output[-4000:]
+        trace = json.loads(gzip.decompress((out / "profile" / "step-2" / "rank-0.json.gz").read_bytes()))
+        counts[mode] = sum(e.get("name") == "FSDP::post_backward_reduce" for e in trace["traceEvents"])
+    assert counts == {"auto": 1, "false": 2}
