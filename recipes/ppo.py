@@ -217,7 +217,7 @@ def actor_waits(job: RLJob, batch: PolicyBatch) -> UpdateResult:
     old_BT = batch.old_logprobs_BT
     if old_BT is None:
         parts = micro_rows(cfg, job.rl, batch, job.actor_group)
-        fused = fused_chunk_for(cfg.model, job.actor, batch.input_ids_BT.device)
+        fused = fused_chunk_for(cfg.model, job.actor)
         old_BT = logprobs_of(
             job.actor, batch, parts, cfg.rollout.temperature, cfg.trainer.pack_sequences, fused
         )

@@ -124,24 +124,25 @@ class ModelConfig:
     # The LM head of the trainer's logprob passes (verl's actor_rollout_ref.model.use_fused_kernels): true
     # computes logprobs, entropy and sum pi^2 fused_chunk_tokens positions at a time, recomputing each
     # chunk's logits in backward (spmdrl/models/fused_logprob.py: memory chunk x V instead of tokens x V);
-    # false computes every scored position's logits at once. auto: true on CUDA or where the vocabulary
-    # has >= FUSED_AUTO_MIN_VOCAB tokens, false otherwise (the tiny CPU models). Either way the head runs
-    # on the positions that predict a response token only (docs/performance.md#the-lm-head-on-response-positions).
+    # false computes every scored position's logits at once. auto: true where the vocabulary has
+    # >= FUSED_AUTO_MIN_VOCAB tokens, on any device; below that the logits are small and the plain head is
+    # fewer kernels (no per-chunk loop, no recompute in backward). Either way the head runs on the
+    # positions that predict a response token only (docs/performance.md#the-lm-head-on-response-positions).
     use_fused_kernels: str = "auto"
     fused_chunk_tokens: int = 512
 
-    def fused_head_chunk(self, vocab_size: int, device_type: str) -> int:
-        """The chunk policy_forward's head runs in for a model of ``vocab_size`` tokens on ``device_type``:
+    def fused_head_chunk(self, vocab_size: int) -> int:
+        """The chunk policy_forward's head runs in for a model of ``vocab_size`` tokens, on any device:
         fused_chunk_tokens when fused, 0 for the plain head."""
         mode = switch_mode(self.use_fused_kernels)
-        on = mode == "true" or (
-            mode == "auto" and (vocab_size >= FUSED_AUTO_MIN_VOCAB or device_type == "cuda")
-        )
+        on = mode == "true" or (mode == "auto" and vocab_size >= FUSED_AUTO_MIN_VOCAB)
         return self.fused_chunk_tokens if on else 0
 
 
 # model.use_fused_kernels=auto fuses the LM head from this vocabulary size on (Llama 3, Qwen2.5, Gemma all
 # have 128k-256k; a plain head on N positions keeps N x V float32 logits and their softmax for backward).
+# Below it, on a GPU too, the chunked head only adds launches: at 512 tokens and 64 x 160 positions it ran
+# 3.7% more ATen ops per update micro-batch than the plain one (docs/performance.md).
 FUSED_AUTO_MIN_VOCAB = 32768
 # The values of an auto / true / false setting (model.use_fused_kernels, trainer.defer_grad_sync).
 SWITCH_MODES = ("auto", "true", "false")

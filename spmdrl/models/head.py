@@ -28,10 +28,10 @@ from spmdrl.models.fused_logprob import HeadOut, fused_head
 from spmdrl.models.parallelize import through_outputs
 
 
-def fused_chunk_for(cfg: ModelConfig, model: nn.Module, device: torch.device) -> int:
-    """policy_forward's ``fused_chunk_tokens`` for ``model`` computing on ``device`` under
-    model.use_fused_kernels (ModelConfig.fused_head_chunk): 0 for the plain head."""
-    return cfg.fused_head_chunk(int(model.config.vocab_size), device.type)
+def fused_chunk_for(cfg: ModelConfig, model: nn.Module) -> int:
+    """policy_forward's ``fused_chunk_tokens`` for ``model`` under model.use_fused_kernels
+    (ModelConfig.fused_head_chunk, from its vocabulary): 0 for the plain head."""
+    return cfg.fused_head_chunk(int(model.config.vocab_size))
 
 
 def head_on_positions(

@@ -71,12 +71,12 @@ def old_and_ref_logprobs(
             temp,
             pack,
             adv_estimator(cfg.algorithm.adv_estimator).needs_sum_pi_squared,
-            fused_chunk_tokens=fused_chunk_for(cfg.model, actor, batch.input_ids_BT.device),
+            fused_chunk_tokens=fused_chunk_for(cfg.model, actor),
         )
         batch = batch.replace(old_logprobs_BT=old_BT, sum_pi_squared_BT=sps_BT)
     if ref is not None:
         parts = micro_rows(cfg, rl, batch, group)
-        fused = fused_chunk_for(cfg.model, ref.model, batch.input_ids_BT.device)
+        fused = fused_chunk_for(cfg.model, ref.model)
         with ref.scoring():
             ref_BT = logprobs_of(ref.model, batch, parts, temp, pack, fused)
         batch = batch.replace(ref_logprobs_BT=ref_BT)

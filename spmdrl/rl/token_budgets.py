@@ -75,7 +75,7 @@ def memory_inputs(
         compute_bytes=4 if m.param_dtype == "float32" else 2,  # auto: bfloat16 on CUDA
         activation_checkpointing=ac_mode(m.activation_checkpointing),
         checkpoint_every=m.activation_checkpointing_every,
-        fused_chunk_tokens=m.fused_head_chunk(shape.vocab, "cuda"),
+        fused_chunk_tokens=m.fused_head_chunk(shape.vocab),
         attention=attention,
         whole_model=whole_model,
     )

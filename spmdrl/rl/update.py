@@ -307,7 +307,7 @@ def micro_batch_loss(
         first_column=mb.first_response_column() if plan is None else plan.first_column,
         lengths_B=None if plan is None else plan.lengths,
         first_columns_B=None if plan is None else plan.first_columns,
-        fused_chunk_tokens=fused_chunk_for(cfg.model, actor, mb.input_ids_BT.device),
+        fused_chunk_tokens=fused_chunk_for(cfg.model, actor),
     )
     assert ent_BT is not None
     mask_BT = mb.response_mask_BT

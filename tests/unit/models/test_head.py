@@ -14,7 +14,7 @@ import torch
 from transformers import Gemma2Config, Gemma2ForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from spmdrl.algos.losses import entropy_from_logits, sum_pi_squared_from_logits, token_logprobs
-from spmdrl.config import ConfigError, ModelConfig, validate
+from spmdrl.config import FUSED_AUTO_MIN_VOCAB, ConfigError, ModelConfig, validate
 from spmdrl.models.forward import policy_forward, scored_positions
 from spmdrl.testing.models import SMALL_QWEN2
 
@@ -215,22 +215,27 @@ def test_entropy_bonus_gradient_reaches_hidden_states() -> None:
 
 
 def test_use_fused_kernels_setting() -> None:
-    """auto: fused on CUDA or from 32k tokens; true / false (booleans too) force it; bad values refused."""
+    """auto: fused from 32k tokens on, on any device (a small vocabulary keeps the plain head, its logits
+    small: on a GPU too); true / false (booleans too) force it; bad values refused."""
     cfg = ModelConfig()
-    assert cfg.fused_head_chunk(151936, "cpu") == cfg.fused_chunk_tokens > 0
-    assert cfg.fused_head_chunk(512, "cuda") == cfg.fused_chunk_tokens
-    assert cfg.fused_head_chunk(512, "cpu") == 0  # the tiny CPU models keep the plain head
+    assert (
+        cfg.fused_head_chunk(151936)
+        == cfg.fused_head_chunk(FUSED_AUTO_MIN_VOCAB)
+        == cfg.fused_chunk_tokens
+        > 0
+    )
+    assert cfg.fused_head_chunk(FUSED_AUTO_MIN_VOCAB - 1) == cfg.fused_head_chunk(512) == 0
     for value in ("true", True, "True"):
-        assert ModelConfig(use_fused_kernels=value, fused_chunk_tokens=64).fused_head_chunk(512, "cpu") == 64
+        assert ModelConfig(use_fused_kernels=value, fused_chunk_tokens=64).fused_head_chunk(512) == 64
     for value in ("false", False):
-        assert ModelConfig(use_fused_kernels=value).fused_head_chunk(151936, "cuda") == 0
+        assert ModelConfig(use_fused_kernels=value).fused_head_chunk(151936) == 0
 
 
 def test_use_fused_kernels_from_the_command_line() -> None:
     from spmdrl.config_loader import load_config
 
     cfg = load_config(["recipe=grpo_tiny", "model.use_fused_kernels=true", "model.fused_chunk_tokens=256"])
-    assert cfg.model.fused_head_chunk(512, "cpu") == 256
+    assert cfg.model.fused_head_chunk(512) == 256
     with pytest.raises(
         ConfigError, match="model.use_fused_kernels='sometimes' is not one of auto, true, false"
     ):
