@@ -28,6 +28,10 @@ under torch.profiler and once more counting host-device syncs. Reported per pass
   for the kernels the same pass would launch on a GPU, labelled so;
 - syncs per micro-batch: on CUDA the synchronizing calls ``torch.cuda.set_sync_debug_mode("warn")``
   reports; on CPU spmdrl.testing.syncs.SyncCounter's model of them;
+- host time in FSDP2 and in the optimizer: the union of the host intervals of FSDP2's own profiler ranges
+  (``FSDP::*``: its hooks, gathers' copy-in and copy-out, reduces) and of ``Optimizer.step``/``zero_grad``,
+  per thread, over the profiled pass, and their share of its wall time (``fsdp_host_share_*``). On a step
+  the host bounds, that share is what a one-rank job pays FSDP2 for nothing to shard; 0 for ``--plain``;
 - the attention ops the profiler saw (``aten::_scaled_dot_product_flash_attention`` and its kin): which
   SDPA kernel the pass took, e.g. flash for padded rows under causal SDPA (spmdrl.models.causal_attention).
 
@@ -431,6 +435,33 @@ class Profiled:
     busy_s: float | None  # the device's kernels and copies, merged (CUDA only)
     launches: int  # CUDA kernels, or leaf ATen ops on CPU
     attention: list[str] = field(default_factory=list)  # the SDPA ops that ran (which kernel)
+    # Host seconds inside each HOST_PARTS' profiler ranges (host_seconds), for the table's breakdown.
+    host_parts: dict[str, float] = field(default_factory=dict)
+
+
+# Host time by who spends it: profiler ranges (record_function names) by prefix. FSDP2 labels its hooks,
+# gathers and reduces FSDP::...; torch.optim labels step and zero_grad.
+HOST_PARTS = {"fsdp": ("FSDP::",), "optimizer": ("Optimizer.step#", "Optimizer.zero_grad#")}
+
+
+def host_seconds(events: Any, prefixes: tuple[str, ...]) -> float:
+    """Seconds of host time inside profiler ranges named with ``prefixes``: per thread, the union of their
+    intervals (ranges nest: FSDP::pre_forward holds FSDP::all_gather), summed over threads (the autograd
+    engine's device threads run the backward hooks)."""
+    from torch.autograd import DeviceType
+
+    by_thread: dict[int, list[tuple[float, float]]] = {}
+    for e in events:
+        if e.name.startswith(prefixes) and e.device_type == DeviceType.CPU:
+            by_thread.setdefault(e.thread, []).append((e.time_range.start, e.time_range.end))
+    total = 0.0
+    for spans in by_thread.values():
+        end = float("-inf")
+        for start, stop in sorted(spans):  # us
+            if stop > end:
+                total += stop - max(start, end)
+                end = stop
+    return total / 1e6
 
 
 def profile_pass(run: Callable[[], Any], device: torch.device) -> Profiled:
@@ -446,13 +477,14 @@ def profile_pass(run: Callable[[], Any], device: torch.device) -> Profiled:
         wall = time.perf_counter() - t0
     events = prof.events()
     attention = sorted({e.name for e in events if e.name.startswith(ATTENTION_OPS)})
+    host = {part: host_seconds(events, prefixes) for part, prefixes in HOST_PARTS.items()}
     if not cuda:
         leaves = [
             e
             for e in events
             if e.name.startswith("aten::") and not any(c.name.startswith("aten::") for c in e.cpu_children)
         ]
-        return Profiled(wall, None, len(leaves), attention)
+        return Profiled(wall, None, len(leaves), attention, host)
     from torch.autograd import DeviceType
 
     device_events = [e for e in events if e.device_type == DeviceType.CUDA]
@@ -463,7 +495,7 @@ def profile_pass(run: Callable[[], Any], device: torch.device) -> Profiled:
         if stop > end:
             busy += stop - max(start, end)
             end = stop
-    return Profiled(wall, busy / 1e6, len(kernels), attention)
+    return Profiled(wall, busy / 1e6, len(kernels), attention, host)
 
 
 def count_syncs(run: Callable[[], Any], device: torch.device, host: list[torch.Tensor]) -> tuple[int, str]:
@@ -621,6 +653,9 @@ def measure(
         if prof.busy_s is not None:
             f[f"gpu_busy_{name}"] = (prof.busy_s / prof.wall_s, "fraction")
         f[f"launches_per_micro_batch_{name}"] = (prof.launches / n_micro, launch_unit)
+        for part, seconds_in in prof.host_parts.items():
+            f[f"{part}_host_s_{name}"] = (seconds_in, "s (profiled)")
+            f[f"{part}_host_share_{name}"] = (seconds_in / prof.wall_s, "fraction")
         f[f"syncs_{name}"] = (float(syncs), "syncs")
         f[f"syncs_per_micro_batch_{name}"] = (syncs / n_micro, "syncs")
         r.context[f"{name}_micro_batches"] = n_micro
@@ -711,6 +746,12 @@ def main() -> None:
         base, bare = runs["default"].figures, runs["plain"].figures
         for k in ("update_s", "forward_s"):
             print(f"spmdrl / plain, {k.removesuffix('_s')}: {base[k][0] / bare[k][0]:.2f}x the time")
+        for k in ("update", "forward"):  # how much of the difference FSDP2's own host work is
+            fsdp = base[f"fsdp_host_s_{k}"][0]
+            print(
+                f"spmdrl's {k}: {fsdp:.4f} s of host time in FSDP2 ({base[f'fsdp_host_share_{k}'][0]:.1%} of "
+                f"the profiled pass), against a gap to plain of {base[f'{k}_s'][0] - bare[f'{k}_s'][0]:.4f} s"
+            )
         ours, theirs = runs["default"].probe, runs["plain"].probe
         assert ours is not None and theirs is not None
         diff = float((ours - theirs).abs().max()) if ours.shape == theirs.shape else float("inf")

@@ -1,6 +1,7 @@
 """benchmarks/update_profile.py's CPU dry run: the profiler benchmark runs spmdrl's update and no-grad forward
 on the tiny shape under FSDP2 (one gloo rank) and writes its figures in bench_report's format; ``--plain``
-runs the same work on the bare Hugging Face module from the same weights, whose logprobs must be spmdrl's.
+runs the same work on the bare Hugging Face module from the same weights, whose logprobs must be spmdrl's,
+and whose host time in FSDP2's profiler ranges is 0 where spmdrl's is not.
 
 A CPU has no peak in the table, so the run is given one (``--peak-tflops``): the MFU path runs, and its
 figure must be the FLOPs of spmdrl.logging.flops over the measured time. ``--set`` turns on activation
@@ -85,6 +86,14 @@ def test_the_profile_dry_run_writes_every_figure(tmp_path: Path) -> None:
         plain = figs[f"plain/{name}_s"]
         assert plain["value"] > 0 and plain["baseline"] == figs[f"{name}_s"]["value"]
         assert figs[f"plain/launches_per_micro_batch_{name}"]["value"] > 0
+        # Host time by part: FSDP2's ranges in spmdrl's passes (its gather at least), none on the bare module.
+        assert 0 < figs[f"fsdp_host_s_{name}"]["value"] < figs[f"{name}_s"]["value"] * 10
+        assert 0 < figs[f"fsdp_host_share_{name}"]["value"] < 1
+        assert figs[f"plain/fsdp_host_s_{name}"]["value"] == 0
+    # The optimizer's step and zero_grad run in the update only, in both columns.
+    for column in ("", "plain/"):
+        assert figs[f"{column}optimizer_host_s_update"]["value"] > 0
+        assert figs[f"{column}optimizer_host_s_forward"]["value"] == 0
     for name in ("update", "forward"):  # the no-grad pass too (it compiles again, without autograd)
         compiled = figs[f"compiled/launches_per_micro_batch_{name}"]
         assert compiled["baseline"] == figs[f"launches_per_micro_batch_{name}"]["value"]
