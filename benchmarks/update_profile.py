@@ -256,7 +256,7 @@ def build_random_actor(shape: str, cfg: Any, device: torch.device) -> torch.nn.M
     from transformers import AutoModelForCausalLM
 
     from spmdrl.distributed.placement import Placement
-    from spmdrl.models.build import _params_on_meta, attention_kwargs, model_spec, parallelize
+    from spmdrl.models.build import _params_on_meta, attention_kwargs, materialize, model_spec, parallelize
     from spmdrl.models.causal_attention import use_causal_sdpa
 
     spec = model_spec(cfg.model, Path(shape), device, train=True)
@@ -265,10 +265,7 @@ def build_random_actor(shape: str, cfg: Any, device: torch.device) -> torch.nn.M
         model = AutoModelForCausalLM.from_config(hf, dtype=torch.float32, **attention_kwargs(hf))
     buffers = [(m, n, b.detach().clone()) for m in model.modules() for n, b in m.named_buffers(recurse=False)]
     parallelize(model, spec, Placement.colocated(1).build_meshes(device.type).fsdp("actor"))
-    model.to_empty(device=torch.device("cpu") if spec.offload else device)
-    with torch.no_grad():
-        for m, n, b in buffers:
-            m._buffers[n] = b.to(device)
+    materialize(model, spec, device, buffers)
     init_random_(model, torch.device("cpu") if spec.offload else device)
     model.config.use_cache = False
     use_causal_sdpa(model)  # as spmdrl.rl.models.build_models does

@@ -113,8 +113,12 @@ class ModelConfig:
     # and freed after it); model, the whole model as one unit (one gather per pass: a fraction of the host
     # work per micro-batch, with the whole model's unsharded parameters, and in training their gradients,
     # alive during a pass). auto: model where the model's mesh is one rank and, on a GPU, that unsharded
-    # copy (spmdrl.models.memory_model.whole_model_unit) fits in 1/8 of the card; layer otherwise.
-    fsdp_unit: str = choice("auto", ("auto", "layer", "model"))
+    # copy (spmdrl.models.memory_model.whole_model_unit) fits in 1/8 of the card; layer otherwise. none: no
+    # FSDP2 at all, on a one-rank mesh only (a one-GPU job): the bare module with float32 parameters, its
+    # forward under bf16 autocast where param_dtype is bf16, as a one-GPU trainer without a framework runs
+    # (TRL); FSDP2's host work per pass (its hooks, the gather's and the reduce's per-tensor bookkeeping)
+    # is gone, not moved (spmdrl.models.parallelize.apply_autocast). Not with the offload settings.
+    fsdp_unit: str = choice("auto", ("auto", "layer", "model", "none"))
     trust_remote_code: bool = False
     # Where the tiny model and generated data are cached. "": $SPMDRL_CACHE or ~/.cache/spmdrl.
     cache_dir: str = ""
@@ -1096,6 +1100,13 @@ def validate(cfg: Config) -> None:
     ):
         if switch_mode(value) not in SWITCH_MODES:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(SWITCH_MODES)}")
+    offloads = [k for k in ("offload_params", "offload_optimizer", "offload_ref") if getattr(cfg.model, k)]
+    if cfg.model.fsdp_unit == "none" and offloads:
+        raise ConfigError(
+            f"model.fsdp_unit=none (no FSDP2) keeps each model whole on its device, but "
+            f"{', '.join(f'model.{k}' for k in offloads)} is set: host-memory offload is FSDP2's; use "
+            "model.fsdp_unit=auto with it"
+        )
     if cfg.model.fused_chunk_tokens < 1:
         raise ConfigError(
             f"model.fused_chunk_tokens must be >= 1 (positions per chunk of the fused LM head), got "

@@ -27,7 +27,7 @@ from transformers import (
 from spmdrl.config import LoraConfig, ModelConfig, ac_mode
 from spmdrl.models.lora import apply_lora, initial_adapter_weights
 from spmdrl.models.memory_model import whole_model_unit
-from spmdrl.models.parallelize import apply_ac, apply_compile, apply_fsdp
+from spmdrl.models.parallelize import apply_ac, apply_autocast, apply_compile, apply_fsdp
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,8 @@ class ModelSpec:
     offload: bool = False
     # LoRA adapters (spmdrl.models.lora): only they train. None: every weight trains (or none, frozen).
     lora: LoraConfig | None = None
-    # model.fsdp_unit: auto / layer / model (resolved in parallelize, where the mesh is known).
+    # model.fsdp_unit: auto / layer / model (resolved in parallelize, where the mesh is known), or none (no
+    # FSDP2: the bare module under autocast, one-rank meshes only).
     fsdp_unit: str = "auto"
 
 
@@ -127,19 +128,24 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 def parallelize(model: nn.Module, spec: ModelSpec, mesh: DeviceMesh) -> None:
     """Step 2 of :func:`build_fsdp_model`, on a model still on the meta device: activation checkpointing
-    inside, then torch.compile per block, FSDP2 outside (torchtitan's order). Its own function so that a
+    inside, then torch.compile per block, FSDP2 outside (torchtitan's order); model.fsdp_unit=none, autocast
+    instead of FSDP2 (one-rank meshes only: spec_whole_model refuses others). Its own function so that a
     benchmark building a model of random weights (benchmarks/update_profile.py) runs the same steps."""
     if ac_mode(spec.activation_checkpointing) != "off":
         apply_ac(model, ac_mode(spec.activation_checkpointing), every=spec.ac_every)
     if spec.compile:
         apply_compile(model)
+    whole = spec_whole_model(spec, model, mesh)
+    if spec.fsdp_unit == "none":
+        apply_autocast(model, spec.param_dtype, mesh.device_type)
+        return
     apply_fsdp(
         model,
         mesh,
         param_dtype=spec.param_dtype,
         reduce_dtype=spec.reduce_dtype,
         offload=spec.offload,
-        whole_model=spec_whole_model(spec, model, mesh),
+        whole_model=whole,
     )
 
 
@@ -155,6 +161,26 @@ def spec_whole_model(spec: ModelSpec, model: nn.Module, mesh: DeviceMesh) -> boo
         trained=spec.train,
         total_bytes=total,
     )
+
+
+def materialize(
+    model: nn.Module,
+    spec: ModelSpec,
+    device: torch.device,
+    buffers: list[tuple[nn.Module, str, torch.Tensor]],
+) -> None:
+    """Step 3 of :func:`build_fsdp_model`, after parallelize: each rank allocates its shards (uninitialized)
+    on ``device``, in host memory when offloaded (FSDP2 copies each unit's shards over for its compute);
+    ``buffers`` ((module, name, value), taken before parallelize) get their computed values back on the
+    compute device either way, where the forward reads them (they are not FSDP2's to manage)."""
+    model.to_empty(device=torch.device("cpu") if spec.offload else device)
+    # A bare module's (model.fsdp_unit=none) tied LM head got a tensor of its own from to_empty, which
+    # replaces each module's parameters one by one; FSDP2's keep the one DTensor. Tied again here.
+    if spec.fsdp_unit == "none":
+        model.tie_weights()
+    with torch.no_grad():
+        for mod, name, value in buffers:
+            mod._buffers[name] = value.to(device)
 
 
 def build_fsdp_model(spec: ModelSpec, mesh: DeviceMesh, device: torch.device) -> nn.Module:
@@ -206,12 +232,7 @@ def build_fsdp_model(spec: ModelSpec, mesh: DeviceMesh, device: torch.device) ->
     # 2. Parallelize: activation checkpointing inside, then compile, FSDP2 outside.
     parallelize(model, spec, mesh)
     # 3. Materialize: each rank allocates only its shards; buffers get their computed values back.
-    # (In host memory when offloaded: FSDP2 copies each unit's shards over for its compute. Buffers are
-    # not FSDP2's to manage: they go to the compute device either way, where the forward reads them.)
-    model.to_empty(device=torch.device("cpu") if spec.offload else device)
-    with torch.no_grad():
-        for mod, name, value in buffers:
-            mod._buffers[name] = value.to(device)
+    materialize(model, spec, device, buffers)
     # 4. Load weights: each rank reads the (memory-mapped) files and keeps its own slices.
     state = read_safetensors(spec.path)
     new_head: list[str] = []

@@ -29,6 +29,8 @@ def auto_defers(shard_ranks: int, offloaded: bool) -> bool:
 
 def describe_grad_sync(model: torch.nn.Module, setting: str | bool) -> str:
     """The gradient reduce a trainer runs, for the start-up log."""
+    if not isinstance(model, FSDPModule):
+        return "gradients accumulate in the parameters, nothing to reduce (no FSDP2: model.fsdp_unit=none)"
     when = "once per optimizer step" if defers_grad_sync(model, setting) else "after every micro-batch"
     mode, ranks = switch_mode(setting), shard_ranks(model)
     return f"gradients reduced {when} (trainer.defer_grad_sync={mode}, {ranks} shard rank(s))"

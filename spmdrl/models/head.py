@@ -16,6 +16,7 @@ fused_logprob. Gemma's final logit soft-capping is applied as transformers appli
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -97,18 +98,30 @@ def _head(
     lm_head = model.get_output_embeddings()
     softcap = getattr(model.config, "final_logit_softcapping", None)
     if chunk_tokens > 0:
-        return fused_head(
-            h_ND,
-            lm_head.weight,
-            ids_N,
-            bias_V=lm_head.bias,
-            temperature=temperature,
-            softcap=softcap,
-            chunk_tokens=chunk_tokens,
-            with_entropy=with_entropy,
-            entropy_grad=entropy_grad,
-            with_sum_pi_squared=with_sum_pi_squared,
-        )
+        weight_VD, bias_V = lm_head.weight, lm_head.bias
+        device_type = h_ND.device.type
+        autocast = torch.is_autocast_enabled(device_type)
+        if autocast:
+            # A bare module under autocast (model.fsdp_unit=none): autocast reaches the fused head's forward
+            # but not its backward, whose recomputed logits would then be float32 where the forward's were
+            # not. Cast its inputs to autocast's dtype here (autograd casts the gradients back to the float32
+            # parameters) and run it outside autocast, as FSDP2's compute-dtype parameters run it.
+            dtype = torch.get_autocast_dtype(device_type)
+            h_ND, weight_VD = h_ND.to(dtype), weight_VD.to(dtype)
+            bias_V = bias_V.to(dtype) if bias_V is not None else None
+        with torch.autocast(device_type, enabled=False) if autocast else contextlib.nullcontext():
+            return fused_head(
+                h_ND,
+                weight_VD,
+                ids_N,
+                bias_V=bias_V,
+                temperature=temperature,
+                softcap=softcap,
+                chunk_tokens=chunk_tokens,
+                with_entropy=with_entropy,
+                entropy_grad=entropy_grad,
+                with_sum_pi_squared=with_sum_pi_squared,
+            )
     z_NV = lm_head(h_ND)
     if softcap is not None:  # as transformers' Gemma2/3 ForCausalLM, in the same order
         z_NV = torch.tanh(z_NV / softcap) * softcap

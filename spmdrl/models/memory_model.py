@@ -81,7 +81,7 @@ HEADROOM = 1.6
 # compute-dtype parameters and float32 gradients take at most this share of the card: a 0.5B or 1.5B model
 # on an 80 GB card, not a 7B one (whose update is compute-bound anyway, and whose budget that copy would eat).
 WHOLE_MODEL_SHARE = 1 / 8
-FSDP_UNITS = ("auto", "layer", "model")
+FSDP_UNITS = ("auto", "layer", "model", "none")
 # A trained parameter's bytes: its float32 master copy, its float32 gradient, AdamW's two float32 moments.
 TRAINED_BYTES = 16
 MASTER_BYTES = 4
@@ -218,15 +218,34 @@ def whole_model_unit(
     reduce), which a GPU step that the host already bounds pays in full. auto chooses the whole model there
     when its unsharded copy (``compute_bytes`` per parameter, + 4 for the float32 gradients of a
     ``trained`` model) is at most WHOLE_MODEL_SHARE of the card's ``total_bytes`` (None: a CPU, no limit).
+
+    none (no FSDP2: the bare module, spmdrl.models.build.parallelize) is the whole model too, for memory:
+    autocast's compute-dtype copies of the weights live through a pass as the whole unit's gathered copy
+    does. Only on a one-rank mesh (check_bare_module).
     """
     if mode not in FSDP_UNITS:
         raise ConfigError(f"model.fsdp_unit={mode!r} is not one of {', '.join(FSDP_UNITS)}")
+    if mode == "none":
+        check_bare_module({"this model": mesh_ranks})
+        return True
     if mode != "auto":
         return mode == "model"
     if mesh_ranks != 1:
         return False
     unsharded = params * (compute_bytes + (4 if trained else 0))
     return total_bytes is None or unsharded <= total_bytes * WHOLE_MODEL_SHARE
+
+
+def check_bare_module(ranks_by_role: dict[str, int]) -> None:
+    """model.fsdp_unit=none keeps every model unsharded on its rank: a ConfigError naming the roles whose
+    mesh has several ranks (each would train its own copy, the gradients never reduced between them)."""
+    wide = {role: n for role, n in ranks_by_role.items() if n != 1}
+    if wide:
+        listed = ", ".join(f"{role} on {n} ranks" for role, n in wide.items())
+        raise ConfigError(
+            f"model.fsdp_unit=none (no FSDP2) needs a one-rank mesh for every model, got {listed}: run on one "
+            "process per model (a one-GPU job), or use model.fsdp_unit=auto"
+        )
 
 
 def norm_bytes_per_token(m: MemoryInputs) -> int:

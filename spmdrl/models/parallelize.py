@@ -1,5 +1,5 @@
 """Parallelism as free functions over a mesh, applied in a fixed order: activation checkpointing, compile,
-then FSDP2.
+then FSDP2 (or, for a one-rank mesh under model.fsdp_unit=none, bf16 autocast instead of FSDP2).
 
 Each takes the model, a mesh and plain values (never the whole config) and logs what it did.
 """
@@ -7,8 +7,10 @@ Each takes the model, a mesh and plain values (never the whole config) and logs 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -152,6 +154,32 @@ def gathered_between_micro_batches(model: nn.Module, keep: bool) -> None:
     Nothing for per-layer units, which would keep every layer gathered at once."""
     if isinstance(model, FSDPModule) and hasattr(model, _KEEP_GATHERED):
         model.set_reshard_after_backward(not keep)
+
+
+def apply_autocast(model: nn.Module, param_dtype: torch.dtype, device_type: str) -> None:
+    """model.fsdp_unit=none: no FSDP2, so its mixed precision is autocast's: the model's forward (and so the
+    backward of what it records) runs under ``torch.autocast(param_dtype)`` over the float32 parameters, the
+    matmuls in param_dtype and their gradients reaching the float32 parameters, as a one-GPU trainer
+    without a framework (TRL under ``bf16=True``) runs. Each weight is cast once per forward (autocast's
+    cache); FSDP2 would cast it in its gather. Nothing for float32 (the CPU's default): the bare module
+    computes as FSDP2's one-rank unit does, kernel for kernel. A frozen model stored in param_dtype (the
+    reference, spmdrl.models.build step 1c) computes in it either way.
+
+    The numbers are autocast's, not FSDP2's bf16 parameters': the embeddings, norms' weights and the
+    residual stream stay float32, the matmuls bf16 (the fused LM head casts its own inputs,
+    spmdrl.models.head)."""
+    if param_dtype == torch.float32:
+        log.info("no FSDP2 (model.fsdp_unit=none): the bare module in float32")
+        return
+    forward = model.forward
+
+    @functools.wraps(forward)
+    def forward_under_autocast(*args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(device_type, dtype=param_dtype):
+            return forward(*args, **kwargs)
+
+    model.forward = forward_under_autocast  # type: ignore[method-assign]
+    log.info("no FSDP2 (model.fsdp_unit=none): the bare module, its forward under %s autocast", param_dtype)
 
 
 def apply_fsdp(

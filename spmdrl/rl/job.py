@@ -54,6 +54,7 @@ from spmdrl.logging.samples import Sample, write_samples
 from spmdrl.logging.timer import PhaseTimer
 from spmdrl.models.grad_sync import describe_grad_sync
 from spmdrl.models.load import load_tokenizer, resolve_model_path_all_ranks
+from spmdrl.models.memory_model import check_bare_module
 from spmdrl.optim import OptimizerOffload, build_lr_scheduler, build_optimizer
 from spmdrl.rewards.registry import check_data_sources, load_reward_fn
 from spmdrl.rl.async_queue import PipelineShape, check_resume_all_ranks
@@ -180,6 +181,9 @@ def build_job(cfg: Config, *, with_critic: bool = False, asynchronous: bool = Fa
     )
     if placement.is_async:
         check_async_batch(cfg, placement)
+    if cfg.model.fsdp_unit == "none":  # no FSDP2: each model on one rank (the build checks it too, later)
+        built = ("actor", "ref", "critic") if with_critic else ("actor", "ref")
+        check_bare_module({r: placement.role(r).num_ranks for r in built})
     world_size, local_world_size = node_layout_from_env()
     check_tp_within_nodes(cfg.rollout.tp, world_size, local_world_size)  # an engine never spans two nodes
     log.info("placement %s", placement.describe())

@@ -1,5 +1,6 @@
-"""Checkpoints with real DCP on gloo processes: exact round trip, resharding 2 -> 1 and 2 -> 4, never
-half-written (a killed save, a full disk), and the one-process export that transformers and vLLM load."""
+"""Checkpoints with real DCP on gloo processes: exact round trip, resharding 2 -> 1 and 2 -> 4, between FSDP2's
+shards and a bare module's whole tensors (model.fsdp_unit=none) both ways, never half-written (a killed save,
+a full disk), and the one-process export that transformers and vLLM load."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from spmdrl.testing.spawn import SpawnError, run_distributed
 STEPS_BEFORE = 2
 
 
-def _build(model_dir: str):  # noqa: ANN202
+def _build(model_dir: str, unit: str = "auto"):  # noqa: ANN202
     from spmdrl.checkpoint.checkpointer import RoleState
     from spmdrl.checkpoint.export import write_hf_metadata
     from spmdrl.config import OptimConfig
@@ -29,7 +30,7 @@ def _build(model_dir: str):  # noqa: ANN202
     world = torch.distributed.get_world_size()
     mesh = Placement.colocated(world).build_meshes("cpu").fsdp("actor")
     model = build_fsdp_model(
-        ModelSpec(Path(model_dir), torch.float32, torch.float32), mesh, torch.device("cpu")
+        ModelSpec(Path(model_dir), torch.float32, torch.float32, fsdp_unit=unit), mesh, torch.device("cpu")
     )
     cfg = OptimConfig(lr=1e-2, warmup_steps=3, schedule="cosine")
     opt = build_optimizer(model, cfg)
@@ -63,10 +64,10 @@ def _full(model, opt) -> dict:  # noqa: ANN001
     return flat
 
 
-def _save_worker(rank: int, world: int, model_dir: str, root: str) -> dict:
+def _save_worker(rank: int, world: int, model_dir: str, root: str, unit: str = "auto") -> dict:
     from spmdrl.checkpoint.checkpointer import save_checkpoint
 
-    model, opt, sched, role = _build(model_dir)
+    model, opt, sched, role = _build(model_dir, unit)
     for s in range(STEPS_BEFORE):
         _train_step(model, opt, sched, s)
     stats = save_checkpoint(
@@ -85,10 +86,10 @@ def _save_worker(rank: int, world: int, model_dir: str, root: str) -> dict:
     }
 
 
-def _load_worker(rank: int, world: int, model_dir: str, path: str) -> dict:
+def _load_worker(rank: int, world: int, model_dir: str, path: str, unit: str = "auto") -> dict:
     from spmdrl.checkpoint.checkpointer import load_checkpoint
 
-    model, opt, sched, role = _build(model_dir)
+    model, opt, sched, role = _build(model_dir, unit)
     trainer = load_checkpoint(Path(path), [role])
     loaded = _full(model, opt)
     _train_step(model, opt, sched, trainer["step"])
@@ -131,6 +132,31 @@ def test_checkpoint_round_trip_and_reshard(saved: tuple[Path, Path, list[dict]],
             # Another world size sums gradients in another order: equal to float rounding.
             for k, v in straight[0]["next"].items():
                 torch.testing.assert_close(r["next"][k], v, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_a_bare_module_resumes_from_shards_and_back(
+    saved: tuple[Path, Path, list[dict]], tmp_path: Path
+) -> None:
+    """model.fsdp_unit=none keeps whole tensors where FSDP2 keeps DTensor shards; DCP reshards between them.
+    The 2-rank FSDP2 checkpoint loads bit for bit into a bare module on one process, which trains on from it
+    to float rounding of the straight run; a checkpoint the bare module saves loads bit for bit into FSDP2
+    shards on 2 ranks, and their next step is the bare module's to float rounding."""
+    model_dir, root, straight = saved
+    (bare,) = run_distributed(
+        _load_worker, 1, str(model_dir), str(root / f"step-{STEPS_BEFORE}"), "none", timeout_s=300
+    )
+    assert not _same(bare["loaded"], straight[0]["saved"]), _same(bare["loaded"], straight[0]["saved"])[:5]
+    for k, v in straight[0]["next"].items():
+        torch.testing.assert_close(bare["next"][k], v, rtol=1e-4, atol=1e-6)
+    (saved_bare,) = run_distributed(_save_worker, 1, str(model_dir), str(tmp_path), "none", timeout_s=300)
+    sharded = run_distributed(
+        _load_worker, 2, str(model_dir), str(tmp_path / f"step-{STEPS_BEFORE}"), timeout_s=300
+    )
+    for r in sharded:
+        assert not _same(r["loaded"], saved_bare["saved"]), _same(r["loaded"], saved_bare["saved"])[:5]
+        for k, v in saved_bare["next"].items():
+            torch.testing.assert_close(r["next"][k], v, rtol=1e-4, atol=1e-6)
 
 
 def _ckpt_ops_worker(rank: int, world: int, model_dir: str, root: str) -> dict:

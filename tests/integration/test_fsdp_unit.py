@@ -1,6 +1,8 @@
 """model.fsdp_unit: the whole model as one FSDP2 unit trains bit for bit as per-layer units do, with less
 host work per micro-batch, frees its gathered copy after a no-grad pass, and auto takes it only on a
-one-rank mesh (spmdrl.models.parallelize.apply_fsdp, spmdrl.models.memory_model.whole_model_unit)."""
+one-rank mesh (spmdrl.models.parallelize.apply_fsdp, spmdrl.models.memory_model.whole_model_unit); none
+(no FSDP2, the bare module under autocast: spmdrl.models.parallelize.apply_autocast) trains as that unit
+does in float32, in fewer ATen ops, and under bf16 autocast close to FSDP2's bf16 parameters."""
 
 from __future__ import annotations
 
@@ -33,7 +35,9 @@ def _aten_ops(fn: object) -> int:
     return sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
 
 
-def _worker(rank: int, world_size: int, model_dir: str, unit: str, fused_chunk: int) -> dict[str, object]:
+def _worker(
+    rank: int, world_size: int, model_dir: str, unit: str, fused_chunk: int, dtype: str = "float32"
+) -> dict[str, object]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
@@ -45,12 +49,26 @@ def _worker(rank: int, world_size: int, model_dir: str, unit: str, fused_chunk: 
 
     torch.manual_seed(0)
     model = build_fsdp_model(
-        ModelSpec(Path(model_dir), torch.float32, torch.float32, fsdp_unit=unit),
+        ModelSpec(Path(model_dir), getattr(torch, dtype), torch.float32, fsdp_unit=unit),
         Placement.colocated(world_size).build_meshes("cpu").fsdp("actor"),
         torch.device("cpu"),
     )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
     ids, attn = _rows()
+    with torch.no_grad():  # the first logprobs, before any step
+        first_logprobs, _ = policy_logprobs(model, ids, attn, first_column=4, fused_chunk_tokens=fused_chunk)
+    first_loss = -(first_logprobs * attn).sum() / attn.sum()
+    first_loss_grads = {}
+    loss_value = (
+        -(policy_logprobs(model, ids, attn, first_column=4, fused_chunk_tokens=fused_chunk)[0] * attn).sum()
+        / attn.sum()
+    )
+    loss_value.backward()
+    for name, p in model.named_parameters():
+        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        first_loss_grads[name.replace("._checkpoint_wrapped_module", "")] = grad.detach().clone()
+    param_dtypes = sorted({str(p.dtype) for p in model.parameters()})
+    opt.zero_grad(set_to_none=True)
 
     def loss() -> torch.Tensor:
         lp, _ = policy_logprobs(model, ids, attn, first_column=4, fused_chunk_tokens=fused_chunk)
@@ -75,6 +93,12 @@ def _worker(rank: int, world_size: int, model_dir: str, unit: str, fused_chunk: 
     opt.zero_grad(set_to_none=True)
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return {
+        "fsdp_modules": sum(isinstance(m, FSDPModule) for m in model.modules()),
+        "tied": model.lm_head.weight is model.model.embed_tokens.weight,
+        "param_dtypes": param_dtypes,
+        "first_logprobs": first_logprobs,
+        "first_loss": float(first_loss),
+        "first_grads": first_loss_grads,
         "layer_units": sum(isinstance(layer, FSDPModule) for layer in decoder_layers(model)),
         "losses": losses,
         "state": state,
@@ -102,6 +126,51 @@ def test_whole_model_unit_trains_as_layer_units(tmp_path: Path, fused_chunk: int
     assert auto["sharded_after_no_grad"], "a no-grad forward must not leave the whole model gathered"
     assert auto["kept_within_pass"] and auto["sharded_after_pass"], "gathered once for a pass, then freed"
     assert auto["ops"] < layer["ops"], (auto["ops"], layer["ops"])
+
+
+@pytest.mark.parametrize("fused_chunk", [0, 8])
+def test_no_fsdp2_trains_as_the_one_rank_unit(tmp_path: Path, fused_chunk: int) -> None:
+    """model.fsdp_unit=none on one rank: no FSDP2 module at all, the tied LM head still the embedding, and
+    in float32 the same first logprobs and gradients to the last bit as FSDP2's whole-model unit (the same
+    kernels; its gather is a copy, its reduce over one rank a sum of one), the same three AdamW steps
+    within float32 rounding, in fewer ATen ops per forward + backward (no gather, no reduce)."""
+    save_small_qwen2(tmp_path / "m", vocab_size=VOCAB)
+    (unit,) = run_distributed(_worker, 1, str(tmp_path / "m"), "auto", fused_chunk)
+    (bare,) = run_distributed(_worker, 1, str(tmp_path / "m"), "none", fused_chunk)
+    assert unit["fsdp_modules"] == 1 and bare["fsdp_modules"] == 0
+    assert bare["tied"] and unit["tied"]
+    assert torch.equal(bare["first_logprobs"], unit["first_logprobs"])
+    for name, grad in unit["first_grads"].items():
+        assert torch.equal(bare["first_grads"][name], grad), name
+    assert bare["losses"] == pytest.approx(unit["losses"], rel=1e-6)
+    assert unit["losses"][-1] < unit["losses"][0]
+    for name, tensor in unit["state"].items():
+        torch.testing.assert_close(bare["state"][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+    assert bare["ops"] < unit["ops"], (bare["ops"], unit["ops"])
+
+
+def test_no_fsdp2_under_bf16_autocast(tmp_path: Path) -> None:
+    """param_dtype bfloat16 (CUDA's default, forced on CPU): the bare module keeps float32 parameters (and
+    float32 gradients) and computes under bf16 autocast; FSDP2 computes on bf16 copies of its float32
+    shards. Not the same numbers, but the same model: the first logprobs within bf16's rounding of each
+    other, the gradients pointing the same way, and both learn; with the chunked head, whose inputs are
+    cast to bf16 before it under autocast (tests/unit/models/test_head.py: its GEMMs' dtypes)."""
+    fused_chunk = 8
+    save_small_qwen2(tmp_path / "m", vocab_size=VOCAB)
+    (unit,) = run_distributed(_worker, 1, str(tmp_path / "m"), "auto", fused_chunk, "bfloat16")
+    (bare,) = run_distributed(_worker, 1, str(tmp_path / "m"), "none", fused_chunk, "bfloat16")
+    (exact,) = run_distributed(_worker, 1, str(tmp_path / "m"), "none", fused_chunk, "float32")
+    assert bare["param_dtypes"] == unit["param_dtypes"] == ["torch.float32"]
+    diff = (bare["first_logprobs"] - exact["first_logprobs"]).abs().max()
+    unit_diff = (unit["first_logprobs"] - exact["first_logprobs"]).abs().max()
+    assert 0 < diff < 0.05 and 0 < unit_diff < 0.05, (diff, unit_diff)  # bf16 rounding, not float32's
+    for name, grad in exact["first_grads"].items():
+        for run in (bare, unit):
+            got = run["first_grads"][name]
+            assert got.dtype == torch.float32, name
+            cos = torch.nn.functional.cosine_similarity(got.flatten(), grad.flatten(), dim=0)
+            assert cos > 0.99, (name, float(cos))
+    assert bare["losses"][-1] < bare["losses"][0]
 
 
 def test_auto_keeps_layer_units_on_two_ranks(tmp_path: Path) -> None:
@@ -142,3 +211,45 @@ def test_whole_model_unit_trains_a_reward_head(tmp_path: Path) -> None:
     ((units, norm),) = run_distributed(_reward_worker, 1, str(tmp_path / "m"))
     assert units == 0
     assert norm > 0
+
+
+JOB = [
+    "-m",
+    "spmdrl.train",
+    "recipe=grpo_tiny",
+    "model.fsdp_unit=none",
+    "warmstart.total_steps=20",
+    "trainer.total_steps=3",
+    "trainer.val_every=0",
+    "trainer.save_hf=false",
+    "logging.samples_every=0",
+]
+
+
+def test_the_rl_job_runs_without_fsdp2_on_one_process(tmp_path: Path) -> None:
+    """recipe=grpo_tiny with model.fsdp_unit=none on one torchrun process: the warm-start, the engine, the
+    update and every step's weight sync and its check (which stops a run whose engine does not serve the
+    trained weights) on the bare module, the log saying so; the same on 2 processes is refused at start,
+    naming the fix, before any model is built."""
+    from spmdrl.logging.metrics import read_metrics
+    from spmdrl.testing.launch import torchrun
+    from spmdrl.testing.small_runs import cache_env
+
+    out = tmp_path / "one"
+    res = torchrun([*JOB, f"trainer.output_dir={out}"], nproc=1, cwd=tmp_path, timeout_s=900, env=cache_env())
+    assert res.returncode == 0, res.output[-4000:]
+    assert "no FSDP2 (model.fsdp_unit=none): the bare module in float32" in res.output
+    assert "built Qwen2ForCausalLM" in res.output
+    assert "actor update: gradients accumulate in the parameters, nothing to reduce" in res.output
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if "timing/weight_sync_check_s" in r]
+    assert len(rows) == 3, rows  # checked at every step's sync (a failed check would have stopped the run)
+
+    two = torchrun(
+        [*JOB, f"trainer.output_dir={tmp_path / 'two'}"], cwd=tmp_path, timeout_s=300, env=cache_env()
+    )
+    assert two.returncode != 0
+    assert (
+        "model.fsdp_unit=none (no FSDP2) needs a one-rank mesh for every model, got actor on 2 ranks, ref on 2 ranks:"
+        in two.output
+    )
+    assert "built Qwen2ForCausalLM" not in two.output, "refused before any model is built"

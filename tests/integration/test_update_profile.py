@@ -110,7 +110,9 @@ def test_a_negative_micro_batch_is_refused_before_any_work(tmp_path: Path) -> No
 def test_interleaved_columns_each_get_their_figures(tmp_path: Path) -> None:
     """--interleave builds every column first and times them in turn: each still gets its own figures.
     The variant reduces the gradients after every micro-batch (trainer.defer_grad_sync=false), which on
-    one rank auto defers: more ATen ops per update micro-batch, the same no-grad pass."""
+    one rank auto defers: more ATen ops per update micro-batch, the same no-grad pass. The bare module
+    (model.fsdp_unit=none) runs fewer ATen ops than FSDP2's one-rank unit in both passes, none of its host
+    time in FSDP2."""
     figs = _figures(
         _run_profile(
             tmp_path,
@@ -118,9 +120,14 @@ def test_interleaved_columns_each_get_their_figures(tmp_path: Path) -> None:
             "--interleave",
             "--plain",
             "--variant=reduce_each=trainer.defer_grad_sync=false",
+            "--variant=bare=model.fsdp_unit=none",
         )
     )
-    for column in ("reduce_each", "plain"):
+    for name in ("update", "forward"):
+        bare = figs[f"bare/launches_per_micro_batch_{name}"]
+        assert bare["value"] < bare["baseline"], (name, bare)
+        assert figs[f"bare/fsdp_host_s_{name}"]["value"] == 0 < figs[f"fsdp_host_s_{name}"]["value"]
+    for column in ("reduce_each", "bare", "plain"):
         for name in ("update", "forward"):
             assert figs[f"{column}/{name}_s"]["value"] > 0
             assert figs[f"{column}/{name}_s"]["baseline"] == figs[f"{name}_s"]["value"]

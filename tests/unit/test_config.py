@@ -27,6 +27,19 @@ def test_bad_values_rejected(override: str, match: str) -> None:
         load_config([override])
 
 
+@pytest.mark.parametrize("offload", ["offload_params", "offload_optimizer", "offload_ref"])
+def test_no_fsdp2_refuses_offload(offload: str) -> None:
+    """Host-memory offload is FSDP2's (its CPUOffloadPolicy, DTensor shards): model.fsdp_unit=none with any
+    of it fails at load, naming both settings and the fix."""
+    with pytest.raises(
+        ConfigError, match=rf"fsdp_unit=none .* but model.{offload} is set: .*model.fsdp_unit=auto"
+    ):
+        load_config(["recipe=grpo_tiny", "model.fsdp_unit=none", f"model.{offload}=true"])
+    assert load_config(["recipe=grpo_tiny", "model.fsdp_unit=none"]).model.fsdp_unit == "none"
+    with pytest.raises(ConfigError, match="model.fsdp_unit"):
+        load_config(["recipe=grpo_tiny", "model.fsdp_unit=nothing"])
+
+
 def _cfg(global_batch: int, micro: int, total_steps: int = 0, epochs: int = 1) -> Config:
     return Config(
         trainer=TrainerConfig(

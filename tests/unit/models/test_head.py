@@ -244,3 +244,43 @@ def test_use_fused_kernels_from_the_command_line() -> None:
     cfg.model.fused_chunk_tokens = 0
     with pytest.raises(ConfigError, match="model.fused_chunk_tokens must be >= 1"):
         validate(cfg)
+
+
+class _VocabMatmuls(torch.utils._python_dispatch.TorchDispatchMode):
+    """The dtypes of every matrix multiplication with a vocabulary-wide operand (the LM head's GEMMs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dtypes: list[torch.dtype] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default):
+            operands = [a for a in args if isinstance(a, torch.Tensor)]
+            if any(V in a.shape for a in operands):
+                self.dtypes += [a.dtype for a in operands]
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("chunk", [0, 16])
+def test_head_under_autocast_runs_bf16_gemms_in_forward_and_backward(chunk: int) -> None:
+    """A bare module under bf16 autocast (model.fsdp_unit=none, spmdrl.models.parallelize.apply_autocast):
+    the head's GEMMs run in bf16 in forward and in backward, plain or fused. Autocast does not reach a
+    custom autograd Function's backward, so the fused head casts its own inputs; without that its
+    backward would recompute the chunks' logits and their gradients in float32 (on a GPU several times
+    the bf16 GEMMs' time, and not the logits the forward scored). The float32 parameters still get float32
+    gradients."""
+    from spmdrl.models.parallelize import apply_autocast
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(**{**SMALL_QWEN2, "vocab_size": V})).float()
+    apply_autocast(model, torch.bfloat16, "cpu")
+    ids, attn = _batch()
+    matmuls = _VocabMatmuls()
+    with matmuls:
+        out = _forward(model, ids, attn, chunk=chunk, packed=False)
+    forward_dtypes, matmuls.dtypes = matmuls.dtypes, []
+    with matmuls:
+        out.logprobs_BT.sum().backward()
+    assert forward_dtypes and set(forward_dtypes) == {torch.bfloat16}, forward_dtypes
+    assert matmuls.dtypes and set(matmuls.dtypes) == {torch.bfloat16}, matmuls.dtypes
+    assert model.lm_head.weight.grad is not None and model.lm_head.weight.grad.dtype == torch.float32

@@ -13,6 +13,7 @@ from spmdrl.errors import ConfigError
 from spmdrl.models.memory_model import (
     DecoderShape,
     MemoryInputs,
+    check_bare_module,
     gathered_param_bytes,
     layer_bytes_per_token,
     model_state_bytes,
@@ -214,6 +215,7 @@ H100 = 80 * 10**9  # an 80 GB card's total bytes
         ("auto", 1, 7_615_616_512, None, True),  # a CPU: no card to fit
         ("layer", 1, 494_032_768, None, False),
         ("model", 8, 7_615_616_512, H100, True),  # asked for: taken as asked
+        ("none", 1, 7_615_616_512, H100, True),  # no FSDP2: the whole model's compute copy, as asked
     ],
 )
 def test_whole_model_unit_rule(mode: str, ranks: int, params: int, total: int | None, expected: bool) -> None:
@@ -231,8 +233,22 @@ def test_whole_model_unit_frozen_counts_no_gradients_and_rejects_typos() -> None
     assert whole_model_unit(
         "auto", mesh_ranks=1, params=4 * 10**9, compute_bytes=2, trained=False, total_bytes=H100
     )
-    with pytest.raises(ConfigError, match="model.fsdp_unit='layers' is not one of auto, layer, model"):
+    with pytest.raises(ConfigError, match="model.fsdp_unit='layers' is not one of auto, layer, model, none"):
         whole_model_unit("layers", mesh_ranks=1, params=1, compute_bytes=2, trained=True, total_bytes=None)
+
+
+def test_no_fsdp2_needs_one_rank_per_model() -> None:
+    """model.fsdp_unit=none on a mesh of several ranks would train a copy per rank, its gradients never
+    reduced: refused, naming the roles and the fix (the RL job asks before any model: check_bare_module)."""
+    with pytest.raises(
+        ConfigError, match=r"needs a one-rank mesh for every model, got this model on 2 ranks"
+    ):
+        whole_model_unit("none", mesh_ranks=2, params=1, compute_bytes=2, trained=True, total_bytes=None)
+    with pytest.raises(
+        ConfigError, match=r"got critic on 4 ranks: run on one process per model .*fsdp_unit=auto"
+    ):
+        check_bare_module({"actor": 1, "ref": 1, "critic": 4})
+    check_bare_module({"actor": 1, "ref": 1})  # one rank each: nothing to say
 
 
 def test_whole_model_unit_gathers_every_parameter() -> None:
