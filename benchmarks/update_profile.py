@@ -451,14 +451,18 @@ def host_seconds(events: Any, prefixes: tuple[str, ...]) -> float:
     for e in events:
         if e.name.startswith(prefixes) and e.device_type == DeviceType.CPU:
             by_thread.setdefault(e.thread, []).append((e.time_range.start, e.time_range.end))
-    total = 0.0
-    for spans in by_thread.values():
-        end = float("-inf")
-        for start, stop in sorted(spans):  # us
-            if stop > end:
-                total += stop - max(start, end)
-                end = stop
-    return total / 1e6
+    return sum(union_us(spans) for spans in by_thread.values()) / 1e6
+
+
+def union_us(spans: list[tuple[float, float]]) -> float:
+    """The length of the union of (start, end) intervals, in their unit (the profiler's us): overlapping
+    ones (nested ranges, kernels on several streams) count once."""
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(spans):
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
 
 
 def profile_pass(run: Callable[[], Any], device: torch.device) -> Profiled:
@@ -486,12 +490,7 @@ def profile_pass(run: Callable[[], Any], device: torch.device) -> Profiled:
 
     device_events = [e for e in events if e.device_type == DeviceType.CUDA]
     kernels = [e for e in device_events if not e.name.lower().startswith(("memcpy", "memset"))]
-    spans = sorted((e.time_range.start, e.time_range.end) for e in device_events)
-    busy, end = 0.0, float("-inf")
-    for start, stop in spans:  # union of intervals (us): overlapping streams count once
-        if stop > end:
-            busy += stop - max(start, end)
-            end = stop
+    busy = union_us([(e.time_range.start, e.time_range.end) for e in device_events])
     return Profiled(wall, busy / 1e6, len(kernels), attention, host)
 
 

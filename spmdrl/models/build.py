@@ -135,7 +135,7 @@ def parallelize(model: nn.Module, spec: ModelSpec, mesh: DeviceMesh) -> None:
         apply_ac(model, ac_mode(spec.activation_checkpointing), every=spec.ac_every)
     if spec.compile:
         apply_compile(model)
-    whole = spec_whole_model(spec, model, mesh)
+    whole = spec_whole_model(spec, model, mesh)  # under none: refuses a mesh of several ranks (ConfigError)
     if spec.fsdp_unit == "none":
         apply_autocast(model, spec.param_dtype, mesh.device_type)
         return
