@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from spmdrl.config import ConfigError
 from spmdrl.config_exit import EXIT_CONFIG_ERROR, exit_config_error
+from spmdrl.gc_heap import freeze_startup_heap, pause_collection, skip_exit_collection
 
 if TYPE_CHECKING:
     from spmdrl.config import Config
@@ -126,7 +127,9 @@ def run_recipe(recipe_main: Callable[[Config], None], argv: list[str] | None = N
     (``torchrun my_grpo.py recipe=...``). The recipe is the running script, so ``entry`` is not imported."""
     from spmdrl.distributed.failure import run_or_die
 
+    pause_collection()
     cfg = parse_config(sys.argv[1:] if argv is None else argv, import_entry=False)
+    freeze_startup_heap()  # the recipe (the running script) and everything it imports are loaded
     run_or_die(lambda: _run(recipe_main, cfg))
 
 
@@ -136,17 +139,20 @@ def _run(recipe_main: Callable[[Config], None], cfg: Config) -> None:
     recipe_main(cfg)
     if dist.is_initialized():
         dist.destroy_process_group()
+    skip_exit_collection()
 
 
 def main(argv: list[str] | None = None) -> None:
     from spmdrl.config_loader import import_entry
     from spmdrl.distributed.failure import run_or_die
 
+    pause_collection()
     cfg = parse_config(sys.argv[1:] if argv is None else argv)
     try:
         recipe = import_entry(cfg.entry)  # load_config imported it already: this returns the same module
     except ConfigError as e:
         exit_config_error(str(e))
+    freeze_startup_heap()  # the recipe and everything it imports are loaded (spmdrl.gc_heap)
     run_or_die(lambda: _run(recipe.main, cfg))
 
 

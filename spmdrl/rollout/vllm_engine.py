@@ -23,8 +23,10 @@ What building vLLM in the trainer's process changes, and what is done about it:
   would take TF32 away from a trainer that enabled it; importing ``vllm.platforms.cuda`` calls
   ``torch.backends.cuda.enable_cudnn_sdp(False)``; ``EngineCore.__init__`` and the GPU worker's warm-up
   call ``gc.freeze()``, after which cyclic garbage among the objects alive then (the trainer's included)
-  is never collected. The trainer's values come back after construction, vLLM's are put in place for
-  each generate, and the freeze is undone unless the trainer had frozen objects itself.
+  is never collected, and the worker's shutdown calls ``gc.unfreeze()``, which would undo the job's own
+  startup freeze. The trainer's values come back after construction, vLLM's are put in place for each
+  generate, and vLLM's freezes and unfreezes do nothing around its import, build and teardown
+  (:func:`spmdrl.gc_heap.inert_freezes`).
 - harmless, left alone: ``set_default_torch_dtype`` (vLLM restores it), ``torch._dynamo.config``
   changes (restored by vLLM's context managers, or made only when the flex-attention backend is
   imported), env vars set at ``import vllm`` (``vllm/env_override.py``: ``PYTORCH_NVML_BASED_CUDA_CHECK``,
@@ -60,6 +62,7 @@ import torch
 import torch.distributed as dist
 
 from spmdrl.config import ConfigError, RolloutConfig
+from spmdrl.gc_heap import inert_freezes
 from spmdrl.models.memory_model import DecoderShape
 from spmdrl.rollout import cpu_gemm, cpu_shm, vllm_worker
 from spmdrl.rollout.engine import (
@@ -203,21 +206,21 @@ class _SettingsSwap:
     def __init__(self) -> None:
         self.trainer = _ProcessSettings.current()
         self.engine = self.trainer
-        self._gc_frozen_before = gc.get_freeze_count() > 0
 
     @contextlib.contextmanager
     def building(self) -> Iterator[None]:
-        """Around the engine's construction: record vLLM's settings, then put the trainer's back."""
+        """Around the engine's construction: record vLLM's settings, then put the trainer's back.
+
+        EngineCore.__init__ and the GPU worker's warm-up freeze every live object (freeze_gc_heap,
+        vllm/utils/gc_utils.py), the trainer's models included, to shorten vLLM's full collections; here
+        those freezes (and the unfreezes paired with them) do nothing, so what the trainer froze stays
+        frozen and nothing more is (spmdrl.gc_heap)."""
         try:
-            yield
+            with inert_freezes():
+                yield
         finally:
             self.engine = _ProcessSettings.current()
             self.trainer.apply()
-            # EngineCore.__init__ and the GPU worker's warm-up freeze every live object (freeze_gc_heap,
-            # vllm/utils/gc_utils.py) to shorten vLLM's full collections; undone, that costs vLLM only those
-            # pauses. A trainer that froze objects itself keeps its freeze (and vLLM's: they are one set).
-            if not self._gc_frozen_before:
-                gc.unfreeze()
 
     @contextlib.contextmanager
     def engine_call(self) -> Iterator[None]:
@@ -469,7 +472,8 @@ class VLLMEngine:
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if cfg.model_runner == "v2" else "0"
         require_supported_vllm()
         self._settings = _SettingsSwap()  # before importing vLLM, which changes some of them
-        from vllm import LLM
+        with inert_freezes():  # no collection while its ~300,000 objects load (spmdrl.gc_heap)
+            from vllm import LLM
 
         if device_type == "cpu":
             cpu_gemm.force_cpu_gemm(cfg.cpu_gemm, self.dtype)
@@ -733,7 +737,8 @@ class VLLMEngine:
         from vllm.distributed import parallel_state
 
         core = client.engine_core
-        with self.world.vllm():
+        # The worker's shutdown unfreezes every object (the trainer's startup freeze too): inert here.
+        with self.world.vllm(), inert_freezes():
             core.model_executor.shutdown()
             core.scheduler.shutdown()
             parallel_state.destroy_model_parallel()

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,9 +29,12 @@ def torchrun(
     timeout_s: float = 600.0,
     env: dict[str, str] | None = None,
 ) -> JobResult:
-    """``python -m torch.distributed.run --nproc_per_node=nproc <args>``; stdout and stderr together."""
-    import time
+    """``python -m torch.distributed.run --nproc_per_node=nproc <args>``; stdout and stderr together.
 
+    The job runs in a session of its own, and whatever ends the wait (its timeout, a test's timeout, a
+    Ctrl-C) kills that whole session: torchrun's workers included, which killing torchrun alone would
+    leave running, holding both cores through the tests after it.
+    """
     cmd = [
         sys.executable,
         "-m",
@@ -40,13 +46,30 @@ def torchrun(
     ]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     t0 = time.monotonic()
-    proc = subprocess.run(
+    with subprocess.Popen(
         cmd,
         cwd=cwd,
         env=full_env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        timeout=timeout_s,
-    )
-    return JobResult(proc.returncode, proc.stdout, time.monotonic() - t0)
+        start_new_session=True,
+    ) as proc:
+        try:
+            output, _ = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired as e:
+            _kill_session(proc)
+            output, _ = proc.communicate()
+            raise subprocess.TimeoutExpired(cmd, timeout_s, output=output) from e
+        except BaseException:
+            _kill_session(proc)
+            raise
+        finally:
+            # A worker that outlived torchrun (it exited early) still holds the session.
+            _kill_session(proc)
+    return JobResult(proc.returncode, output, time.monotonic() - t0)
+
+
+def _kill_session(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
