@@ -103,6 +103,7 @@ def score(response, ground_truth, *, data_source, extra_info):
 """
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize(
     "estimator",
     [

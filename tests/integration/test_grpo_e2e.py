@@ -146,6 +146,7 @@ def test_grpo_tiny_short_run(tmp_path: Path) -> None:
     assert any((before[k] - after[k]).abs().max() > 0 for k in before), "RL must change the weights"
 
 
+@pytest.mark.extended
 @pytest.mark.cpu_kinds
 def test_grpo_tiny_mismatch_stays_flat(tmp_path: Path) -> None:
     """The README's main job, shortened: the engine keeps serving the weights being trained.
