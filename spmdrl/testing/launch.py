@@ -61,11 +61,9 @@ def torchrun(
             _kill_session(proc)
             output, _ = proc.communicate()
             raise subprocess.TimeoutExpired(cmd, timeout_s, output=output) from e
-        except BaseException:
-            _kill_session(proc)
-            raise
         finally:
-            # A worker that outlived torchrun (it exited early) still holds the session.
+            # Whatever ended the wait (an interrupt, a test's timeout), and a worker that outlived
+            # torchrun: the session goes.
             _kill_session(proc)
     return JobResult(proc.returncode, output, time.monotonic() - t0)
 
