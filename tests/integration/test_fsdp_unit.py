@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from spmdrl.testing.models import save_small_qwen2
-from spmdrl.testing.spawn import run_distributed
+from spmdrl.testing.spawn import run_distributed, run_side_by_side
 
 pytestmark = pytest.mark.slow
 
@@ -116,8 +116,9 @@ def test_whole_model_unit_trains_as_layer_units(tmp_path: Path, fused_chunk: int
     backward (fused_chunk 8) too, in fewer ATen ops per forward + backward, and leaves no gathered copy
     after a no-grad forward, or after a pass of several (gathered_through: gathered once for it)."""
     save_small_qwen2(tmp_path / "m", vocab_size=VOCAB)
-    (layer,) = run_distributed(_worker, 1, str(tmp_path / "m"), "layer", fused_chunk)
-    (auto,) = run_distributed(_worker, 1, str(tmp_path / "m"), "auto", fused_chunk)
+    (layer,), (auto,) = run_side_by_side(
+        _worker, 1, [(str(tmp_path / "m"), u, fused_chunk) for u in ("layer", "auto")]
+    )
     assert layer["layer_units"] > 0 and auto["layer_units"] == 0, "auto on one rank: one unit, no layer units"
     assert auto["losses"] == layer["losses"]
     assert layer["losses"][-1] < layer["losses"][0], "the run must learn, or equal losses prove little"
@@ -135,8 +136,9 @@ def test_no_fsdp2_trains_as_the_one_rank_unit(tmp_path: Path, fused_chunk: int) 
     kernels; its gather is a copy, its reduce over one rank a sum of one), the same three AdamW steps
     within float32 rounding, in fewer ATen ops per forward + backward (no gather, no reduce)."""
     save_small_qwen2(tmp_path / "m", vocab_size=VOCAB)
-    (unit,) = run_distributed(_worker, 1, str(tmp_path / "m"), "auto", fused_chunk)
-    (bare,) = run_distributed(_worker, 1, str(tmp_path / "m"), "none", fused_chunk)
+    (unit,), (bare,) = run_side_by_side(
+        _worker, 1, [(str(tmp_path / "m"), u, fused_chunk) for u in ("auto", "none")]
+    )
     assert unit["fsdp_modules"] == 1 and bare["fsdp_modules"] == 0
     assert bare["tied"] and unit["tied"]
     assert torch.equal(bare["first_logprobs"], unit["first_logprobs"])
@@ -157,9 +159,10 @@ def test_no_fsdp2_under_bf16_autocast(tmp_path: Path) -> None:
     cast to bf16 before it under autocast (tests/unit/models/test_head.py: its GEMMs' dtypes)."""
     fused_chunk = 8
     save_small_qwen2(tmp_path / "m", vocab_size=VOCAB)
-    (unit,) = run_distributed(_worker, 1, str(tmp_path / "m"), "auto", fused_chunk, "bfloat16")
-    (bare,) = run_distributed(_worker, 1, str(tmp_path / "m"), "none", fused_chunk, "bfloat16")
-    (exact,) = run_distributed(_worker, 1, str(tmp_path / "m"), "none", fused_chunk, "float32")
+    runs = [("auto", "bfloat16"), ("none", "bfloat16"), ("none", "float32")]
+    (unit,), (bare,), (exact,) = run_side_by_side(
+        _worker, 1, [(str(tmp_path / "m"), u, fused_chunk, dtype) for u, dtype in runs]
+    )
     assert bare["param_dtypes"] == unit["param_dtypes"] == ["torch.float32"]
     diff = (bare["first_logprobs"] - exact["first_logprobs"]).abs().max()
     unit_diff = (unit["first_logprobs"] - exact["first_logprobs"]).abs().max()

@@ -17,11 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from spmdrl.config import RolloutConfig
 from spmdrl.rollout.mismatch import logprob_mismatch
 from spmdrl.testing.models import FAMILY_SPECS, save_family_model
-from spmdrl.testing.spawn import run_distributed
+from spmdrl.testing.spawn import run_side_by_side
 
 # The engine's kernels depend on the CPU: CI runs these as every CPU kind too.
 pytestmark = pytest.mark.cpu_kinds
@@ -83,47 +84,58 @@ def _make_end_of_turn_likely(model: torch.nn.Module, prompt: list[int], token: i
     head.weight.to_local()[token] = 40.0 * h / h.dot(h)  # its logit is 40, the others are O(1)
 
 
-def _parity_worker(rank: int, world: int, family: str, dirs: dict[str, str]) -> dict:
+def _parity_worker(rank: int, world: int, dirs: dict[str, str]) -> dict[str, dict | str]:
+    """Each family's figures, or the traceback of the family that failed (the others still run)."""
+    import traceback
+
     from spmdrl.distributed.placement import Placement
+
+    mesh = Placement.colocated(world).build_meshes("cpu").fsdp("actor")
+    results: dict[str, dict | str] = {}
+    for family, model_dir in dirs.items():
+        try:
+            results[family] = _parity(mesh, rank, model_dir)
+        except Exception:  # noqa: BLE001 - reported by that family's test
+            results[family] = traceback.format_exc()
+    return results
+
+
+def _parity(mesh: DeviceMesh, rank: int, model_dir: str) -> dict:
     from spmdrl.models.build import ModelSpec, build_fsdp_model
     from spmdrl.models.load import load_tokenizer
     from spmdrl.rollout.engine import SamplingSpec, build_engine
     from spmdrl.rollout.weight_sync import SyncCheck, sync_weights
 
-    mesh = Placement.colocated(world).build_meshes("cpu").fsdp("actor")
-    results: dict = {}
-    for label, model_dir in dirs.items():
-        tok = load_tokenizer(Path(model_dir))
-        prompts = _prompts(tok, rank)
-        model = build_fsdp_model(
-            ModelSpec(Path(model_dir), torch.float32, torch.float32, train=False), mesh, torch.device("cpu")
-        )
-        originals = [p.to_local().clone() for p in model.parameters()]
-        engine = build_engine(
-            Path(model_dir),
-            RolloutConfig(cpu_kvcache_gib=0.25, max_num_seqs=16, seed=0),
-            max_model_len=MAX_LEN,
-            device_type="cpu",
-        )
-        out: dict = {"dtype": str(engine.dtype), "end_of_turn_ids": list(engine.end_of_turn_ids)}
-        out["fresh"] = _mismatch(model, engine, prompts, seed=1)
-        for round_ in range(2):
-            _perturb(model, originals, seed=10 * round_ + rank)
-            out[f"stale{round_}"] = _mismatch(model, engine, prompts, seed=2)
-            stats = sync_weights(model, engine, bucket_mb=0.5, check=SyncCheck(seed=round_))
-            out[f"checked{round_}"] = stats.checked_groups
-            out[f"synced{round_}"] = _mismatch(model, engine, prompts, seed=3)
-        # A response ends at the template's end-of-turn token (Llama 3's <|eot_id|>, Gemma's
-        # <end_of_turn>), also where the checkpoint's generation config does not list it.
-        turn_end = (engine.end_of_turn_ids or [tok.eos_token_id])[0]
-        _make_end_of_turn_likely(model, prompts[0], turn_end)
-        sync_weights(model, engine, check=SyncCheck(seed=5))
-        greedy = engine.generate(prompts[:1], SamplingSpec(n=1, temperature=0.0, max_tokens=8, seed=0))[0]
-        out["turn_end"] = turn_end
-        out["greedy"] = (greedy.token_ids, greedy.finish_reason)
-        engine.close()
-        results[label] = out
-    return results
+    tok = load_tokenizer(Path(model_dir))
+    prompts = _prompts(tok, rank)
+    model = build_fsdp_model(
+        ModelSpec(Path(model_dir), torch.float32, torch.float32, train=False), mesh, torch.device("cpu")
+    )
+    originals = [p.to_local().clone() for p in model.parameters()]
+    engine = build_engine(
+        Path(model_dir),
+        RolloutConfig(cpu_kvcache_gib=0.25, max_num_seqs=16, seed=0),
+        max_model_len=MAX_LEN,
+        device_type="cpu",
+    )
+    out: dict = {"dtype": str(engine.dtype), "end_of_turn_ids": list(engine.end_of_turn_ids)}
+    out["fresh"] = _mismatch(model, engine, prompts, seed=1)
+    for round_ in range(2):
+        _perturb(model, originals, seed=10 * round_ + rank)
+        out[f"stale{round_}"] = _mismatch(model, engine, prompts, seed=2)
+        stats = sync_weights(model, engine, bucket_mb=0.5, check=SyncCheck(seed=round_))
+        out[f"checked{round_}"] = stats.checked_groups
+        out[f"synced{round_}"] = _mismatch(model, engine, prompts, seed=3)
+    # A response ends at the template's end-of-turn token (Llama 3's <|eot_id|>, Gemma's
+    # <end_of_turn>), also where the checkpoint's generation config does not list it.
+    turn_end = (engine.end_of_turn_ids or [tok.eos_token_id])[0]
+    _make_end_of_turn_likely(model, prompts[0], turn_end)
+    sync_weights(model, engine, check=SyncCheck(seed=5))
+    greedy = engine.generate(prompts[:1], SamplingSpec(n=1, temperature=0.0, max_tokens=8, seed=0))[0]
+    out["turn_end"] = turn_end
+    out["greedy"] = (greedy.token_ids, greedy.finish_reason)
+    engine.close()
+    return out
 
 
 def _family_dir(tmp_path: Path, family: str, tied: bool) -> str:
@@ -137,29 +149,39 @@ def _tie_variants(family: str) -> tuple[bool, bool]:
     return spec.tied_default, (not spec.tied_default) if spec.untied_ok else True
 
 
+@pytest.fixture(scope="module")
+def parity(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict | str]:
+    """Every family's parity figures, from two one-process workers side by side, half the families each:
+    a process and its imports per family cost more than the family's check."""
+    root = tmp_path_factory.mktemp("families")
+    dirs = {f: _family_dir(root, f, _tie_variants(f)[0]) for f in FAMILIES}
+    halves = [(dict(list(dirs.items())[i::2]),) for i in range(2)]
+    runs = run_side_by_side(_parity_worker, 1, halves, timeout_s=900, env=VLLM_ENV)
+    return {f: out for (run,) in runs for f, out in run.items()}
+
+
 @pytest.mark.parametrize("family", FAMILIES)
-def test_engine_matches_trainer_after_a_checked_sync(tmp_path: Path, family: str) -> None:
-    tied = _tie_variants(family)[0]
-    dirs = {("tied" if tied else "untied"): _family_dir(tmp_path, family, tied)}
-    (res,) = run_distributed(_parity_worker, 1, family, dirs, timeout_s=900, env=VLLM_ENV)
-    for label, out in res.items():
-        where = f"{family} {label} ({out['dtype']} engine)"
-        # fp32 trainer against the engine on the same weights: kernel rounding (bf16 engines more).
-        tol = 0.02 if "bfloat16" in out["dtype"] else 2e-3
-        assert out["fresh"]["logprob_abs_diff_mean"] < tol, (where, out["fresh"])
-        for r in range(2):
-            assert out[f"stale{r}"]["logprob_abs_diff_mean"] > 10 * tol, (where, r, out[f"stale{r}"])
-            assert out[f"synced{r}"]["logprob_abs_diff_mean"] < tol, (where, r, out[f"synced{r}"])
-            # Both decoder layers' matrices (two input sizes each) and vectors, the top's matrices and vectors.
-            assert out[f"checked{r}"] >= 2 * 3 + 2, (where, out[f"checked{r}"])
-        spec = FAMILY_SPECS[family]
-        if spec.end_of_turn:
-            # The engine stops on the template's end-of-turn token, which is not the eos.
-            assert len(out["end_of_turn_ids"]) == 1, (where, out["end_of_turn_ids"])
-        else:
-            assert out["end_of_turn_ids"] == [], (where, out["end_of_turn_ids"])
-        # Greedy decoding's first token is the end of the turn, and the response ends there (with it).
-        assert out["greedy"] == ([out["turn_end"]], "stop"), (where, out["greedy"])
+def test_engine_matches_trainer_after_a_checked_sync(parity: dict[str, dict | str], family: str) -> None:
+    out = parity[family]
+    assert isinstance(out, dict), f"{family}: the parity worker failed:\n{out}"
+    label = "tied" if _tie_variants(family)[0] else "untied"
+    where = f"{family} {label} ({out['dtype']} engine)"
+    # fp32 trainer against the engine on the same weights: kernel rounding (bf16 engines more).
+    tol = 0.02 if "bfloat16" in out["dtype"] else 2e-3
+    assert out["fresh"]["logprob_abs_diff_mean"] < tol, (where, out["fresh"])
+    for r in range(2):
+        assert out[f"stale{r}"]["logprob_abs_diff_mean"] > 10 * tol, (where, r, out[f"stale{r}"])
+        assert out[f"synced{r}"]["logprob_abs_diff_mean"] < tol, (where, r, out[f"synced{r}"])
+        # Both decoder layers' matrices (two input sizes each) and vectors, the top's matrices and vectors.
+        assert out[f"checked{r}"] >= 2 * 3 + 2, (where, out[f"checked{r}"])
+    spec = FAMILY_SPECS[family]
+    if spec.end_of_turn:
+        # The engine stops on the template's end-of-turn token, which is not the eos.
+        assert len(out["end_of_turn_ids"]) == 1, (where, out["end_of_turn_ids"])
+    else:
+        assert out["end_of_turn_ids"] == [], (where, out["end_of_turn_ids"])
+    # Greedy decoding's first token is the end of the turn, and the response ends there (with it).
+    assert out["greedy"] == ([out["turn_end"]], "stop"), (where, out["greedy"])
 
 
 # ---- a real run: two GRPO steps on 2 processes, its checkpoint and its export ------------------------

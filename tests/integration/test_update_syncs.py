@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from spmdrl.testing.models import padded_rows, save_small_qwen2
-from spmdrl.testing.spawn import run_distributed
+from spmdrl.testing.spawn import run_side_by_side
 
 pytestmark = pytest.mark.slow
 
@@ -148,7 +148,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize("layout", ["padded", "packed", "unpadded"])
 def test_no_sync_inside_the_micro_batch_loops(model_dir: Path, layout: str) -> None:
-    runs = {n: run_distributed(_worker, 1, str(model_dir), MICRO[n], layout)[0] for n in MICRO}
+    sides = run_side_by_side(_worker, 1, [(str(model_dir), MICRO[n], layout) for n in MICRO])
+    runs = {n: run for n, (run,) in zip(MICRO, sides, strict=True)}
     for name, expected in [
         ("logprobs_of", NO_GRAD),
         ("values_of", NO_GRAD),

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from spmdrl.testing.models import padded_rows, save_small_qwen2
-from spmdrl.testing.spawn import run_distributed
+from spmdrl.testing.spawn import run_side_by_side
 from tests.integration.test_update_syncs import UPDATE, _places
 
 pytestmark = pytest.mark.slow
@@ -120,7 +120,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_no_sync_inside_the_micro_batch_loop_of_these_losses(model_dir: Path) -> None:
-    runs = {n: run_distributed(_worker, 1, str(model_dir), MICRO[n])[0] for n in MICRO}
+    sides = run_side_by_side(_worker, 1, [(str(model_dir), MICRO[n]) for n in MICRO])
+    runs = {n: run for n, (run,) in zip(MICRO, sides, strict=True)}
     for loss in LOSSES:
         for n, run in runs.items():
             places, text = run[loss]
