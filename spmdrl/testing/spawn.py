@@ -6,6 +6,7 @@ this ends every process as soon as one fails and reports the failing rank's trac
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import os
 import pickle
@@ -16,7 +17,9 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 def free_port() -> int:
@@ -105,6 +108,18 @@ def run_distributed(
     return [results[r] for r in range(world_size)]
 
 
+def side_by_side(calls: Sequence[Callable[[], T]], ranks_each: int = 1) -> list[T]:
+    """Each of ``calls`` (each starting processes of ``ranks_each`` ranks: a spawned group, a torchrun
+    job), as many at once as the machine has cores for them (at least one); results in ``calls``' order.
+
+    For independent small jobs, one rank each mostly: a process spends seconds importing torch,
+    transformers and vLLM on one core before its work, so two such jobs side by side on two cores take
+    about the time of one."""
+    at_once = max(1, min(len(calls), (os.cpu_count() or 1) // ranks_each))
+    with ThreadPoolExecutor(at_once) as pool:
+        return [run.result() for run in [pool.submit(call) for call in calls]]
+
+
 def run_side_by_side(
     fn: Callable[..., Any],
     world_size: int,
@@ -113,16 +128,12 @@ def run_side_by_side(
     timeout_s: float = 300.0,
     env: dict[str, str] | None = None,
 ) -> list[list[Any]]:
-    """``run_distributed(fn, world_size, *args)`` for each ``args`` of ``arg_sets``, as many groups at once
-    as the machine has cores for ``world_size`` ranks each (at least one); results in ``arg_sets``' order.
-
-    For independent small groups (one rank each, mostly): a spawned process spends seconds importing
-    torch, transformers and vLLM before its work, on one core, so two such groups side by side on two
-    cores take about the time of one."""
-    at_once = max(1, min(len(arg_sets), (os.cpu_count() or 1) // world_size))
-    with ThreadPoolExecutor(at_once) as pool:
-        runs = [
-            pool.submit(run_distributed, fn, world_size, *args, timeout_s=timeout_s, env=env)
+    """``run_distributed(fn, world_size, *args)`` for each ``args`` of ``arg_sets``, side by side
+    (:func:`side_by_side`)."""
+    return side_by_side(
+        [
+            functools.partial(run_distributed, fn, world_size, *args, timeout_s=timeout_s, env=env)
             for args in arg_sets
-        ]
-        return [run.result() for run in runs]
+        ],
+        world_size,
+    )

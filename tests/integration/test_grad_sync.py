@@ -154,21 +154,21 @@ def test_sft_step_defers_on_one_rank(tmp_path: Path) -> None:
     """The SFT recipe's step goes through the same rule (spmdrl.models.grad_sync): on one rank auto reduces
     once per step, false after each of its 2 micro-batches. Counted as FSDP2's own post-backward reduce
     ranges in the traced step (logging.profile_steps); one torchrun process each."""
+    import functools
     import gzip
     import json
     import os
 
-    from spmdrl.testing.launch import torchrun
+    from spmdrl.testing.launch import JobResult, torchrun
+    from spmdrl.testing.spawn import side_by_side
 
-    counts = {}
-    for mode in ("auto", "false"):
-        out = tmp_path / mode
-        res = torchrun(
+    def job(mode: str) -> JobResult:
+        return torchrun(
             [
                 "-m",
                 "spmdrl.train",
                 "recipe=sft_tiny",
-                f"trainer.output_dir={out}",
+                f"trainer.output_dir={tmp_path / mode}",
                 "trainer.total_steps=2",
                 "trainer.global_batch_size=16",
                 "trainer.micro_batch_size=8",
@@ -181,7 +181,13 @@ def test_sft_step_defers_on_one_rank(tmp_path: Path) -> None:
             timeout_s=600,
             env={"SPMDRL_CACHE": os.environ.get("SPMDRL_CACHE", str(Path.home() / ".cache" / "spmdrl"))},
         )
+
+    modes = ("auto", "false")
+    counts = {}
+    for mode, res in zip(modes, side_by_side([functools.partial(job, m) for m in modes]), strict=True):
         assert res.returncode == 0, res.output[-4000:]
-        trace = json.loads(gzip.decompress((out / "profile" / "step-2" / "rank-0.json.gz").read_bytes()))
+        trace = json.loads(
+            gzip.decompress((tmp_path / mode / "profile" / "step-2" / "rank-0.json.gz").read_bytes())
+        )
         counts[mode] = sum(e.get("name") == "FSDP::post_backward_reduce" for e in trace["traceEvents"])
     assert counts == {"auto": 1, "false": 2}
