@@ -108,6 +108,11 @@ def run_distributed(
     return [results[r] for r in range(world_size)]
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, which a container or taskset narrows)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def side_by_side(calls: Sequence[Callable[[], T]], ranks_each: int = 1) -> list[T]:
     """Each of ``calls`` (each starting processes of ``ranks_each`` ranks: a spawned group, a torchrun
     job), as many at once as the machine has cores for them (at least one); results in ``calls``' order.
@@ -115,7 +120,7 @@ def side_by_side(calls: Sequence[Callable[[], T]], ranks_each: int = 1) -> list[
     For independent small jobs, one rank each mostly: a process spends seconds importing torch,
     transformers and vLLM on one core before its work, so two such jobs side by side on two cores take
     about the time of one."""
-    at_once = max(1, min(len(calls), (os.cpu_count() or 1) // ranks_each))
+    at_once = max(1, min(len(calls), usable_cores() // ranks_each))
     with ThreadPoolExecutor(at_once) as pool:
         return [run.result() for run in [pool.submit(call) for call in calls]]
 

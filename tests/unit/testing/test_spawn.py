@@ -1,0 +1,53 @@
+"""spmdrl.testing.spawn.side_by_side: independent jobs at once where the cores allow, results in order."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from spmdrl.testing import spawn
+
+
+def _pair(monkeypatch: pytest.MonkeyPatch, cores: int, ranks_each: int) -> list[bool]:
+    """Two calls, the first waiting (up to 1 s) for the second to start: whether each saw the other."""
+    monkeypatch.setattr(spawn, "usable_cores", lambda: cores)
+    second_started = threading.Event()
+
+    def first() -> bool:
+        return second_started.wait(timeout=1.0)
+
+    def second() -> bool:
+        second_started.set()
+        return True
+
+    return spawn.side_by_side([first, second], ranks_each)
+
+
+def test_two_one_rank_jobs_run_at_once_on_two_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _pair(monkeypatch, cores=2, ranks_each=1) == [True, True]
+
+
+@pytest.mark.parametrize(("cores", "ranks_each"), [(1, 1), (2, 2), (3, 2)])
+def test_one_at_a_time_where_the_cores_hold_one_job(
+    monkeypatch: pytest.MonkeyPatch, cores: int, ranks_each: int
+) -> None:
+    # The second call starts only after the first has given up waiting for it.
+    assert _pair(monkeypatch, cores, ranks_each) == [False, True]
+
+
+def test_results_in_the_calls_order_and_a_failure_is_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(spawn, "usable_cores", lambda: 4)
+    assert spawn.side_by_side([lambda i=i: i * i for i in range(5)]) == [0, 1, 4, 9, 16]
+
+    def broken() -> int:
+        raise ValueError("job 2 failed")
+
+    with pytest.raises(ValueError, match="job 2 failed"):
+        spawn.side_by_side([lambda: 1, broken])
+
+
+def test_usable_cores_is_the_affinity() -> None:
+    import os
+
+    assert spawn.usable_cores() == len(os.sched_getaffinity(0)) >= 1
