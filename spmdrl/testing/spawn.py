@@ -16,7 +16,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -117,12 +117,24 @@ def side_by_side(calls: Sequence[Callable[[], T]], ranks_each: int = 1) -> list[
     """Each of ``calls`` (each starting processes of ``ranks_each`` ranks: a spawned group, a torchrun
     job), as many at once as the machine has cores for them (at least one); results in ``calls``' order.
 
-    For independent small jobs, one rank each mostly: a process spends seconds importing torch,
-    transformers and vLLM on one core before its work, so two such jobs side by side on two cores take
-    about the time of one."""
+    For independent small jobs, one rank each mostly, whose time is mostly their imports: a process
+    spends ~9 s importing torch, transformers and vLLM on one core before its work, so two such jobs
+    side by side on two cores take little more than one. (Jobs of longer engine work gained nothing on 2
+    cores: test_weight_sync's GEMM paths, tried.)
+
+    The first failure is raised at once, and so is an interrupt (a test's timeout): the jobs not started
+    are dropped, and the ones running end by their own timeouts (run_distributed's, torchrun's)."""
     at_once = max(1, min(len(calls), usable_cores() // ranks_each))
-    with ThreadPoolExecutor(at_once) as pool:
-        return [run.result() for run in [pool.submit(call) for call in calls]]
+    pool = ThreadPoolExecutor(at_once)
+    try:
+        runs = [pool.submit(call) for call in calls]
+        wait(runs, return_when=FIRST_EXCEPTION)
+        failed = [e for e in (run.exception() for run in runs if run.done()) if e is not None]
+        if failed:
+            raise failed[0]
+        return [run.result() for run in runs]
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def run_side_by_side(

@@ -51,3 +51,21 @@ def test_usable_cores_is_the_affinity() -> None:
     import os
 
     assert spawn.usable_cores() == len(os.sched_getaffinity(0)) >= 1
+
+
+def test_a_failure_is_raised_while_the_others_still_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(spawn, "usable_cores", lambda: 2)
+    release, finished = threading.Event(), threading.Event()
+
+    def long_job() -> int:
+        release.wait(timeout=10.0)
+        finished.set()
+        return 1
+
+    def broken() -> int:
+        raise RuntimeError("rank 0 failed")
+
+    with pytest.raises(RuntimeError, match="rank 0 failed"):
+        spawn.side_by_side([long_job, broken])
+    assert not finished.is_set(), "raised only after the long job ended"
+    release.set()
