@@ -175,6 +175,8 @@ def test_sft_step_defers_on_one_rank(tmp_path: Path) -> None:
                 "trainer.val_every=0",
                 "logging.profile_steps=[2]",
                 f"trainer.defer_grad_sync={mode}",
+                # One torch thread each: the two jobs run side by side (by default each would take every core).
+                "trainer.cpu_threads=1",
             ],
             nproc=1,
             cwd=tmp_path,
