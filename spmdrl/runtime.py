@@ -126,12 +126,17 @@ def choose_output_dir(cfg: Config) -> str:
     return chosen
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity, which Slurm, containers and taskset narrow."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def cpu_threads(requested: int) -> tuple[int, str]:
     """Threads for torch in this rank and why: ``requested`` if > 0, else this process's usable cores
     (its CPU affinity, which Slurm and containers narrow) over the ranks on this node, at least 1."""
     if requested > 0:
         return requested, "trainer.cpu_threads"
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = usable_cores()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return max(cores // local, 1), f"trainer.cpu_threads=0: {cores} usable cores / {local} ranks on this node"
 

@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
+from spmdrl.runtime import usable_cores
+
 T = TypeVar("T")
 
 
@@ -106,11 +108,6 @@ def run_distributed(
                 p.kill()
                 p.join()
     return [results[r] for r in range(world_size)]
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity, which a container or taskset narrows)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def side_by_side(calls: Sequence[Callable[[], T]], ranks_each: int = 1) -> list[T]:

@@ -59,11 +59,12 @@ def one_rank(model_dir: str) -> dict[int, list]:
     ids=["tokens-tp1", "tokens-tp2", "whole-sequences"],
 )
 def test_the_cache_holds_the_tokens_asked_for(
-    one_rank: dict[int, list], model_dir: str, setting: int, tokens: int, tp: int
+    request: pytest.FixtureRequest, model_dir: str, setting: int, tokens: int, tp: int
 ) -> None:
-    results = (
-        one_rank[setting] if tp == 1 else run_distributed(_capacity, tp, model_dir, setting, timeout_s=600)
-    )
+    if tp == 1:  # both one-rank settings' engines are built together, once
+        results = request.getfixturevalue("one_rank")[setting]
+    else:
+        results = run_distributed(_capacity, tp, model_dir, setting, timeout_s=600)
     for blocks, block_size, lengths in results:
         # Rounded to whole blocks (and vLLM's null block): within one block of what was asked, where
         # the default (rollout.cpu_kvcache_gib=1) would hold millions of the tiny model's tokens.

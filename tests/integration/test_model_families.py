@@ -118,24 +118,26 @@ def _parity(mesh: DeviceMesh, rank: int, model_dir: str) -> dict:
         max_model_len=MAX_LEN,
         device_type="cpu",
     )
-    out: dict = {"dtype": str(engine.dtype), "end_of_turn_ids": list(engine.end_of_turn_ids)}
-    out["fresh"] = _mismatch(model, engine, prompts, seed=1)
-    for round_ in range(2):
-        _perturb(model, originals, seed=10 * round_ + rank)
-        out[f"stale{round_}"] = _mismatch(model, engine, prompts, seed=2)
-        stats = sync_weights(model, engine, bucket_mb=0.5, check=SyncCheck(seed=round_))
-        out[f"checked{round_}"] = stats.checked_groups
-        out[f"synced{round_}"] = _mismatch(model, engine, prompts, seed=3)
-    # A response ends at the template's end-of-turn token (Llama 3's <|eot_id|>, Gemma's
-    # <end_of_turn>), also where the checkpoint's generation config does not list it.
-    turn_end = (engine.end_of_turn_ids or [tok.eos_token_id])[0]
-    _make_end_of_turn_likely(model, prompts[0], turn_end)
-    sync_weights(model, engine, check=SyncCheck(seed=5))
-    greedy = engine.generate(prompts[:1], SamplingSpec(n=1, temperature=0.0, max_tokens=8, seed=0))[0]
-    out["turn_end"] = turn_end
-    out["greedy"] = (greedy.token_ids, greedy.finish_reason)
-    engine.close()
-    return out
+    try:
+        out: dict = {"dtype": str(engine.dtype), "end_of_turn_ids": list(engine.end_of_turn_ids)}
+        out["fresh"] = _mismatch(model, engine, prompts, seed=1)
+        for round_ in range(2):
+            _perturb(model, originals, seed=10 * round_ + rank)
+            out[f"stale{round_}"] = _mismatch(model, engine, prompts, seed=2)
+            stats = sync_weights(model, engine, bucket_mb=0.5, check=SyncCheck(seed=round_))
+            out[f"checked{round_}"] = stats.checked_groups
+            out[f"synced{round_}"] = _mismatch(model, engine, prompts, seed=3)
+        # A response ends at the template's end-of-turn token (Llama 3's <|eot_id|>, Gemma's
+        # <end_of_turn>), also where the checkpoint's generation config does not list it.
+        turn_end = (engine.end_of_turn_ids or [tok.eos_token_id])[0]
+        _make_end_of_turn_likely(model, prompts[0], turn_end)
+        sync_weights(model, engine, check=SyncCheck(seed=5))
+        greedy = engine.generate(prompts[:1], SamplingSpec(n=1, temperature=0.0, max_tokens=8, seed=0))[0]
+        out["turn_end"] = turn_end
+        out["greedy"] = (greedy.token_ids, greedy.finish_reason)
+        return out
+    finally:
+        engine.close()  # also when a check raises: the next family builds its engine here
 
 
 def _family_dir(tmp_path: Path, family: str, tied: bool) -> str:
