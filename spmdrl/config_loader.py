@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import functools
 import importlib
 import os
 import re
@@ -69,9 +70,16 @@ def schema_class() -> type[Config]:
     a top-level key. Without sections, Config itself."""
     if not CONFIG_SECTIONS:
         return Config
+    return _schema_with(tuple(CONFIG_SECTIONS.items()))
+
+
+@functools.cache
+def _schema_with(sections: tuple[tuple[str, type], ...]) -> type[Config]:
+    """One class per set of sections, so that the schema Hydra holds is stored again only when it changed
+    (:func:`_compose`)."""
     return dataclasses.make_dataclass(
         "Config",
-        [(name, cls, dataclasses.field(default_factory=cls)) for name, cls in CONFIG_SECTIONS.items()],
+        [(name, cls, dataclasses.field(default_factory=cls)) for name, cls in sections],
         bases=(Config,),
     )
 
@@ -248,10 +256,40 @@ def _resolve_entry(entry: str, base: Path) -> str:
 # ---------------------------------------------------------------------------------------------- loading
 
 
+_stored_schema: list[Any] = [None]  # what ConfigStore holds under _SCHEMA_NAME
+
+
 def _compose(overrides: list[str], schema: Any) -> DictConfig:
-    ConfigStore.instance().store(name=_SCHEMA_NAME, node=schema)
+    # Storing converts the schema to OmegaConf (~0.1 s for Config's 200-odd fields): only when it changed.
+    if _stored_schema[0] is not schema:
+        ConfigStore.instance().store(name=_SCHEMA_NAME, node=schema)
+        _stored_schema[0] = schema
     with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
         return compose(config_name="config", overrides=overrides)
+
+
+_ENTRY_ONLY = OmegaConf.create({"entry": Config.entry})
+
+
+def _probe_entry(select: list[str], hydra_keys: list[str], recipe_path: Path | None) -> str:
+    """The ``entry`` the recipe's YAMLs name, composed untyped (a recipe's own sections are not in the
+    schema yet). A shipped recipe's files do not change while the process runs, so its answer is kept."""
+    if recipe_path is None:
+        return _shipped_entry(tuple(select), tuple(hydra_keys))
+    return _compose_entry(select, hydra_keys, recipe_path)
+
+
+@functools.cache
+def _shipped_entry(select: tuple[str, ...], hydra_keys: tuple[str, ...]) -> str:
+    return _compose_entry(list(select), list(hydra_keys), None)
+
+
+def _compose_entry(select: list[str], hydra_keys: list[str], recipe_path: Path | None) -> str:
+    try:
+        probe = _compose([*select, *hydra_keys], _ENTRY_ONLY)
+    except (HydraException, OmegaConfBaseException) as e:
+        raise _composition_error(e, Config, recipe_path) from None
+    return str(probe.entry)
 
 
 def _composition_error(e: Exception, schema: type, recipe_path: Path | None) -> ConfigError:
@@ -361,13 +399,7 @@ def load_config(overrides: list[str], *, import_entry_module: bool = True) -> Co
         hydra_keys = [ov for ov in rest if _override_key(ov) is None]
 
         # 1. The recipe's YAMLs alone, untyped (a recipe's own sections are not in the schema yet): its entry.
-        entry = cli_entry
-        if entry is None:
-            try:
-                probe = _compose([*select, *hydra_keys], OmegaConf.create({"entry": Config.entry}))
-            except (HydraException, OmegaConfBaseException) as e:
-                raise _composition_error(e, Config, recipe_path) from None
-            entry = str(probe.entry)
+        entry = cli_entry if cli_entry is not None else _probe_entry(select, hydra_keys, recipe_path)
         base = recipe_path.parent if recipe_path is not None and cli_entry is None else Path.cwd()
         entry = _resolve_entry(entry, base)
 

@@ -5,11 +5,12 @@ tests/integration/ (processes, engines, torchrun jobs), which is marked ``slow``
 ``-m "not slow"`` is exactly the unit tier. A unit test marked ``slow`` is refused: it belongs in
 tests/integration/.
 
-``--cpu-kind`` runs the tests as another x86 CPU kind would (spmdrl.cpu_kind).
+The default run is the unit tier plus the integration tests marked ``guarantee(KEY)``, one per guarantee
+of tests/tiers.py (docs/testing.md has the map). ``--all`` (or ``SPMDRL_ALL_TESTS=1``; ``--extended`` is
+the old name) runs every test. A test file named on the command line runs whole in either case, so
+``pytest tests/integration/test_lora.py`` runs what it says.
 
-Tests marked ``extended`` run only with ``--extended`` (or ``SPMDRL_EXTENDED_TESTS=1``): long end-to-end
-variants whose parts other tests cover (docs/testing.md lists them), kept out of the default run so that
-CI's run fits its 90 minutes on a slow 2-core machine.
+``--cpu-kind`` runs the tests as another x86 CPU kind would (spmdrl.cpu_kind).
 
 ``pytest --cpu-kind=avx2`` (or ``SPMDRL_CPU_KIND=avx2``) makes this process and every process it starts
 (torchrun jobs, spawned ranks) detect that kind's CPU flags and run its kernels: vLLM's AVX2 library,
@@ -25,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.tiers import GUARANTEES, in_default_tier
+
 INTEGRATION = Path(__file__).parent / "integration"
 
 
@@ -35,10 +38,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="run as this CPU kind: avx2, avx512 or avx512_bf16 (no more capable than this host; see spmdrl.cpu_kind)",
     )
     parser.addoption(
+        "--all",
         "--extended",
+        dest="all_tests",
         action="store_true",
-        default=os.environ.get("SPMDRL_EXTENDED_TESTS", "") == "1",
-        help="also run the tests marked extended (long end-to-end variants; docs/testing.md)",
+        default=os.environ.get("SPMDRL_ALL_TESTS", os.environ.get("SPMDRL_EXTENDED_TESTS", "")) == "1",
+        help="run every test, not only the default tier (the unit tier and the guarantee tests; docs/testing.md)",
     )
 
 
@@ -56,14 +61,14 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(str(e)) from None
 
 
-def pytest_report_header(config: pytest.Config) -> str:
+def pytest_report_header(config: pytest.Config) -> list[str]:
     from spmdrl import cpu_kind
 
     active = cpu_kind.active()
     tier = (
-        "extended tests included"
-        if config.getoption("--extended")
-        else "extended tests left out (--extended)"
+        "tier: all tests (--all)"
+        if config.getoption("all_tests")
+        else "tier: default (the unit tier and the integration tests marked guarantee; --all runs every test)"
     )
     if active is None:
         return [f"cpu kind: {cpu_kind.host_kind()} (this host's own)", tier]
@@ -80,11 +85,36 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             misplaced.append(item.nodeid)
     if misplaced:
         raise pytest.UsageError(f"slow tests outside tests/integration/ (move them there): {misplaced}")
-    if not config.getoption("--extended"):
-        extended = [item for item in items if item.get_closest_marker("extended") is not None]
-        if extended:
-            config.hook.pytest_deselected(items=extended)
-            items[:] = [item for item in items if item.get_closest_marker("extended") is None]
+    unknown = [
+        f"{item.nodeid}: {key!r}" for item in items for key in _guarantees(item) if key not in GUARANTEES
+    ]
+    if unknown:
+        raise pytest.UsageError(f"guarantee marks naming no guarantee of tests/tiers.py: {unknown}")
+    if config.getoption("all_tests"):
+        return
+    named = _named_files(config)
+    left_out = [
+        item for item in items if not in_default_tier(item.path, INTEGRATION, _guarantees(item), named)
+    ]
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        dropped = set(map(id, left_out))
+        items[:] = [item for item in items if id(item) not in dropped]
+
+
+def _guarantees(item: pytest.Item) -> list[str]:
+    """The guarantee keys an item's marks name (``@pytest.mark.guarantee("resume:kill")``)."""
+    return [key for mark in item.iter_markers("guarantee") for key in mark.args]
+
+
+def _named_files(config: pytest.Config) -> set[Path]:
+    """The test files named on the command line (a path or a node id), which run whole in any tier."""
+    files = set()
+    for arg in config.args:
+        path = Path(config.invocation_params.dir, arg.split("::")[0]).resolve()
+        if path.is_file():
+            files.add(path)
+    return files
 
 
 @pytest.fixture

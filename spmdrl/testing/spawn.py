@@ -20,6 +20,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
 from spmdrl.runtime import usable_cores
+from spmdrl.testing import prefork
 
 T = TypeVar("T")
 
@@ -72,12 +73,20 @@ def run_distributed(
     """Calls ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; returns results by rank.
 
     ``fn`` must be importable (defined at module level). Raises SpawnError with the first failing
-    rank's traceback, after killing the rest.
+    rank's traceback, after killing the rest. The processes are forked from the session's fork server
+    (spmdrl.testing.prefork), which has imported torch, transformers, vLLM and spmdrl; with
+    ``SPMDRL_TEST_LAUNCHER=torchrun``, or an ``env`` that changes what is read at import, each is a fresh
+    interpreter (multiprocessing's spawn).
     """
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
     port = free_port()
     child_env = {"OMP_NUM_THREADS": "1", **(env or {})}
+    # Forked from the session's fork server, whose imports are done (spmdrl.testing.prefork), unless the
+    # environment asks for what it did not import under; then a fresh interpreter each.
+    preforked = os.environ.get("SPMDRL_TEST_LAUNCHER", "auto") != "torchrun" and prefork.compatible(
+        {**os.environ, **child_env}
+    )
+    ctx = prefork.context() if preforked else mp.get_context("spawn")
+    out = ctx.Queue()
     procs = [
         ctx.Process(target=_child, args=(fn, r, world_size, port, child_env, args, out), daemon=True)
         for r in range(world_size)

@@ -197,6 +197,7 @@ def _ckpt_ops_worker(rank: int, world: int, model_dir: str, root: str) -> dict:
     return out
 
 
+@pytest.mark.guarantee("checkpoint:atomic")
 @pytest.mark.slow
 def test_checkpoints_are_never_half_written(tmp_path: Path) -> None:
     from spmdrl.models.tiny import ensure_tiny_model

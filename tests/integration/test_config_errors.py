@@ -19,12 +19,14 @@ def _last_lines(output: str, n: int) -> str:
     return "\n".join(output.rstrip().splitlines()[-n:])
 
 
+@pytest.mark.guarantee("errors:config")
 def test_typo_is_reported_once_and_last(tmp_path: Path) -> None:
     res = torchrun(
         ["-m", "spmdrl.train", "recipe=grpo_tiny", "trainer.totl_steps=3"],
         nproc=2,
         cwd=tmp_path,
         timeout_s=300,
+        launcher="torchrun",  # what torchrun's closing summary shows is the point
     )
     assert res.returncode == 1  # torchrun's, for any failed worker
     assert res.output.count("unknown config key 'trainer.totl_steps'") == 1, res.output
@@ -38,12 +40,14 @@ def test_typo_is_reported_once_and_last(tmp_path: Path) -> None:
     assert "rank 1 failed" not in res.output
 
 
+@pytest.mark.guarantee("errors:config")
 def test_missing_data_file_is_reported_once_and_last(tmp_path: Path) -> None:
     res = torchrun(
         ["-m", "spmdrl.train", "recipe=sft_tiny", "data.train_files=[nowhere.parquet]"],
         nproc=2,
         cwd=tmp_path,
         timeout_s=300,
+        launcher="torchrun",  # what torchrun's closing summary shows is the point
     )
     assert res.returncode == 1
     message = "data file nowhere.parquet does not exist; check data.train_files / data.val_files"

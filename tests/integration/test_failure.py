@@ -34,6 +34,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.guarantee("errors:rank_failure")
 def test_exception_on_one_rank_ends_the_job(tmp_path: Path) -> None:
     script = tmp_path / "boom.py"
     script.write_text(SCRIPT)

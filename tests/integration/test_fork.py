@@ -85,6 +85,7 @@ def write_fork(fork: Path) -> None:
     (fork / "my_grpo.yaml").write_text(FORK_E2E_YAML)
 
 
+@pytest.mark.guarantee("fork:recipe")
 @pytest.mark.slow
 def test_fork_in_another_directory_runs_two_grpo_steps(tmp_path: Path) -> None:
     from spmdrl.logging.metrics import read_metrics

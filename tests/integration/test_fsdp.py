@@ -94,7 +94,7 @@ def _reference(model_dir: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, model.state_dict()
 
 
-@pytest.mark.parametrize("ac", [False, True])
+@pytest.mark.parametrize("ac", [pytest.param(False, marks=pytest.mark.guarantee("fsdp:numerics")), True])
 def test_fsdp2_two_ranks_match_single_process(tmp_path: Path, ac: bool) -> None:
     _save_model(tmp_path / "m")
     ref_losses, ref_state = _reference(tmp_path / "m")

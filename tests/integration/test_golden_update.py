@@ -164,6 +164,7 @@ def _worker(rank: int, world: int, model_dir: str, cfg: Any) -> list[dict[str, f
     return trajectory
 
 
+@pytest.mark.guarantee("golden:update")
 def test_grpo_update_matches_golden(tmp_path: Path) -> None:
     save_small_qwen2(tmp_path / "m")
     cfg = _config()

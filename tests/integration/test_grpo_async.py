@@ -56,6 +56,7 @@ def _compared(row: dict) -> dict:
 OVERLONG = ("reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=12")
 
 
+@pytest.mark.guarantee("recipe:grpo_async_tiny")
 def test_k0_is_the_synchronous_run_bitwise(tmp_path: Path) -> None:
     sync = _train(tmp_path, "colocated", "grpo_tiny", *OVERLONG, nproc=2)
     # grpo_tiny corrects nothing; with k = 0 the recipe's importance weights are ~1, not exactly 1.
@@ -103,7 +104,6 @@ def score(response, ground_truth, *, data_source, extra_info):
 """
 
 
-@pytest.mark.extended
 @pytest.mark.parametrize(
     "estimator",
     [

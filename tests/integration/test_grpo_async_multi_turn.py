@@ -57,6 +57,7 @@ def parse(text):
 '''
 
 
+@pytest.mark.guarantee("recipe:grpo_tools_tiny")
 def test_agent_loop_on_the_rollout_ranks(tmp_path: Path) -> None:
     parser = tmp_path / "every_turn_calls.py"
     parser.write_text(PARSER)

@@ -15,7 +15,7 @@ import pytest
 from spmdrl.logging.metrics import read_metrics
 from spmdrl.testing.launch import torchrun
 
-pytestmark = [pytest.mark.slow, pytest.mark.extended]
+pytestmark = pytest.mark.slow
 
 
 def test_partial_rollouts_switch_weights_mid_generation(tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ from spmdrl.rl.async_queue import PipelineShape, check_resume, load_queue, queue
 from spmdrl.testing.launch import JobResult, torchrun
 from spmdrl.testing.small_runs import SMALL_GRPO, cache_dir
 
-pytestmark = [pytest.mark.slow, pytest.mark.extended]
+pytestmark = pytest.mark.slow
 
 # tests/integration/test_grpo_async.py's small, fast run (a gradient at every step, two mini-batches).
 COMMON = SMALL_GRPO

@@ -18,7 +18,7 @@ from spmdrl.logging.metrics import read_metrics
 from spmdrl.testing.launch import torchrun
 from spmdrl.testing.small_runs import SMALL_GRPO, cache_dir
 
-pytestmark = [pytest.mark.slow, pytest.mark.extended]
+pytestmark = pytest.mark.slow
 
 K2 = ("parallel.rollout_ranks=2", "trainer.max_staleness=2", "trainer.total_steps=4", "trainer.val_every=0")
 

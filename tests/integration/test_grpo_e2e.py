@@ -52,6 +52,7 @@ def _train(tmp_path: Path, recipe: str, *overrides: str, nproc: int = 2) -> Path
     return out
 
 
+@pytest.mark.guarantee("recipe:grpo_tiny")
 def test_grpo_tiny_short_run(tmp_path: Path) -> None:
     (tmp_path / "my_reward.py").write_text(REWARD)
     out = _train(
@@ -146,7 +147,6 @@ def test_grpo_tiny_short_run(tmp_path: Path) -> None:
     assert any((before[k] - after[k]).abs().max() > 0 for k in before), "RL must change the weights"
 
 
-@pytest.mark.extended
 @pytest.mark.cpu_kinds
 def test_grpo_tiny_mismatch_stays_flat(tmp_path: Path) -> None:
     """The README's main job, shortened: the engine keeps serving the weights being trained.
@@ -188,6 +188,7 @@ PARITY_RUN = (
 )
 
 
+@pytest.mark.guarantee("sync:parity")
 @pytest.mark.cpu_kinds
 def test_grpo_tiny_fp32_parity_gate_holds(tmp_path: Path) -> None:
     """With an fp32 engine and an fp32 trainer, every step's trainer/engine logprob gap stays under 1e-6 on
@@ -251,6 +252,7 @@ def test_grpo_recipe_runs_verl_variants_by_name(tmp_path: Path) -> None:
     assert rows[1]["actor/reward_kl_penalty_coeff"] != rows[0]["actor/reward_kl_penalty_coeff"]
 
 
+@pytest.mark.guarantee("recipe:dapo_tiny")
 def test_dapo_tiny_dynamic_sampling_and_overlong_shaping(tmp_path: Path) -> None:
     """recipe=dapo_tiny, shortened: groups without signal are dropped and refilled, every rank trains on
     the same number of rows (or FSDP would hang), and the overlong shaping is applied and logged."""
@@ -276,6 +278,7 @@ def test_dapo_tiny_dynamic_sampling_and_overlong_shaping(tmp_path: Path) -> None
     assert sum(r["rollout/num_dropped_groups"] for r in rows) > 0
 
 
+@pytest.mark.guarantee("recipe:ppo_tiny")
 def test_ppo_tiny_with_critic(tmp_path: Path) -> None:
     """recipe=ppo_tiny, shortened: the critic (value head on the actor's backbone) trains from step 1, the
     actor from the step after critic.warmup_steps, and GAE's advantages reach the policy loss; with packed

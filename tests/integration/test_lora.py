@@ -43,6 +43,7 @@ ARGS = [
 ]
 
 
+@pytest.mark.guarantee("recipe:grpo_lora_tiny")
 def test_grpo_lora_syncs_merged_weights_checkpoints_adapters_and_resumes_exactly(tmp_path: Path) -> None:
     run = tmp_path / "run"
     res = torchrun(

@@ -58,6 +58,7 @@ def _worker_pids(agent: int) -> dict[int, int]:
     return ranks
 
 
+@pytest.mark.guarantee("resume:kill")
 def test_killed_worker_restarts_and_resumes_exactly(tmp_path: Path) -> None:
     straight = tmp_path / "straight"
     res = torchrun(

@@ -56,6 +56,7 @@ def rm_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.guarantee("recipe:rm_tiny")
 def test_rm_tiny_learns_and_exports(rm_run: Path) -> None:
     # logging.profile_steps: step 2 traced, on each rank.
     traced = sorted(p.name for p in (rm_run / "profile" / "step-2").iterdir())
@@ -87,6 +88,7 @@ def test_rm_tiny_learns_and_exports(rm_run: Path) -> None:
     assert score.shape == (1, 1) and torch.isfinite(score).all() and float(score) != 0.0
 
 
+@pytest.mark.guarantee("recipe:rm_tiny")
 def test_grpo_steps_with_reward_model_and_judge(rm_run: Path, tmp_path: Path) -> None:
     out = tmp_path / "grpo"
     _run(

@@ -25,7 +25,7 @@ from spmdrl.testing.launch import torchrun
 from spmdrl.testing.small_runs import cache_env, comparable
 from spmdrl.testing.spawn import free_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.extended]
+pytestmark = pytest.mark.slow
 
 ARGS = [
     "recipe=rm_tiny",

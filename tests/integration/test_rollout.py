@@ -172,6 +172,7 @@ def _rollout_worker(rank: int, world: int, model_dir: str) -> dict:
     return results
 
 
+@pytest.mark.guarantee("engine:tp")
 @pytest.mark.slow
 @pytest.mark.cpu_kinds
 def test_vllm_engine_tp1_and_tp2(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ from spmdrl.testing.launch import torchrun
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.guarantee("recipe:sft_tiny")
 def test_sft_tiny_two_ranks(tmp_path: Path) -> None:
     out = tmp_path / "run"
     res = torchrun(

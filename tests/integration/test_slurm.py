@@ -147,6 +147,7 @@ if [ "$(basename "$0")" = python ]; then exit "${CHECK_EXIT:-0}"; fi
 """
 
 
+@pytest.mark.guarantee("slurm:templates")
 @pytest.mark.parametrize(
     ("env", "ranks", "threads"),
     [
@@ -225,6 +226,7 @@ def _run_with_stubs(tmp_path: Path, template: Path, env: dict[str, str], expect_
     return calls.read_text().splitlines()
 
 
+@pytest.mark.guarantee("slurm:templates")
 def test_single_node_template_runs_on_a_cpu_node(cluster: Cluster, tmp_path: Path) -> None:
     job_id = cluster.submit(SINGLE, tmp_path, SFT)
     log = tmp_path / f"slurm-{job_id}.out"
@@ -241,6 +243,7 @@ def test_single_node_template_runs_on_a_cpu_node(cluster: Cluster, tmp_path: Pat
     assert (out / "hf_model").is_dir()
 
 
+@pytest.mark.guarantee("slurm:templates")
 @pytest.mark.parametrize("template", [SINGLE, MULTI], ids=["single_node", "multi_node"])
 def test_config_typo_fails_once_before_torchrun(cluster: Cluster, tmp_path: Path, template: Path) -> None:
     job_id = cluster.submit(template, tmp_path, ["recipe=sft_tiny", "trainer.totl_steps=3"])

@@ -364,6 +364,7 @@ def _paths_worker(rank: int, world: int, model_dir: str, cases: list[tuple[str, 
     return results
 
 
+@pytest.mark.guarantee("sync:gemm_paths")
 @pytest.mark.slow
 def test_sync_and_check_on_every_cpu_gemm_path(tmp_path: Path) -> None:
     from spmdrl.models.tiny import ensure_tiny_model

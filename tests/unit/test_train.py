@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from spmdrl.config_loader import available_recipes
+from spmdrl.testing.prefork import run_train
 from tests.unit.forks import FORK_YAML, fork_files
 
 REPO = Path(__file__).resolve().parents[2]
@@ -50,7 +51,8 @@ def test_help_lists_the_recipes_without_importing_torch() -> None:
 
 def test_cfg_job_prints_the_composed_config(tmp_path: Path) -> None:
     path = fork_files(tmp_path, FORK_YAML)
-    res = _train_cli(f"recipe={path}", "my_section.my_coef=0.4", "--cfg", "job", cwd=tmp_path)
+    # Forked from the tests' fork server (its imports done): what is printed, not what is imported.
+    res = run_train([f"recipe={path}", "my_section.my_coef=0.4", "--cfg", "job"], cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]
     printed = yaml.safe_load(res.stdout)
     assert printed["optim"]["lr"] == 0.5 and printed["rollout"]["n"] == 8

@@ -52,6 +52,8 @@ from spmdrl.testing import verl_reference
 from spmdrl.testing.spawn import run_distributed
 from spmdrl.testing.verl_reference import DataProto, VerlReference
 
+pytestmark = pytest.mark.guarantee("verl:parity")
+
 TOL = 1e-5
 Diffs = dict[str, float]
 

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
-import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -18,6 +16,7 @@ from spmdrl.logging.backends import RunParams, git_revision, read_run_params
 from spmdrl.logging.console import format_table
 from spmdrl.logging.metrics import MetricLogger, read_metrics
 from spmdrl.logging.trackers import Tracking
+from spmdrl.testing.spawn import run_distributed
 
 STEPS = [
     {"train/loss": 2.0, "val/accuracy/lighteval/MATH": 0.25, "timing/step_s": 0.5},
@@ -33,29 +32,28 @@ def test_config_check_names_the_choices_and_repeats() -> None:
     assert load_config(["logging.backends=[]"]).logging.backends == []
 
 
+def _load_without(rank: int, world: int, hidden: tuple[str, ...]) -> tuple[str, str]:
+    """In a fresh process: load the config with ``hidden`` packages absent; (exception type, message)."""
+    # A fake for "not installed" that behaves like the real absence for every caller: a None in
+    # sys.modules makes importlib.util.find_spec return None and ``import`` raise ModuleNotFoundError,
+    # as for a package that is not there. (An import hook that raises from find_spec does not:
+    # accelerate's availability probe, imported through transformers when TRL is installed beside
+    # spmdrl, calls find_spec("wandb") and would crash on it.)
+    sys.modules.update(dict.fromkeys(hidden))
+    load_config(["logging.backends=[tensorboard,console]"])
+    try:
+        load_config(["recipe=sft_tiny", "logging.backends=[tensorboard,wandb,mlflow]"])
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        return type(e).__name__, str(e)
+    return "", ""
+
+
 def test_missing_package_fails_at_config_load_naming_the_extra() -> None:
-    """The packages may be installed here, so a child process hides them (an import hook: a fake for
-    "not installed") and loads the config as a run does first."""
-    code = textwrap.dedent(
-        """
-        import sys
-        class Hide:
-            def find_spec(self, name, path=None, target=None):
-                if name.split(".")[0] in ("wandb", "mlflow"):
-                    raise ModuleNotFoundError(name)
-        sys.meta_path.insert(0, Hide())
-        from spmdrl.config_loader import load_config
-        load_config(["logging.backends=[tensorboard,console]"])
-        try:
-            load_config(["recipe=sft_tiny", "logging.backends=[tensorboard,wandb,mlflow]"])
-        except Exception as e:
-            print(type(e).__name__, e)
-        """
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("ConfigError"), out.stdout
-    assert "wandb, mlflow" in out.stdout and 'pip install "spmdrl[wandb,mlflow]"' in out.stdout
+    """The packages may be installed here, so a process of its own hides them and loads the config as a
+    run does first (forked from the tests' fork server: spmdrl.testing.spawn)."""
+    [(kind, message)] = run_distributed(_load_without, 1, ("wandb", "mlflow"), timeout_s=120)
+    assert kind == "ConfigError", message
+    assert "wandb, mlflow" in message and 'pip install "spmdrl[wandb,mlflow]"' in message
 
 
 def test_console_table(caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:

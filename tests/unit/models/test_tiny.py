@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import multiprocessing
 import random
 import string
 from pathlib import Path
@@ -22,6 +21,7 @@ from spmdrl.models.tiny import (
     default_cache_dir,
     ensure_tiny_model,
 )
+from spmdrl.testing import prefork
 
 
 def file_hashes(model_dir: Path) -> dict[str, str]:
@@ -136,8 +136,9 @@ def test_ensure_refuses_an_incomplete_directory(tmp_path: Path):
 
 def test_concurrent_ensure_builds_one_valid_directory(model_dir: Path, tmp_path: Path):
     cache = tmp_path / "cache"
-    # Separate processes, as torchrun ranks are; spawn so that they share nothing with this one.
-    with multiprocessing.get_context("spawn").Pool(2) as pool:
+    # Separate processes, as torchrun ranks are, forked from the tests' fork server (a process that has
+    # only imported), so that they share nothing with this one.
+    with prefork.context().Pool(2) as pool:
         paths = pool.map(ensure_tiny_model, [cache, cache])
     assert paths == [cache / TINY_MODEL_DIRNAME] * 2
     leftovers = [

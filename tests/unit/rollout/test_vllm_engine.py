@@ -7,7 +7,6 @@ a child process: it sets torch's global matmul precision, which must not leak in
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import textwrap
 import types
@@ -19,6 +18,7 @@ import torch
 from spmdrl.rollout.engine_ranks import EngineWorld
 from spmdrl.rollout.groups import TPGroups
 from spmdrl.rollout.vllm_engine import VLLMEngine
+from spmdrl.testing.spawn import run_distributed
 
 # Its outcome depends on the kernels the engine picks for the CPU: CI runs it as every CPU kind.
 pytestmark = pytest.mark.cpu_kinds
@@ -175,6 +175,7 @@ def per_backend():
     return torch.backends.cuda.matmul.fp32_precision, torch.backends.mkldnn.matmul.fp32_precision
 
 {setup}
+frozen = gc.get_freeze_count()
 trainer = (matmul(), per_backend(), torch.backends.cuda.cudnn_sdp_enabled())
 swap = _SettingsSwap()
 with swap.building():
@@ -183,12 +184,16 @@ with swap.building():
     torch.backends.cuda.enable_cudnn_sdp(False)
     gc.freeze()
 assert (matmul(), per_backend(), torch.backends.cuda.cudnn_sdp_enabled()) == trainer, trainer
-assert gc.get_freeze_count() == 0
+assert gc.get_freeze_count() == frozen
 with swap.engine_call():
     assert matmul() == "highest" and not torch.backends.cuda.cudnn_sdp_enabled()
 assert (matmul(), per_backend(), torch.backends.cuda.cudnn_sdp_enabled()) == trainer, trainer
-print("ok")
 """
+
+
+def _exec(rank: int, world: int, script: str) -> str:
+    exec(script, {"__name__": "settings_script"})
+    return "ok"
 
 
 @pytest.mark.parametrize(
@@ -200,9 +205,10 @@ print("ok")
     ],
 )
 def test_trainer_keeps_its_process_settings(setup: str) -> None:
+    """In a process of its own (the settings are process-wide), forked from the tests' fork server, which
+    has imported torch and vLLM and changed none of these settings (spmdrl.testing.prefork_imports)."""
     script = textwrap.dedent(_SETTINGS_SCRIPT).replace("{setup}", setup)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+    assert run_distributed(_exec, 1, script, timeout_s=120) == ["ok"]
 
 
 def test_engine_settings_this_machine_cannot_run_fail_before_any_work(

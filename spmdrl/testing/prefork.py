@@ -1,0 +1,251 @@
+"""Test jobs whose ranks start from a process that has already imported torch, transformers and spmdrl.
+
+A 2-rank ``torchrun -m spmdrl.train`` job on 2 CPU cores spends ~12 s before its recipe runs: torchrun's
+own import of torch (~3 s, serial), then each rank's import of torch, transformers and the recipe stack
+(~8 s, in parallel, both cores busy). The suite starts dozens of such jobs. Here a fork server
+(``multiprocessing``'s forkserver, started once per test session) imports that stack once, and each job's
+ranks are forked from it: fresh processes, copies of a parent that has done nothing but import, each
+running ``spmdrl.train.main`` under the environment torchrun would give it (``RANK``, ``LOCAL_RANK``,
+``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``, ``TORCHELASTIC_RUN_ID``,
+``TORCHELASTIC_RESTART_COUNT=0``) and the job's own variables. Isolation is the fork's: one job's state
+never reaches another's; a rank's failure is that job's, with the rank's own traceback in its output.
+
+What it does not do, and the tests that need it use real torchrun (``spmdrl.testing.launch.torchrun(...,
+launcher="torchrun")``): torchrun's restarts (--max-restarts), its error files and closing summary (how a
+config error is reported once and last), several nodes. Like torchrun it ends a job's other ranks once one
+fails (SIGTERM, then SIGKILL after a grace period) and exits 1 if any rank failed.
+
+vLLM is not preloaded: its import changes process-wide torch settings that the engine records against the
+trainer's (spmdrl.rollout.vllm_engine._SettingsSwap), so it must be imported by the job, as in a real run.
+Nor is anything that reads the environment at import in a way a job may change: the fork server is
+started with the session's environment plus ``OMP_NUM_THREADS=1`` (what every test job gets), and a job
+whose environment sets any other variable that is read at import (see ``_IMPORT_TIME_ENV``) is run by
+real torchrun instead.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import uuid
+from pathlib import Path
+
+# Imported by the fork server before it forks any process (spmdrl.testing.prefork_imports says what).
+PRELOAD = ["spmdrl.testing.prefork_imports"]
+
+# Variables read when torch, OpenMP or oneDNN load (or by spmdrl.cpu_kind at import): a job that sets one
+# differently from the fork server's environment cannot be forked from it.
+_IMPORT_TIME_ENV = (
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "ATEN_CPU_CAPABILITY",
+    "ONEDNN_MAX_CPU_ISA",
+    "SPMDRL_CPU_KIND",
+    "PYTHONPATH",
+    "LD_PRELOAD",
+)
+_IMPORT_TIME_PREFIXES = ("VLLM_",)  # vLLM is preloaded: its logging, for one, is configured at import
+_SERVER_ENV = {"OMP_NUM_THREADS": "1"}
+_GRACE_S = 10.0
+
+_lock = threading.Lock()
+_context: multiprocessing.context.ForkServerContext | None = None
+_server_env: dict[str, str] = {}  # the environment the fork server started with
+
+
+def can_run(argv: list[str], env: dict[str, str]) -> bool:
+    """Whether a job ``torchrun <argv>`` in the environment ``env`` (the whole of it) can be forked:
+    ``-m spmdrl.train``, and every import-time variable as the fork server has it."""
+    if argv[:2] != ["-m", "spmdrl.train"]:
+        return False
+    return compatible(env)
+
+
+def compatible(env: dict[str, str]) -> bool:
+    """Whether a process with the environment ``env`` (the whole of it) can be forked from the fork
+    server: Linux, and every variable read at import as the fork server had it."""
+    if sys.platform != "linux":
+        return False
+    # What vLLM's import sees: the variables spmdrl.rollout.vllm_engine sets before it, under each's own.
+    vllm_import = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
+    server = {**vllm_import, **(_server_env or {**os.environ, **_SERVER_ENV})}
+    job = {**vllm_import, **env}
+    keys = {*_IMPORT_TIME_ENV, *(k for k in {*job, *server} if k.startswith(_IMPORT_TIME_PREFIXES))}
+    return all(job.get(k) == server.get(k) for k in keys)
+
+
+def context() -> multiprocessing.context.ForkServerContext:
+    """The session's fork server, started on first use with the preloaded modules."""
+    global _context, _server_env
+    with _lock:
+        if _context is None:
+            ctx = multiprocessing.get_context("forkserver")
+            ctx.set_forkserver_preload(PRELOAD)
+            saved = {k: os.environ.get(k) for k in _SERVER_ENV}
+            os.environ.update(_SERVER_ENV)
+            _server_env = dict(os.environ)
+            try:
+                from multiprocessing import forkserver
+
+                forkserver.ensure_running()
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
+            _context = ctx
+        return _context
+
+
+def run_job(
+    argv: list[str], *, nproc: int, cwd: Path | None, env: dict[str, str], port: int, timeout_s: float
+) -> tuple[int, str, bool]:
+    """Runs ``torchrun --nproc_per_node=nproc <argv>`` as forked ranks in the environment ``env`` (the
+    whole of it); returns (exit code, what the ranks printed, whether it timed out). The exit code is
+    torchrun's: 0, or 1 if any rank failed. The ranks write to one file, appending, so their lines
+    interleave as they do on torchrun's shared stdout."""
+    import tempfile
+
+    ctx = context()
+    run_id = uuid.uuid4().hex[:12]
+    fd, name = tempfile.mkstemp(prefix=f"spmdrl-prefork-{run_id}-", suffix=".log")
+    os.close(fd)
+    log = Path(name)
+    base = {
+        **env,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": str(nproc),
+        "LOCAL_WORLD_SIZE": str(nproc),
+        "GROUP_RANK": "0",
+        "TORCHELASTIC_RUN_ID": f"prefork-{run_id}",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+    }
+    procs = []
+    for rank in range(nproc):
+        rank_env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+        p = ctx.Process(
+            target=_rank_main,
+            args=(argv[2:], rank_env, str(cwd or os.getcwd()), name),
+            name=f"spmdrl-rank{rank}",
+        )
+        p.start()
+        procs.append(p)
+    timed_out = False
+    try:
+        timed_out = not _wait(procs, timeout_s)
+    finally:
+        for p in procs:  # a timeout, an interrupt: every rank's session goes, its children included
+            if p.exitcode is None:
+                _kill(p, signal.SIGKILL)
+            p.join()
+    codes = [p.exitcode for p in procs]
+    output = log.read_text(errors="replace")
+    log.unlink(missing_ok=True)
+    return (0 if all(c == 0 for c in codes) else 1), output, timed_out
+
+
+def _wait(procs: list, timeout_s: float) -> bool:
+    """Waits for every rank; once one fails, the others get SIGTERM and after a grace SIGKILL (torchrun's
+    way). False on a timeout."""
+    deadline = time.monotonic() + timeout_s
+    failed_at: float | None = None
+    while any(p.exitcode is None for p in procs):
+        now = time.monotonic()
+        if now > deadline:
+            return False
+        if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
+            failed_at = now
+            for p in procs:
+                if p.exitcode is None:
+                    _kill(p, signal.SIGTERM)
+        elif failed_at is not None and now - failed_at > _GRACE_S:
+            for p in procs:
+                if p.exitcode is None:
+                    _kill(p, signal.SIGKILL)
+        multiprocessing.connection.wait([p.sentinel for p in procs if p.exitcode is None], timeout=0.2)
+    return True
+
+
+def _kill(p: multiprocessing.process.BaseProcess, sig: int) -> None:
+    """The rank's whole session (it is a session leader: _rank_main), so that its children go too."""
+    try:
+        os.killpg(p.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p.pid, sig)
+
+
+def run_train(
+    args: list[str], *, cwd: Path | None = None, env: dict[str, str] | None = None, timeout_s: float = 180.0
+) -> subprocess.CompletedProcess[str]:
+    """``python -m spmdrl.train <args>`` as one process forked from the fork server, stdout and stderr
+    apart, as ``subprocess.run(..., capture_output=True, text=True)`` returns them: for the tests of the
+    command line's single-process modes (``--check``, ``--cfg job``). ``env``: variables on top of this
+    process's environment. A test of what is imported (or not) before the answer needs a fresh
+    interpreter instead: here everything is."""
+    import tempfile
+
+    ctx = context()
+    full_env = {**os.environ, **_SERVER_ENV, **(env or {})}
+    with tempfile.TemporaryDirectory(prefix="spmdrl-prefork-") as tmp:
+        out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
+        out.touch()
+        err.touch()
+        p = ctx.Process(target=_rank_main, args=(args, full_env, str(cwd or os.getcwd()), str(out), str(err)))
+        p.start()
+        p.join(timeout_s)
+        if p.exitcode is None:
+            _kill(p, signal.SIGKILL)
+            p.join()
+            raise subprocess.TimeoutExpired(["spmdrl.train", *args], timeout_s, output=out.read_text())
+        _kill(p, signal.SIGKILL)  # what the process left running in its session
+        return subprocess.CompletedProcess(
+            ["python", "-m", "spmdrl.train", *args], p.exitcode, out.read_text(), err.read_text()
+        )
+
+
+def _rank_main(args: list[str], env: dict[str, str], cwd: str, out: str, err: str | None = None) -> None:
+    """One process forked from the fork server: the given environment (a rank's, as torchrun gives it),
+    working directory, stdout into ``out`` and stderr into ``err`` (or ``out`` too), appending; then
+    ``python -m spmdrl.train <args>``."""
+    os.setsid()
+    for fd_no, path in ((1, out), (2, err or out)):
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+        os.dup2(fd, fd_no)
+        os.close(fd)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - the process's own streams
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    import spmdrl.train
+
+    sys.argv = [spmdrl.train.__file__, *args]
+    code = 0
+    try:
+        spmdrl.train.main(args)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # noqa: BLE001 - as an uncaught exception ends a script: its traceback, exit 1
+        traceback.print_exc()
+        code = 1
+    # What the interpreter's exit would do (a forked process ends by os._exit): the exit handlers the
+    # job registered, then the streams.
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
