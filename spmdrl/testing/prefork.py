@@ -38,6 +38,7 @@ import time
 import traceback
 import uuid
 from pathlib import Path
+from typing import Any
 
 # Imported by the fork server before it forks any process (spmdrl.testing.prefork_imports says what).
 PRELOAD = ["spmdrl.testing.prefork_imports"]
@@ -60,6 +61,40 @@ _GRACE_S = 10.0
 _lock = threading.Lock()
 _context: multiprocessing.context.ForkServerContext | None = None
 _server_env: dict[str, str] = {}  # the environment the fork server started with
+
+
+class _InheritedFd:
+    """This process's file descriptor ``fd``, handed to a process the fork server forks (pickled with the
+    process's arguments; multiprocessing passes the descriptor over the server's socket)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple:
+        from multiprocessing import reduction
+
+        return (_detach, (reduction.DupFd(self.fd),))
+
+
+def _detach(dup: Any) -> int:
+    return dup.detach()
+
+
+def caller_streams() -> tuple[Any, Any]:
+    """This process's stdout and stderr (file descriptors 1 and 2, wherever they point now: a test's
+    captured output), for :func:`attach_streams` in a forked process. The fork server's own are where the
+    process that started it printed when it did, which is not where a later test's output belongs."""
+    return _InheritedFd(1), _InheritedFd(2)
+
+
+def attach_streams(stdout: int, stderr: int) -> None:
+    """In a forked process: print to the descriptors :func:`caller_streams` handed over."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(stdout, 1)
+    os.dup2(stderr, 2)
+    os.close(stdout)
+    os.close(stderr)
 
 
 def can_run(argv: list[str], env: dict[str, str]) -> bool:

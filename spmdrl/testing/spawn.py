@@ -32,8 +32,17 @@ def free_port() -> int:
 
 
 def _child(
-    fn: Callable[..., Any], rank: int, world_size: int, port: int, env: dict[str, str], args: tuple, out: Any
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    env: dict[str, str],
+    args: tuple,
+    out: Any,
+    streams: tuple[int, int] | None = None,
 ) -> None:
+    if streams is not None:  # forked from the fork server: print where the caller prints
+        prefork.attach_streams(*streams)
     os.environ.update(env)
     os.environ.update(
         RANK=str(rank),
@@ -88,7 +97,20 @@ def run_distributed(
     ctx = prefork.context() if preforked else mp.get_context("spawn")
     out = ctx.Queue()
     procs = [
-        ctx.Process(target=_child, args=(fn, r, world_size, port, child_env, args, out), daemon=True)
+        ctx.Process(
+            target=_child,
+            args=(
+                fn,
+                r,
+                world_size,
+                port,
+                child_env,
+                args,
+                out,
+                prefork.caller_streams() if preforked else None,
+            ),
+            daemon=True,
+        )
         for r in range(world_size)
     ]
     for p in procs:

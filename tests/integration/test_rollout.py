@@ -124,9 +124,9 @@ def _rollout_worker(rank: int, world: int, model_dir: str) -> dict:
     threads = torch.get_num_threads()
     # A trainer that enabled TF32: vLLM's Worker.__init__ sets "highest", EngineCore.__init__ gc.freeze()s.
     torch.set_float32_matmul_precision("high")
-    results: dict = {}
+    results: dict = {"frozen_at_start": gc.get_freeze_count()}  # 0, or the fork server's imports
     for tp in (1, 2):
-        frozen, cycle = 0, None
+        frozen, cycle = results["frozen_at_start"], None
         if tp == 2:
             # A job's startup freeze (spmdrl.train, spmdrl.gc_heap), then a model-like cycle made after it:
             # vLLM's freeze at build and its worker's unfreeze at close must leave both as they are.
@@ -189,18 +189,18 @@ def test_vllm_engine_tp1_and_tp2(tmp_path: Path) -> None:
             out = res[tp]
             where = f"rank {rank}, tp={tp}"
             # The trainer's float32 matmul precision, and no objects frozen out of the garbage collector but
-            # the trainer's own: none at tp=1; at tp=2 its startup freeze, which the build does not extend
-            # (an object made before it stays collectable) and the close does not undo. (A frozen count
-            # moves by a few dozen objects without any freeze, so it is compared to within 1%.)
+            # the trainer's own: at tp=1 what was frozen when the worker started (none in a fresh
+            # interpreter; the imports of the fork server it was forked from: spmdrl.testing.prefork); at
+            # tp=2 its startup freeze, which the build does not extend (an object made before it stays
+            # collectable) and the close does not undo. (A frozen count moves by a few dozen to a few
+            # hundred objects without any freeze, as frozen objects are freed, so it is compared to within 1%.)
             frozen = out["frozen"]
             matmul, count = out["settings_after_build"]
             assert matmul == out["settings_after_generate"][0] == "high", where
-            if tp == 1:
-                assert count == out["settings_after_generate"][1] == out["frozen_after_close"] == 0, where
-            else:
+            if tp == 2:
                 assert frozen > 100_000 and out["cycle_collected"], where
-                for n in (count, out["settings_after_generate"][1], out["frozen_after_close"]):
-                    assert abs(n - frozen) < frozen / 100, (where, n, frozen)
+            for n in (count, out["settings_after_generate"][1], out["frozen_after_close"]):
+                assert abs(n - frozen) <= frozen / 100, (where, n, frozen)
             assert out["seeded_repeatable"] and out["seeded_logprobs_repeatable"], where
             assert out["n_samples_differ"], where
             assert out["unseeded_calls_differ"], where

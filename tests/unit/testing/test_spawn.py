@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 
 import pytest
@@ -69,3 +71,19 @@ def test_a_failure_is_raised_while_the_others_still_run(monkeypatch: pytest.Monk
         spawn.side_by_side([long_job, broken])
     assert not finished.is_set(), "raised only after the long job ended"
     release.set()
+
+
+def _prints(rank: int, world: int) -> int:
+    print(f"rank {rank} says hello")
+    print(f"rank {rank} warns", file=sys.stderr)
+    return os.getpid()
+
+
+def test_a_rank_prints_where_the_test_prints(capfd: pytest.CaptureFixture[str]) -> None:
+    """A forked rank's stdout and stderr reach the calling test's (captured) output, not the stream of
+    whichever test started the fork server; and each rank is a process of its own."""
+    pids = spawn.run_distributed(_prints, 2)
+    out, err = capfd.readouterr()
+    assert "rank 0 says hello" in out and "rank 1 says hello" in out, out
+    assert "rank 1 warns" in err, err
+    assert len(set(pids)) == 2 and os.getpid() not in pids
