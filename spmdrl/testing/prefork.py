@@ -1,26 +1,26 @@
-"""Test jobs whose ranks start from a process that has already imported torch, transformers and spmdrl.
+"""Test jobs and test ranks that start from a process which has already imported torch, transformers,
+the recipes and vLLM.
 
-A 2-rank ``torchrun -m spmdrl.train`` job on 2 CPU cores spends ~12 s before its recipe runs: torchrun's
-own import of torch (~3 s, serial), then each rank's import of torch, transformers and the recipe stack
-(~8 s, in parallel, both cores busy). The suite starts dozens of such jobs. Here a fork server
-(``multiprocessing``'s forkserver, started once per test session) imports that stack once, and each job's
-ranks are forked from it: fresh processes, copies of a parent that has done nothing but import, each
-running ``spmdrl.train.main`` under the environment torchrun would give it (``RANK``, ``LOCAL_RANK``,
-``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``, ``TORCHELASTIC_RUN_ID``,
-``TORCHELASTIC_RESTART_COUNT=0``) and the job's own variables. Isolation is the fork's: one job's state
-never reaches another's; a rank's failure is that job's, with the rank's own traceback in its output.
+A 2-rank ``torchrun -m spmdrl.train`` job on 2 CPU cores spent ~12 s before its recipe ran (torchrun's own
+import of torch, ~3 s, then each rank's import of torch, transformers and the recipe stack, ~8 s with both
+cores busy) and another 4-7 s importing vLLM; the suite starts dozens of jobs and spawned groups. Here a
+fork server (``multiprocessing``'s forkserver, started once per test session) imports that stack once
+(spmdrl.testing.prefork_imports) and every job's ranks are forked from it: new processes, copies of a parent
+that has done nothing but import, each running ``spmdrl.train.main`` under the environment torchrun would
+give it (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``,
+``TORCHELASTIC_RUN_ID``, ``TORCHELASTIC_RESTART_COUNT=0``) and the job's own variables. Isolation is the
+fork's: one job's state never reaches another's, and a rank's failure is that job's, with the rank's own
+traceback in its output. spmdrl.testing.spawn.run_distributed forks its ranks from the same server.
 
 What it does not do, and the tests that need it use real torchrun (``spmdrl.testing.launch.torchrun(...,
 launcher="torchrun")``): torchrun's restarts (--max-restarts), its error files and closing summary (how a
 config error is reported once and last), several nodes. Like torchrun it ends a job's other ranks once one
 fails (SIGTERM, then SIGKILL after a grace period) and exits 1 if any rank failed.
 
-vLLM is not preloaded: its import changes process-wide torch settings that the engine records against the
-trainer's (spmdrl.rollout.vllm_engine._SettingsSwap), so it must be imported by the job, as in a real run.
-Nor is anything that reads the environment at import in a way a job may change: the fork server is
-started with the session's environment plus ``OMP_NUM_THREADS=1`` (what every test job gets), and a job
-whose environment sets any other variable that is read at import (see ``_IMPORT_TIME_ENV``) is run by
-real torchrun instead.
+The fork server starts with the session's environment plus ``OMP_NUM_THREADS=1`` (what every test job
+gets). A job whose environment sets a variable that is read at import differently from that
+(``_IMPORT_TIME_ENV``, ``_IMPORT_TIME_PREFIXES``: OpenMP, oneDNN, the CPU kind, the hub, vLLM's) cannot be
+forked from it and starts fresh interpreters instead, as does everything when ``SPMDRL_TEST_LAUNCHER=torchrun``.
 """
 
 from __future__ import annotations
@@ -54,7 +54,21 @@ _IMPORT_TIME_ENV = (
     "PYTHONPATH",
     "LD_PRELOAD",
 )
-_IMPORT_TIME_PREFIXES = ("VLLM_",)  # vLLM is preloaded: its logging, for one, is configured at import
+# Families of variables read at import: vLLM's (its logging, for one, is configured then), the hub's
+# (huggingface_hub's constants), torch's, transformers', the thread and kernel libraries'.
+_IMPORT_TIME_PREFIXES = (
+    "VLLM_",
+    "HF_",
+    "HUGGINGFACE_",
+    "TRANSFORMERS_",
+    "TORCH_",
+    "PYTORCH_",
+    "OMP_",
+    "KMP_",
+    "MKL_",
+    "ONEDNN_",
+    "DNNL_",
+)
 _SERVER_ENV = {"OMP_NUM_THREADS": "1"}
 _GRACE_S = 10.0
 

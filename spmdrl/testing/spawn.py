@@ -78,21 +78,24 @@ def run_distributed(
     *args: Any,
     timeout_s: float = 300.0,
     env: dict[str, str] | None = None,
+    fresh: bool = False,
 ) -> list[Any]:
     """Calls ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; returns results by rank.
 
     ``fn`` must be importable (defined at module level). Raises SpawnError with the first failing
     rank's traceback, after killing the rest. The processes are forked from the session's fork server
     (spmdrl.testing.prefork), which has imported torch, transformers, vLLM and spmdrl; with
-    ``SPMDRL_TEST_LAUNCHER=torchrun``, or an ``env`` that changes what is read at import, each is a fresh
-    interpreter (multiprocessing's spawn).
+    ``SPMDRL_TEST_LAUNCHER=torchrun``, an ``env`` that changes what is read at import, or ``fresh=True``
+    (a test of what a process imports or freezes), each is a fresh interpreter (multiprocessing's spawn).
     """
     port = free_port()
     child_env = {"OMP_NUM_THREADS": "1", **(env or {})}
     # Forked from the session's fork server, whose imports are done (spmdrl.testing.prefork), unless the
     # environment asks for what it did not import under; then a fresh interpreter each.
-    preforked = os.environ.get("SPMDRL_TEST_LAUNCHER", "auto") != "torchrun" and prefork.compatible(
-        {**os.environ, **child_env}
+    preforked = (
+        not fresh
+        and os.environ.get("SPMDRL_TEST_LAUNCHER", "auto") != "torchrun"
+        and prefork.compatible({**os.environ, **child_env})
     )
     ctx = prefork.context() if preforked else mp.get_context("spawn")
     out = ctx.Queue()

@@ -170,7 +170,9 @@ def test_engine_on_the_last_ranks_then_the_first(tmp_path: Path) -> None:
 
     model_dir = ensure_tiny_model(tmp_path)
     # The harness's timeout ends a hang (what building on a subset did before) instead of waiting forever.
-    res = run_distributed(_subset_worker, WORLD, str(model_dir), timeout_s=600, env=VLLM_ENV)
+    # Fresh interpreters: whether a rank imports vLLM, and what the build leaves frozen, is the point (a
+    # process forked from the tests' fork server has imported vLLM and frozen its heap already).
+    res = run_distributed(_subset_worker, WORLD, str(model_dir), timeout_s=600, env=VLLM_ENV, fresh=True)
     assert all("differs between ranks" in r["mismatch"] for r in res), [r["mismatch"] for r in res]
     fingerprints = []
     for ranks, tp in CASES:

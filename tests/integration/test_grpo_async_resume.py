@@ -32,7 +32,7 @@ K1 = ("parallel.rollout_ranks=2", "trainer.max_staleness=1", "trainer.total_step
 COMPARED_PREFIXES = ("actor/", "rollout/", "mismatch/", "val/", "reward/", "async/")
 
 
-def _launch(tmp_path: Path, name: str, *overrides: str) -> tuple[Path, JobResult]:
+def _launch(tmp_path: Path, name: str, *overrides: str, launcher: str = "auto") -> tuple[Path, JobResult]:
     out = tmp_path / name
     res = torchrun(
         ["-m", "spmdrl.train", "recipe=grpo_async_tiny", f"trainer.output_dir={out}", *COMMON, *overrides],
@@ -40,6 +40,7 @@ def _launch(tmp_path: Path, name: str, *overrides: str) -> tuple[Path, JobResult
         cwd=tmp_path,
         timeout_s=600,
         env={"SPMDRL_CACHE": str(cache_dir())},
+        launcher=launcher,
     )
     return out, res
 
@@ -100,7 +101,8 @@ def test_k1_resumes_from_a_mid_run_checkpoint_bitwise(tmp_path: Path) -> None:
         check_resume(broken, PipelineShape(1, 2, 8, 4))
 
     # ... and so does the job, at start (before any model or engine), with the configuration error's exit.
-    _, res = _launch(tmp_path, "refused", *K1, "rollout.n=2", f"trainer.resume={step2}")
+    # (Real torchrun: its closing summary shows the worker's exit code.)
+    _, res = _launch(tmp_path, "refused", *K1, "rollout.n=2", f"trainer.resume={step2}", launcher="torchrun")
     # torchrun exits 1 whenever a worker fails; the worker's own code is the configuration error's 2.
     assert res.returncode == 1, res.output[-3000:]
     assert "exitcode  : 2" in res.output and "spmdrl: config error: the checkpoint" in res.output

@@ -115,6 +115,7 @@ def test_sft_checkpoints_resume_exactly_and_refuse_a_second_run(tmp_path: Path) 
         cwd=tmp_path,
         timeout_s=300,
         env=cache_env(),
+        launcher="torchrun",  # its closing summary shows the worker's exit code
     )
     assert again.returncode != 0
     assert "already holds a run" in again.output, again.output[-3000:]
