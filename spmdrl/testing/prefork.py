@@ -75,6 +75,8 @@ _GRACE_S = 10.0
 _lock = threading.Lock()
 _context: multiprocessing.context.ForkServerContext | None = None
 _server_env: dict[str, str] = {}  # the environment the fork server started with
+_server_env_after: dict[str, str] = {}  # ... and what it was once the preload had imported everything
+_ENV_FILE = "SPMDRL_PREFORK_ENV_FILE"  # where spmdrl.testing.prefork_imports writes the latter
 
 
 class _InheritedFd:
@@ -126,22 +128,32 @@ def compatible(env: dict[str, str]) -> bool:
         return False
     # What vLLM's import sees: the variables spmdrl.rollout.vllm_engine sets before it, under each's own.
     vllm_import = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
-    server = {**vllm_import, **(_server_env or {**os.environ, **_SERVER_ENV})}
+    before = {**vllm_import, **(_server_env or {**os.environ, **_SERVER_ENV})}
+    # The imports set some themselves (vLLM: PYTORCH_NVML_BASED_CUDA_CHECK=1); a job that has them as the
+    # imports left them (the test process, once it imported vLLM too) would import the same way.
+    after = {**vllm_import, **_server_env_after} if _server_env_after else before
     job = {**vllm_import, **env}
-    keys = {*_IMPORT_TIME_ENV, *(k for k in {*job, *server} if k.startswith(_IMPORT_TIME_PREFIXES))}
-    return all(job.get(k) == server.get(k) for k in keys)
+    keys = {*_IMPORT_TIME_ENV, *(k for k in {*job, *before, *after} if k.startswith(_IMPORT_TIME_PREFIXES))}
+    return all(job.get(k) in (before.get(k), after.get(k)) for k in keys)
 
 
 def context() -> multiprocessing.context.ForkServerContext:
     """The session's fork server, started on first use with the preloaded modules."""
-    global _context, _server_env
+    global _context, _server_env, _server_env_after
     with _lock:
         if _context is None:
+            import json
+            import tempfile
+
             ctx = multiprocessing.get_context("forkserver")
             ctx.set_forkserver_preload(PRELOAD)
-            saved = {k: os.environ.get(k) for k in _SERVER_ENV}
-            os.environ.update(_SERVER_ENV)
-            _server_env = dict(os.environ)
+            fd, env_file = tempfile.mkstemp(prefix="spmdrl-prefork-env-", suffix=".json")
+            os.close(fd)
+            os.unlink(env_file)  # written whole by the fork server once its imports are done
+            started_env = {**_SERVER_ENV, _ENV_FILE: env_file}
+            saved = {k: os.environ.get(k) for k in started_env}
+            os.environ.update(started_env)
+            _server_env = {k: v for k, v in os.environ.items() if k != _ENV_FILE}
             try:
                 from multiprocessing import forkserver
 
@@ -152,6 +164,17 @@ def context() -> multiprocessing.context.ForkServerContext:
                         os.environ.pop(k, None)
                     else:
                         os.environ[k] = v
+            deadline = time.monotonic() + 600
+            pid = forkserver._forkserver._forkserver_pid
+            while not os.path.exists(env_file):
+                if pid is not None and os.waitpid(pid, os.WNOHANG)[0] == pid:
+                    raise RuntimeError("the tests' fork server died during its imports (its error is above)")
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the tests' fork server did not finish its imports in 600 s")
+                time.sleep(0.05)
+            with open(env_file) as f:
+                _server_env_after = json.load(f)
+            os.unlink(env_file)
             _context = ctx
         return _context
 

@@ -7,12 +7,15 @@ against the trainer's (spmdrl.rollout.vllm_engine._SettingsSwap), which is check
 stops the fork server with the reason, rather than let jobs start from vLLM's settings. On a CUDA host
 ``import vllm`` disables cuDNN SDPA, so vLLM is left for each job to import, as a real run does.
 
-Everything imported here is then frozen (``gc.freeze``): a forked process's collections skip it.
+Everything imported here is then frozen (``gc.freeze``): a forked process's collections skip it. The
+environment the imports leave is written where ``SPMDRL_PREFORK_ENV_FILE`` says, for the test process.
 """
 
 from __future__ import annotations
 
 import gc
+import json
+import os
 
 import matplotlib
 import torch
@@ -46,3 +49,11 @@ if not torch.cuda.is_available():
         raise RuntimeError(f"importing vLLM changed the process settings {before} -> {after}: not preloaded")
 
 gc.freeze()
+
+# The environment as the imports left it, for the test process (spmdrl.testing.prefork.compatible); written
+# to a temporary name and renamed, so that it is read only whole.
+_env_file = os.environ.pop("SPMDRL_PREFORK_ENV_FILE", "")
+if _env_file:
+    with open(_env_file + ".tmp", "w") as _f:
+        json.dump(dict(os.environ), _f)
+    os.replace(_env_file + ".tmp", _env_file)
