@@ -168,8 +168,8 @@ def overrides(a: argparse.Namespace, job: Job, out_dir: Path) -> list[str]:
 
 def check_configs(a: argparse.Namespace) -> None:
     """Every job's overrides compose into a valid config before the first job's minutes."""
-    from spmdrl.config import ConfigError
     from spmdrl.config_loader import load_config
+    from spmdrl.errors import ConfigError
 
     for job in jobs(a):
         try:

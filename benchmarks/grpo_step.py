@@ -266,8 +266,8 @@ def check_variants(variants: list[Variant], base: list[str]) -> None:
         raise ValueError(f"--variant: the name(s) {', '.join(twice)} appear more than once")
     if not variants:
         return
-    from spmdrl.config import ConfigError
     from spmdrl.config_loader import load_config
+    from spmdrl.errors import ConfigError
 
     for v in variants:
         try:

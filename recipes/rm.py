@@ -11,7 +11,7 @@ correct one (chosen) with an incorrect one of the same prompt (rejected), as rea
 comparisons from the policy; ``synthetic`` (spmdrl/data/tiny_pairs.py) pairs the correct answer with a
 hand-made wrong one; ``both`` trains on the two (held-out pairs are then the policy's). Train pairs come
 from the train split, held-out pairs from the test split. Each pair is rendered as the prompt's messages plus the response as the assistant's turn, in the
-model's own chat template (spmdrl/rewards/reward_model.py, the same rendering the RL step scores with).
+model's own chat template (spmdrl/rl/reward_model.py, the same rendering the RL step scores with).
 
 The step: each rank takes its shard of trainer.global_batch_size pairs, in micro-batches of
 trainer.micro_batch_size pairs (chosen and rejected in one forward), and accumulates
@@ -60,9 +60,9 @@ from spmdrl.models.build import build_fsdp_model, model_spec
 from spmdrl.models.grad_sync import defers_grad_sync, describe_grad_sync, gradient_sync
 from spmdrl.models.load import load_tokenizer, resolve_model_path_all_ranks
 from spmdrl.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
-from spmdrl.rewards.reward_model import encode_for_rm, pad_right, sequence_scores
 from spmdrl.rl.job import warm_start
 from spmdrl.rl.policy_pairs import balance_directions, sample_policy_pairs
+from spmdrl.rl.reward_model import encode_for_rm, pad_right, sequence_scores
 from spmdrl.rollout.engine import SamplingSpec, build_engine, check_engine_config
 from spmdrl.runtime import Run, restart_count, start_run
 

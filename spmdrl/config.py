@@ -635,7 +635,7 @@ class JudgeConfig:
 @dataclass
 class RewardModelConfig:
     """A sequence-classification reward model (num_labels=1) scoring every sample, weighted with the rule
-    reward (spmdrl/rewards/reward_model.py; docs/rewards.md#reward-models). verl's reward_model.enable,
+    reward (spmdrl/rl/reward_model.py; docs/rewards.md#reward-models). verl's reward_model.enable,
     .model.path (here ``path``), .micro_batch_size_per_gpu and .max_length."""
 
     enable: bool = False

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from spmdrl.checkpoint.checkpointer import resolve_resume
 from spmdrl.checkpoint.export import export_checkpoint
-from spmdrl.config import ConfigError
+from spmdrl.errors import ConfigError
 from spmdrl.models.build import DTYPES
 
 

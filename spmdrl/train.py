@@ -18,8 +18,8 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from spmdrl.config import ConfigError
 from spmdrl.config_exit import EXIT_CONFIG_ERROR, exit_config_error
+from spmdrl.errors import ConfigError
 from spmdrl.gc_heap import freeze_startup_heap, pause_collection, skip_exit_collection
 
 if TYPE_CHECKING:

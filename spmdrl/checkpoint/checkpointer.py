@@ -46,8 +46,8 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from spmdrl.config import ConfigError
 from spmdrl.distributed.env import broadcast_str
+from spmdrl.errors import ConfigError
 from spmdrl.models.lora import is_adapter_param, lora_scale
 
 log = logging.getLogger(__name__)

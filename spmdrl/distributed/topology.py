@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
-from spmdrl.config import ConfigError
+from spmdrl.errors import ConfigError
 
 
 def node_layout_from_env() -> tuple[int, int]:

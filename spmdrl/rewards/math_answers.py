@@ -24,7 +24,7 @@ import importlib.util
 import threading
 from typing import Any
 
-from spmdrl.config import ConfigError
+from spmdrl.errors import ConfigError
 
 # The extra that installs math-verify (pyproject.toml).
 EXTRA = "math"

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from spmdrl.config import ConfigError
+from spmdrl.errors import ConfigError
 from spmdrl.imports import import_spec_of, is_import_path
 from spmdrl.registry import Registered, Registry
 from spmdrl.rewards import gsm8k, math_answers, tiny, tiny_tools

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from spmdrl.config import ConfigError
+from spmdrl.errors import ConfigError
 
 
 def check_reward_model_dir(path: str, key: str = "reward_model.path") -> Path:

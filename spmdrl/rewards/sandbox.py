@@ -69,7 +69,7 @@ from dataclasses import dataclass, field
 from multiprocessing import connection
 from typing import TYPE_CHECKING, Any
 
-from spmdrl.config import ConfigError
+from spmdrl.errors import ConfigError
 from spmdrl.rewards.registry import (
     DATA_SOURCE_FNS,
     REWARD_FNS,

@@ -21,9 +21,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from spmdrl.config import Config
 from spmdrl.distributed.reduce import all_reduce_sum
 from spmdrl.rewards.combine import weighted_reward
-from spmdrl.rewards.reward_model import RewardModel, build_reward_model
 from spmdrl.rewards.reward_model_path import check_reward_model_dir
 from spmdrl.rl.judge import Judge
+from spmdrl.rl.reward_model import RewardModel, build_reward_model
 from spmdrl.rl.samples import ScoredSamples
 from spmdrl.rollout.engine import RolloutEngine
 

@@ -32,7 +32,7 @@ from typing import TypeVar
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from spmdrl.config import ConfigError
+from spmdrl.errors import ConfigError
 
 T = TypeVar("T")
 

@@ -89,8 +89,8 @@ def rescore_logged_samples(out: Path, reward_model: Path) -> Rescored:
     from transformers import AutoModelForSequenceClassification
 
     from spmdrl.models.load import load_tokenizer
-    from spmdrl.rewards.reward_model import RewardModel
     from spmdrl.rewards.tiny import compute_score
+    from spmdrl.rl.reward_model import RewardModel
 
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     train = [s for s in samples if s["split"] == "train"]

@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from spmdrl.config import ConfigError
+from spmdrl.errors import ConfigError
 from spmdrl.tools.arith import ArithLimits, ArithmeticRefused, evaluate, format_number
 from spmdrl.tools.base import BaseTool, ToolError, ToolResult
 from spmdrl.tools.pyexec import PythonLimits, run_python

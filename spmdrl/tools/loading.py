@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from spmdrl.config import ConfigError
+from spmdrl.errors import ConfigError
 from spmdrl.imports import import_file, import_module_named
 
 

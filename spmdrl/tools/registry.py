@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from spmdrl.config import ConfigError
+from spmdrl.errors import ConfigError
 from spmdrl.tools.base import (
     BaseTool,
     Tool,

@@ -38,7 +38,7 @@ import typing
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
-from spmdrl.config import ConfigError
+from spmdrl.errors import ConfigError
 
 # OpenAI's rule for function names; chat templates and parsers rely on it.
 NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")

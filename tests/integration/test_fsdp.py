@@ -123,8 +123,8 @@ def test_hsdp_mesh_on_four_ranks() -> None:
 
 
 def test_placement_rejects_bad_sizes() -> None:
-    from spmdrl.config import ConfigError
     from spmdrl.distributed.placement import Placement, RoleSpec
+    from spmdrl.errors import ConfigError
 
     with pytest.raises(ConfigError, match="dp_replicate=3 must divide the 4 ranks"):
         Placement.colocated(4, dp_replicate=3)
@@ -133,8 +133,8 @@ def test_placement_rejects_bad_sizes() -> None:
 
 
 def test_rollout_tp_groups_are_consecutive_blocks() -> None:
-    from spmdrl.config import ConfigError
     from spmdrl.distributed.placement import rollout_tp_groups
+    from spmdrl.errors import ConfigError
 
     assert rollout_tp_groups(4, 2) == [[0, 1], [2, 3]]
     assert rollout_tp_groups(4, 1) == [[0], [1], [2], [3]]

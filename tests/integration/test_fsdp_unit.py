@@ -191,7 +191,7 @@ def _reward_worker(rank: int, world_size: int, model_dir: str) -> tuple[int, flo
     from spmdrl.models.build import ModelSpec, build_fsdp_model
     from spmdrl.models.parallelize import decoder_layers
     from spmdrl.optim import clip_grad_norm
-    from spmdrl.rewards.reward_model import sequence_scores
+    from spmdrl.rl.reward_model import sequence_scores
 
     torch.manual_seed(0)
     model = build_fsdp_model(
@@ -207,7 +207,7 @@ def _reward_worker(rank: int, world_size: int, model_dir: str) -> tuple[int, flo
 
 
 def test_whole_model_unit_trains_a_reward_head(tmp_path: Path) -> None:
-    """The reward model's scores come from a hook on its head (spmdrl.rewards.reward_model.sequence_scores),
+    """The reward model's scores come from a hook on its head (spmdrl.rl.reward_model.sequence_scores),
     not from the model's outputs: through_outputs still gets the whole-model unit's gradients reduced into
     its parameters (without it clip_grad_norm finds none and stops the run)."""
     save_small_qwen2(tmp_path / "m", vocab_size=VOCAB)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from spmdrl.config import ConfigError
+from spmdrl.errors import ConfigError
 from spmdrl.logging.metrics import read_metrics
 from spmdrl.rl.async_queue import PipelineShape, check_resume, load_queue, queue_file
 from spmdrl.testing.launch import JobResult, torchrun

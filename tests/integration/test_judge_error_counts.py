@@ -7,22 +7,13 @@ from __future__ import annotations
 
 import torch
 
-from spmdrl.config import Config, JudgeConfig, RewardConfig, RewardModelConfig, RolloutConfig
+from spmdrl.config import RolloutConfig
 from spmdrl.data.prompts import PromptExample
 from spmdrl.rewards.sandbox import RewardResult
 from spmdrl.rl.samples import ScoredSamples, check_reward_errors
 from spmdrl.rollout.engine import Generation
 from spmdrl.testing.spawn import run_distributed
-
-CPU = torch.device("cpu")
-REGEX = r"QQQ(\d)"  # never in the tiny model's replies: every judge reply fails to parse
-
-
-def _cfg(max_error_frac: float = 0.25) -> Config:
-    return Config(
-        reward=RewardConfig(fn="mine", max_error_frac=max_error_frac),
-        reward_model=RewardModelConfig(judge=JudgeConfig(enable=True, score_regex=REGEX, max_tokens=7)),
-    )
+from tests.unit.rl.test_reward_error_sources import CPU, _cfg
 
 
 def _judged(rank: int, world: int, model_dir: str) -> dict:

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from spmdrl.config import ConfigError
 from spmdrl.config_loader import load_config
+from spmdrl.errors import ConfigError
 
 
 def test_the_shipped_sft_recipe_runs_the_warm_start_by_default() -> None:

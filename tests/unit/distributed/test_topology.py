@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from spmdrl.config import ConfigError
 from spmdrl.distributed.placement import rollout_tp_groups
 from spmdrl.distributed.topology import check_tp_within_nodes, node_layout_from_env, ranks_on_node
+from spmdrl.errors import ConfigError
 
 
 @pytest.mark.parametrize(

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from spmdrl.config import ConfigError
 from spmdrl.config_loader import load_config
+from spmdrl.errors import ConfigError
 from spmdrl.logging.backends import RunParams, git_revision, read_run_params
 from spmdrl.logging.console import format_table
 from spmdrl.logging.metrics import MetricLogger, read_metrics

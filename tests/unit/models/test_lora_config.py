@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from spmdrl.config import ConfigError
 from spmdrl.config_loader import load_config
+from spmdrl.errors import ConfigError
 from spmdrl.preflight import check_inputs
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from spmdrl.config import ConfigError
+from spmdrl.errors import ConfigError
 from spmdrl.rewards.registry import REWARD_FNS, RewardInput, load_reward_fn, register_reward_fn
 from spmdrl.rewards.sandbox import score_batch
 from spmdrl.rewards.signature import CallStyle, call_style

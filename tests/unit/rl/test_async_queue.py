@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from spmdrl.config import ConfigError
+from spmdrl.errors import ConfigError
 from spmdrl.rl.async_queue import (
     PipelineShape,
     QueuedBatch,

@@ -12,9 +12,9 @@ import math
 import pytest
 import torch
 
-from spmdrl.config import ConfigError
 from spmdrl.config_loader import load_config
 from spmdrl.data.prompts import PromptExample
+from spmdrl.errors import ConfigError
 from spmdrl.rewards.sandbox import RewardResult
 from spmdrl.rl.async_rows import (
     CARRIED_METRICS,

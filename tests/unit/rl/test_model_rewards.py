@@ -11,9 +11,9 @@ from transformers import AutoConfig, AutoModelForSequenceClassification
 from spmdrl.config import Config, RewardConfig, RewardModelConfig
 from spmdrl.data.prompts import PromptExample
 from spmdrl.models.load import load_tokenizer
-from spmdrl.rewards.reward_model import RewardModel
 from spmdrl.rewards.sandbox import RewardResult
 from spmdrl.rl.model_rewards import ModelRewards
+from spmdrl.rl.reward_model import RewardModel
 from spmdrl.rl.samples import ScoredSamples
 from spmdrl.rollout.engine import Generation
 

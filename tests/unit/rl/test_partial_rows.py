@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spmdrl.config import ConfigError
 from spmdrl.config_loader import load_config
 from spmdrl.data.prompts import PromptExample
+from spmdrl.errors import ConfigError
 from spmdrl.rewards.sandbox import RewardResult
 from spmdrl.rl.async_rows import TOKEN_VERSIONS, fill_missing_fields, pack_samples, unpack
 from spmdrl.rl.samples import ScoredSamples

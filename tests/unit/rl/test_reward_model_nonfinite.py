@@ -19,9 +19,9 @@ from transformers import AutoConfig, AutoModelForSequenceClassification
 from spmdrl.config import Config, JudgeConfig, RewardConfig, RewardModelConfig
 from spmdrl.data.prompts import PromptExample
 from spmdrl.models.load import load_tokenizer
-from spmdrl.rewards.reward_model import RewardModel, encode_for_rm
 from spmdrl.rewards.sandbox import RewardResult
 from spmdrl.rl.model_rewards import ModelRewards
+from spmdrl.rl.reward_model import RewardModel, encode_for_rm
 from spmdrl.rl.samples import ScoredSamples, check_reward_errors
 from spmdrl.rollout.engine import Generation
 
@@ -210,7 +210,7 @@ def _two_ranks(rank: int, world: int, rm_dir: str) -> dict:
     samples are clean, rank 1's hold the poisoned token in 2 of 4."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from spmdrl.rewards.reward_model import build_reward_model
+    from spmdrl.rl.reward_model import build_reward_model
 
     cfg = Config(
         reward=RewardConfig(fn="mine", rule_weight=0.5, error_score=ERROR_SCORE, max_error_frac=0.2),
@@ -261,8 +261,8 @@ def test_a_broken_checkpoint_stops_every_rank_with_the_summed_count(tmp_path) ->
 )
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
 def test_non_finite_reward_settings_are_refused_at_load(key: str, value: str) -> None:
-    from spmdrl.config import ConfigError
     from spmdrl.config_loader import load_config
+    from spmdrl.errors import ConfigError
 
     with pytest.raises(ConfigError, match=rf"{key} must be a finite number, got"):
         load_config(["recipe=grpo_tiny", f"{key}={value}"])

@@ -123,8 +123,8 @@ def test_tool_instance_lives_for_the_trajectory() -> None:
 
 
 def test_multi_turn_config_is_checked_at_start() -> None:
-    from spmdrl.config import ConfigError
     from spmdrl.config_loader import load_config
+    from spmdrl.errors import ConfigError
 
     cfg = load_config(
         ["recipe=grpo_tiny", "rollout.multi_turn.enable=true", "rollout.multi_turn.tools=[calculator]"]

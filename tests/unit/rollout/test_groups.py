@@ -16,7 +16,7 @@ def test_scatter_from_tp_keeps_this_ranks_slice() -> None:
 
 
 def test_tp_must_divide_world() -> None:
-    from spmdrl.config import ConfigError
+    from spmdrl.errors import ConfigError
 
     with pytest.raises(ConfigError, match="rollout.tp=3 must be >= 1 and divide the world size"):
         TPGroups(3)

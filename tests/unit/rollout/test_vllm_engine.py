@@ -232,7 +232,7 @@ def test_engine_settings_this_machine_cannot_run_fail_before_any_work(
 
 def test_auto_engine_dtype_follows_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """A CPU without native bf16 cannot be had here on demand, so its capability flags are faked."""
-    from spmdrl.config import ConfigError
+    from spmdrl.errors import ConfigError
     from spmdrl.rollout.vllm_engine import resolve_engine_dtype
 
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from spmdrl.config import ConfigError
+from spmdrl.errors import ConfigError
 from spmdrl.tools import (
     ParseResult,
     ToolCall,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from spmdrl.config import ConfigError
+from spmdrl.errors import ConfigError
 from spmdrl.tools import (
     ToolCall,
     ToolExecutor,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from spmdrl.config import ConfigError
+from spmdrl.errors import ConfigError
 from spmdrl.tools import (
     load_function_tool,
 )

@@ -1,4 +1,4 @@
-"""spmdrl/rewards/reward_model.py: the reward model's files, its chat template, batched scoring (one
+"""spmdrl/rl/reward_model.py: the reward model's files, its chat template, batched scoring (one
 process, a plain transformers module: FSDP2's sharded build is tested by the integration tier)."""
 
 from __future__ import annotations
@@ -10,15 +10,15 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification
 
-from spmdrl.config import ConfigError
+from spmdrl.errors import ConfigError
 from spmdrl.models.load import load_tokenizer
-from spmdrl.rewards.reward_model import (
+from spmdrl.rewards.reward_model_path import check_reward_model_dir
+from spmdrl.rl.reward_model import (
     RewardModel,
     encode_for_rm,
     render_for_rm,
     sequence_scores,
 )
-from spmdrl.rewards.reward_model_path import check_reward_model_dir
 
 MESSAGES = [{"role": "user", "content": "Tom has 2 apples and gets 3 more. How many apples does Tom have?"}]
 
