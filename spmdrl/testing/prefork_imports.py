@@ -14,23 +14,31 @@ environment the imports leave is written where ``SPMDRL_PREFORK_ENV_FILE`` says,
 from __future__ import annotations
 
 import gc
+import importlib
 import json
 import os
 
-import matplotlib
-import torch
-import torch.distributed
-import torch.distributed.checkpoint
-import torch.utils.tensorboard
-import transformers
+# In a job's order: spmdrl first (spmdrl/__init__ starts the CPU-kind emulation of SPMDRL_CPU_KIND before
+# anything loads torch or vLLM), then what spmdrl.train and the recipes load. Each for its side effect.
+for _name in (
+    "spmdrl",
+    "spmdrl.train",
+    "spmdrl.config_loader",
+    "spmdrl.preflight",
+    "torch",
+    "torch.distributed",
+    "torch.distributed.checkpoint",
+    "torch.utils.tensorboard",
+    "transformers",
+    "matplotlib",
+):
+    importlib.import_module(_name)
 
-import spmdrl.config_loader
-import spmdrl.preflight
-import spmdrl.train
-from spmdrl.gc_heap import inert_freezes
-from spmdrl.rollout import vllm_engine
+import torch  # noqa: E402
 
-del matplotlib, transformers  # imported for their side effect: loaded modules
+import spmdrl.config_loader  # noqa: E402 - loaded above, in order; named here for its functions
+from spmdrl.gc_heap import inert_freezes  # noqa: E402
+from spmdrl.rollout import vllm_engine  # noqa: E402
 
 # The recipes every RL job runs (and its SFT warm-start), by name, as the library reaches them.
 for _entry in ("grpo", "sft"):
