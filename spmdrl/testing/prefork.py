@@ -150,20 +150,13 @@ def context() -> multiprocessing.context.ForkServerContext:
             fd, env_file = tempfile.mkstemp(prefix="spmdrl-prefork-env-", suffix=".json")
             os.close(fd)
             os.unlink(env_file)  # written whole by the fork server once its imports are done
-            started_env = {**_SERVER_ENV, _ENV_FILE: env_file}
-            saved = {k: os.environ.get(k) for k in started_env}
-            os.environ.update(started_env)
-            _server_env = {k: v for k, v in os.environ.items() if k != _ENV_FILE}
-            try:
-                from multiprocessing import forkserver
+            from multiprocessing import forkserver
+            from unittest import mock
 
+            # The server inherits this process's environment when it starts; this one's is put back after.
+            with mock.patch.dict(os.environ, {**_SERVER_ENV, _ENV_FILE: env_file}):
+                _server_env = {k: v for k, v in os.environ.items() if k != _ENV_FILE}
                 forkserver.ensure_running()
-            finally:
-                for k, v in saved.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
             deadline = time.monotonic() + 600
             pid = forkserver._forkserver._forkserver_pid
             while not os.path.exists(env_file):
