@@ -342,3 +342,29 @@ def test_shipped_recipes_start_from_grpo_tiny(recipe: str, differs: set[str]) ->
     base = dataclasses.asdict(load_config(["recipe=grpo_tiny"], import_entry_module=False))
     cfg = dataclasses.asdict(load_config([f"recipe={recipe}"], import_entry_module=False))
     assert {key for key in base if base[key] != cfg[key]} == differs
+
+
+def test_a_shipped_recipes_entry_is_composed_once_a_files_each_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The untyped pass that finds ``entry`` is kept for a shipped recipe (its YAMLs do not change while
+    the process runs), never for a recipe file: an edited file's entry is read again."""
+    from spmdrl import config_loader
+
+    composed: list[list[str]] = []
+    compose = config_loader._compose
+    monkeypatch.setattr(
+        config_loader, "_compose", lambda ov, schema: composed.append(ov) or compose(ov, schema)
+    )
+    for _ in range(2):
+        load_config(["recipe=sft_tiny"], import_entry_module=False)
+    probes = [ov for ov in composed if not any(o.startswith("entry=") for o in ov)]
+    assert len(probes) <= 1 and len(composed) - len(probes) == 2  # the typed pass runs every time
+
+    (tmp_path / "a.py").write_text(ENTRY.format(section="section_a"))
+    (tmp_path / "b.py").write_text(ENTRY.format(section="section_b"))
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text("defaults: [grpo_tiny, _self_]\nentry: a.py\n")
+    assert load_config([f"recipe={recipe}"], import_entry_module=False).entry == str(tmp_path / "a.py")
+    recipe.write_text("defaults: [grpo_tiny, _self_]\nentry: b.py\n")
+    assert load_config([f"recipe={recipe}"], import_entry_module=False).entry == str(tmp_path / "b.py")
