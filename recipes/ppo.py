@@ -32,59 +32,37 @@ from dataclasses import dataclass, field
 
 import torch
 
+import spmdrl.rl.job as rl
 from spmdrl.algos.advantages import adv_estimator
-from spmdrl.config import Config, ConfigError
+from spmdrl.config import Config
 from spmdrl.distributed.env import broadcast_object
-from spmdrl.logging.timer import PhaseTimer
+from spmdrl.errors import ConfigError
 from spmdrl.models.head import fused_chunk_for
+from spmdrl.rl import phases
 from spmdrl.rl.batch import PolicyBatch
 from spmdrl.rl.experience import batch_advantages, old_and_ref_logprobs, policy_batch
-from spmdrl.rl.job import (
-    RLJob,
-    build_job,
-    finish,
-    log_step,
-    profiled,
-    save_checkpoint,
-    sync_actor_weights,
-    validates_at,
-    validation,
-)
 from spmdrl.rl.metrics import step_metrics
 from spmdrl.rl.perf import actor_perf_metrics, critic_perf_metrics
 from spmdrl.rl.role_rows import RowPlan, plan_rows
-from spmdrl.rl.samples import (
-    OverlongShaping,
-    ScoredSamples,
-    check_reward_errors,
-    score,
-    train_sampling,
-)
 from spmdrl.rl.update import (
     UpdateResult,
     logprobs_of,
     micro_rows,
     update_critic,
-    update_policy,
     values_of,
 )
 
 
 @dataclass
-class Step:
-    """One step on this rank: what the phases produce, in their order. Under a split placement a rank
-    holds one role: the actor's fields are None on the critic's ranks, the critic's on the actor's."""
+class Step(phases.Step):
+    """GRPO's step (spmdrl/rl/phases.py) and the critic's. Under a split placement a rank holds one role:
+    the actor's fields are None on the critic's ranks, the critic's on the actor's."""
 
-    step: int
-    timer: PhaseTimer = field(default_factory=PhaseTimer)
-    samples: ScoredSamples = field(init=False)  # rollout_and_score
-    batch: PolicyBatch | None = None  # make_experience: the actor's rows, logprobs, values, advantages
+    batch: PolicyBatch | None = None  # type: ignore[assignment]  # the actor's rows, values, advantages
+    sampled_mask_BT: torch.Tensor | None = None  # type: ignore[assignment]
+    update: UpdateResult | None = None  # type: ignore[assignment]  # the actor's
     critic_batch: PolicyBatch | None = None  # make_experience: the critic's rows, values, returns
-    sampled_mask_BT: torch.Tensor | None = None  # make_experience: the actor's mask before any rejection
-    update: UpdateResult | None = None  # update: the actor's
     critic_metrics: dict[str, float] = field(default_factory=dict)  # update: the critic's
-    resident_gb: float | None = None  # update: what the trainer holds on the GPU when it starts
-    metrics: dict[str, float] = field(default_factory=dict)  # make_experience's (KL in reward, correction)
 
 
 def check_config(cfg: Config) -> None:
@@ -104,45 +82,16 @@ def check_config(cfg: Config) -> None:
 
 
 def main(cfg: Config) -> None:
-    job = build_job(cfg, with_critic=True)  # checks, data, warm-start, models, engine; resumed if saved
-    if job.start_step == 0 and validates_at(job, 0):
-        job.logger.log(0, validation(job, 0))
-    for step in range(job.start_step + 1, job.total_steps + 1):
-        s = Step(step)
-        with profiled(job, step):  # logging.profile_steps
-            rollout_and_score(job, s)
-            make_experience(job, s)
-            update(job, s)
-            sync(job, s)
-            log(job, s)
-        checkpoint(job, s)
-    finish(job)
+    job = rl.build_job(cfg, with_critic=True)  # checks, data, warm-start, models, engine; resumed if saved
+    for s in phases.steps(job, step_type=Step):  # each role saves from its own ranks
+        phases.rollout_and_score(job, s)  # GRPO's, with DAPO's overlong penalty
+        make_experience(job, s)
+        update(job, s)
+        phases.sync(job, s)  # split: the critic's ranks' engines from the first actor rank
+        log(job, s)
 
 
-def rollout_and_score(job: RLJob, s: Step) -> None:
-    """This rank's prompts -> rollout.n samples each, grouped by prompt, with their rewards (and DAPO's
-    overlong penalty, reward.overlong_buffer)."""
-    cfg = job.cfg
-    prompts = [job.train_ds[i] for i in job.sampler.next_batch()]
-    with s.timer("rollout"):
-        gens = job.rollout.generate(prompts, train_sampling(cfg, s.step))
-    with s.timer("reward"):
-        samples = score(cfg, job.reward_fn, job.tokenizer, prompts, gens)
-        if job.model_rewards is not None:  # reward_model.*: weighted with the rule (docs/rewards.md)
-            samples = job.model_rewards(samples, s.step)
-    shaping = OverlongShaping(cfg, job.device) if cfg.reward.overlong_buffer.enable else None
-    if shaping is not None:
-        samples = shaping(samples)
-    samples.metrics = {
-        **job.rollout.take_metrics(job.device),
-        **(shaping.metrics() if shaping else {}),
-        **(job.model_rewards.metrics() if job.model_rewards else {}),  # reward/rm_score, ...
-    }
-    check_reward_errors(cfg, samples.rewards, s.step, job.device)
-    s.samples = samples
-
-
-def make_experience(job: RLJob, s: Step) -> None:
+def make_experience(job: rl.RLJob, s: Step) -> None:
     """The rows each role trains on. Old and reference logprobs on the actor's ranks and the values on the
     critic's (at the same time, when split); GAE on the actor's ranks, after the KL in the reward and the
     rollout correction (verl's order), so the returns and the final response mask go back to the critic."""
@@ -183,13 +132,10 @@ def make_experience(job: RLJob, s: Step) -> None:
     s.metrics.update(rows.metrics)
 
 
-def update(job: RLJob, s: Step) -> None:
+def update(job: rl.RLJob, s: Step) -> None:
     """The critic's update, then the actor's (colocated), or both at once on their own ranks (split)."""
     cfg = job.cfg
-    # The engine is asleep: what is allocated now is the trainer's (parameters, moments, the batch), plus the
-    # engine's sleep-mode allocations, which the allocator counts though their memory is released.
-    if job.device.type == "cuda":
-        s.resident_gb = torch.cuda.memory_allocated(job.device) / 2**30
+    s.resident_gb = phases.resident_gb(job)  # the engine is asleep: this is the trainer's
     with s.timer("update"):
         if job.critic is not None:
             assert s.critic_batch is not None and job.critic_offload is not None
@@ -198,19 +144,12 @@ def update(job: RLJob, s: Step) -> None:
                     cfg, job.rl_critic, job.critic, s.critic_batch, job.critic_group
                 )
         if s.batch is not None:
-            assert job.optimizer is not None and job.scheduler is not None and job.actor_offload is not None
             with s.timer("actor_update"):
-                if s.step <= cfg.critic.warmup_steps:
-                    s.update = actor_waits(job, s.batch)
-                else:
-                    with job.actor_offload.on_device():
-                        s.update = update_policy(
-                            cfg, job.rl, job.actor, job.optimizer, s.batch, job.actor_group
-                        )
-                    job.scheduler.step()  # once per RL step (optim.warmup_steps counts RL steps)
+                waits = s.step <= cfg.critic.warmup_steps
+                s.update = actor_waits(job, s.batch) if waits else phases.update_actor(job, s.batch)
 
 
-def actor_waits(job: RLJob, batch: PolicyBatch) -> UpdateResult:
+def actor_waits(job: rl.RLJob, batch: PolicyBatch) -> UpdateResult:
     """critic.warmup_steps (verl's critic_warmup): the actor waits for values that mean something. Its
     logprobs are still computed, for the trainer-vs-engine metrics."""
     cfg = job.cfg
@@ -224,16 +163,7 @@ def actor_waits(job: RLJob, batch: PolicyBatch) -> UpdateResult:
     return UpdateResult({}, old_BT)
 
 
-def sync(job: RLJob, s: Step) -> None:
-    """The new weights into every rank's engine (split: the critic's ranks receive them from the first actor
-    rank); the check proves each engine now serves exactly them, or stops the run."""
-    with s.timer("weight_sync"):
-        stats = sync_actor_weights(job, check_seed=s.step)
-    for phase, seconds in stats.phases().items():  # its parts: wake, load, prefix-cache reset, check
-        s.timer.add(phase, seconds)
-
-
-def log(job: RLJob, s: Step) -> None:
+def log(job: rl.RLJob, s: Step) -> None:
     """The step's metrics (each role's reduced over its own ranks), samples and validation; a row every
     trainer.log_every steps, at validations and at the last."""
     cfg, step = job.cfg, s.step
@@ -278,15 +208,7 @@ def log(job: RLJob, s: Step) -> None:
     }
     if job.scheduler is not None:
         metrics["actor/lr"] = job.scheduler.get_last_lr()[0]
-    log_step(job, step, metrics, s.samples, s.timer)
-
-
-def checkpoint(job: RLJob, s: Step) -> None:
-    """Every trainer.save_every steps and after the last, each role from its own ranks. Logged first, saved
-    second: a kill between the two loses no row (the resumed run logs the step again)."""
-    every = job.cfg.trainer.save_every
-    if s.step == job.total_steps or (every > 0 and s.step % every == 0):
-        save_checkpoint(job, s.step)
+    rl.log_step(job, step, metrics, s.samples, s.timer)
 
 
 # ------------------------------------------------------------ split placement: rows between the roles

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from spmdrl.config import Config, ConfigError
 from spmdrl.distributed.env import broadcast_str
 from spmdrl.distributed.placement import Placement
+from spmdrl.rl.async_rows import fill_missing_fields
 
 log = logging.getLogger("spmdrl")
 
@@ -64,6 +65,13 @@ class SavedQueue:
     # The names of the rows' "measured" columns when they were saved (None: a queue saved before the names
     # were, spmdrl.rl.async_rows.fill_missing_fields reads it by its width).
     carried: list[str] | None = None
+
+    def upgraded(self) -> list[QueuedBatch]:
+        """The batches with every field of today's rows (a queue of an earlier release lacks some)."""
+        return [
+            QueuedBatch(b.step, b.version, fill_missing_fields(b.rows, b.version, self.carried))
+            for b in self.batches
+        ]
 
 
 @dataclass(frozen=True)
@@ -134,6 +142,20 @@ def load_queue(checkpoint: Path, index: int, step: int, device: torch.device) ->
         )
     carried = saved.get("carried")
     return SavedQueue(batches, saved["sampler"], None if carried is None else [str(c) for c in carried])
+
+
+def restore_queue(
+    checkpoint: Path, index: int, step: int, total_steps: int, device: torch.device, sampler: Any
+) -> list[QueuedBatch]:
+    """A resumed rollout rank's batches generated ahead of ``checkpoint`` (of ``step``), every field of
+    today's rows in them, and its ``sampler`` past them; none past ``total_steps`` (a shorter resumed run
+    never sends them). A checkpoint without a queue (k = 0, saved before queues were) queued nothing, and
+    the trainer's sampler position is the rollout rank's."""
+    saved = load_queue(checkpoint, index, step, device)
+    if saved is None:
+        return []
+    sampler.load_state_dict(saved.sampler)
+    return [b for b in saved.upgraded() if b.step <= total_steps]
 
 
 def check_resume(checkpoint: Path, shape: PipelineShape) -> str:

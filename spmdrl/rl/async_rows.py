@@ -32,17 +32,20 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from spmdrl.config import Config, ConfigError
 from spmdrl.data.prompts import PromptDataset
 from spmdrl.distributed.exchange import RowLayout, move_rows
 from spmdrl.distributed.placement import Placement
+from spmdrl.logging.timer import PhaseTimer
 from spmdrl.rewards.sandbox import RewardResult
 from spmdrl.rl.batch import PolicyBatch
 from spmdrl.rl.experience import policy_batch
 from spmdrl.rl.metrics import peak_memory_gb
 from spmdrl.rl.model_rewards import ModelRewards
 from spmdrl.rl.samples import DynamicSampling, OverlongShaping, ScoredSamples
+from spmdrl.rl.staleness import mask_stale
 from spmdrl.rollout.engine import Generation
 from spmdrl.rollout.rollout import MULTI_TURN_KEYS
 
@@ -314,6 +317,34 @@ class ReceivedBatch:
     # algorithm.adv_estimator=remax: each row's baseline, its prompt's greedy reward (None otherwise).
     baseline_B: torch.Tensor | None = None
     # (samples.metrics: the rollout ranks' reduced metrics that came with the rows, CARRIED_METRICS)
+
+    def timings(self, timer: PhaseTimer) -> dict[str, float]:
+        """The rollout ranks' generation and scoring seconds as the step's phases, and
+        rollout.latency_tail's wait as the metric a colocated run logs it as."""
+        for phase, seconds in self.seconds.items():
+            if phase != "latency_tail_s":
+                timer.add(phase.removesuffix("_s"), seconds)
+        tail = self.seconds.get("latency_tail_s")
+        return {} if tail is None else {"rollout/latency_tail_s": tail}
+
+    def without_stale(
+        self, step: int, k: int, per_token: bool, device: torch.device, group: dist.ProcessGroup | None
+    ) -> tuple[PolicyBatch, dict[str, float]]:
+        """The rows for update ``step`` without what is older than ``k`` (trainer.stale_policy=drop), and
+        ``async/*``; ``per_token`` (rollout.partial): a row may hold several versions' tokens."""
+        assert self.regenerated_B is not None and self.interrupted_B is not None
+        mask_BT, metrics = mask_stale(
+            step,
+            k,
+            self.batch.response_mask_BT,
+            self.versions_B,
+            self.regenerated_B,
+            device,
+            group,
+            versions_BT=self.versions_BT if per_token else None,
+            interrupted_B=self.interrupted_B,
+        )
+        return self.batch.replace(response_mask_BT=mask_BT), metrics
 
 
 def unpack(

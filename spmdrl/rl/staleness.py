@@ -137,3 +137,31 @@ def token_staleness_metrics(
     ages = ages_BT[mask_BT.bool()]
     row_flags = {"partial": interrupted_B, "regenerated": regenerated_B}
     return _age_metrics(ages, stale_rows(ages, k), row_flags, k, device, group)
+
+
+def mask_stale(
+    step: int,
+    k: int,
+    response_mask_BT: torch.Tensor,
+    versions_B: torch.Tensor,
+    regenerated_B: torch.Tensor,
+    device: torch.device,
+    group: dist.ProcessGroup | None,
+    *,
+    versions_BT: torch.Tensor | None = None,
+    interrupted_B: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Update ``step``'s response mask without what is older than ``k`` (trainer.stale_policy=drop), and
+    ``async/*`` over ``group``: per row, or per token when ``versions_BT`` is given (rollout.partial: a row
+    may hold tokens of several versions; ``interrupted_B`` says which rows a weight switch cut)."""
+    if versions_BT is not None:
+        assert interrupted_B is not None
+        ages_BT = token_ages(step, versions_BT)
+        metrics = token_staleness_metrics(
+            ages_BT, response_mask_BT, interrupted_B, regenerated_B, k, device, group
+        )
+        return drop_stale_tokens(response_mask_BT, ages_BT, k), metrics
+    ages_B = policy_ages(step, versions_B)
+    stale_B = stale_rows(ages_B, k)
+    metrics = staleness_metrics(ages_B, stale_B, regenerated_B, k, device, group)
+    return (drop_stale(response_mask_BT, stale_B) if bool(stale_B.any()) else response_mask_BT), metrics
