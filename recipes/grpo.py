@@ -2,11 +2,11 @@
 
     torchrun --nproc_per_node=2 -m spmdrl.train recipe=grpo_tiny
 
-Every rank, every step, one function per phase (a fork replaces any one of them on its own):
+Every rank, every step, one phase after another (a fork replaces any one of them on its own):
 
   rollout_and_score  this rank's prompts -> rollout.n samples each from the in-process vLLM engine, scored
                      by reward.fn in the sandbox; DAPO adds its overlong penalty and dynamic sampling here
-  remax_baseline     adv_estimator=remax only: each prompt's greedy answer, scored, is its baseline
+  greedy_baseline    adv_estimator=remax only: each prompt's greedy answer, scored, is its baseline
   make_experience    the samples as rows; the old logprobs (when needed) and the reference's; the KL in
                      the reward and the rollout correction, then the advantages (algorithm.adv_estimator)
   update             policy loss (algorithm.policy_loss) + KL loss, PPO epochs x mini-batches x
@@ -14,8 +14,8 @@ Every rank, every step, one function per phase (a fork replaces any one of them 
                      gradients (spmdrl/algos/aggregation.py)
   sync               the actor's FSDP2 shards -> full tensors per bucket -> the engine, in place, checked
   log                metrics reduced over ranks, samples, validation, curves
-  checkpoint         every trainer.save_every steps and after the last; a run resumes from the newest
-                     complete one in its output directory (trainer.resume=auto), exactly
+  (checkpoint)       phases.steps saves every trainer.save_every steps and after the last; a run resumes
+                     from the newest complete one in its output directory (trainer.resume=auto), exactly
 
 What each phase does is the library's, written once for every schedule (spmdrl/rl/phases.py; job.py
 builds what the phases work with): this file is the schedule. It imports nothing from recipes/: a copy of

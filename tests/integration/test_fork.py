@@ -28,12 +28,15 @@ def _restore_sections() -> Iterator[None]:
 # ---------------------------------------------------------------------------------------------- end to end
 
 # What a researcher adds to their copy of recipes/grpo.py: a setting of their own, in a section of their
-# own, and a policy loss that reads it.
+# own, an advantage estimator and a policy loss that reads the setting. Nothing of spmdrl/rl/ is copied.
 FORK_ADDITIONS = textwrap.dedent(
     """
     # ------------------------------------------------------------------------------------------ the fork
     import dataclasses as _dataclasses
 
+    import torch
+
+    from spmdrl.algos.advantages import AdvantageInputs, grpo_outcome_advantages, register_adv_estimator
     from spmdrl.algos.policy_losses import register_policy_loss, vanilla_policy_loss
     from spmdrl.config import register_config_section
 
@@ -42,6 +45,15 @@ FORK_ADDITIONS = textwrap.dedent(
     @_dataclasses.dataclass
     class MyGrpoConfig:
         loss_scale: float = 1.0  # the fork's new hyperparameter: my_loss multiplies vanilla's loss by it
+
+
+    @register_adv_estimator("my_adv")
+    @torch.no_grad()
+    def my_adv(inputs: AdvantageInputs):
+        # GRPO's group advantage, only the better-than-average samples kept: a worse one is not pushed down.
+        advantages_BT, _ = grpo_outcome_advantages(inputs)
+        advantages_BT = advantages_BT.clamp(min=0.0)
+        return advantages_BT, advantages_BT
 
 
     @register_policy_loss("my_loss", section=MyGrpoConfig)
@@ -54,6 +66,7 @@ FORK_ADDITIONS = textwrap.dedent(
         )
         out.loss = out.loss * section.loss_scale
         out.metrics["my_loss_scale"] = torch.tensor(section.loss_scale)
+        out.metrics["my_adv_min"] = advantages_BT[mask_BT.bool()].min() if mask_BT.any() else torch.tensor(0.0)
         return out
 
 
@@ -85,6 +98,32 @@ def write_fork(fork: Path) -> None:
     (fork / "my_grpo.yaml").write_text(FORK_E2E_YAML)
 
 
+def test_the_forks_advantage_keeps_only_better_than_average_samples(tmp_path: Path) -> None:
+    """docs/forking.md's estimator, from the fork file itself: a group's worse samples get 0, the better
+    ones GRPO's advantage."""
+    import torch
+
+    from spmdrl.algos.advantages import ADV_ESTIMATORS, AdvantageInputs, compute_advantages
+    from spmdrl.algos.policy_losses import POLICY_LOSSES
+    from spmdrl.config_loader import import_entry
+
+    write_fork(tmp_path)
+    try:
+        import_entry(str(tmp_path / "my_grpo.py"))  # as spmdrl.train imports an entry file
+        mask_BT = torch.ones(4, 3, dtype=torch.bool)
+        rewards_BT = torch.zeros(4, 3)
+        rewards_BT[:, -1] = torch.tensor([1.0, 0.0, 0.0, 1.0])
+        inputs = AdvantageInputs(rewards_BT, mask_BT, torch.tensor([0, 0, 1, 1]))
+        ours, _ = compute_advantages("my_adv", inputs)
+        grpo, _ = compute_advantages("grpo", inputs)
+    finally:  # the registries are process-wide
+        for registry, name in ((ADV_ESTIMATORS, "my_adv"), (POLICY_LOSSES, "my_loss")):
+            if name in registry:
+                registry.unregister(name)
+    assert (grpo < 0).any()
+    assert torch.equal(ours, grpo.clamp(min=0.0))
+
+
 @pytest.mark.guarantee("fork:recipe")
 @pytest.mark.slow
 def test_fork_in_another_directory_runs_two_grpo_steps(tmp_path: Path) -> None:
@@ -101,6 +140,7 @@ def test_fork_in_another_directory_runs_two_grpo_steps(tmp_path: Path) -> None:
             "-m",
             "spmdrl.train",
             "recipe=../fork/my_grpo.yaml",  # relative to the working directory
+            "algorithm.adv_estimator=my_adv",
             "algorithm.policy_loss=my_loss",
             "my_grpo.loss_scale=0.25",
             f"trainer.output_dir={out}",
@@ -125,6 +165,9 @@ def test_fork_in_another_directory_runs_two_grpo_steps(tmp_path: Path) -> None:
     assert all(
         r["actor/my_loss_scale"] == pytest.approx(0.25) for r in rows
     )  # the loss ran, with the setting
+    # The loss saw the fork's advantages: none below 0 (GRPO's own go below 0 in any group whose rewards differ).
+    assert all(r["actor/my_adv_min"] >= 0.0 for r in rows)
     saved = yaml.safe_load((out / "config.yaml").read_text())
     assert saved["my_grpo"] == {"loss_scale": 0.25} and saved["algorithm"]["policy_loss"] == "my_loss"
+    assert saved["algorithm"]["adv_estimator"] == "my_adv"
     assert saved["entry"] == str(fork / "my_grpo.py") and saved["name"] == "my_grpo"
