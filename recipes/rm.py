@@ -3,8 +3,8 @@
     torchrun --nproc_per_node=2 -m spmdrl.train recipe=rm_tiny
 
 The model is model.path's backbone, first fine-tuned on the task's demonstrations when warmstart.enabled
-(the RL recipes' SFT stage, in this job), with a scalar head (``*ForSequenceClassification``,
-num_labels=1; the head starts at 0, so every first score is 0). The data are preference pairs of the tiny
+(the library's SFT stage, run in this job: spmdrl/supervised/warmstart.py), with a scalar head
+(``*ForSequenceClassification``, num_labels=1; the head starts at 0, so every first score is 0). The data are preference pairs of the tiny
 task, rm.pairs of them: ``policy`` (spmdrl/rl/policy_pairs.py) samples rollout.n responses per prompt from
 the warm-started policy with the in-process vLLM engine, labels each with the rule reward and pairs a
 correct one (chosen) with an incorrect one of the same prompt (rejected), as real pipelines sample their
@@ -18,8 +18,9 @@ trainer.micro_batch_size pairs (chosen and rejected in one forward), and accumul
 ``-logsigmoid(r_chosen - r_rejected)`` summed over its pairs and divided by the step's pairs over all ranks
 (spmdrl/algos/pairwise.py); grad-norm clipping, AdamW, the schedule. Every trainer.val_every steps, the
 pairwise accuracy (r_chosen > r_rejected, a tie half) and loss on every held-out pair (val/pairwise_accuracy,
-val/loss); checkpoints every trainer.save_every steps and after the last (a run resumes from the newest,
-as the other recipes do); at the end an HF export (``hf_model``: config.json with
+val/loss); checkpoints every trainer.save_every steps and after the last (a run resumes from the newest:
+the loop is spmdrl/loop.py's, as the other recipes' is; the model's set-up and optimizer step,
+spmdrl/supervised/model.py, are the SFT stage's); at the end an HF export (``hf_model``: config.json with
 ``architectures: [Qwen2ForSequenceClassification]``, num_labels 1, pad_token_id), which
 ``reward_model.path`` of an RL run reads (configs/recipe/grpo_rm_tiny.yaml; docs/rewards.md).
 
@@ -38,33 +39,23 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from spmdrl import loop
 from spmdrl.algos.pairwise import bradley_terry_loss, pairs_right
-from spmdrl.checkpoint.checkpointer import (
-    Checkpointer,
-    RoleState,
-    checkpoint_root,
-    load_checkpoint,
-    log_saved,
-    plan_resume_all_ranks,
-)
-from spmdrl.checkpoint.export import export_hf, write_hf_metadata
+from spmdrl.checkpoint.export import export_hf
 from spmdrl.config import Config, ConfigError, choice, derive, register_config_section
 from spmdrl.data.tiny_pairs import PreferencePair, tiny_pairs
 from spmdrl.data.tiny_task import TinyTaskConfig, generate
-from spmdrl.distributed.placement import Placement
-from spmdrl.distributed.reduce import all_reduce_sum, all_reduce_sum_tensors
-from spmdrl.logging.metrics import rewind_logs
+from spmdrl.distributed.reduce import all_reduce_sum
 from spmdrl.logging.plot import plot_curves
 from spmdrl.logging.profiler import check_profile_steps, profile_step
-from spmdrl.models.build import build_fsdp_model, model_spec
-from spmdrl.models.grad_sync import defers_grad_sync, describe_grad_sync, gradient_sync
+from spmdrl.models.grad_sync import gradient_sync
 from spmdrl.models.load import load_tokenizer, resolve_model_path_all_ranks
-from spmdrl.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
-from spmdrl.rl.job import warm_start
 from spmdrl.rl.policy_pairs import balance_directions, sample_policy_pairs
 from spmdrl.rl.reward_model import encode_for_rm, pad_right, sequence_scores
 from spmdrl.rollout.engine import SamplingSpec, build_engine, check_engine_config
-from spmdrl.runtime import Run, restart_count, start_run
+from spmdrl.runtime import Run, start_run
+from spmdrl.supervised.model import build_trained_model
+from spmdrl.supervised.warmstart import warm_start
 
 log = logging.getLogger("spmdrl")
 
@@ -195,8 +186,7 @@ def _max_length(cfg: Config) -> int:
 def main(cfg: Config) -> None:
     run = start_run(cfg)
     env = run.env
-    restarted = restart_count() > 0
-    resume_from = plan_resume_all_ranks(cfg.trainer.resume, run.output_dir, restarted=restarted)
+    plan = loop.plan_start(run)  # resume or start (spmdrl/loop.py), decided before anything is built
 
     # Model files, tokenizer (its chat template renders the pairs), pairs, and the batch arithmetic.
     model_dir = resolve_model_path_all_ranks(cfg.model.path, run.cache_dir)
@@ -207,7 +197,7 @@ def main(cfg: Config) -> None:
     # warmstart.*: the backbone first learns the task by SFT on its demonstrations (a reward model starts
     # from an SFT model, as InstructGPT's did): it has to know the answer to tell a right one from a wrong.
     if cfg.warmstart.enabled:
-        model_dir = warm_start(run, resume_from, restarted)
+        model_dir = warm_start(run, plan)
     train_pairs, val_pairs = tiny_pairs(cfg.section(TinyTaskConfig), cfg.data.seed)
     stats: dict[str, float] = {}
     if source != "synthetic":  # the (warm-started) policy's own samples, paired by the rule reward
@@ -217,50 +207,20 @@ def main(cfg: Config) -> None:
             stats["policy_pairs/train_pairs_balanced"] = float(len(sampled_train))
         train_pairs = sampled_train + train_pairs if source == "both" else sampled_train
     derived = derive(cfg, env.world_size, len(train_pairs))
-    check_profile_steps(cfg.logging.profile_steps, derived.total_steps)
+    total = derived.total_steps
+    check_profile_steps(cfg.logging.profile_steps, total)
     run.log_derived(derived, train_pairs=len(train_pairs), val_pairs=len(val_pairs), **stats)
     sampler = run.train_sampler(len(train_pairs), derived.per_rank_batch_size)
 
-    # Model: the backbone with a scalar head, meta -> FSDP2 -> materialize -> load (the head starts at 0).
-    meshes = Placement.colocated(env.world_size, cfg.parallel.dp_replicate).build_meshes(env.device.type)
-    spec = model_spec(cfg.model, model_dir, env.device, train=True, head="reward")
-    model = build_fsdp_model(spec, meshes.fsdp("actor"), env.device)
-    model.config.pad_token_id = tokenizer.pad_token_id  # the export's, which transformers' pooling needs
-    optimizer = build_optimizer(model, cfg.optim)
-    scheduler = build_lr_scheduler(optimizer, cfg.optim, derived.total_steps)
+    # The backbone with a scalar head (it starts at 0) on every rank, its optimizer, its checkpoint role.
+    rm = build_trained_model(run, cfg, model_dir, tokenizer, total, "reward_model", head="reward")
+    rm.model.config.pad_token_id = tokenizer.pad_token_id  # the export's, which transformers' pooling needs
+    start = loop.resume_or_start(run, plan, [rm.role], sampler, total)
+    micro = derived.micro_batch_size
+    if start.step == 0 and loop.validation_due(0, cfg.trainer.val_every, total):  # the curve's start
+        start.logger.log(0, validate(run, rm.model, tokenizer, val_pairs, micro))
 
-    role = RoleState(
-        "reward_model",
-        True,
-        model,
-        optimizer,
-        scheduler,
-        meshes.group("actor"),
-        lambda d: write_hf_metadata(model, tokenizer, d),
-    )
-    checkpointer = Checkpointer(
-        checkpoint_root(run.output_dir),
-        [role],
-        keep=cfg.trainer.keep_checkpoints,
-        async_save=cfg.trainer.async_save,
-    )
-    start_step = 0
-    if resume_from is not None:
-        state = load_checkpoint(resume_from, [role])
-        start_step = int(state["step"])
-        sampler.load_state_dict(state["sampler"])
-        if env.is_main:
-            rewind_logs(run.output_dir, start_step)
-            log.info("resumed from %s: step %d of %d", resume_from, start_step, derived.total_steps)
-    elif restarted and env.is_main:
-        rewind_logs(run.output_dir, -1)
-    logger = run.metric_logger(derived.total_steps, resume_step=start_step)
-    if start_step == 0 and cfg.trainer.val_every > 0:  # the untrained model's accuracy: the curve's start
-        logger.log(0, validate(run, model, tokenizer, val_pairs, derived.micro_batch_size))
-
-    defer = defers_grad_sync(model, cfg.trainer.defer_grad_sync)
-    log.info("%s", describe_grad_sync(model, cfg.trainer.defer_grad_sync))
-    for step in range(start_step + 1, derived.total_steps + 1):
+    for step in range(start.step + 1, total + 1):
         t0 = time.perf_counter()
         with profile_step(cfg.logging.profile_steps, run.output_dir, step, env.rank, env.device):
             pairs = [train_pairs[i] for i in sampler.next_batch()]
@@ -268,56 +228,43 @@ def main(cfg: Config) -> None:
             # Loss and accuracy summed on the device and read once (no host-device sync per micro-batch);
             # the gradients reduced per trainer.defer_grad_sync (spmdrl.models.grad_sync).
             sums = {"loss": torch.zeros((), device=env.device), "correct": torch.zeros((), device=env.device)}
-            starts = range(0, len(pairs), derived.micro_batch_size)
+            starts = range(0, len(pairs), micro)
             for i in starts:
-                gradient_sync(model, defer, last=i == starts[-1])
+                gradient_sync(rm.model, rm.defer_grad_sync, last=i == starts[-1])
                 chosen_B, rejected_B = pair_scores(
-                    model, tokenizer, pairs[i : i + derived.micro_batch_size], _max_length(cfg), env.device
+                    rm.model, tokenizer, pairs[i : i + micro], _max_length(cfg), env.device
                 )
                 loss, right = bradley_terry_loss(chosen_B, rejected_B, num_pairs)
                 loss.backward()
                 sums["loss"] += loss.detach()
                 sums["correct"] += right
-            grad_norm = clip_grad_norm(model, cfg.optim.grad_clip)
-            t = all_reduce_sum_tensors(sums)
-            if not (math.isfinite(t["loss"]) and math.isfinite(grad_norm)):
-                raise FloatingPointError(
-                    f"non-finite loss {t['loss']} / grad norm {grad_norm} at step {step}"
-                )
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
+            t, grad_norm = rm.optimizer_step(sums, cfg.optim, step)
             step_s = time.perf_counter() - t0  # without the trace's writing
         metrics = {
             "train/loss": t["loss"],
             "train/pairwise_accuracy": t["correct"] / num_pairs,
             "train/grad_norm": grad_norm,
-            "train/lr": scheduler.get_last_lr()[0],
+            "train/lr": rm.scheduler.get_last_lr()[0],
             "timing/step_s": step_s,
         }
-        every = cfg.trainer.val_every
-        validated = every > 0 and (step % every == 0 or step == derived.total_steps)
+        validated = loop.validation_due(step, cfg.trainer.val_every, total)
         if validated:
-            metrics.update(validate(run, model, tokenizer, val_pairs, derived.micro_batch_size))
-        if step % cfg.trainer.log_every == 0 or validated or step == derived.total_steps:
-            logger.log(step, metrics)
-        if step == derived.total_steps or (cfg.trainer.save_every > 0 and step % cfg.trainer.save_every == 0):
-            log_saved(
-                checkpointer.save(
-                    step, {"sampler": sampler.state_dict()}, meta={"total_steps": derived.total_steps}
-                )
-            )
+            metrics.update(validate(run, rm.model, tokenizer, val_pairs, micro))
+        if validated or loop.due(step, cfg.trainer.log_every, total):
+            start.logger.log(step, metrics)
+        if loop.due(step, cfg.trainer.save_every, total):  # logged first, saved second (loop.save)
+            loop.save(rm.checkpointer, step, sampler, meta={"total_steps": total})
 
-    log_saved(checkpointer.finish())
-    if cfg.trainer.save_hf:
-        export_hf(model, tokenizer, run.output_dir / "hf_model")
-    logger.close()
-    if env.is_main:
-        plot_curves(
-            run.output_dir / "metrics.jsonl", run.output_dir / "curves.png", CURVE_KEYS, title=cfg.name
-        )
-    dist.barrier()
-    log.info("reward model done: %d steps, outputs in %s", derived.total_steps, run.output_dir)
+    def export() -> None:
+        if cfg.trainer.save_hf:
+            export_hf(rm.model, tokenizer, run.output_dir / "hf_model")
+
+    def curves() -> None:
+        out = run.output_dir
+        plot_curves(out / "metrics.jsonl", out / "curves.png", CURVE_KEYS, title=cfg.name)
+
+    loop.finish(run, rm.checkpointer, start.logger, outputs=export, curves=curves)
+    log.info("reward model done: %d steps, outputs in %s", total, run.output_dir)
 
 
 if __name__ == "__main__":

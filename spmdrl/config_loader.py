@@ -445,8 +445,8 @@ def _with_warmstart_entry(cfg: Config, base: Path) -> Config:
     if not callable(getattr(module, "train_sft", None)):
         raise ConfigError(
             f"warmstart.entry={cfg.warmstart.entry!r}: {getattr(module, '__file__', None) or module.__name__} "
-            "has no train_sft(run, cfg, stage) (recipes/sft.py shows its signature); warmstart.entry=sft "
-            "runs the shipped one"
+            "has no train_sft(run, cfg, stage) (spmdrl/supervised/sft.py shows its signature); "
+            "warmstart.entry=sft runs the shipped one"
         )
     return dataclasses.replace(cfg, warmstart=ws)
 

@@ -28,18 +28,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from spmdrl import loop
 from spmdrl.algos.kl_control import AdaptiveKLController, FixedKLController, build_kl_controller
-from spmdrl.checkpoint.checkpointer import (
-    Checkpointer,
-    RoleState,
-    checkpoint_root,
-    load_checkpoint,
-    log_saved,
-    plan_resume_all_ranks,
-)
+from spmdrl.checkpoint.checkpointer import Checkpointer, RoleState, checkpoint_root
 from spmdrl.checkpoint.export import write_hf_metadata
 from spmdrl.config import Config, ConfigError, Derived, RLDerived, derive, derive_rl
-from spmdrl.config_loader import import_entry
 from spmdrl.data.prompts import PromptDataset
 from spmdrl.data.sampler import DistributedSampler
 from spmdrl.data.tiny_task import TinyTaskConfig, resolve_data_files
@@ -47,7 +40,7 @@ from spmdrl.data.tools_task import ToolsTaskConfig
 from spmdrl.distributed.env import DistEnv, broadcast_object
 from spmdrl.distributed.placement import Meshes, Placement, plan_placement
 from spmdrl.distributed.topology import check_tp_within_nodes, node_layout_from_env, ranks_on_node
-from spmdrl.logging.metrics import NullLogger, rewind_logs
+from spmdrl.logging.metrics import NullLogger
 from spmdrl.logging.plot import plot_curves
 from spmdrl.logging.profiler import check_profile_steps, profile_step
 from spmdrl.logging.samples import Sample, write_samples
@@ -75,7 +68,8 @@ from spmdrl.rollout.engine import (
 from spmdrl.rollout.mismatch import ParityError, parity_failure
 from spmdrl.rollout.rollout import Rollout, build_agent_loop, load_multi_turn_tools
 from spmdrl.rollout.weight_sync import Fanout, SyncCheck, SyncStats, sync_weights, sync_with_fallback
-from spmdrl.runtime import Run, restart_count, start_run
+from spmdrl.runtime import Run, start_run
+from spmdrl.supervised.warmstart import warm_start
 from spmdrl.tools import tool_schemas
 
 log = logging.getLogger("spmdrl")
@@ -189,11 +183,10 @@ def build_job(cfg: Config, *, with_critic: bool = False, asynchronous: bool = Fa
     log.info("placement %s", placement.describe())
 
     # Resume: the newest complete checkpoint of this output directory (trainer.resume=auto), a path, or
-    # none. Rank 0 decides for everyone (every rank must agree on it).
-    restarted = restart_count() > 0
-    resume_from = plan_resume_all_ranks(cfg.trainer.resume, run.output_dir, restarted=restarted)
-    if placement.is_async and resume_from is not None:  # a saved pipeline this one cannot continue exactly
-        check_resume_all_ranks(resume_from, PipelineShape.of(cfg, placement))
+    # none. Rank 0 decides for everyone (every rank must agree on it; spmdrl/loop.py).
+    plan = loop.plan_start(run)
+    if placement.is_async and plan.resume_from is not None:  # a pipeline this one cannot continue exactly
+        check_resume_all_ranks(plan.resume_from, PipelineShape.of(cfg, placement))
 
     # Data, rewards and batch arithmetic (the tokenizer is the base model's; the warm-start's export keeps it).
     base_dir = resolve_model_path_all_ranks(cfg.model.path, run.cache_dir)
@@ -249,7 +242,7 @@ def build_job(cfg: Config, *, with_critic: bool = False, asynchronous: bool = Fa
     check_model_rewards(cfg)  # reward_model.path's files, before the warm-start
     check_data_sources(cfg.reward.fn, _data_sources(train_ds, val_ds))
 
-    model_dir = warm_start(run, resume_from, restarted) if cfg.warmstart.enabled else base_dir
+    model_dir = warm_start(run, plan) if cfg.warmstart.enabled else base_dir
 
     # Off-policy rows (async, max_staleness >= 1): the old logprobs are the trainer's, not the engine's.
     recompute_old = needs_old_logprobs(cfg, rl) or (placement.is_async and cfg.trainer.max_staleness > 0)
@@ -395,37 +388,20 @@ def build_job(cfg: Config, *, with_critic: bool = False, asynchronous: bool = Fa
         started_at=started_at,
         model_rewards=model_rewards,
     )
-    _resume_or_start(job, roles, resume_from, restarted)
+    _resume_or_start(job, roles, plan)
     return job
 
 
-def _resume_or_start(job: RLJob, roles: list[RoleState], resume_from: Path | None, restarted: bool) -> None:
-    """Loads the checkpoint ``resume_from`` (if any) into ``roles`` and the loop's state, and syncs the
-    engine to its weights; then opens the metric logger."""
-    env = job.env
-    if resume_from is not None:
-        t_load = time.perf_counter()
-        state = load_checkpoint(resume_from, roles)
-        log.info("loaded %s in %.2f s", resume_from, time.perf_counter() - t_load)
-        job.start_step, job.resumed_from = int(state["step"]), resume_from
-        job.sampler.load_state_dict(state["sampler"])
-        job.kl_ctrl.value = float(state["kl_coef"])
+def _resume_or_start(job: RLJob, roles: list[RoleState], plan: loop.StartPlan) -> None:
+    """The skeleton's resume (spmdrl/loop.py: the roles' states, the sampler, the metric logger), then the
+    RL loop's own: the KL coefficient, and the engine synced to the checkpoint's weights."""
+    start = loop.resume_or_start(job.run, plan, roles, job.sampler, job.total_steps)
+    job.start_step, job.logger = start.step, start.logger
+    if plan.resume_from is not None:
+        job.resumed_from = plan.resume_from
+        job.kl_ctrl.value = float(start.state["kl_coef"])
         # The engine was built from the starting weights: load the checkpoint's, with the usual check.
         sync_actor_weights(job, check_seed=0)
-        if env.is_main:  # the steps after the checkpoint are logged again
-            dropped = rewind_logs(job.run.output_dir, job.start_step)
-            log.info(
-                "resumed from %s: step %d of %d (%d later log rows dropped)",
-                resume_from,
-                job.start_step,
-                job.total_steps,
-                dropped,
-            )
-    elif restarted and env.is_main:
-        rewind_logs(job.run.output_dir, -1)
-    if job.start_step >= job.total_steps:
-        log.info("the checkpoint is at the last step (%d): nothing left to train", job.start_step)
-    job.logger = job.run.metric_logger(job.total_steps, resume_step=job.start_step)
 
 
 # -------------------------------------------------------------------------------- around the steps
@@ -466,8 +442,12 @@ def profiled(job: RLJob, step: int) -> contextlib.AbstractContextManager[None]:
 
 def validates_at(job: RLJob, step: int) -> bool:
     """Validation runs every trainer.val_every steps, at the last, and at step 0 of a run that starts."""
-    every = job.cfg.trainer.val_every
-    return job.val_ds is not None and every > 0 and (step % every == 0 or step == job.total_steps)
+    return job.val_ds is not None and loop.validation_due(step, job.cfg.trainer.val_every, job.total_steps)
+
+
+def saves_at(job: RLJob, step: int) -> bool:
+    """A checkpoint is due every trainer.save_every steps and after the last."""
+    return loop.due(step, job.cfg.trainer.save_every, job.total_steps)
 
 
 def validation(job: RLJob, step: int) -> dict[str, float]:
@@ -527,7 +507,7 @@ def log_step(
     # rollout.parity_tol: the reduced metrics are the same on every rank, so all stop together, after the
     # step's row is written (the evidence) and before its checkpoint.
     parity = parity_failure(cfg.rollout.parity_tol, metrics, step, lambda: _dtypes(job))
-    if step % cfg.trainer.log_every == 0 or validated or step == job.total_steps or parity:
+    if validated or parity or loop.due(step, cfg.trainer.log_every, job.total_steps):
         job.logger.log(step, metrics)
     if validated:
         draw_curves(job)
@@ -550,32 +530,33 @@ def save_checkpoint(
     """step-<step>: every role's state on its ranks, the sampler and the KL coefficient; ``meta``: more
     entries for meta.json, ``extra``: this rank's own files (path in the checkpoint -> object), part of the
     same checkpoint (async: the rollout ranks' queues, spmdrl/rl/async_queue.py)."""
-    saved = job.checkpointer.save(
+    loop.save(
+        job.checkpointer,
         step,
-        {"sampler": job.sampler.state_dict(), "kl_coef": job.kl_ctrl.value},
+        job.sampler,
         meta={"placement": job.placement.describe(), "total_steps": job.total_steps, **(meta or {})},
+        state={"kl_coef": job.kl_ctrl.value},
         extra=extra,
     )
-    log_saved(saved)
 
 
 def finish(job: RLJob) -> None:
     """After the last step: an asynchronous save still in flight, the HF exports (trainer.save_hf), the
-    engine closed, the curves drawn."""
-    log_saved(job.checkpointer.finish())
-    if job.cfg.trainer.save_hf:
-        from spmdrl.checkpoint.export import export_hf
+    engine closed, the curves drawn (spmdrl/loop.py's finish)."""
 
-        out = job.run.output_dir
-        if job.is_actor:
-            export_hf(job.actor, job.tokenizer, out / "hf_model", group=job.actor_group)
-        if job.critic is not None:
-            export_hf(job.critic.model, job.tokenizer, out / "critic_hf_model", group=job.critic_group)
-    if job.engine is not None:  # async: a trainer rank may hold none
-        job.engine.close()
-    job.logger.close()
-    draw_curves(job)
-    dist.barrier()
+    def outputs() -> None:
+        if job.cfg.trainer.save_hf:
+            from spmdrl.checkpoint.export import export_hf
+
+            out = job.run.output_dir
+            if job.is_actor:
+                export_hf(job.actor, job.tokenizer, out / "hf_model", group=job.actor_group)
+            if job.critic is not None:
+                export_hf(job.critic.model, job.tokenizer, out / "critic_hf_model", group=job.critic_group)
+        if job.engine is not None:  # async: a trainer rank may hold none
+            job.engine.close()
+
+    loop.finish(job.run, job.checkpointer, job.logger, outputs=outputs, curves=lambda: draw_curves(job))
     log.info(
         "done: %d steps in %.0f s, outputs in %s",
         job.total_steps,
@@ -585,46 +566,6 @@ def finish(job: RLJob) -> None:
 
 
 # ------------------------------------------------------------------------------------- the set-up
-def warmstart_config(cfg: Config) -> Config:
-    """The SFT stage's config: the RL config with the warm-start's optimizer and batch settings; every
-    weight trains unless warmstart.lora keeps model.lora's adapters (merged into the stage's export)."""
-    ws = cfg.warmstart
-    lora = cfg.model.lora if ws.lora else dataclasses.replace(cfg.model.lora, rank=0)
-    return dataclasses.replace(
-        cfg,
-        model=dataclasses.replace(cfg.model, lora=lora),
-        optim=ws.optim,
-        trainer=dataclasses.replace(
-            cfg.trainer,
-            total_steps=ws.total_steps,
-            global_batch_size=ws.global_batch_size,
-            micro_batch_size=ws.micro_batch_size,
-            val_every=0,
-            save_hf=True,
-        ),
-    )
-
-
-def warm_start(run: Run, resume_from: Path | None, restarted: bool) -> Path:
-    """warmstart.*: an SFT stage in this same job, before RL; returns its HF export, which RL starts from.
-    A resumed run's warm-start is done: its export sits next to the checkpoints."""
-    done = resume_from.parent.parent / "sft" / "hf_model" if resume_from else None
-    if done is not None and (done / "config.json").is_file():
-        log.info("warm-start done earlier: %s", done)
-        return done
-    if run.env.is_main and restarted:  # an attempt that died before its first checkpoint: start over
-        rewind_logs(run.output_dir / "sft", -1)
-    # The SFT stage is a recipe's loop (warmstart.entry, the sft recipe by default, checked at config load),
-    # run in-process on this Run: the library names it through the config, as spmdrl.train does.
-    train_sft = import_entry(run.cfg.warmstart.entry).train_sft
-    try:
-        return train_sft(run, warmstart_config(run.cfg), stage="sft")
-    except ConfigError as e:
-        raise ConfigError(
-            f"in the SFT warm-start (its trainer.* batch keys come from warmstart.*): {e}"
-        ) from None
-
-
 def load_prompts(
     run: Run, tokenizer: object, files: list[str], tools: list[dict[str, Any]] | None = None
 ) -> PromptDataset:

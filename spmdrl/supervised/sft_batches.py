@@ -1,0 +1,55 @@
+"""The SFT stage's data and loss: the dataset of (prompt, response) rows, micro-batches right-padded to
+their longest sequence, and the masked cross-entropy on response tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from spmdrl.algos.losses import masked_cross_entropy
+from spmdrl.data.sft import SFTBatch, SFTDataset, collate_sft
+from spmdrl.data.tiny_task import TinyTaskConfig, resolve_data_files
+from spmdrl.data.tools_task import ToolsTaskConfig
+from spmdrl.rollout.rollout import load_multi_turn_tools
+from spmdrl.runtime import Run
+from spmdrl.tools import tool_schemas
+
+
+def load_sft_dataset(run: Run, tokenizer: object, files: list[str]) -> SFTDataset:
+    d = run.cfg.data
+    return SFTDataset(
+        resolve_data_files(
+            files, run.cache_dir, run.cfg.section(TinyTaskConfig), run.cfg.section(ToolsTaskConfig)
+        ),
+        tokenizer,
+        prompt_key=d.prompt_key,
+        response_key=d.response_key,
+        max_prompt_length=d.max_prompt_length,
+        max_response_length=d.max_response_length,
+        overlong=d.overlong,
+        tools=tool_schemas(load_multi_turn_tools(run.cfg)) if run.cfg.rollout.multi_turn.enable else None,
+    )
+
+
+def micro_batches(examples: list, size: int, pad_id: int, device: torch.device) -> list[SFTBatch]:
+    out = []
+    for i in range(0, len(examples), size):
+        b = collate_sft(examples[i : i + size], pad_id)
+        out.append(SFTBatch(**{k: v.to(device) for k, v in vars(b).items()}))
+    return out
+
+
+def num_target_tokens(batch: SFTBatch) -> int:
+    # Position t+1 is a target iff loss_mask[t+1] == 1 (logits[:, t] predict input_ids[:, t+1]).
+    return int(batch.loss_mask_BT[:, 1:].sum())
+
+
+def forward_loss(model: torch.nn.Module, batch: SFTBatch, global_tokens: float) -> torch.Tensor:
+    logits = model(
+        input_ids=batch.input_ids_BT,
+        attention_mask=batch.attention_mask_BT,
+        position_ids=batch.position_ids_BT,
+    ).logits
+    loss, _ = masked_cross_entropy(
+        logits, batch.input_ids_BT, batch.loss_mask_BT, num_global_tokens=global_tokens
+    )
+    return loss

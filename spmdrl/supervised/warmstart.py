@@ -1,0 +1,61 @@
+"""warmstart.*: the SFT stage run inside another job (an RL recipe's, the reward model's) before it trains,
+on data.train_files' response column; the job starts from the stage's export."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+from spmdrl.config import Config, ConfigError
+from spmdrl.config_loader import import_entry
+from spmdrl.logging.metrics import rewind_logs
+from spmdrl.loop import StartPlan
+from spmdrl.runtime import Run
+from spmdrl.supervised.sft import train_sft
+
+log = logging.getLogger("spmdrl")
+
+STAGE = "sft"  # the stage's sub-directory of the job's output: its metrics, derived values and export
+SHIPPED_ENTRY = "sft"  # warmstart.entry's default: recipes/sft.py, whose train_sft is this library's
+
+
+def warmstart_config(cfg: Config) -> Config:
+    """The SFT stage's config: the job's config with the warm-start's optimizer and batch settings; every
+    weight trains unless warmstart.lora keeps model.lora's adapters (merged into the stage's export)."""
+    ws = cfg.warmstart
+    lora = cfg.model.lora if ws.lora else dataclasses.replace(cfg.model.lora, rank=0)
+    return dataclasses.replace(
+        cfg,
+        model=dataclasses.replace(cfg.model, lora=lora),
+        optim=ws.optim,
+        trainer=dataclasses.replace(
+            cfg.trainer,
+            total_steps=ws.total_steps,
+            global_batch_size=ws.global_batch_size,
+            micro_batch_size=ws.micro_batch_size,
+            val_every=0,
+            save_hf=True,
+        ),
+    )
+
+
+def warm_start(run: Run, plan: StartPlan) -> Path:
+    """The SFT stage in this job; returns its HF export, which the job starts from. A resumed job's
+    warm-start is done: its export sits next to the checkpoints."""
+    done = plan.resume_from.parent.parent / STAGE / "hf_model" if plan.resume_from else None
+    if done is not None and (done / "config.json").is_file():
+        log.info("warm-start done earlier: %s", done)
+        return done
+    if run.env.is_main and plan.restarted:  # an attempt that died before its first checkpoint: start over
+        rewind_logs(run.output_dir / STAGE, -1)
+    # The library's stage; a fork's own SFT step when warmstart.entry names its file (a module with a
+    # train_sft of this signature, checked at config load), as spmdrl.train runs a recipe by its entry.
+    entry = run.cfg.warmstart.entry
+    run_stage = train_sft if entry == SHIPPED_ENTRY else import_entry(entry).train_sft
+    try:
+        return run_stage(run, warmstart_config(run.cfg), stage=STAGE)
+    except ConfigError as e:
+        raise ConfigError(
+            f"in the SFT warm-start (its trainer.* batch keys come from warmstart.*): {e}"
+        ) from None
