@@ -9,9 +9,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
+
+# Field kinds and the recipe sections' registry: spmdrl.config_section (below this module), re-exported.
+from spmdrl.config_section import (  # noqa: F401
+    CONFIG_SECTIONS,
+    SWITCH_MODES,
+    choice,
+    register_config_section,
+    registered,
+    registry_names,
+    switch_mode,
+)
 
 # Defined in spmdrl.errors (importable without this module); every config check raises it, and the rest of
 # the code imports it from here.
@@ -22,36 +32,6 @@ AUTO_TOKENS = -1
 
 # rollout.cpu_gemm's choices (spmdrl.rollout.cpu_gemm says what each is).
 CPU_GEMM_PATHS = ("auto", "torch", "onednn", "sgl", "zentorch")
-
-
-def choice(default: str, choices: tuple[str, ...] | Callable[[], tuple[str, ...]]) -> Any:
-    """A string field with a closed set of values, declared once, here, next to the field.
-
-    ``choices`` is a tuple, or a function returning the names of a registry (``spmdrl.algos`` owns its
-    algorithms' names; importing it lazily keeps this module light). :func:`validate` checks every such
-    field. (OmegaConf has no Literal type, and its Enum fields match member names, which cannot hold
-    verl's hyphenated names such as ``token-mean``.)
-    """
-    return field(default=default, metadata={"choices": choices})
-
-
-def _registry(module: str, name: str) -> Callable[[], tuple[str, ...]]:
-    def names() -> tuple[str, ...]:
-        import importlib
-
-        return tuple(getattr(importlib.import_module(module), name))
-
-    return names
-
-
-def registered(default: str, module: str, registry: str) -> Any:
-    """A string field naming a function of a registry (spmdrl.registry.Registry ``module.registry``): a
-    registered name (``gspo``, or one a user's ``@register_policy_loss("my_loss")`` added), or an import
-    path (``my_pkg.losses:my_loss``, ``path/to/file.py:my_loss``). :func:`validate` resolves it through the
-    registry when it runs, after the recipe's entry module (and the registrations in it) is imported; a
-    wrong name fails there, listing the registered ones. The registry's module is imported only then,
-    which keeps this module light."""
-    return field(default=default, metadata={"registry": (module, registry)})
 
 
 @dataclass
@@ -148,14 +128,6 @@ class ModelConfig:
 # Below it, on a GPU too, the chunked head only adds launches: at 512 tokens and 64 x 160 positions it ran
 # 3.7% more ATen ops per update micro-batch than the plain one (docs/performance.md).
 FUSED_AUTO_MIN_VOCAB = 32768
-# The values of an auto / true / false setting (model.use_fused_kernels, trainer.defer_grad_sync).
-SWITCH_MODES = ("auto", "true", "false")
-
-
-def switch_mode(value: str | bool) -> str:
-    """An auto / true / false setting as one of SWITCH_MODES: a YAML or command-line boolean (which the
-    string field holds as "True" / "False") is its lower-case name."""
-    return str(value).lower()
 
 
 @dataclass
@@ -366,7 +338,7 @@ class LatencyTailConfig:
 class RolloutConfig:
     """The in-process generation engine (vLLM) and its sampling settings."""
 
-    engine: str = choice("vllm", _registry("spmdrl.rollout.engine", "ENGINES"))
+    engine: str = choice("vllm", registry_names("spmdrl.rollout.engine", "ENGINES"))
     # Tensor-parallel size: consecutive ranks form one engine (tp=2: ranks {0,1}, {2,3}, ...).
     tp: int = 1
     # CUDA: fraction of GPU memory vLLM may take (weights + KV cache). CPU: see cpu_kvcache_gib.
@@ -453,7 +425,7 @@ class KLCtrlConfig:
     """verl's algorithm.kl_ctrl: the coefficient of the KL penalty in the reward."""
 
     # "fixed" or "adaptive" (moves kl_coef towards target_kl over horizon samples).
-    type: str = choice("fixed", _registry("spmdrl.algos.kl_control", "KL_CTRL_TYPES"))
+    type: str = choice("fixed", registry_names("spmdrl.algos.kl_control", "KL_CTRL_TYPES"))
     kl_coef: float = 0.001
     target_kl: float = 0.1
     horizon: int = 10000
@@ -476,7 +448,7 @@ class RolloutCorrectionConfig:
     # correction above runs inside the policy loss (policy_loss becomes "bypass_mode") with loss_type
     # "ppo_clip" (PPO's ratio against the rollout policy) or "reinforce" (IS-weighted policy gradient).
     bypass_mode: bool = False
-    loss_type: str = choice("ppo_clip", _registry("spmdrl.algos.correction", "BYPASS_LOSS_TYPES"))
+    loss_type: str = choice("ppo_clip", registry_names("spmdrl.algos.correction", "BYPASS_LOSS_TYPES"))
 
     @property
     def enabled(self) -> bool:
@@ -519,7 +491,7 @@ class AlgorithmConfig:
     # "token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum" or "seq-mean-token-sum-norm"
     # (Dr. GRPO). The policy loss, entropy bonus and KL loss all use it (sapo and geo_mean's policy term
     # excepted: verl reduces it with seq-mean-token-mean).
-    loss_agg_mode: str = choice("token-mean", _registry("spmdrl.algos.aggregation", "AGG_MODES"))
+    loss_agg_mode: str = choice("token-mean", registry_names("spmdrl.algos.aggregation", "AGG_MODES"))
     # seq-mean-token-sum-norm's constant divisor per sequence; 0: data.max_response_length (the width of
     # verl's response mask, its default).
     loss_scale_factor: float = 0.0
@@ -697,40 +669,6 @@ class WarmstartConfig:
 
 
 T = TypeVar("T")
-
-# Config sections a recipe owns, by top-level key. A recipe declares the settings only it reads as a
-# dataclass in its own file and registers it (@register_config_section("my_section")); the loader imports
-# the recipe's entry before it builds the Config, so the YAML's my_section: block and my_section.x=1 on the
-# command line are checked against that dataclass like the built-in sections (types, unknown keys), and the
-# recipe reads it typed: cfg.section(MySection). Check values in the dataclass's __post_init__ (raise
-# ConfigError); its choice() fields are checked by validate().
-CONFIG_SECTIONS: dict[str, type] = {}
-
-
-def register_config_section(name: str) -> Callable[[type[T]], type[T]]:
-    """Registers a dataclass as the config section ``name`` (a top-level key: ``name.field=value``).
-    Registering a name again replaces it only with the same class (a module imported twice); another class
-    under a taken name, or a built-in section's name, is an error."""
-
-    def register(cls: type[T]) -> type[T]:
-        where = f"{cls.__module__}.{cls.__qualname__}"
-        if not dataclasses.is_dataclass(cls):
-            raise TypeError(f"@register_config_section({name!r}): {where} is not a dataclass")
-        if not name.isidentifier() or name in {f.name for f in dataclasses.fields(Config)}:
-            raise ValueError(
-                f"@register_config_section({name!r}): a section name is an identifier that is not a built-in "
-                f"key of the config ({', '.join(f.name for f in dataclasses.fields(Config))})"
-            )
-        old = CONFIG_SECTIONS.get(name)
-        if old is not None and f"{old.__module__}.{old.__qualname__}" != where:
-            raise ValueError(
-                f"config section {name!r} is already registered, by {old.__module__}.{old.__qualname__}; "
-                f"register {where} under another name"
-            )
-        CONFIG_SECTIONS[name] = cls
-        return cls
-
-    return register
 
 
 def _registered_sections() -> dict[str, Any]:
