@@ -24,6 +24,7 @@ SECTION_MODULES = (
     "spmdrl.algos.config",
     "spmdrl.rewards.config",
     "spmdrl.trainer_config",
+    "spmdrl.derived",
     "spmdrl.config",
 )
 
