@@ -2,8 +2,9 @@
 
 We use compose rather than ``@hydra.main``: Hydra's app mode creates a timestamped run directory
 per process (ranks would disagree on it) and reconfigures logging; we only want its config
-composition and override grammar. The config tree is validated against the dataclasses in
-spmdrl/config.py, so a misspelled key or a wrong type fails at once, naming the valid choices.
+composition and override grammar. The config tree is validated against the dataclasses of the sections
+(each in its package's config.py; spmdrl/config.py composes them), so a misspelled key or a wrong type
+fails at once, naming the valid choices.
 
 A recipe declares part of the schema itself (its ``@register_config_section`` dataclasses) and may
 register the functions the config names (``@register_policy_loss``, ...), so :func:`load_config` works
@@ -12,7 +13,7 @@ in three steps:
 1. compose the recipe's YAML files alone, untyped, to read ``entry``;
 2. import the entry (:func:`import_entry`: a shipped recipe module, or a Python file), which registers its
    sections and functions;
-3. compose again against the full schema (spmdrl/config.py plus the registered sections) with the command
+3. compose again against the full schema (spmdrl.config.Config plus the registered sections) with the command
    line, build the typed Config and validate it.
 
 A recipe YAML outside the package (``recipe=/any/dir/my_grpo.yaml``) becomes an option of the ``recipe``

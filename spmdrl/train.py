@@ -41,7 +41,7 @@ usage: torchrun --nproc_per_node=N -m spmdrl.train recipe=<name | path/to/recipe
 Shipped recipes (recipe=<name>: configs/recipe/<name>.yaml):
 {recipes}
 
-Overrides (Hydra's grammar; every key, its type and default: spmdrl/config.py):
+Overrides (Hydra's grammar; each key, its type and default: the sections spmdrl/config.py lists):
   key=value             e.g. optim.lr=1e-5 trainer.total_steps=100 rollout.n=8
   key=[a,b]             a list, e.g. data.train_files=[train.parquet]
   recipe=path/to/x.yaml a recipe YAML anywhere (absolute, or relative to the working directory); it may

@@ -31,10 +31,11 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from spmdrl.config import ConfigError, choice, register_config_section
+from spmdrl.config_section import choice, register_config_section
 from spmdrl.data import tools_task
 from spmdrl.data.parquet import write_parquet_atomic
 from spmdrl.data.tools_task import ToolsTaskConfig
+from spmdrl.errors import ConfigError
 
 DATA_SOURCE = "spmdrl/tiny_arith"
 INSTRUCTION = "Give the answer after ####."

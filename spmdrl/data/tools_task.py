@@ -53,7 +53,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from spmdrl.config import register_config_section
+from spmdrl.config_section import register_config_section
 from spmdrl.data.parquet import write_parquet_atomic
 
 DATA_SOURCE = "tiny_tools"

@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from spmdrl.config import ConfigError, ParallelConfig
+from spmdrl.distributed.config import ParallelConfig
+from spmdrl.errors import ConfigError
 
 ROLES = ("actor", "ref", "critic", "rollout")
 

@@ -1,9 +1,9 @@
 """Where metrics go (``logging.backends``), what each needs installed, and what a run records as its
 parameters (the resolved config, the git revision, derived.json).
 
-Checked when the config loads (:func:`check_backends`, called by ``spmdrl.config.validate``): an unknown
-name, or a backend whose package is missing, fails there, before any process group or model, naming the
-extra to install. Light on purpose (no torch, no tracker import): the config check imports it.
+Checked when the config loads (:func:`check_backends`, through spmdrl.logging.config.LoggingConfig.check):
+an unknown name, or a backend whose package is missing, fails there, before any process group or model,
+naming the extra to install. Light on purpose (no torch, no tracker import): the config check imports it.
 """
 
 from __future__ import annotations

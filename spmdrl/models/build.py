@@ -24,7 +24,7 @@ from transformers import (
     AutoModelForTokenClassification,
 )
 
-from spmdrl.config import LoraConfig, ModelConfig, ac_mode
+from spmdrl.models.config import LoraConfig, ModelConfig, ac_mode
 from spmdrl.models.lora import apply_lora, initial_adapter_weights
 from spmdrl.models.memory_model import whole_model_unit
 from spmdrl.models.parallelize import apply_ac, apply_autocast, apply_compile, apply_fsdp

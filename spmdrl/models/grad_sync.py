@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-from spmdrl.config import switch_mode
+from spmdrl.config_section import switch_mode
 from spmdrl.models.parallelize import gathered_between_micro_batches, offloaded_to_host, shard_ranks
 
 

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from spmdrl.algos.losses import entropy_from_logits, sum_pi_squared_from_logits, token_logprobs
-from spmdrl.config import ModelConfig
+from spmdrl.models.config import ModelConfig
 from spmdrl.models.fused_logprob import HeadOut, fused_head
 from spmdrl.models.parallelize import through_outputs
 

@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spmdrl.config import ConfigError, LoraConfig
+from spmdrl.errors import ConfigError
+from spmdrl.models.config import LoraConfig
 
 ALL_LINEAR = "all-linear"
 # The parameter names an adapter adds to a target module (PEFT's, without its ".default" adapter name).

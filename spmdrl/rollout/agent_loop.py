@@ -42,8 +42,8 @@ from typing import Any
 import numpy as np
 import torch.distributed as dist
 
-from spmdrl.config import MultiTurnConfig
 from spmdrl.data.turns import TurnCodec
+from spmdrl.rollout.config import MultiTurnConfig
 from spmdrl.rollout.engine import (
     Generation,
     RolloutEngine,

@@ -35,7 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from spmdrl.config import CPU_GEMM_PATHS, ConfigError
+from spmdrl.errors import ConfigError
+from spmdrl.rollout.config import CPU_GEMM_PATHS
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,8 @@ from typing import Protocol, overload, runtime_checkable
 import numpy as np
 import torch
 
-from spmdrl.config import ConfigError, RolloutConfig
+from spmdrl.errors import ConfigError
+from spmdrl.rollout.config import RolloutConfig
 from spmdrl.rollout.fingerprint import Fingerprint
 from spmdrl.rollout.groups import TPGroups
 

@@ -15,14 +15,15 @@ import logging
 import random
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from spmdrl.config import Config, ConfigError, LatencyTailConfig
+from spmdrl.data.config import DataConfig
 from spmdrl.data.prompts import PromptExample
 from spmdrl.distributed.reduce import all_reduce_max, all_reduce_min, all_reduce_sum
+from spmdrl.errors import ConfigError
 from spmdrl.rollout.agent_loop import (
     TERMINATE_REASONS,
     AgentLoop,
@@ -30,6 +31,7 @@ from spmdrl.rollout.agent_loop import (
     multi_turn_metrics,
     tool_latency_p99,
 )
+from spmdrl.rollout.config import LatencyTailConfig, RolloutConfig
 from spmdrl.rollout.engine import Generation, RolloutEngine, SamplingSpec, request_seed
 
 log = logging.getLogger(__name__)
@@ -50,7 +52,15 @@ MULTI_TURN_KEYS = (
 )
 
 
-def load_multi_turn_tools(cfg: Config) -> dict[str, Any]:
+class RolloutSections(Protocol):
+    """What the multi-turn set-up below reads of the job's config: a spmdrl.config.Config, which this
+    package sits below (spmdrl.config composes the rollout section from spmdrl.rollout.config)."""
+
+    data: DataConfig
+    rollout: RolloutConfig
+
+
+def load_multi_turn_tools(cfg: RolloutSections) -> dict[str, Any]:
     """The tools ``rollout.multi_turn`` names (built-ins, functions, a verl YAML), loaded once at start
     so a bad name or file fails before any model is built."""
     from spmdrl.tools import load_tools
@@ -203,7 +213,7 @@ def _tools_kwargs(p: PromptExample) -> dict[str, Any] | None:
 
 
 def build_agent_loop(
-    cfg: Config, tokenizer: Any, tools: dict[str, Any] | None, *, max_model_len: int
+    cfg: RolloutSections, tokenizer: Any, tools: dict[str, Any] | None, *, max_model_len: int
 ) -> AgentLoop | None:
     """The agent loop over ``tools`` (None for single-turn rollouts). Needs no engine: recipes build it
     at start, so a chat template that cannot render tool turns or an unknown parser fails before any

@@ -61,10 +61,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from spmdrl.config import ConfigError, RolloutConfig
+from spmdrl.errors import ConfigError
 from spmdrl.gc_heap import inert_freezes
 from spmdrl.models.memory_model import DecoderShape
 from spmdrl.rollout import cpu_gemm, cpu_shm, vllm_worker
+from spmdrl.rollout.config import RolloutConfig
 from spmdrl.rollout.engine import (
     KV_CACHE_SEQUENCES,
     Generation,

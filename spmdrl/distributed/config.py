@@ -1,0 +1,38 @@
+"""The ``parallel`` section: how the roles are placed on the ranks and how each role's ranks shard."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from spmdrl.config_section import choice
+from spmdrl.errors import ConfigError
+
+
+@dataclass
+class ParallelConfig:
+    # "colocated": every role spans every rank and time-shares it (the hybrid engine).
+    # "split": the actor (and its reference) trains on the first ranks, the critic on the last
+    # critic_ranks ranks, each with its own mesh; every rank still generates (docs/architecture.md).
+    # "async" (entry grpo_async, docs/async.md): the last rollout_ranks ranks only generate and score, the
+    # first ones only train; generation runs up to trainer.max_staleness batches ahead of the update.
+    placement: str = choice("colocated", ("colocated", "split", "async"))
+    # split: how many ranks (the last ones) hold the critic; 0 = half the world.
+    critic_ranks: int = 0
+    # async: how many ranks (the last ones) hold the rollout engines and the reward function; 0 = half.
+    rollout_ranks: int = 0
+    # Before each update, give every rank of a role the same number of rows and about the same number of
+    # tokens (greedy longest-first per mini-batch; spmdrl/distributed/exchange.py). Logged as
+    # balance/<role>_token_imbalance (max / mean tokens per rank) with its value before balancing.
+    balance_tokens: bool = False
+    # HSDP: replicate over dp_replicate groups, shard within each (within each role's ranks).
+    # 1 means plain FSDP over the role's ranks.
+    dp_replicate: int = 1
+
+    def check(self) -> None:
+        # rollout_ranks is checked with trainer.max_staleness, in spmdrl.config.validate.
+        if self.dp_replicate <= 0:
+            raise ConfigError(f"parallel.dp_replicate must be > 0, got {self.dp_replicate}")
+        if self.critic_ranks < 0:
+            raise ConfigError(
+                f"parallel.critic_ranks must be >= 0 (0 = half the world), got {self.critic_ranks}"
+            )
