@@ -203,8 +203,8 @@ class WarmstartConfig:
     """
 
     enabled: bool = False
-    # The recipe whose train_sft(run, cfg, stage) runs the stage: a shipped recipe's name, or a Python file
-    # (relative to the recipe YAML, as entry is), so a fork may bring its own SFT step.
+    # What runs the stage: "sft", the library's SFT stage (spmdrl/supervised/sft.py), or a Python file
+    # (relative to the recipe YAML, as entry is) whose train_sft(run, cfg, stage) does, a fork's own step.
     entry: str = "sft"
     total_steps: int = 100
     global_batch_size: int = 64

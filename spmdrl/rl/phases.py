@@ -37,6 +37,7 @@ from spmdrl.rl.job import (
     finish,
     profiled,
     save_checkpoint,
+    saves_at,
     sync_actor_weights,
     validates_at,
     validation,
@@ -249,9 +250,3 @@ def actor_metrics(job: RLJob, s: Step, group: dist.ProcessGroup | None = None) -
         )
     )
     return metrics
-
-
-def saves_at(job: RLJob, step: int) -> bool:
-    """A checkpoint every trainer.save_every steps and after the last."""
-    every = job.cfg.trainer.save_every
-    return step == job.total_steps or (every > 0 and step % every == 0)
