@@ -126,7 +126,7 @@ def compatible(env: dict[str, str]) -> bool:
     server: Linux, and every variable read at import as the fork server had it."""
     if sys.platform != "linux":
         return False
-    # What vLLM's import sees: the variables spmdrl.rollout.vllm_engine sets before it, under each's own.
+    # What vLLM's import sees: the variables spmdrl.rollout.vllm_process sets before it, under each's own.
     vllm_import = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
     before = {**vllm_import, **(_server_env or {**os.environ, **_SERVER_ENV})}
     # The imports set some themselves (vLLM: PYTORCH_NVML_BASED_CUDA_CHECK=1); a job that has them as the

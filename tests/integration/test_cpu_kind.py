@@ -17,7 +17,7 @@ import json
 import spmdrl  # applies SPMDRL_CPU_KIND before anything imports vLLM
 import torch
 from spmdrl.rollout import cpu_gemm
-from spmdrl.rollout.vllm_engine import resolve_engine_dtype
+from spmdrl.rollout.vllm_plan import resolve_engine_dtype
 from vllm.platforms import current_platform
 current_platform.import_kernels()
 libs = sorted({l.split()[-1].rsplit("/", 1)[-1] for l in open("/proc/self/maps") if "vllm/_C" in l})
