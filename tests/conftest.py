@@ -121,11 +121,11 @@ def _named_files(config: pytest.Config) -> set[Path]:
 def rewards(tmp_path: Path) -> Iterator[Path]:
     """tests/sandbox_rewards.py's reward functions as a file; each test starts and ends with no worker
     processes."""
-    from spmdrl.rewards import sandbox
+    from spmdrl.rewards import sandbox_pool
     from tests.sandbox_rewards import REWARDS
 
     path = tmp_path / "sandbox_rewards.py"
     path.write_text(REWARDS)
-    sandbox._pool().shutdown()
+    sandbox_pool.shared_pool().shutdown()
     yield path
-    sandbox._pool().shutdown()
+    sandbox_pool.shared_pool().shutdown()
