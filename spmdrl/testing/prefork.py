@@ -43,7 +43,7 @@ from typing import Any
 # Imported by the fork server before it forks any process (spmdrl.testing.prefork_imports says what).
 PRELOAD = ["spmdrl.testing.prefork_imports"]
 
-# Variables read when torch, OpenMP or oneDNN load (or by spmdrl.cpu_kind at import): a job that sets one
+# Variables read when torch, OpenMP or oneDNN load (or by spmdrl.testing.cpu_kind at start): a job that sets one
 # differently from the fork server's environment cannot be forked from it.
 _IMPORT_TIME_ENV = (
     "OMP_NUM_THREADS",

@@ -18,8 +18,13 @@ import importlib
 import json
 import os
 
-# In a job's order: spmdrl first (spmdrl/__init__ starts the CPU-kind emulation of SPMDRL_CPU_KIND before
-# anything loads torch or vLLM), then what spmdrl.train and the recipes load. Each for its side effect.
+from spmdrl.testing import cpu_kind
+
+# Before anything imports vLLM: the CPU kind the tests run as (--cpu-kind), which the server's sitecustomize
+# has applied already when its PYTHONPATH names it (spmdrl.testing.cpu_kind); here it does not depend on that.
+cpu_kind.apply_from_env()
+
+# In a job's order: spmdrl first, then what spmdrl.train and the recipes load. Each for its side effect.
 for _name in (
     "spmdrl",
     "spmdrl.train",
