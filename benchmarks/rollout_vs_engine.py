@@ -109,7 +109,7 @@ def bare_generate(engine: Any, prompts: list[list[int]], spec: SamplingSpec) -> 
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from spmdrl.rollout.vllm_engine import _request_seed
+    from spmdrl.rollout.engine import request_seed
 
     assert spec.seed is not None
     params = [
@@ -119,7 +119,7 @@ def bare_generate(engine: Any, prompts: list[list[int]], spec: SamplingSpec) -> 
             top_p=spec.top_p,
             top_k=spec.top_k,
             max_tokens=spec.max_tokens,
-            seed=_request_seed(spec.seed, engine.groups.dp_index, i),
+            seed=request_seed(spec.seed, engine.groups.dp_index, i),
             logprobs=0,
             flat_logprobs=True,
             detokenize=False,

@@ -10,11 +10,12 @@ of tests/tiers.py (docs/testing.md has the map). ``--all`` (or ``SPMDRL_ALL_TEST
 the old name) runs every test. A test file named on the command line runs whole in either case, so
 ``pytest tests/integration/test_lora.py`` runs what it says.
 
-``--cpu-kind`` runs the tests as another x86 CPU kind would (spmdrl.cpu_kind).
+``--cpu-kind`` runs the tests as another x86 CPU kind would (spmdrl.testing.cpu_kind).
 
 ``pytest --cpu-kind=avx2`` (or ``SPMDRL_CPU_KIND=avx2``) makes this process and every process it starts
-(torchrun jobs, spawned ranks) detect that kind's CPU flags and run its kernels: vLLM's AVX2 library,
-a float32 engine, oneDNN and ATen capped at AVX2. CI runs the tests marked ``cpu_kinds`` (those whose
+(torchrun jobs, forked and spawned ranks, subprocesses) detect that kind's CPU flags and run its kernels:
+vLLM's AVX2 library, a float32 engine, oneDNN and ATen capped at AVX2. The children get it from the
+environment set here, whose ``PYTHONPATH`` runs the emulation's sitecustomize when each starts. CI runs the tests marked ``cpu_kinds`` (those whose
 outcome depends on what the engine picks for the CPU) once as each kind this machine can emulate.
 """
 
@@ -35,7 +36,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--cpu-kind",
         default=os.environ.get("SPMDRL_CPU_KIND", ""),
-        help="run as this CPU kind: avx2, avx512 or avx512_bf16 (no more capable than this host; see spmdrl.cpu_kind)",
+        help="run as this CPU kind: avx2, avx512 or avx512_bf16 (no more capable than this host; spmdrl.testing.cpu_kind)",
     )
     parser.addoption(
         "--all",
@@ -51,10 +52,11 @@ def pytest_configure(config: pytest.Config) -> None:
     kind = config.getoption("--cpu-kind")
     if not kind:
         return
-    from spmdrl import cpu_kind
+    from spmdrl.testing import cpu_kind
 
     try:
-        # In os.environ before any test starts a process, so each child starts as this kind too.
+        # In os.environ before any test starts a process, so each child starts as this kind too (its
+        # PYTHONPATH runs the emulation's sitecustomize first).
         os.environ.update(cpu_kind.environment(kind))
         cpu_kind.emulate(kind)
     except cpu_kind.CpuKindError as e:
@@ -62,7 +64,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
-    from spmdrl import cpu_kind
+    from spmdrl.testing import cpu_kind
 
     active = cpu_kind.active()
     tier = (
@@ -121,11 +123,11 @@ def _named_files(config: pytest.Config) -> set[Path]:
 def rewards(tmp_path: Path) -> Iterator[Path]:
     """tests/sandbox_rewards.py's reward functions as a file; each test starts and ends with no worker
     processes."""
-    from spmdrl.rewards import sandbox
+    from spmdrl.rewards import sandbox_pool
     from tests.sandbox_rewards import REWARDS
 
     path = tmp_path / "sandbox_rewards.py"
     path.write_text(REWARDS)
-    sandbox._pool().shutdown()
+    sandbox_pool.shared_pool().shutdown()
     yield path
-    sandbox._pool().shutdown()
+    sandbox_pool.shared_pool().shutdown()

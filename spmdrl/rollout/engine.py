@@ -265,7 +265,7 @@ def check_engine_config(cfg: RolloutConfig, device_type: str) -> None:
     check_model_runner(cfg, device_type)
     if device_type == "cpu":
         from spmdrl.rollout.cpu_gemm import check_available
-        from spmdrl.rollout.vllm_engine import resolve_engine_dtype
+        from spmdrl.rollout.vllm_plan import resolve_engine_dtype
 
         check_available(cfg.cpu_gemm, resolve_engine_dtype(cfg.dtype, device_type))
         if cfg.weight_load == "direct" and cfg.cpu_gemm != "torch":
@@ -295,7 +295,7 @@ def check_kv_cache_fits(
 ) -> None:
     """The engine's KV cache against the memory it would live in, before anything expensive runs
     (the engine's own check; only vLLM is registered)."""
-    from spmdrl.rollout.vllm_engine import check_kv_cache_fits as check
+    from spmdrl.rollout.vllm_plan import check_kv_cache_fits as check
 
     check(model_dir, cfg, max_model_len, device_type, engines_on_node)
 

@@ -5,35 +5,10 @@ block does, vLLM's world then being that block (:mod:`spmdrl.rollout.engine_rank
 ``tp`` consecutive ranks form one engine: they all-gather their prompts (:mod:`spmdrl.rollout.groups`),
 each runs the same scheduler on the same requests, and each keeps its own slice of the results.
 
-What building vLLM in the trainer's process changes, and what is done about it:
-- the RNGs (python, numpy, torch CPU/CUDA): vLLM reseeds them at init and its CPU sampler draws from the
-  global torch RNG on every step. The trainer's random stream must not depend on how much was generated
-  (exact resume), so construction and each generate run inside a saved-and-restored RNG state, and
-  every request carries its own seed instead (which also keeps TP ranks sampling identically even if
-  the trainer consumed different amounts of randomness on them).
-- on CPU, ``CPUWorker.init_device`` replaces ``torch.set_num_threads`` with a no-op (it assumes a
-  thread-pinned worker process, which in-process execution never does), and vLLM sets torch's thread
-  count for serving (on CUDA too: ``set_torch_threads_for_runtime`` in 0.32's ``Worker.load_model``
-  drops it to 1 unless ``OMP_NUM_THREADS`` is set); both are restored.
-- on CPU with tp >= 2, the names of the TP all-reduce's shared-memory segments: vLLM derives them from
-  the init method, the same ``env://`` for every ``external_launcher`` job, so two jobs on one machine
-  (or one after a killed one) would collide; :mod:`spmdrl.rollout.cpu_shm` names them per build.
-- process-wide settings (:class:`_SettingsSwap`): ``Worker.__init__`` calls
-  ``torch.set_float32_matmul_precision(VLLM_FLOAT32_MATMUL_PRECISION)`` ("highest" unless set), which
-  would take TF32 away from a trainer that enabled it; importing ``vllm.platforms.cuda`` calls
-  ``torch.backends.cuda.enable_cudnn_sdp(False)``; ``EngineCore.__init__`` and the GPU worker's warm-up
-  call ``gc.freeze()``, after which cyclic garbage among the objects alive then (the trainer's included)
-  is never collected, and the worker's shutdown calls ``gc.unfreeze()``, which would undo the job's own
-  startup freeze. The trainer's values come back after construction, vLLM's are put in place for each
-  generate, and vLLM's freezes and unfreezes do nothing around its import, build and teardown
-  (:func:`spmdrl.gc_heap.inert_freezes`).
-- harmless, left alone: ``set_default_torch_dtype`` (vLLM restores it), ``torch._dynamo.config``
-  changes (restored by vLLM's context managers, or made only when the flex-attention backend is
-  imported), env vars set at ``import vllm`` (``vllm/env_override.py``: ``PYTORCH_NVML_BASED_CUDA_CHECK``,
-  which only changes how torch counts devices, ``TORCHINDUCTOR_COMPILE_THREADS=1``, which a trainer's later ``torch.compile`` reads only if
-  ``torch._inductor.config`` was not imported yet; spmdrl does not compile) and at engine build (vLLM's
-  own ``VLLM_*`` settings, and ``NCCL_GRAPH_REGISTER=0`` by default with sleep mode and CUDA graphs,
-  which concerns NCCL calls captured in CUDA graphs; the trainer captures none).
+What building vLLM in the trainer's process changes (its RNGs, thread settings, process-wide torch
+settings, gc freezes), and what is done about it: :mod:`spmdrl.rollout.vllm_process`. What it is built
+with (dtype, KV cache, weight-load mode): :mod:`spmdrl.rollout.vllm_plan`. Its requests and outputs:
+:mod:`spmdrl.rollout.vllm_requests`.
 
 Sleep mode (CUDA only, ``rollout.free_cache_engine``): ``sleep()`` drops the KV cache, and the weights
 either to host memory (``keep_weights=True``, vLLM level 1) or for good (``keep_weights=False``, level 2:
@@ -49,30 +24,23 @@ import functools
 import gc
 import logging
 import os
-import random
-import sys
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from spmdrl.errors import ConfigError
 from spmdrl.gc_heap import inert_freezes
-from spmdrl.models.memory_model import DecoderShape
 from spmdrl.rollout import cpu_gemm, cpu_shm, vllm_worker
 from spmdrl.rollout.config import RolloutConfig
 from spmdrl.rollout.engine import (
-    KV_CACHE_SEQUENCES,
     Generation,
     LoadSeconds,
     SamplingSpec,
-    TurnOutput,
-    check_kv_cache_tokens,
     check_model_runner,
     check_prompt_lengths,
     request_seed,
@@ -80,196 +48,12 @@ from spmdrl.rollout.engine import (
 from spmdrl.rollout.engine_ranks import EngineWorld
 from spmdrl.rollout.fingerprint import Fingerprint
 from spmdrl.rollout.groups import TPGroups
+from spmdrl.rollout.vllm_plan import kv_cache_bytes, resolve_engine_dtype, resolve_weight_load
+from spmdrl.rollout.vllm_process import SettingsSwap, isolated_rng, keep_thread_settings, prepare_environment
+from spmdrl.rollout.vllm_requests import VLLMStepper, sampling_params, seed_sampler, to_generation
 from spmdrl.rollout.vllm_version import require_supported_vllm
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-}
-
-
-def resolve_engine_dtype(name: str, device_type: str) -> torch.dtype:
-    """``rollout.dtype`` as a torch dtype; "auto" is the fastest correct one for this device.
-
-    CUDA: bfloat16. CPU: bfloat16 where the CPU computes it natively; elsewhere bf16 matmuls are
-    emulated and float32 generation measured ~4.6x faster (2 cores, grpo_tiny's model), so float32.
-    """
-    if name != "auto":
-        if name not in _DTYPES:
-            raise ConfigError(f"rollout.dtype={name!r} is not one of auto, {', '.join(_DTYPES)}")
-        return _DTYPES[name]
-    if device_type == "cpu" and not cpu_gemm.cpu_has_native_bf16():
-        return torch.float32
-    return torch.bfloat16
-
-
-def _prepare_environment() -> None:
-    """Env vars vLLM reads at import / engine build; must be set before ``import vllm``."""
-    # The engine core runs inside this process (external_launcher requires it, and a spawned engine-core
-    # process would need a __main__ guard in every user script).
-    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0" and "vllm" in sys.modules:
-        raise RuntimeError(
-            "vllm was imported with VLLM_ENABLE_V1_MULTIPROCESSING != 0; spmdrl runs vLLM in-process: "
-            "unset it (or set it to 0) before importing vllm"
-        )
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    # vLLM logs every weight reload and prefix-cache reset at INFO: once per RL step per rank. Keep
-    # the training log readable; a user who wants them sets VLLM_LOGGING_LEVEL=INFO.
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-
-
-@contextlib.contextmanager
-def _isolated_rng(device_type: str) -> Iterator[None]:
-    """Run vLLM code without it moving the trainer's random streams."""
-    py_state, np_state = random.getstate(), np.random.get_state()
-    devices = [torch.cuda.current_device()] if device_type == "cuda" else []
-    # fork_rng saves the CPU generator and, for the listed devices, the CUDA ones.
-    with torch.random.fork_rng(devices=devices, device_type="cuda"):
-        try:
-            yield
-        finally:
-            random.setstate(py_state)
-            np.random.set_state(np_state)
-
-
-def _seed_sampler(seed: int, device_type: str) -> None:
-    """``rollout.seed_per_request=false``: what vLLM samples requests without a seed of their own from,
-    seeded (inside :func:`_isolated_rng`, which puts the trainer's states back): the device's torch
-    generator (V1's batch noise on CUDA; the CPU sampler's) and numpy's (V2 draws each unseeded
-    request's seed from it). The same calls in the same order then give the same samples, on every TP
-    rank of an engine alike."""
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.default_generator.manual_seed(seed)
-    if device_type == "cuda":
-        torch.cuda.manual_seed(seed)  # the current device's generator
-
-
-@contextlib.contextmanager
-def _keep_thread_settings() -> Iterator[None]:
-    set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
-    try:
-        yield
-    finally:
-        torch.set_num_threads = set_num_threads  # type: ignore[assignment]
-        torch.set_num_threads(num_threads)
-
-
-@dataclass(frozen=True)
-class _ProcessSettings:
-    """The process-wide torch settings vLLM changes in the process that builds it (see the module doc)."""
-
-    # torch.backends.{cuda,mkldnn}.matmul.fp32_precision, which torch.set_float32_matmul_precision sets
-    # (None on a torch without the per-backend API).
-    matmul_fp32: tuple[str, str] | None
-    # torch.get_float32_matmul_precision(); None where the per-backend API was used (the legacy getter
-    # then raises "mix of the legacy and new APIs").
-    matmul_legacy: str | None
-    cudnn_sdp: bool
-
-    @classmethod
-    def current(cls) -> _ProcessSettings:
-        cuda_mm, mkldnn_mm = torch.backends.cuda.matmul, torch.backends.mkldnn.matmul
-        fp32 = getattr(cuda_mm, "fp32_precision", None)
-        try:
-            legacy: str | None = torch.get_float32_matmul_precision()
-        except RuntimeError:
-            legacy = None
-        return cls(
-            None if fp32 is None else (fp32, mkldnn_mm.fp32_precision),
-            legacy,
-            torch.backends.cuda.cudnn_sdp_enabled(),
-        )
-
-    def apply(self) -> None:
-        # Through the API that set it: assigning the per-backend values after the legacy setter was used
-        # makes the legacy getter raise for the rest of the process, and the legacy setter cannot express
-        # per-backend values. "none" everywhere is torch's untouched state, which only assignment restores.
-        untouched = self.matmul_fp32 == ("none", "none")
-        if self.matmul_fp32 is not None and (self.matmul_legacy is None or untouched):
-            torch.backends.cuda.matmul.fp32_precision, torch.backends.mkldnn.matmul.fp32_precision = (
-                self.matmul_fp32
-            )
-        elif self.matmul_legacy is not None:
-            torch.set_float32_matmul_precision(self.matmul_legacy)
-        torch.backends.cuda.enable_cudnn_sdp(self.cudnn_sdp)
-
-
-class _SettingsSwap:
-    """The trainer's and vLLM's :class:`_ProcessSettings`, each in place while its own code runs.
-
-    Create it before vLLM is imported (importing ``vllm.platforms.cuda`` already disables cuDNN SDPA).
-    """
-
-    def __init__(self) -> None:
-        self.trainer = _ProcessSettings.current()
-        self.engine = self.trainer
-
-    @contextlib.contextmanager
-    def building(self) -> Iterator[None]:
-        """Around the engine's construction: record vLLM's settings, then put the trainer's back.
-
-        EngineCore.__init__ and the GPU worker's warm-up freeze every live object (freeze_gc_heap,
-        vllm/utils/gc_utils.py), the trainer's models included, to shorten vLLM's full collections; here
-        those freezes (and the unfreezes paired with them) do nothing, so what the trainer froze stays
-        frozen and nothing more is (spmdrl.gc_heap)."""
-        try:
-            with inert_freezes():
-                yield
-        finally:
-            self.engine = _ProcessSettings.current()
-            self.trainer.apply()
-
-    @contextlib.contextmanager
-    def engine_call(self) -> Iterator[None]:
-        """Around a call into vLLM: its settings inside, the trainer's current ones back afterwards."""
-        trainer = _ProcessSettings.current()
-        self.engine.apply()
-        try:
-            yield
-        finally:
-            trainer.apply()
-
-
-def _request_seed(base: int, dp_index: int, prompt_index: int) -> int:
-    """A well-mixed 31-bit seed per (call seed, engine, prompt); vLLM adds 0..n-1 for the n samples."""
-    return request_seed(base, dp_index, prompt_index)
-
-
-def _sampling_params(
-    spec: SamplingSpec,
-    *,
-    final_only: bool = False,
-    end_of_turn_ids: Iterable[int] = (),
-    seeded: bool = True,
-) -> Any:
-    """vLLM's SamplingParams for a spec whose ``seed`` is the request's own (dropped unless ``seeded``:
-    :func:`_seed_sampler`); ``end_of_turn_ids`` end a sample too (:func:`spmdrl.data.turns.end_of_turn_ids`)."""
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
-    kwargs: dict[str, Any] = {}
-    if final_only:  # the stepper reads only finished requests (LLM.generate sets the same itself)
-        kwargs["output_kind"] = RequestOutputKind.FINAL_ONLY
-    return SamplingParams(
-        n=spec.n,
-        temperature=spec.temperature,
-        top_p=spec.top_p,
-        top_k=spec.top_k,
-        max_tokens=spec.max_tokens,
-        stop=list(spec.stop) or None,
-        stop_token_ids=sorted({*spec.stop_token_ids, *end_of_turn_ids}) or None,
-        seed=spec.seed if seeded else None,
-        logprobs=0 if spec.logprobs else None,
-        flat_logprobs=True,
-        # Recipes decode token ids themselves; vLLM's incremental detokenizer is per-token Python work
-        # (about 5-10% of CPU rollout time). Stop strings need it.
-        detokenize=bool(spec.stop),
-        **kwargs,
-    )
 
 
 class _ExpectedReloadWarnings(logging.Filter):
@@ -292,107 +76,6 @@ class _ExpectedReloadWarnings(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         msg = record.getMessage()
         return not (msg.endswith(": Failed to load weights") and msg.split(":", 1)[0] in self.layers)
-
-
-def kv_cache_bytes(
-    model_dir: Path, cfg: RolloutConfig, max_model_len: int, dtype: torch.dtype, device_type: str
-) -> int | None:
-    """vLLM's KV cache argument (bytes per rank) for ``rollout.kv_cache_tokens``, or None to size the
-    cache from memory. vLLM divides it by a block's keys and values in every layer, so a decoder whose
-    layers all attend over the whole sequence gets room for the tokens (rounded down to whole blocks;
-    vLLM logs the capacity it made)."""
-    if cfg.kv_cache_tokens == 0:
-        return None
-    check_kv_cache_tokens(cfg.kv_cache_tokens, max_model_len)
-    shape = _decoder_shape(model_dir)
-    itemsize = dtype.itemsize
-    whole = cfg.kv_cache_tokens == KV_CACHE_SEQUENCES
-    tokens = cfg.max_num_seqs * max_model_len if whole else cfg.kv_cache_tokens
-    want = tokens * shape.kv_cache_bytes_per_token(itemsize, cfg.tp)
-    if whole and device_type == "cuda":
-        # What memory sizing would give at most: the engine's share of the card less its weights. Where the
-        # sequences' cache is not well below it, memory sizing makes no cache much larger than needed, and
-        # leaves vLLM its own accounting of activations and CUDA graphs.
-        share = _engine_share(cfg, shape, itemsize)
-        if want > share / 2:
-            log.info(
-                "rollout.kv_cache_tokens=-1: %d tokens (%.1f GiB) is not well below what memory sizing "
-                "gives (%.1f GiB); the cache is sized from memory",
-                tokens,
-                want / 2**30,
-                share / 2**30,
-            )
-            return None
-    return want
-
-
-@functools.lru_cache(maxsize=8)
-def _decoder_shape(model_dir: Path) -> DecoderShape:
-    """The checkpoint's decoder shape (its config.json), read once for the start-up checks and the build."""
-    from transformers import AutoConfig
-
-    return DecoderShape.from_hf(AutoConfig.from_pretrained(model_dir))
-
-
-def _engine_share(cfg: RolloutConfig, shape: DecoderShape, itemsize: int) -> float:
-    """Bytes of one card the engine's KV cache may take: ``gpu_memory_utilization`` of the card, less this
-    rank's share of the weights."""
-    return cfg.gpu_memory_utilization * torch.cuda.mem_get_info()[1] - shape.params * itemsize / cfg.tp
-
-
-def check_kv_cache_fits(
-    model_dir: Path, cfg: RolloutConfig, max_model_len: int, device_type: str, engines_on_node: int
-) -> None:
-    """Refuses, at start, a KV cache larger than the memory it would be allocated in; vLLM allocates what
-    it is told, so such a cache fails only once the engine is built, after the warm-start: with the CUDA
-    allocator's out-of-memory error, or on CPU (host memory) with the kernel's OOM killer, which prints
-    nothing. CUDA: a set ``kv_cache_tokens`` against the engine's share of one card
-    (``gpu_memory_utilization`` x the card, less this rank's share of the weights); memory sizing (0, and
-    -1 where it falls back) never asks for more. CPU: the caches of the ``engines_on_node`` engine ranks
-    of this node together against the memory the host has available now."""
-    dtype = resolve_engine_dtype(cfg.dtype, device_type)
-    want = kv_cache_bytes(model_dir, cfg, max_model_len, dtype, device_type)
-    gib = 2**30
-    if device_type == "cuda":
-        if want is None:
-            return
-        shape, itemsize = _decoder_shape(model_dir), dtype.itemsize
-        share = _engine_share(cfg, shape, itemsize)
-        if want > share:
-            raise ConfigError(
-                f"rollout.kv_cache_tokens={cfg.kv_cache_tokens} needs {want / gib:.1f} GiB of KV cache on each "
-                f"engine rank, more than the engine's share of the GPU: rollout.gpu_memory_utilization="
-                f"{cfg.gpu_memory_utilization} x {torch.cuda.mem_get_info()[1] / gib:.1f} GiB less "
-                f"{shape.params * itemsize / cfg.tp / gib:.1f} GiB of weights = {share / gib:.1f} GiB. Lower "
-                "rollout.kv_cache_tokens (or set 0 to size the cache from memory, -1 for rollout.max_num_seqs "
-                "whole sequences), or raise rollout.gpu_memory_utilization"
-            )
-        return
-    per_rank = want if want is not None else int(cfg.cpu_kvcache_gib * gib)
-    available = host_available_bytes()
-    if available is None or per_rank * engines_on_node <= available:
-        return
-    setting = "rollout.kv_cache_tokens" if want is not None else "rollout.cpu_kvcache_gib"
-    value = cfg.kv_cache_tokens if want is not None else cfg.cpu_kvcache_gib
-    raise ConfigError(
-        f"{setting}={value} gives each engine rank a {per_rank / gib:.2f} GiB KV cache in host memory; the "
-        f"{engines_on_node} engine rank(s) on this node need {per_rank * engines_on_node / gib:.2f} GiB, "
-        f"but the host has {available / gib:.2f} GiB available. Lower {setting} or run fewer ranks per node "
-        "(rollout.kv_cache_tokens=-1 sizes the cache for rollout.max_num_seqs whole sequences)"
-    )
-
-
-def host_available_bytes() -> int | None:
-    """The kernel's estimate of memory available to new allocations without swapping (``MemAvailable``
-    in /proc/meminfo); None where there is no such file."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024  # kB
-    except OSError:
-        return None
-    return None
 
 
 def _checkpoint_names(model_dir: Path, tied: bool) -> set[str]:
@@ -467,12 +150,12 @@ class VLLMEngine:
         self._weights_discarded = False
         self._warned_no_sleep = False
 
-        _prepare_environment()
+        prepare_environment()
         check_model_runner(cfg, device_type)
         if cfg.model_runner != "auto":  # read when the engine's config is built (LLM(...) below)
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if cfg.model_runner == "v2" else "0"
         require_supported_vllm()
-        self._settings = _SettingsSwap()  # before importing vLLM, which changes some of them
+        self._settings = SettingsSwap()  # before importing vLLM, which changes some of them
         with inert_freezes():  # no collection while its ~300,000 objects load (spmdrl.gc_heap)
             from vllm import LLM
 
@@ -532,8 +215,8 @@ class VLLMEngine:
             shm_names = cpu_shm.SegmentNames.agree(self.world.group)
             kwargs["worker_cls"] = cpu_shm.WORKER_CLS
         with (
-            _isolated_rng(device_type),
-            _keep_thread_settings(),
+            isolated_rng(device_type),
+            keep_thread_settings(),
             self._settings.building(),
             shm_names.building(self.world.group) if shm_names else contextlib.nullcontext(),
             self.world.vllm(building=True),
@@ -595,21 +278,21 @@ class VLLMEngine:
         self._wake(("weights", "kv_cache"))
         base = params.seed if params.seed is not None else self.seed * 1_000_003 + self._calls
         sampling = [
-            _sampling_params(
-                replace(params, seed=_request_seed(base, self.groups.dp_index, i)),
+            sampling_params(
+                replace(params, seed=request_seed(base, self.groups.dp_index, i)),
                 end_of_turn_ids=self.end_of_turn_ids,
                 seeded=self.seed_per_request,
             )
             for i in range(len(gathered.prompts))
         ]
-        with _isolated_rng(self.device_type), self._settings.engine_call(), self.world.vllm():
+        with isolated_rng(self.device_type), self._settings.engine_call(), self.world.vllm():
             if not self.seed_per_request:
-                _seed_sampler(request_seed(base, self.groups.dp_index), self.device_type)
+                seed_sampler(request_seed(base, self.groups.dp_index), self.device_type)
             outputs = self.llm.generate(
                 [TokensPrompt(prompt_token_ids=p) for p in gathered.prompts], sampling, use_tqdm=False
             )
         results = [
-            _to_generation(i, completion, params.logprobs)
+            to_generation(i, completion, params.logprobs)
             for i, out in enumerate(outputs)
             for completion in sorted(out.outputs, key=lambda c: c.index)
         ]
@@ -619,19 +302,19 @@ class VLLMEngine:
         return mine
 
     @contextlib.contextmanager
-    def stepper(self) -> Iterator[_Stepper]:
+    def stepper(self) -> Iterator[VLLMStepper]:
         """vLLM's ``add_request`` / ``step`` / ``abort_request`` loop (what ``LLM.generate`` runs inside),
         for multi-turn rollouts; the same RNG and settings isolation as :meth:`generate`."""
         self._require_weights("stepper")
         self._wake(("weights", "kv_cache"))
-        stepper = _Stepper(
+        stepper = VLLMStepper(
             self.llm.llm_engine,
             self.end_of_turn_ids,
             self.world,
             seed_per_request=self.seed_per_request,
             device_type=self.device_type,
         )
-        with _isolated_rng(self.device_type), self._settings.engine_call():
+        with isolated_rng(self.device_type), self._settings.engine_call():
             try:
                 yield stepper
             finally:
@@ -816,28 +499,6 @@ class VLLMEngine:
         return False
 
 
-def resolve_weight_load(
-    setting: str, device_type: str, gemm_paths: dict[str, int], quantized: bool = False
-) -> str:
-    """rollout.weight_load for a built engine: "direct" where every linear layer computes from its live
-    parameter (CUDA's unquantized layers; on CPU, the layers on the torch GEMM path), else "reload". A
-    quantized checkpoint's layers compute from what vLLM's processing made of the weights: reload."""
-    if quantized:
-        reads_params = False
-        why = "this checkpoint is quantized: its kernels compute from the processed weights"
-    else:
-        reads_params = device_type != "cpu" or (bool(gemm_paths) and set(gemm_paths) <= {"torch", "none"})
-        why = f"this engine's CPU GEMM paths {gemm_paths} compute from packed copies: set rollout.cpu_gemm=torch,"
-    if setting == "direct" and not reads_params:
-        raise ConfigError(
-            "rollout.weight_load=direct writes the weights into the parameters the kernels read, but "
-            f"{why} or rollout.weight_load=reload (or auto)"
-        )
-    if setting == "auto":
-        return "direct" if reads_params else "reload"
-    return setting
-
-
 @functools.cache
 def _wake_empties_cache() -> bool:
     """Whether the installed vLLM's sleep-mode wake empties PyTorch's CUDA cache itself (0.32 does)."""
@@ -847,126 +508,3 @@ def _wake_empties_cache() -> bool:
 
     found = installed_vllm()
     return found is not None and Version(found[1]).release[:2] >= (0, 32)
-
-
-class _Stepper:
-    """One multi-turn rollout's view of the in-process ``LLMEngine`` (see ``VLLMEngine.stepper``)."""
-
-    def __init__(
-        self,
-        llm_engine: Any,
-        end_of_turn_ids: list[int],
-        world: EngineWorld,
-        *,
-        seed_per_request: bool = True,
-        device_type: str = "cpu",
-    ) -> None:
-        self.engine = llm_engine
-        self.end_of_turn_ids = end_of_turn_ids
-        # rollout.seed_per_request=false: requests carry no seed; the first one's seeds the sampler.
-        self.seed_per_request = seed_per_request
-        self.device_type = device_type
-        self._sampler_seeded = False
-        # Each call into vLLM runs in its world; the agent loop between calls in the trainer's.
-        self.world = world
-        self.unfinished: set[str] = set()
-        # track_partial requests: their latest cumulative (token ids, logprobs, whether logprobs are on),
-        # as vLLM's output processor hands them out (without detokenizing, references to its own lists,
-        # so no copy per step); converted only when read.
-        self.progress: dict[str, tuple[Any, Any, bool]] = {}
-
-    def add(
-        self, request_id: str, prompt_ids: list[int], params: SamplingSpec, *, track_partial: bool = False
-    ) -> None:
-        from vllm.inputs import TokensPrompt
-
-        if params.n != 1:
-            raise ValueError(f"EngineStepper.add: one sample per request, got n={params.n}")
-        if request_id in self.unfinished:
-            raise ValueError(f"EngineStepper.add: request {request_id!r} is already running")
-        # Tracked requests report every step (vLLM's cumulative output kind), the others only at the end.
-        if not self.seed_per_request and not self._sampler_seeded:
-            _seed_sampler(params.seed if params.seed is not None else 0, self.device_type)
-            self._sampler_seeded = True
-        sampling = _sampling_params(
-            params,
-            final_only=not track_partial,
-            end_of_turn_ids=self.end_of_turn_ids,
-            seeded=self.seed_per_request,
-        )
-        with self.world.vllm():
-            self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt_ids), sampling)
-        self.unfinished.add(request_id)
-
-    def partial(self, request_id: str) -> TurnOutput | None:
-        seen = self.progress.get(request_id)
-        if seen is None:
-            return None
-        token_ids, lps, want_logprobs = seen
-        ids = list(token_ids)
-        return TurnOutput(request_id, ids, _sampled_logprobs(lps, ids) if want_logprobs else [], "")
-
-    def step(self) -> list[TurnOutput]:
-        done: list[TurnOutput] = []
-        with self.world.vllm():
-            outputs = self.engine.step()
-        for out in outputs:
-            if not out.finished:
-                (completion,) = out.outputs
-                self.progress[out.request_id] = (
-                    completion.token_ids,
-                    completion.logprobs,
-                    completion.logprobs is not None,
-                )
-                continue
-            self.unfinished.discard(out.request_id)
-            self.progress.pop(out.request_id, None)
-            (completion,) = out.outputs
-            gen = _to_generation(0, completion, completion.logprobs is not None)
-            done.append(TurnOutput(out.request_id, gen.token_ids, gen.logprobs, gen.finish_reason))
-        return done
-
-    def abort(self, request_ids: list[str]) -> None:
-        ids = [r for r in request_ids if r in self.unfinished]
-        if ids:
-            with self.world.vllm():
-                self.engine.abort_request(ids)
-            self.unfinished.difference_update(ids)
-            for r in ids:
-                self.progress.pop(r, None)
-
-    def abort_all(self) -> None:
-        self.abort(sorted(self.unfinished))
-
-    def num_unfinished(self) -> int:
-        return len(self.unfinished)
-
-
-def _to_generation(prompt_index: int, completion: Any, want_logprobs: bool) -> Generation:
-    if completion.finish_reason not in ("stop", "length"):
-        raise RuntimeError(f"vLLM finished a request with {completion.finish_reason!r} (aborted?)")
-    token_ids = list(completion.token_ids)
-    logprobs: list[float] = []
-    if want_logprobs:
-        logprobs = _sampled_logprobs(completion.logprobs, token_ids)
-    return Generation(prompt_index, token_ids, logprobs, completion.finish_reason)
-
-
-def _sampled_logprobs(lps: Any, token_ids: list[int]) -> list[float]:
-    """The sampled token's logprob at each position (``logprobs=0`` returns exactly that one entry)."""
-    from vllm.logprobs import FlatLogprobs
-
-    if lps is None or len(lps) != len(token_ids):
-        raise RuntimeError(
-            f"vLLM returned {0 if lps is None else len(lps)} logprobs for {len(token_ids)} tokens"
-        )
-    if isinstance(lps, FlatLogprobs):
-        if len(lps.logprobs) == len(token_ids) and lps.token_ids == token_ids:
-            return list(lps.logprobs)
-        # More than one entry at some position (should not happen with logprobs=0): pick the sampled one.
-        out = []
-        for pos, tok in enumerate(token_ids):
-            span = range(lps.start_indices[pos], lps.end_indices[pos])
-            out.append(next(lps.logprobs[j] for j in span if lps.token_ids[j] == tok))
-        return out
-    return [position[tok].logprob for position, tok in zip(lps, token_ids, strict=True)]

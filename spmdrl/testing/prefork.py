@@ -43,7 +43,7 @@ from typing import Any
 # Imported by the fork server before it forks any process (spmdrl.testing.prefork_imports says what).
 PRELOAD = ["spmdrl.testing.prefork_imports"]
 
-# Variables read when torch, OpenMP or oneDNN load (or by spmdrl.cpu_kind at import): a job that sets one
+# Variables read when torch, OpenMP or oneDNN load (or by spmdrl.testing.cpu_kind at start): a job that sets one
 # differently from the fork server's environment cannot be forked from it.
 _IMPORT_TIME_ENV = (
     "OMP_NUM_THREADS",
@@ -126,7 +126,7 @@ def compatible(env: dict[str, str]) -> bool:
     server: Linux, and every variable read at import as the fork server had it."""
     if sys.platform != "linux":
         return False
-    # What vLLM's import sees: the variables spmdrl.rollout.vllm_engine sets before it, under each's own.
+    # What vLLM's import sees: the variables spmdrl.rollout.vllm_process sets before it, under each's own.
     vllm_import = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
     before = {**vllm_import, **(_server_env or {**os.environ, **_SERVER_ENV})}
     # The imports set some themselves (vLLM: PYTORCH_NVML_BASED_CUDA_CHECK=1); a job that has them as the

@@ -1,9 +1,9 @@
 """What the tests' fork server (spmdrl.testing.prefork) imports once, before it forks any process: the
 stack every spmdrl.train job and most spawned test ranks import first, vLLM included on a CPU host.
 
-vLLM's import is prepared as a job prepares it (spmdrl.rollout.vllm_engine's environment and
+vLLM's import is prepared as a job prepares it (spmdrl.rollout.vllm_process's environment and
 ``inert_freezes``). On a CPU host it changes none of the process settings that the engine records
-against the trainer's (spmdrl.rollout.vllm_engine._SettingsSwap), which is checked here: a changed one
+against the trainer's (spmdrl.rollout.vllm_process.SettingsSwap), which is checked here: a changed one
 stops the fork server with the reason, rather than let jobs start from vLLM's settings. On a CUDA host
 ``import vllm`` disables cuDNN SDPA, so vLLM is left for each job to import, as a real run does.
 
@@ -18,8 +18,13 @@ import importlib
 import json
 import os
 
-# In a job's order: spmdrl first (spmdrl/__init__ starts the CPU-kind emulation of SPMDRL_CPU_KIND before
-# anything loads torch or vLLM), then what spmdrl.train and the recipes load. Each for its side effect.
+from spmdrl.testing import cpu_kind
+
+# Before anything imports vLLM: the CPU kind the tests run as (--cpu-kind), which the server's sitecustomize
+# has applied already when its PYTHONPATH names it (spmdrl.testing.cpu_kind); here it does not depend on that.
+cpu_kind.apply_from_env()
+
+# In a job's order: spmdrl first, then what spmdrl.train and the recipes load. Each for its side effect.
 for _name in (
     "spmdrl",
     "spmdrl.train",
@@ -38,21 +43,21 @@ import torch  # noqa: E402
 
 import spmdrl.config_loader  # noqa: E402 - loaded above, in order; named here for its functions
 from spmdrl.gc_heap import inert_freezes  # noqa: E402
-from spmdrl.rollout import vllm_engine  # noqa: E402
+from spmdrl.rollout import vllm_engine, vllm_process  # noqa: E402, F401 - vllm_engine: preloaded
 
 # The recipes every RL job runs (and its SFT warm-start), by name, as the library reaches them.
 for _entry in ("grpo", "sft"):
     spmdrl.config_loader.import_entry(_entry)
 
 if not torch.cuda.is_available():
-    vllm_engine._prepare_environment()
-    before = vllm_engine._ProcessSettings.current()
+    vllm_process.prepare_environment()
+    before = vllm_process.ProcessSettings.current()
     with inert_freezes():
         import vllm
         import vllm.v1.engine.llm_engine
 
         del vllm
-    after = vllm_engine._ProcessSettings.current()
+    after = vllm_process.ProcessSettings.current()
     if after != before:
         raise RuntimeError(f"importing vLLM changed the process settings {before} -> {after}: not preloaded")
 

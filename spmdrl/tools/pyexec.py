@@ -46,7 +46,7 @@ import time
 from dataclasses import dataclass, field
 from typing import IO
 
-from spmdrl.rewards.sandbox import THREAD_ENV, exit_status
+from spmdrl.rewards.sandbox_pool import THREAD_ENV, exit_status
 
 # How long killing a run waits to reap it (one stuck in the kernel is left to subprocess's cleanup).
 _REAP_WAIT_S = 1.0

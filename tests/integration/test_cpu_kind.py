@@ -1,5 +1,5 @@
-"""spmdrl.cpu_kind end to end: a process started as a narrower CPU kind loads that kind's vLLM library and
-makes that kind's choices."""
+"""spmdrl.testing.cpu_kind end to end: a process started as a narrower CPU kind loads that kind's vLLM
+library and makes that kind's choices, and a test's torchrun job runs every rank as the kind."""
 
 from __future__ import annotations
 
@@ -7,17 +7,18 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from spmdrl import cpu_kind
+from spmdrl.testing import cpu_kind
+from spmdrl.testing.launch import torchrun
 
 PROBE = """
 import json
-import spmdrl  # applies SPMDRL_CPU_KIND before anything imports vLLM
 import torch
 from spmdrl.rollout import cpu_gemm
-from spmdrl.rollout.vllm_engine import resolve_engine_dtype
+from spmdrl.rollout.vllm_plan import resolve_engine_dtype
 from vllm.platforms import current_platform
 current_platform.import_kernels()
 libs = sorted({l.split()[-1].rsplit("/", 1)[-1] for l in open("/proc/self/maps") if "vllm/_C" in l})
@@ -59,3 +60,23 @@ def test_a_process_started_as_a_kind_runs_that_kinds_libraries(kind: str) -> Non
         assert got["zen"] is False, got
     if dtype == "torch.float32":
         assert "needs a CPU with AVX512-BF16" in (got["zentorch_bf16"] or ""), got
+
+
+RANK_PROBE = """
+import os
+from spmdrl.testing import cpu_kind
+print("KIND", os.environ["RANK"], getattr(cpu_kind.active(), "name", None))
+"""
+
+
+@pytest.mark.slow
+def test_a_torchrun_jobs_ranks_run_as_the_kind(tmp_path: Path) -> None:
+    """A job started the way the tests start theirs (spmdrl.testing.launch.torchrun), with the kind's
+    environment: torchrun starts each rank as a fresh interpreter, which emulates the kind from its start."""
+    kind = cpu_kind.runnable_kinds()[0]  # every host runs as the narrowest kind
+    script = tmp_path / "probe.py"
+    script.write_text(RANK_PROBE)
+    res = torchrun([str(script)], nproc=2, env=cpu_kind.environment(kind), timeout_s=300)
+    assert res.returncode == 0, res.output[-3000:]
+    lines = sorted(line for line in res.output.splitlines() if line.startswith("KIND"))
+    assert lines == [f"KIND 0 {kind}", f"KIND 1 {kind}"], res.output[-3000:]

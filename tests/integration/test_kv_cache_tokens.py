@@ -95,7 +95,7 @@ def test_the_argument_vllm_gets(tmp_path: Path) -> None:
 
     from spmdrl.config import RolloutConfig
     from spmdrl.models.tiny import ensure_tiny_model
-    from spmdrl.rollout.vllm_engine import kv_cache_bytes
+    from spmdrl.rollout.vllm_plan import kv_cache_bytes
 
     model_dir = ensure_tiny_model(tmp_path)
     c = AutoConfig.from_pretrained(model_dir)
@@ -122,7 +122,7 @@ def test_whole_sequences_on_cuda_only_where_well_below_memory_sizing(tmp_path: P
     from spmdrl.config import RolloutConfig
     from spmdrl.models.memory_model import DecoderShape
     from spmdrl.models.tiny import ensure_tiny_model
-    from spmdrl.rollout.vllm_engine import kv_cache_bytes
+    from spmdrl.rollout.vllm_plan import kv_cache_bytes
 
     model_dir = ensure_tiny_model(tmp_path)
     shape = DecoderShape.from_hf(AutoConfig.from_pretrained(model_dir))
@@ -140,7 +140,7 @@ def test_a_cache_larger_than_host_memory_is_refused_at_start(tmp_path: Path) -> 
     from spmdrl.config import RolloutConfig
     from spmdrl.models.tiny import ensure_tiny_model
     from spmdrl.rollout.engine import check_kv_cache_fits
-    from spmdrl.rollout.vllm_engine import host_available_bytes
+    from spmdrl.rollout.vllm_plan import host_available_bytes
 
     model_dir = ensure_tiny_model(tmp_path)
     available = host_available_bytes()

@@ -34,7 +34,7 @@ pytestmark = pytest.mark.slow
 ROWS = 8  # one mini-batch of 4 prompts x 2 samples on the one rank
 MICRO = {2: 4, 4: 2}  # micro-batches per mini-batch -> rows per micro-batch
 LOSSES = ("clip_cov", "kl_cov", "sapo", "bypass_mode")
-CLIP_COV_READ = ("nonzero", "algos/policy_losses.py", "clip_cov_policy_loss")
+CLIP_COV_READ = ("nonzero", "algos/policy_losses_cov.py", "clip_cov_policy_loss")
 
 
 def _worker(rank: int, world: int, model_dir: str, micro: int) -> dict[str, Any]:

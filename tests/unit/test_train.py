@@ -38,7 +38,7 @@ def _train_cli(
 
 
 def test_help_lists_the_recipes_without_importing_torch() -> None:
-    # Without a CPU kind to emulate (--cpu-kind): emulating one patches torch's CPU queries at import.
+    # Without a CPU kind to emulate (--cpu-kind): its start-up hook imports torch to patch its CPU queries.
     res = _train_cli("--help", env={"SPMDRL_CPU_KIND": ""})
     assert res.returncode == 0, res.stderr[-2000:]
     for name in available_recipes():

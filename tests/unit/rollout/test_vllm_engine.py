@@ -163,7 +163,7 @@ def _spec() -> Any:
 _SETTINGS_SCRIPT = """
 import gc
 import torch
-from spmdrl.rollout.vllm_engine import _SettingsSwap
+from spmdrl.rollout.vllm_process import SettingsSwap
 
 def matmul():
     try:
@@ -177,7 +177,7 @@ def per_backend():
 {setup}
 frozen = gc.get_freeze_count()
 trainer = (matmul(), per_backend(), torch.backends.cuda.cudnn_sdp_enabled())
-swap = _SettingsSwap()
+swap = SettingsSwap()
 with swap.building():
     # What building vLLM does (Worker.__init__, vllm/platforms/cuda.py, EngineCore.__init__).
     torch.set_float32_matmul_precision("highest")
@@ -233,7 +233,7 @@ def test_engine_settings_this_machine_cannot_run_fail_before_any_work(
 def test_auto_engine_dtype_follows_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """A CPU without native bf16 cannot be had here on demand, so its capability flags are faked."""
     from spmdrl.errors import ConfigError
-    from spmdrl.rollout.vllm_engine import resolve_engine_dtype
+    from spmdrl.rollout.vllm_plan import resolve_engine_dtype
 
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)

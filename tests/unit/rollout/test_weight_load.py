@@ -7,7 +7,7 @@ import pytest
 
 from spmdrl.config import ConfigError, RolloutConfig
 from spmdrl.rollout.engine import check_engine_config
-from spmdrl.rollout.vllm_engine import resolve_weight_load
+from spmdrl.rollout.vllm_plan import resolve_weight_load
 
 
 def test_auto_loads_directly_where_the_kernels_read_the_parameters() -> None:

@@ -8,17 +8,24 @@ What the rollout engine does on a CPU is decided from the CPU's flags, in severa
   AMD Zen platform (zentorch GEMMs) or the plain CPU one, whether sgl's AMX kernels apply;
 - PyTorch's own kernels (``ATEN_CPU_CAPABILITY``) and oneDNN's (``ONEDNN_MAX_CPU_ISA``).
 
-A machine of one kind therefore runs only its own paths. With ``SPMDRL_CPU_KIND`` set, ``import spmdrl``
-makes this process answer every one of those questions as a CPU of that kind would: the Python-level
-detection functions (``torch.cpu._is_*_supported``, vLLM's Zen check) are replaced, and the two library
-variables are set for the kernels (they must also be in the environment before the process starts, for
-the kernels already dispatched; :func:`environment` gives them). The kernels then really run with the
-narrower instruction set; only CPUID itself is not faked, so a library that reads it directly (zentorch's
-own bf16 check) still sees the host. A kind can only narrow the host: emulating a feature the CPU lacks
-would crash in the kernel, so it is refused.
+A machine of one kind therefore runs only its own paths. :func:`emulate` makes this process answer every
+one of those questions as a CPU of that kind would: the Python-level detection functions
+(``torch.cpu._is_*_supported``, vLLM's Zen check) are replaced, and the two library variables are set for
+the kernels (they must also be in the environment before the process starts, for the kernels already
+dispatched). The kernels then really run with the narrower instruction set; only CPUID itself is not
+faked, so a library that reads it directly (zentorch's own bf16 check) still sees the host. A kind can
+only narrow the host: emulating a feature the CPU lacks would crash in the kernel, so it is refused.
+
+A process started with :func:`environment`'s variables emulates the kind from its first line, before
+anything can import vLLM: they put :data:`SITE_DIR` on ``PYTHONPATH``, whose ``sitecustomize`` Python runs
+at start-up, and that calls :func:`apply_from_env`. The test suite's ``--cpu-kind`` puts them in its own
+environment (``tests/conftest.py``), so every process a test starts (torchrun jobs and their ranks, the
+fork server the ranks are forked from, spawned ranks, subprocesses) runs as that kind; the fork server
+also applies it itself (:mod:`spmdrl.testing.prefork_imports`). A library process (``import spmdrl``)
+never emulates.
 
 This is how the test suite covers the three kinds CI and users run on from any one machine
-(``.ci/run``; ``docs/testing.md``), and how a user reproduces a report from another kind of CPU.
+(``.ci/run``; ``docs/testing.md``), and how a developer reproduces a report from another kind of CPU.
 """
 
 from __future__ import annotations
@@ -28,11 +35,14 @@ import importlib.machinery
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 
 import torch
 
 ENV_VAR = "SPMDRL_CPU_KIND"
+# The folder of the sitecustomize that applies $SPMDRL_CPU_KIND when a process starts.
+SITE_DIR = str(Path(__file__).parent / "cpu_kind_site")
 
 
 @dataclass(frozen=True)
@@ -88,9 +98,17 @@ def active() -> CpuKind | None:
 
 
 def environment(kind: str) -> dict[str, str]:
-    """The variables a child process needs to start as ``kind`` (its kernels read them at start)."""
+    """The variables a child process needs to start as ``kind``: the kind, the kernels' ISA caps (read at
+    start), and ``PYTHONPATH`` with :data:`SITE_DIR` first (this process's ``PYTHONPATH`` after it), whose
+    sitecustomize applies the kind before the process runs anything else."""
     k = _lookup(kind)
-    return {ENV_VAR: k.name, "ATEN_CPU_CAPABILITY": k.aten_capability, "ONEDNN_MAX_CPU_ISA": k.onednn_max_isa}
+    path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != SITE_DIR]
+    return {
+        ENV_VAR: k.name,
+        "ATEN_CPU_CAPABILITY": k.aten_capability,
+        "ONEDNN_MAX_CPU_ISA": k.onednn_max_isa,
+        "PYTHONPATH": os.pathsep.join([SITE_DIR, *path]),
+    }
 
 
 def _lookup(kind: str) -> CpuKind:
@@ -161,7 +179,8 @@ class _PlatformsHook(importlib.abc.MetaPathFinder):
 
 
 def apply_from_env() -> None:
-    """Emulate ``$SPMDRL_CPU_KIND`` if it is set (``import spmdrl`` calls this)."""
+    """Emulate ``$SPMDRL_CPU_KIND`` if it is set (the sitecustomize in :data:`SITE_DIR` and the tests' fork
+    server call this before anything imports vLLM)."""
     kind = os.environ.get(ENV_VAR, "")
     if kind and _active is None:
         emulate(kind)
