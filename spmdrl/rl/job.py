@@ -410,7 +410,7 @@ def sync_actor_weights(job: RLJob, check_seed: int) -> SyncStats:
     the first actor rank). With rollout.weight_sync_check, the check proves each engine now serves exactly
     them, probing columns chosen by ``check_seed`` (the step), and stops the run on every rank if not."""
     # The engines' dtype, also on a rank that holds none (the module imports vLLM only inside the engine).
-    from spmdrl.rollout.vllm_engine import resolve_engine_dtype
+    from spmdrl.rollout.vllm_plan import resolve_engine_dtype
 
     cfg = job.cfg
     check = (
@@ -517,7 +517,7 @@ def log_step(
 
 def _dtypes(job: RLJob) -> str:
     from spmdrl.models.build import resolve_dtype
-    from spmdrl.rollout.vllm_engine import resolve_engine_dtype
+    from spmdrl.rollout.vllm_plan import resolve_engine_dtype
 
     trainer = resolve_dtype(job.cfg.model.param_dtype, job.device)
     engine = resolve_engine_dtype(job.cfg.rollout.dtype, job.device.type)
