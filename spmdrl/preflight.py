@@ -27,9 +27,10 @@ import socket
 import urllib.parse
 from pathlib import Path
 
-from spmdrl.config import Config, ConfigError
+from spmdrl.config import Config
 from spmdrl.data import tiny_task, tools_task
 from spmdrl.data.parquet import open_checked
+from spmdrl.errors import ConfigError
 from spmdrl.models.families import LINEAR_MODULES, check_architecture
 from spmdrl.models.load import check_model_path
 

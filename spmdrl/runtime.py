@@ -13,9 +13,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from spmdrl.config import Config, Derived
+from spmdrl.config import Config
 from spmdrl.config_loader import to_yaml
 from spmdrl.data.sampler import DistributedSampler
+from spmdrl.derived import Derived
 from spmdrl.distributed.env import DistEnv, broadcast_str, init_distributed
 from spmdrl.logging.backends import read_run_params
 from spmdrl.logging.metrics import MetricLogger, NullLogger

@@ -31,9 +31,10 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from spmdrl.config import Config, ConfigError
+from spmdrl.config import Config
 from spmdrl.distributed.env import broadcast_str
 from spmdrl.distributed.placement import Placement
+from spmdrl.errors import ConfigError
 from spmdrl.rl.async_rows import fill_missing_fields
 
 log = logging.getLogger("spmdrl")

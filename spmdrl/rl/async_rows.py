@@ -34,10 +34,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from spmdrl.config import Config, ConfigError
+from spmdrl.config import Config
 from spmdrl.data.prompts import PromptDataset
 from spmdrl.distributed.exchange import RowLayout, move_rows
 from spmdrl.distributed.placement import Placement
+from spmdrl.errors import ConfigError
 from spmdrl.logging.timer import PhaseTimer
 from spmdrl.rewards.sandbox import RewardResult
 from spmdrl.rl.batch import PolicyBatch

@@ -25,7 +25,8 @@ from spmdrl.algos.advantages import (
 )
 from spmdrl.algos.correction import metric_reduction, rollout_correction
 from spmdrl.algos.kl_control import AdaptiveKLController, FixedKLController, apply_kl_penalty
-from spmdrl.config import Config, RLDerived
+from spmdrl.config import Config
+from spmdrl.derived import RLDerived
 from spmdrl.distributed.reduce import all_reduce_max, all_reduce_min, all_reduce_sum, sum_over_group
 from spmdrl.models.head import fused_chunk_for
 from spmdrl.rewards.sandbox import RewardResult

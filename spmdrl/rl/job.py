@@ -32,14 +32,16 @@ from spmdrl import loop
 from spmdrl.algos.kl_control import AdaptiveKLController, FixedKLController, build_kl_controller
 from spmdrl.checkpoint.checkpointer import Checkpointer, RoleState, checkpoint_root
 from spmdrl.checkpoint.export import write_hf_metadata
-from spmdrl.config import Config, ConfigError, Derived, RLDerived, derive, derive_rl
+from spmdrl.config import Config
 from spmdrl.data.prompts import PromptDataset
 from spmdrl.data.sampler import DistributedSampler
 from spmdrl.data.tiny_task import TinyTaskConfig, resolve_data_files
 from spmdrl.data.tools_task import ToolsTaskConfig
+from spmdrl.derived import Derived, RLDerived, derive, derive_rl
 from spmdrl.distributed.env import DistEnv, broadcast_object
 from spmdrl.distributed.placement import Meshes, Placement, plan_placement
 from spmdrl.distributed.topology import check_tp_within_nodes, node_layout_from_env, ranks_on_node
+from spmdrl.errors import ConfigError
 from spmdrl.logging.metrics import NullLogger
 from spmdrl.logging.plot import plot_curves
 from spmdrl.logging.profiler import check_profile_steps, profile_step

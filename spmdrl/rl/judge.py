@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from spmdrl.config import JudgeConfig
 from spmdrl.data.prompts import encode
+from spmdrl.rewards.config import JudgeConfig
 from spmdrl.rewards.judge import last_user_message, parse_score, render_judge_prompt
 from spmdrl.rollout.engine import RolloutEngine, SamplingSpec
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from spmdrl.config import Config, ac_mode
+from spmdrl.config import Config
 from spmdrl.distributed.reduce import all_reduce_sum
 from spmdrl.logging.flops import (
     DecoderShape,
@@ -25,6 +25,7 @@ from spmdrl.logging.flops import (
     training_flops,
     utilization,
 )
+from spmdrl.models.config import ac_mode
 from spmdrl.rl.batch import PolicyBatch
 
 

@@ -22,11 +22,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from spmdrl.config import ModelConfig, RewardModelConfig
 from spmdrl.data.prompts import encode
 from spmdrl.models.build import ModelSpec, build_fsdp_model, resolve_dtype
+from spmdrl.models.config import ModelConfig
 from spmdrl.models.load import load_tokenizer
 from spmdrl.models.parallelize import gathered_through, through_outputs
+from spmdrl.rewards.config import RewardModelConfig
 from spmdrl.rewards.reward_model_path import check_reward_model_dir
 
 log = logging.getLogger("spmdrl")

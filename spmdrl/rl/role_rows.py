@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from spmdrl.config import Config, RLDerived
+from spmdrl.config import Config
+from spmdrl.derived import RLDerived
 from spmdrl.distributed.exchange import RowLayout, gather_lengths, move_rows
 from spmdrl.distributed.placement import Placement
 from spmdrl.rl.batch import PolicyBatch

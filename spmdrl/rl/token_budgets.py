@@ -24,9 +24,12 @@ from pathlib import Path
 
 import torch
 
-from spmdrl.config import AUTO_TOKENS, Config, ac_mode, max_sequence_length, switch_mode
+from spmdrl.config import Config
+from spmdrl.config_section import switch_mode
+from spmdrl.derived import max_sequence_length
 from spmdrl.distributed.placement import Placement
 from spmdrl.distributed.reduce import all_reduce_min
+from spmdrl.models.config import ac_mode
 from spmdrl.models.grad_sync import auto_defers
 from spmdrl.models.memory_model import (
     MASTER_BYTES,
@@ -40,6 +43,7 @@ from spmdrl.models.memory_model import (
     token_budgets,
     whole_model_unit,
 )
+from spmdrl.trainer_config import AUTO_TOKENS
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,8 @@ from spmdrl.algos.aggregation import Aggregation, count_units_of_rows
 from spmdrl.algos.kl import kl_penalty
 from spmdrl.algos.policy_losses import POLICY_LOSSES, agg_mode_for
 from spmdrl.algos.value_loss import clipped_value_loss
-from spmdrl.config import Config, RLDerived
+from spmdrl.config import Config
+from spmdrl.derived import RLDerived
 from spmdrl.distributed.reduce import all_reduce_sum, all_reduce_sum_tensors
 from spmdrl.models import packing
 from spmdrl.models.forward import attention_mask_for, packed_attention_mask, policy_forward, policy_logprobs

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import torch
 
-from spmdrl.config import ConfigError, RolloutConfig
+from spmdrl.errors import ConfigError
 from spmdrl.models.memory_model import DecoderShape
 from spmdrl.rollout import cpu_gemm
+from spmdrl.rollout.config import RolloutConfig
 from spmdrl.rollout.engine import KV_CACHE_SEQUENCES, check_kv_cache_tokens
 
 log = logging.getLogger(__name__)

@@ -12,13 +12,14 @@ import torch
 
 from spmdrl.checkpoint.checkpointer import Checkpointer, RoleState, checkpoint_root
 from spmdrl.checkpoint.export import write_hf_metadata
-from spmdrl.config import Config, OptimConfig
+from spmdrl.config import Config
 from spmdrl.distributed.placement import Placement
 from spmdrl.distributed.reduce import all_reduce_sum_tensors
 from spmdrl.models.build import build_fsdp_model, model_spec
 from spmdrl.models.grad_sync import defers_grad_sync, describe_grad_sync
 from spmdrl.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
 from spmdrl.runtime import Run
+from spmdrl.trainer_config import OptimConfig
 
 log = logging.getLogger("spmdrl")
 

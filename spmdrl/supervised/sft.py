@@ -22,9 +22,10 @@ import torch
 
 from spmdrl import loop
 from spmdrl.checkpoint.export import export_hf
-from spmdrl.config import Config, Derived, derive
+from spmdrl.config import Config
 from spmdrl.data.sampler import DistributedSampler
 from spmdrl.data.sft import SFTDataset
+from spmdrl.derived import Derived, derive
 from spmdrl.distributed.reduce import all_reduce_sum
 from spmdrl.logging.plot import plot_curves
 from spmdrl.logging.profiler import check_profile_steps, profile_step

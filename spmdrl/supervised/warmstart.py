@@ -7,8 +7,9 @@ import dataclasses
 import logging
 from pathlib import Path
 
-from spmdrl.config import Config, ConfigError
+from spmdrl.config import Config
 from spmdrl.config_loader import import_entry
+from spmdrl.errors import ConfigError
 from spmdrl.logging.metrics import rewind_logs
 from spmdrl.loop import StartPlan
 from spmdrl.runtime import Run
