@@ -42,10 +42,11 @@ import torch.distributed as dist
 from spmdrl import loop
 from spmdrl.algos.pairwise import bradley_terry_loss, pairs_right
 from spmdrl.checkpoint.export import export_hf
-from spmdrl.config import Config, ConfigError, choice, derive, register_config_section
+from spmdrl.config import Config, choice, derive, register_config_section
 from spmdrl.data.tiny_pairs import PreferencePair, tiny_pairs
 from spmdrl.data.tiny_task import TinyTaskConfig, generate
 from spmdrl.distributed.reduce import all_reduce_sum
+from spmdrl.errors import ConfigError
 from spmdrl.logging.plot import plot_curves
 from spmdrl.logging.profiler import check_profile_steps, profile_step
 from spmdrl.models.grad_sync import gradient_sync

@@ -45,11 +45,12 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from spmdrl.config import CONFIG_SECTIONS, Config, ConfigError, validate
+from spmdrl.config import CONFIG_SECTIONS, Config, validate
 
 # The built-in tasks' sections (tiny_task, tools_task) are registered by the modules that own them; imported
 # here so that every config (any recipe, import_entry_module=False too) has them. Both are light (pyarrow).
 from spmdrl.data import tiny_task, tools_task  # noqa: F401
+from spmdrl.errors import ConfigError
 from spmdrl.imports import import_file
 
 _SCHEMA_NAME = "spmdrl_schema"
