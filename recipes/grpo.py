@@ -38,6 +38,9 @@ from spmdrl.rl import phases
 from spmdrl.rl.experience import policy_batch
 from spmdrl.rl.phases import Step
 
+# The actor, the reference and the engines on every rank, no critic (--check --world-size N plans them).
+ROLES = rl.Roles()
+
 
 def check_config(cfg: Config) -> None:
     """Settings this recipe would not run fail at config load (spmdrl.config_loader calls this)."""
@@ -51,7 +54,9 @@ def check_config(cfg: Config) -> None:
 
 
 def main(cfg: Config) -> None:
-    job = rl.build_job(cfg)  # checks, data, warm-start, models, engine; resumed from the newest checkpoint
+    job = rl.build_job(
+        cfg, ROLES
+    )  # checks, data, warm-start, models, engine; resumed from the newest checkpoint
     for s in phases.steps(job):  # validation at 0, each step profiled, checkpoints when due
         phases.rollout_and_score(job, s)  # with DAPO's overlong penalty and dynamic sampling
         if adv_estimator(cfg.algorithm.adv_estimator).needs_baseline:  # ReMax

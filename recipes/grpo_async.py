@@ -59,6 +59,10 @@ class Queue:
     ahead: deque[async_queue.QueuedBatch] = field(default_factory=deque)
 
 
+# Generation and training on disjoint ranks (--check --world-size N plans them).
+ROLES = rl.Roles(asynchronous=True)
+
+
 def check_config(cfg: Config) -> None:
     """Settings this recipe would not run fail at config load (spmdrl.config_loader calls this)."""
     if cfg.parallel.placement != "async":
@@ -76,7 +80,7 @@ def check_config(cfg: Config) -> None:
 
 
 def main(cfg: Config) -> None:
-    job = rl.build_job(cfg, asynchronous=True)  # checks, data, warm-start, models, engines; resumed if saved
+    job = rl.build_job(cfg, ROLES)  # checks, data, warm-start, models, engines; resumed if saved
     k, start = cfg.trainer.max_staleness, job.start_step
     layout = BatchLayout.plan(job.placement, job.derived.per_rank_batch_size * cfg.rollout.n)
     queue = Queue(version=start) if job.holds_engine else None

@@ -65,6 +65,10 @@ class Step(phases.Step):
     critic_metrics: dict[str, float] = field(default_factory=dict)  # update: the critic's
 
 
+# The roles beyond the actor, the reference and the engines: a critic (--check --world-size N plans them).
+ROLES = rl.Roles(critic=True)
+
+
 def check_config(cfg: Config) -> None:
     """Settings this recipe would not run fail at config load (spmdrl.config_loader calls this)."""
     a = cfg.algorithm
@@ -82,7 +86,7 @@ def check_config(cfg: Config) -> None:
 
 
 def main(cfg: Config) -> None:
-    job = rl.build_job(cfg, with_critic=True)  # checks, data, warm-start, models, engine; resumed if saved
+    job = rl.build_job(cfg, ROLES)  # checks, data, warm-start, models, engine; resumed if saved
     for s in phases.steps(job, step_type=Step):  # each role saves from its own ranks
         phases.rollout_and_score(job, s)  # GRPO's, with DAPO's overlong penalty
         make_experience(job, s)
@@ -100,21 +104,20 @@ def make_experience(job: rl.RLJob, s: Step) -> None:
         job.engine.sleep(keep_weights=False)
     with s.timer("experience"):  # the rows on the device, and where each role's go
         local = policy_batch(s.samples, job.tokenizer.pad_token_id, job.device)
-        rows = plan_rows(cfg, job.placement, job.rl, local, job.device, job.rl_critic)
+        rows = plan_rows(cfg, job.placement, job.rl, local, job.device, job.plan.rl_critic)
     with s.timer.maybe("exchange", rows.moves):
         batch, critic_batch = to_role(rows, local, "actor"), to_role(rows, local, "critic")
     sampled_mask_BT = batch.response_mask_BT if batch is not None else None  # the mismatch metric's
-    if batch is not None:
+    if job.actor is not None and batch is not None:
         # Timed only when a pass runs (the old logprobs, the reference's): an on-policy step without a
         # reference runs neither, and logs no timing/old_ref_s.
         with s.timer.maybe("old_ref", job.recompute_old or job.ref is not None):
             batch = old_and_ref_logprobs(
-                cfg, job.rl, job.actor, job.ref, batch, job.actor_group, recompute_old=job.recompute_old
+                cfg, job.rl, job.actor.model, job.ref, batch, job.actor_group, recompute_old=job.recompute_old
             )
-    if job.critic is not None:
-        assert critic_batch is not None
+    if job.critic is not None and critic_batch is not None:
         with s.timer("values"):
-            parts = micro_rows(cfg, job.rl_critic, critic_batch, job.critic_group)
+            parts = micro_rows(cfg, job.critic.rl, critic_batch, job.critic_group)
             values_BT = values_of(job.critic.model, critic_batch, parts, cfg.trainer.pack_sequences)
             critic_batch = critic_batch.replace(values_BT=values_BT)
     with s.timer.maybe("exchange", rows.moves):
@@ -137,11 +140,10 @@ def update(job: rl.RLJob, s: Step) -> None:
     cfg = job.cfg
     s.resident_gb = phases.resident_gb(job)  # the engine is asleep: this is the trainer's
     with s.timer("update"):
-        if job.critic is not None:
-            assert s.critic_batch is not None and job.critic_offload is not None
-            with s.timer("critic_update"), job.critic_offload.on_device():
+        if job.critic is not None and s.critic_batch is not None:
+            with s.timer("critic_update"), job.critic.offload.on_device():
                 s.critic_metrics = update_critic(
-                    cfg, job.rl_critic, job.critic, s.critic_batch, job.critic_group
+                    cfg, job.critic.rl, job.critic, s.critic_batch, job.critic_group
                 )
         if s.batch is not None:
             with s.timer("actor_update"):
@@ -152,13 +154,13 @@ def update(job: rl.RLJob, s: Step) -> None:
 def actor_waits(job: rl.RLJob, batch: PolicyBatch) -> UpdateResult:
     """critic.warmup_steps (verl's critic_warmup): the actor waits for values that mean something. Its
     logprobs are still computed, for the trainer-vs-engine metrics."""
-    cfg = job.cfg
+    cfg, actor = job.cfg, job.trained("actor")
     old_BT = batch.old_logprobs_BT
     if old_BT is None:
         parts = micro_rows(cfg, job.rl, batch, job.actor_group)
-        fused = fused_chunk_for(cfg.model, job.actor)
+        fused = fused_chunk_for(cfg.model, actor.model)
         old_BT = logprobs_of(
-            job.actor, batch, parts, cfg.rollout.temperature, cfg.trainer.pack_sequences, fused
+            actor.model, batch, parts, cfg.rollout.temperature, cfg.trainer.pack_sequences, fused
         )
     return UpdateResult({}, old_BT)
 
@@ -176,11 +178,11 @@ def log(job: rl.RLJob, s: Step) -> None:
     # Tokens/s and MFU of each role's update and no-grad passes (spmdrl/rl/perf.py), reduced over the role's
     # own ranks; the critic's travel to rank 0 with its other metrics.
     actor_perf: dict[str, float] = {}
-    if s.batch is not None:
+    if job.actor is not None and s.batch is not None:
         passes = int(job.recompute_old) + int(job.ref is not None)  # the values pass is the critic's
         actor_perf = actor_perf_metrics(
             cfg,
-            job.actor,
+            job.actor.model,
             s.batch,
             base,
             forward_passes=passes,
@@ -189,8 +191,7 @@ def log(job: rl.RLJob, s: Step) -> None:
             trained=s.step > cfg.critic.warmup_steps,
         )
     critic_metrics = s.critic_metrics
-    if job.critic is not None:
-        assert s.critic_batch is not None
+    if job.critic is not None and s.critic_batch is not None:
         critic_metrics = {
             **critic_metrics,
             **critic_perf_metrics(
@@ -206,8 +207,8 @@ def log(job: rl.RLJob, s: Step) -> None:
         **actor_perf,
         **s.metrics,
     }
-    if job.scheduler is not None:
-        metrics["actor/lr"] = job.scheduler.get_last_lr()[0]
+    if job.actor is not None:
+        metrics["actor/lr"] = job.actor.scheduler.get_last_lr()[0]
     rl.log_step(job, step, metrics, s.samples, s.timer)
 
 

@@ -88,6 +88,7 @@ def parse_config(argv: list[str], *, import_entry: bool = True) -> Config:
     check_only = "--check" in argv
     argv = [a for a in argv if a != "--check"]
     argv, print_cfg = _pop_cfg_flag(argv)
+    argv, world_size = _pop_world_size(argv, check_only)
     try:
         cfg = load_config(argv, import_entry_module=import_entry)
         checked = check_inputs(cfg)
@@ -97,12 +98,51 @@ def parse_config(argv: list[str], *, import_entry: bool = True) -> Config:
         print(
             f"spmdrl: config ok: recipe {cfg.name} (entry {cfg.entry}); {'; '.join(checked)}; reward.fn={cfg.reward.fn}"
         )
+        if world_size is not None:
+            _print_plan(cfg, world_size)
         sys.exit(0)
     if print_cfg:
         if os.environ.get("RANK", "0") == "0":
             print(to_yaml(cfg), end="")
         sys.exit(0)
     return cfg
+
+
+def _pop_world_size(argv: list[str], check_only: bool) -> tuple[list[str], int | None]:
+    """``argv`` without ``--world-size N`` (``--check``'s: plan the job on N ranks), and N."""
+    rest, found = [], None
+    for i, arg in enumerate(argv):
+        if arg == "--world-size" or arg.startswith("--world-size="):
+            value = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
+            if not value.isdigit() or int(value) < 1:
+                exit_config_error(f"--world-size {value!r}: give the number of ranks, e.g. --world-size 8")
+            if not check_only:
+                exit_config_error(
+                    "--world-size goes with --check (a launched job's world size is torchrun's)"
+                )
+            found = int(value)
+        elif not (i > 0 and argv[i - 1] == "--world-size"):
+            rest.append(arg)
+    return rest, found
+
+
+def _print_plan(cfg: Config, world_size: int) -> None:
+    """The RL recipe's plan on ``world_size`` ranks (its module's ROLES), or why there is none."""
+    from spmdrl.config_loader import import_entry
+    from spmdrl.models.tiny import default_cache_dir
+    from spmdrl.rl.plan import Roles, describe_plan
+
+    roles = getattr(import_entry(cfg.entry), "ROLES", None)
+    if not isinstance(roles, Roles):
+        print(
+            f"spmdrl: no RL plan: entry {cfg.entry} declares no ROLES (an RL recipe's roles, spmdrl.rl.plan)"
+        )
+        return
+    try:
+        lines = describe_plan(cfg, roles, world_size, default_cache_dir(cfg.model.cache_dir))
+    except ConfigError as e:
+        exit_config_error(f"on {world_size} ranks: {e}")
+    print("\n".join(lines))
 
 
 def _pop_cfg_flag(argv: list[str]) -> tuple[list[str], bool]:

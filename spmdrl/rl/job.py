@@ -37,26 +37,24 @@ from spmdrl.data.prompts import PromptDataset
 from spmdrl.data.sampler import DistributedSampler
 from spmdrl.data.tiny_task import TinyTaskConfig, resolve_data_files
 from spmdrl.data.tools_task import ToolsTaskConfig
-from spmdrl.derived import Derived, RLDerived, derive, derive_rl
+from spmdrl.derived import Derived, RLDerived
 from spmdrl.distributed.env import DistEnv, broadcast_object
 from spmdrl.distributed.placement import Meshes, Placement, plan_placement
 from spmdrl.distributed.topology import check_tp_within_nodes, node_layout_from_env, ranks_on_node
 from spmdrl.errors import ConfigError
 from spmdrl.logging.metrics import NullLogger
 from spmdrl.logging.plot import plot_curves
-from spmdrl.logging.profiler import check_profile_steps, profile_step
+from spmdrl.logging.profiler import profile_step
 from spmdrl.logging.samples import Sample, write_samples
 from spmdrl.logging.timer import PhaseTimer
 from spmdrl.models.grad_sync import describe_grad_sync
 from spmdrl.models.load import load_tokenizer, resolve_model_path_all_ranks
-from spmdrl.models.memory_model import check_bare_module
 from spmdrl.optim import OptimizerOffload, build_lr_scheduler, build_optimizer
 from spmdrl.rewards.registry import check_data_sources, load_reward_fn
 from spmdrl.rl.async_queue import PipelineShape, check_resume_all_ranks
-from spmdrl.rl.async_rows import check_async_batch
-from spmdrl.rl.experience import needs_old_logprobs
 from spmdrl.rl.model_rewards import ModelRewards, build_model_rewards, check_model_rewards
-from spmdrl.rl.models import Critic, build_critic, build_models
+from spmdrl.rl.models import TrainedModel, build_critic, build_models
+from spmdrl.rl.plan import NO_EXTRA_ROLES, JobPlan, Roles, plan_job
 from spmdrl.rl.reference import Reference
 from spmdrl.rl.samples import ScoredSamples, train_samples, validate
 from spmdrl.rl.token_budgets import measure_token_budgets, wants_memory_budgets
@@ -80,36 +78,42 @@ CURVE_KEYS = ["rollout/reward_mean", "val/accuracy"]
 
 
 @dataclasses.dataclass
+class TrainedRole(TrainedModel):
+    """A role this rank trains (the actor; PPO's critic): its model, optimizer and schedule, where the
+    optimizer's moments live between updates (model.offload_optimizer), its update's batch arithmetic and
+    its ranks' process group. Present on the role's ranks, absent (None) on every other rank."""
+
+    offload: OptimizerOffload
+    rl: RLDerived
+    group: dist.ProcessGroup | None
+
+
+@dataclasses.dataclass
 class RLJob:
-    """Everything the phases of a step work with, on this rank. Under a split placement (PPO) a rank holds
-    only some roles: the actor's fields are None on the critic's ranks (``actor`` is a meta-device copy,
-    the shapes the engine receives its weights by) and the critic's are None on the actor's."""
+    """Everything the phases of a step work with, on this rank. The roles are present or absent as a whole:
+    ``actor`` and ``critic`` on the ranks that train them (colocated: every rank; parallel.placement=split:
+    their own ranks; async: the actor on the trainer ranks), ``ref`` where a KL term needs it, ``engine``
+    on the ranks that generate (async: not on the trainer ranks)."""
 
     run: Run
-    placement: Placement
+    plan: JobPlan  # placement, batch arithmetic, derived settings: the same on every rank
     meshes: Meshes
-    derived: Derived
-    rl: RLDerived  # the actor's batch arithmetic
     tokenizer: Any
     train_ds: PromptDataset
     val_ds: PromptDataset | None
     reward_fn: Any
     sampler: DistributedSampler
     model_dir: Path  # what RL starts from: the base model, or the warm-start's export
-    actor: torch.nn.Module
+    # The actor's module on every rank: its shards on the actor's ranks, a meta-device copy elsewhere (the
+    # shapes a weight sync receives by).
+    policy: torch.nn.Module
+    actor: TrainedRole | None
+    critic: TrainedRole | None  # PPO's value model
     ref: Reference | None  # only when a KL term needs it; under LoRA the actor with its adapters off
-    optimizer: torch.optim.Optimizer | None
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None
-    actor_offload: OptimizerOffload | None  # model.offload_optimizer: the moments off the GPU between updates
-    engine: RolloutEngine  # parallel.placement=async: None on the trainer ranks (holds_engine)
+    engine: RolloutEngine | None
     rollout: Rollout  # generates with the engine (and the multi-turn agent loop)
     fanout: Fanout | None  # split: the actor's weights to the engines of the critic's ranks
     kl_ctrl: FixedKLController | AdaptiveKLController  # the KL-in-reward coefficient
-    recompute_old: bool  # needs_old_logprobs: the old logprobs get a pass of their own
-    # PPO's critic (None when the job trains none, or on a rank without it).
-    rl_critic: RLDerived
-    critic: Critic | None
-    critic_offload: OptimizerOffload | None
     # Where the loop starts (0, or the resumed checkpoint's step), where it logs and how it saves.
     start_step: int
     logger: NullLogger
@@ -133,17 +137,41 @@ class RLJob:
         return self.run.env.device
 
     @property
+    def placement(self) -> Placement:
+        return self.plan.placement
+
+    def trained(self, role: str) -> TrainedRole:
+        """The ``role`` ("actor", "critic") this rank trains; a phase that runs only where it is trained asks
+        for it so. An error naming the placement if this rank does not train it."""
+        found = self.actor if role == "actor" else self.critic if role == "critic" else None
+        if found is None:
+            raise RuntimeError(
+                f"rank {self.env.rank} trains no {role} (placement {self.placement.describe()}): this phase runs "
+                f"on the {role}'s ranks only"
+            )
+        return found
+
+    @property
+    def derived(self) -> Derived:
+        return self.plan.derived
+
+    @property
+    def rl(self) -> RLDerived:
+        """The actor's update's batch arithmetic (every rank knows it: rows are laid out by it)."""
+        return self.plan.rl
+
+    @property
+    def recompute_old(self) -> bool:
+        return self.plan.recompute_old
+
+    @property
     def total_steps(self) -> int:
         return self.derived.total_steps
 
     @property
-    def is_actor(self) -> bool:
-        return self.meshes.holds("actor")
-
-    @property
     def holds_engine(self) -> bool:
         """Whether this rank generates (every rank, except a trainer rank under parallel.placement=async)."""
-        return not self.placement.is_async or self.meshes.holds("rollout")
+        return self.engine is not None
 
     @property
     def actor_group(self) -> dist.ProcessGroup | None:
@@ -162,33 +190,28 @@ class RLJob:
         return self.run.output_dir / "samples.jsonl"
 
 
-def build_job(cfg: Config, *, with_critic: bool = False, asynchronous: bool = False) -> RLJob:
-    """The job on this rank (every rank calls it), in the order of the module docstring. ``with_critic``:
-    PPO's value model, its own ranks under parallel.placement=split. ``asynchronous``: the caller is the
-    asynchronous loop (recipes/grpo_async.py), which alone runs parallel.placement=async."""
+def build_job(cfg: Config, roles: Roles = NO_EXTRA_ROLES) -> RLJob:
+    """The job on this rank (every rank calls it), in the order of the module docstring: what
+    :func:`~spmdrl.rl.plan.plan_job` plans for the recipe's ``roles``, built."""
     run = start_run(cfg)
     env = run.env
     started_at = time.perf_counter()
     # An engine this machine cannot run (vLLM release, forced CPU GEMM path) fails now, not after the SFT.
     check_engine_config(cfg.rollout, env.device.type)
-    # Which ranks run which role (a placement that cannot fit this world fails here, before any model).
+    # Which ranks run which role (a placement that cannot fit this world fails here, before the data;
+    # the plan below, with the data's size, runs the rest of its checks).
     placement = plan_placement(
-        cfg.parallel, env.world_size, needs_critic=with_critic, asynchronous=asynchronous
+        cfg.parallel, env.world_size, needs_critic=roles.critic, asynchronous=roles.asynchronous
     )
-    if placement.is_async:
-        check_async_batch(cfg, placement)
-    if cfg.model.fsdp_unit == "none":  # no FSDP2: each model on one rank (the build checks it too, later)
-        built = ("actor", "ref", "critic") if with_critic else ("actor", "ref")
-        check_bare_module({r: placement.role(r).num_ranks for r in built})
     world_size, local_world_size = node_layout_from_env()
     check_tp_within_nodes(cfg.rollout.tp, world_size, local_world_size)  # an engine never spans two nodes
     log.info("placement %s", placement.describe())
 
     # Resume: the newest complete checkpoint of this output directory (trainer.resume=auto), a path, or
     # none. Rank 0 decides for everyone (every rank must agree on it; spmdrl/loop.py).
-    plan = loop.plan_start(run)
-    if placement.is_async and plan.resume_from is not None:  # a pipeline this one cannot continue exactly
-        check_resume_all_ranks(plan.resume_from, PipelineShape.of(cfg, placement))
+    start = loop.plan_start(run)
+    if placement.is_async and start.resume_from is not None:  # a pipeline this one cannot continue exactly
+        check_resume_all_ranks(start.resume_from, PipelineShape.of(cfg, placement))
 
     # Data, rewards and batch arithmetic (the tokenizer is the base model's; the warm-start's export keeps it).
     base_dir = resolve_model_path_all_ranks(cfg.model.path, run.cache_dir)
@@ -198,35 +221,17 @@ def build_job(cfg: Config, *, with_critic: bool = False, asynchronous: bool = Fa
     schemas = tool_schemas(tools) if tools else None
     train_ds = load_prompts(run, tokenizer, cfg.data.train_files, schemas)
     val_ds = load_prompts(run, tokenizer, cfg.data.val_files, schemas) if cfg.data.val_files else None
-    # async: the rollout ranks split each batch's prompts among themselves (the trainer ranks' share is
-    # derive_rl's below).
-    gen_ranks = placement.role("rollout").num_ranks if placement.is_async else env.world_size
-    derived = derive(cfg, gen_ranks, len(train_ds), samples_per_item=cfg.rollout.n)
-    check_profile_steps(cfg.logging.profile_steps, derived.total_steps)
+    plan = plan_job(cfg, env.world_size, len(train_ds), roles, device_type=env.device.type)
     # CUDA: the token budgets left at auto, from the free memory before any model or engine is allocated.
-    memory = (
-        measure_token_budgets(cfg, base_dir, env.device, placement, needs_critic=with_critic)
-        if wants_memory_budgets(cfg, env.device)
-        else None
-    )
-    budgets = (memory.train, memory.no_grad) if memory else None
-    if placement.is_async:
-        rl = rl_critic = derive_rl(
-            cfg, derived, train_ranks=placement.role("actor").num_ranks, memory_budgets=budgets
-        )
-    elif placement.is_split:
-        rl = derive_rl(
-            cfg, derived, train_ranks=placement.role("actor").num_ranks, role="actor", memory_budgets=budgets
-        )
-        rl_critic = derive_rl(
-            cfg,
-            derived,
-            train_ranks=placement.role("critic").num_ranks,
-            role="critic",
-            memory_budgets=budgets,
+    if wants_memory_budgets(cfg, env.device):
+        memory = measure_token_budgets(cfg, base_dir, env.device, placement, needs_critic=roles.critic)
+        budgets = (memory.train, memory.no_grad)
+        plan = plan_job(
+            cfg, env.world_size, len(train_ds), roles, device_type=env.device.type, memory_budgets=budgets
         )
     else:
-        rl = rl_critic = derive_rl(cfg, derived, memory_budgets=budgets)
+        memory = None
+    derived, rl = plan.derived, plan.rl
     check_model_fits(base_dir, rl.max_model_len, cfg.rollout.tp, cfg.model.trust_remote_code)
     check_kv_cache_tokens(cfg.rollout.kv_cache_tokens, rl.max_model_len)
     # The engines' KV caches against the memory they would live in (on CPU, the node's host memory).
@@ -244,32 +249,12 @@ def build_job(cfg: Config, *, with_critic: bool = False, asynchronous: bool = Fa
     check_model_rewards(cfg)  # reward_model.path's files, before the warm-start
     check_data_sources(cfg.reward.fn, _data_sources(train_ds, val_ds))
 
-    model_dir = warm_start(run, plan) if cfg.warmstart.enabled else base_dir
+    model_dir = warm_start(run, start) if cfg.warmstart.enabled else base_dir
 
-    # Off-policy rows (async, max_staleness >= 1): the old logprobs are the trainer's, not the engine's.
-    recompute_old = needs_old_logprobs(cfg, rl) or (placement.is_async and cfg.trainer.max_staleness > 0)
-    # Offloaded parameters take their optimizer state with them; on a CPU trainer there is nowhere to move it.
-    offload_optim = cfg.model.offload_optimizer and not cfg.model.offload_params and env.device.type == "cuda"
-    # Who scores with reward_model.*: the actor's ranks (colocated: every rank), or under
-    # parallel.placement=async the rollout ranks, which hold the samples and the engines (the judge's).
-    scorer = "rollout" if placement.is_async else "actor"
-    rm_derived = (
-        {"reward_model": placement.role(scorer).describe()}
-        if cfg.reward_model.enable or cfg.reward_model.judge.enable
-        else {}
-    )
-    critic_derived = (
-        {"critic_per_rank_mini_batch_seqs": rl_critic.per_rank_mini_batch_seqs} if with_critic else {}
-    )
     run.log_derived(
         derived,
-        **rl.as_dict(),
-        placement=placement.describe(),
-        **critic_derived,
-        **rm_derived,
+        **plan.describe(cfg),
         **(memory.as_dict() if memory else {}),
-        recompute_old_logprobs=recompute_old,
-        offload_optimizer_between_updates=offload_optim,
         train_prompts=len(train_ds),
         train_filtered_overlong=train_ds.num_filtered,
         val_prompts=len(val_ds) if val_ds else 0,
@@ -282,20 +267,30 @@ def build_job(cfg: Config, *, with_critic: bool = False, asynchronous: bool = Fa
 
     # Models on their meshes (colocated: the same ranks), then the engine on every rank.
     meshes = placement.build_meshes(env.device.type)
-    is_actor, is_critic = meshes.holds("actor"), with_critic and meshes.holds("critic")
-    actor, ref = build_models(cfg, env.device, meshes, model_dir)
-    critic = build_critic(cfg, env.device, meshes, model_dir, run.cache_dir) if is_critic else None
-    optimizer = build_optimizer(actor, cfg.optim) if is_actor else None
-    if is_actor:
-        log.info("actor update: %s", describe_grad_sync(actor, cfg.trainer.defer_grad_sync))
-    if critic is not None:
+    policy, ref = build_models(cfg, env.device, meshes, model_dir)
+    actor = None
+    if meshes.holds("actor"):
+        optimizer = build_optimizer(policy, cfg.optim)
+        actor = TrainedRole(
+            policy,
+            optimizer,
+            build_lr_scheduler(optimizer, cfg.optim, derived.total_steps),
+            # model.offload_optimizer: the moments in (pinned) host memory between updates.
+            OptimizerOffload(optimizer, env.device, plan.offload_optimizer),
+            rl,
+            meshes.group("actor"),
+        )
+        log.info("actor update: %s", describe_grad_sync(policy, cfg.trainer.defer_grad_sync))
+    critic = None
+    if plan.rl_critic is not None and meshes.holds("critic"):
+        c = build_critic(cfg, env.device, meshes, model_dir, run.cache_dir)
+        offload = OptimizerOffload(c.optimizer, env.device, plan.offload_optimizer)
+        critic = TrainedRole(
+            c.model, c.optimizer, c.scheduler, offload, plan.rl_critic, meshes.group("critic")
+        )
         log.info("critic update: %s", describe_grad_sync(critic.model, cfg.trainer.defer_grad_sync))
-    # model.offload_optimizer: the moments in (pinned) host memory between updates.
-    actor_offload = OptimizerOffload(optimizer, env.device, offload_optim) if optimizer else None
-    critic_offload = OptimizerOffload(critic.optimizer, env.device, offload_optim) if critic else None
-    scheduler = build_lr_scheduler(optimizer, cfg.optim, derived.total_steps) if optimizer else None
     fanout = (
-        Fanout(meshes.fanout_group, placement.fanout_ranks()[0], receiving=not is_actor)
+        Fanout(meshes.fanout_group, placement.fanout_ranks()[0], receiving=actor is None)
         if meshes.fanout_group is not None
         else None
     )
@@ -312,14 +307,14 @@ def build_job(cfg: Config, *, with_critic: bool = False, asynchronous: bool = Fa
     model_rewards = (
         build_model_rewards(
             cfg,
-            meshes.fsdp(scorer),
+            meshes.fsdp(plan.scorer),
             engine,
             tokenizer,
             env.device,
             max_model_len=rl.max_model_len,
-            group=meshes.group(scorer),
+            group=meshes.group(plan.scorer),
         )
-        if meshes.holds(scorer)
+        if meshes.holds(plan.scorer)
         else None
     )
     a = cfg.algorithm
@@ -329,29 +324,9 @@ def build_job(cfg: Config, *, with_critic: bool = False, asynchronous: bool = Fa
 
     # The state a checkpoint holds: each trained role (model, optimizer, schedule) on its own ranks, and
     # the loop's position (step, sampler, KL coefficient); RNG states are saved per rank.
-    roles = [
-        RoleState(
-            "actor",
-            is_actor,
-            actor,
-            optimizer,
-            scheduler,
-            meshes.group("actor"),
-            _hf_writer(actor, tokenizer),
-            placement.role("actor").ranks,
-        ),
-    ]
-    if with_critic:
-        roles.append(
-            RoleState(
-                "critic",
-                is_critic,
-                *((critic.model, critic.optimizer, critic.scheduler) if critic else (None, None, None)),
-                meshes.group("critic"),
-                _hf_writer(critic.model, tokenizer) if critic else None,
-                placement.role("critic").ranks,
-            )
-        )
+    roles = [_role_state("actor", actor, policy, meshes, placement, tokenizer)]
+    if plan.with_critic:
+        roles.append(_role_state("critic", critic, None, meshes, placement, tokenizer))
     checkpointer = Checkpointer(
         checkpoint_root(run.output_dir),
         roles,
@@ -360,38 +335,54 @@ def build_job(cfg: Config, *, with_critic: bool = False, asynchronous: bool = Fa
     )
     job = RLJob(
         run=run,
-        placement=placement,
+        plan=plan,
         meshes=meshes,
-        derived=derived,
-        rl=rl,
         tokenizer=tokenizer,
         train_ds=train_ds,
         val_ds=val_ds,
         reward_fn=reward_fn,
         sampler=sampler,
         model_dir=model_dir,
+        policy=policy,
         actor=actor,
+        critic=critic,
         ref=ref,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        actor_offload=actor_offload,
         engine=engine,
         # group: the multi-turn metrics reduce over the ranks that generate (async: the rollout ranks).
         rollout=Rollout(engine, agent, cfg.rollout.latency_tail, group=meshes.group("rollout")),
         fanout=fanout,
         kl_ctrl=kl_ctrl,
-        recompute_old=recompute_old,
-        rl_critic=rl_critic,
-        critic=critic,
-        critic_offload=critic_offload,
         start_step=0,
         logger=NullLogger(),  # opened by _resume_or_start, once the resumed run's later rows are dropped
         checkpointer=checkpointer,
         started_at=started_at,
         model_rewards=model_rewards,
     )
-    _resume_or_start(job, roles, plan)
+    _resume_or_start(job, roles, start)
     return job
+
+
+def _role_state(
+    name: str,
+    role: TrainedRole | None,
+    module: torch.nn.Module | None,
+    meshes: Meshes,
+    placement: Placement,
+    tokenizer: object,
+) -> RoleState:
+    """What a checkpoint holds of a trained role: its model, optimizer and schedule on its own ranks
+    (``module``: the role's module on the ranks that do not train it, when they hold one)."""
+    model = role.model if role is not None else module
+    return RoleState(
+        name,
+        role is not None,
+        model,
+        role.optimizer if role is not None else None,
+        role.scheduler if role is not None else None,
+        meshes.group(name),
+        _hf_writer(model, tokenizer) if model is not None else None,
+        placement.role(name).ranks,
+    )
 
 
 def _resume_or_start(job: RLJob, roles: list[RoleState], plan: loop.StartPlan) -> None:
@@ -418,11 +409,11 @@ def sync_actor_weights(job: RLJob, check_seed: int) -> SyncStats:
     check = (
         SyncCheck(check_seed, cfg.rollout.weight_sync_check_tol) if cfg.rollout.weight_sync_check else None
     )
-    engine = job.engine if job.holds_engine else None  # async: the trainer ranks gather, send, load nothing
+    engine = job.engine  # async: None on the trainer ranks, which gather, send, load nothing
 
     def sync() -> SyncStats:
         return sync_weights(
-            job.actor,
+            job.policy,
             engine,
             bucket_mb=cfg.rollout.weight_sync_bucket_mb,
             check=check,
@@ -551,8 +542,8 @@ def finish(job: RLJob) -> None:
             from spmdrl.checkpoint.export import export_hf
 
             out = job.run.output_dir
-            if job.is_actor:
-                export_hf(job.actor, job.tokenizer, out / "hf_model", group=job.actor_group)
+            if job.actor is not None:
+                export_hf(job.actor.model, job.tokenizer, out / "hf_model", group=job.actor_group)
             if job.critic is not None:
                 export_hf(job.critic.model, job.tokenizer, out / "critic_hf_model", group=job.critic_group)
         if job.engine is not None:  # async: a trainer rank may hold none

@@ -68,10 +68,15 @@ def build_models(
 
 
 @dataclasses.dataclass
-class Critic:
+class TrainedModel:
+    """A model with its optimizer and learning-rate schedule."""
+
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
+
+
+Critic = TrainedModel  # PPO's value model is one
 
 
 def build_critic(

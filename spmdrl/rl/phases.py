@@ -184,7 +184,13 @@ def experience(job: RLJob, s: Step, batch: PolicyBatch, group: dist.ProcessGroup
     # Timed only when a pass runs: an on-policy step without a reference runs neither.
     with s.timer.maybe("old_ref", job.recompute_old or job.ref is not None):
         batch = old_and_ref_logprobs(
-            cfg, job.rl, job.actor, job.ref, batch, job.actor_group, recompute_old=job.recompute_old
+            cfg,
+            job.rl,
+            job.trained("actor").model,
+            job.ref,
+            batch,
+            job.actor_group,
+            recompute_old=job.recompute_old,
         )
     with s.timer("experience"):  # the advantages (ReMax's baseline, gdpo's components where they apply)
         components_BK = gdpo_reward_components(cfg, s.samples.rewards)
@@ -200,10 +206,10 @@ def experience(job: RLJob, s: Step, batch: PolicyBatch, group: dist.ProcessGroup
 def update_actor(job: RLJob, batch: PolicyBatch) -> UpdateResult:
     """The actor's update on ``batch``; the learning rate steps once per RL step (optim.warmup_steps
     counts RL steps). model.offload_optimizer brings the moments back for it."""
-    assert job.optimizer is not None and job.scheduler is not None and job.actor_offload is not None
-    with job.actor_offload.on_device():
-        result = update_policy(job.cfg, job.rl, job.actor, job.optimizer, batch, job.actor_group)
-    job.scheduler.step()
+    actor = job.trained("actor")
+    with actor.offload.on_device():
+        result = update_policy(job.cfg, job.rl, actor.model, actor.optimizer, batch, job.actor_group)
+    actor.scheduler.step()
     return result
 
 
@@ -227,7 +233,7 @@ def actor_metrics(job: RLJob, s: Step, group: dist.ProcessGroup | None = None) -
     """The step's metrics (docs/metrics.md) reduced over ``group``, the ranks that hold its samples: the
     rollout's, the rewards', the timings, the trainer-vs-engine mismatch, the update's, the phases' own,
     the learning rate, and the tokens/s and MFU of the update and of the old/ref passes."""
-    assert job.scheduler is not None
+    actor = job.trained("actor")
     actor_part = (s.batch, s.sampled_mask_BT, s.update.old_logprobs_BT)
     metrics = {
         **step_metrics(
@@ -235,13 +241,13 @@ def actor_metrics(job: RLJob, s: Step, group: dist.ProcessGroup | None = None) -
         ),
         **s.update.metrics,
         **s.metrics,
-        "actor/lr": job.scheduler.get_last_lr()[0],
+        "actor/lr": actor.scheduler.get_last_lr()[0],
     }
     passes = int(job.recompute_old) + int(job.ref is not None)
     metrics.update(
         actor_perf_metrics(
             job.cfg,
-            job.actor,
+            actor.model,
             s.batch,
             metrics,
             forward_passes=passes,

@@ -1,0 +1,56 @@
+"""The RL job's plan (spmdrl/rl/plan.py): a pure function of the config, the world size and the data's
+size, which build_job builds from and ``--check --world-size N`` prints without a process group or model."""
+
+from __future__ import annotations
+
+import pytest
+
+from spmdrl.config_loader import load_config
+from spmdrl.errors import ConfigError
+from spmdrl.rl.plan import Roles, plan_job
+from spmdrl.train import parse_config
+
+
+def test_grpo_colocated_plan_puts_every_role_on_every_rank() -> None:
+    cfg = load_config(["recipe=grpo_tiny"])
+    plan = plan_job(cfg, 8, 4000)
+    assert plan.placement.kind == "colocated" and not plan.with_critic
+    assert plan.derived.per_rank_batch_size == cfg.trainer.global_batch_size // 8
+    assert plan.derived.total_steps == cfg.trainer.total_steps
+    assert plan.describe(cfg)["placement"] == plan.placement.describe()
+
+
+def test_ppo_split_plan_gives_the_critic_its_own_ranks_and_arithmetic() -> None:
+    cfg = load_config(["recipe=ppo_tiny", "parallel.placement=split"])
+    plan = plan_job(cfg, 4, 4000, Roles(critic=True))
+    assert plan.placement.is_split and plan.placement.role("critic").ranks == [2, 3]
+    assert plan.rl_critic is not None and plan.rl_critic.train_ranks == 2 and plan.rl.train_ranks == 2
+    assert "critic_per_rank_mini_batch_seqs" in plan.describe(cfg)
+
+
+def test_async_plan_recomputes_old_logprobs_when_generation_runs_ahead() -> None:
+    cfg = load_config(["recipe=grpo_async_tiny", "trainer.max_staleness=1"])
+    plan = plan_job(cfg, 3, 4000, Roles(asynchronous=True))
+    assert plan.placement.is_async and plan.recompute_old and plan.scorer == "rollout"
+
+
+def test_a_world_the_batch_does_not_split_over_fails_in_the_plan() -> None:
+    cfg = load_config(["recipe=grpo_tiny"])
+    with pytest.raises(ConfigError, match="not divisible by the data-parallel size 7"):
+        plan_job(cfg, 7, 4000)
+
+
+def test_check_with_a_world_size_prints_the_recipes_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(["recipe=ppo_tiny", "parallel.placement=split", "--check", "--world-size", "4"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "plan on 4 ranks: split:" in out and "critic: ranks 2-3" in out
+    assert "the critic's update on 2 ranks" in out
+
+
+def test_world_size_without_check_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(["recipe=grpo_tiny", "--world-size", "2"])
+    assert exit_info.value.code == 2
+    assert "--world-size goes with --check" in capsys.readouterr().err
