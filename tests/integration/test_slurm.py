@@ -181,7 +181,9 @@ def test_the_config_check_runs_first_with_the_same_arguments(tmp_path: Path, tem
     assert len(calls) == 2, calls
     assert (
         calls[0]
-        == f"python -m spmdrl.train --check trainer.output_dir={tmp_path}/outputs/job-7 recipe=grpo_tiny a.b=1"
+        # --world-size: the job's ranks (1 node x 2 CPUs, no GPU), so the RL plan is checked on them too.
+        == f"python -m spmdrl.train --check --world-size 2 trainer.output_dir={tmp_path}/outputs/job-7 "
+        "recipe=grpo_tiny a.b=1"
     )
     assert calls[-1].endswith(
         f"-m spmdrl.train trainer.output_dir={tmp_path}/outputs/job-7 recipe=grpo_tiny a.b=1"
