@@ -95,11 +95,11 @@ def parse_config(argv: list[str], *, import_entry: bool = True) -> Config:
     except (ConfigError, DataError) as e:
         exit_config_error(str(e), "data" if isinstance(e, DataError) else "config")
     if check_only:
+        plan = _plan_lines(cfg, world_size) if world_size is not None else []  # exits 2 if it does not fit
         print(
             f"spmdrl: config ok: recipe {cfg.name} (entry {cfg.entry}); {'; '.join(checked)}; reward.fn={cfg.reward.fn}"
         )
-        if world_size is not None:
-            _print_plan(cfg, world_size)
+        print("\n".join(plan), end="\n" if plan else "")
         sys.exit(0)
     if print_cfg:
         if os.environ.get("RANK", "0") == "0":
@@ -126,23 +126,22 @@ def _pop_world_size(argv: list[str], check_only: bool) -> tuple[list[str], int |
     return rest, found
 
 
-def _print_plan(cfg: Config, world_size: int) -> None:
-    """The RL recipe's plan on ``world_size`` ranks (its module's ROLES), or why there is none."""
+def _plan_lines(cfg: Config, world_size: int) -> list[str]:
+    """The RL recipe's plan on ``world_size`` ranks (its module's ROLES), or why there is none; a clean exit
+    2 when the job does not fit them."""
     from spmdrl.config_loader import import_entry
     from spmdrl.models.tiny import default_cache_dir
     from spmdrl.rl.plan import Roles, describe_plan
 
     roles = getattr(import_entry(cfg.entry), "ROLES", None)
     if not isinstance(roles, Roles):
-        print(
+        return [
             f"spmdrl: no RL plan: entry {cfg.entry} declares no ROLES (an RL recipe's roles, spmdrl.rl.plan)"
-        )
-        return
+        ]
     try:
-        lines = describe_plan(cfg, roles, world_size, default_cache_dir(cfg.model.cache_dir))
+        return describe_plan(cfg, roles, world_size, default_cache_dir(cfg.model.cache_dir))
     except ConfigError as e:
         exit_config_error(f"on {world_size} ranks: {e}")
-    print("\n".join(lines))
 
 
 def _pop_cfg_flag(argv: list[str]) -> tuple[list[str], bool]:

@@ -54,3 +54,16 @@ def test_world_size_without_check_is_a_usage_error(capsys: pytest.CaptureFixture
         parse_config(["recipe=grpo_tiny", "--world-size", "2"])
     assert exit_info.value.code == 2
     assert "--world-size goes with --check" in capsys.readouterr().err
+
+
+def test_check_refuses_a_world_the_job_does_not_fit_without_saying_ok(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(["recipe=grpo_tiny", "parallel.placement=async", "--check", "--world-size", "4"])
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert (
+        "config ok" not in captured.out
+        and "parallel.placement=async needs the asynchronous loop" in captured.err
+    )
