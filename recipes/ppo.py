@@ -109,19 +109,27 @@ def make_experience(job: rl.RLJob, s: Step) -> None:
         # reference runs neither, and logs no timing/old_ref_s.
         with s.timer.maybe("old_ref", job.recompute_old or job.ref is not None):
             batch = old_and_ref_logprobs(
-                cfg, job.rl, job.actor, job.ref, batch, job.actor_group, recompute_old=job.recompute_old
+                job.update_settings,
+                job.rl,
+                job.actor,
+                job.ref,
+                batch,
+                job.actor_group,
+                recompute_old=job.recompute_old,
             )
     if job.critic is not None:
         assert critic_batch is not None
         with s.timer("values"):
-            parts = micro_rows(cfg, job.rl_critic, critic_batch, job.critic_group)
+            parts = micro_rows(cfg.trainer, job.rl_critic, critic_batch, job.critic_group)
             values_BT = values_of(job.critic.model, critic_batch, parts, cfg.trainer.pack_sequences)
             critic_batch = critic_batch.replace(values_BT=values_BT)
     with s.timer.maybe("exchange", rows.moves):
         batch = values_to_actor(rows, critic_batch, batch)
     if batch is not None:
         with s.timer("experience"):  # GAE
-            batch, s.metrics = batch_advantages(cfg, batch, None, job.kl_ctrl, job.device, job.actor_group)
+            batch, s.metrics = batch_advantages(
+                cfg.algorithm, cfg.rollout.n, batch, None, job.kl_ctrl, job.device, job.actor_group
+            )
     with s.timer.maybe("exchange", rows.moves):
         critic_batch = returns_to_critic(rows, batch, critic_batch)
         # parallel.balance_tokens, colocated: the rows move only now, as GAE's whitening is batch-wide.
@@ -141,7 +149,12 @@ def update(job: rl.RLJob, s: Step) -> None:
             assert s.critic_batch is not None and job.critic_offload is not None
             with s.timer("critic_update"), job.critic_offload.on_device():
                 s.critic_metrics = update_critic(
-                    cfg, job.rl_critic, job.critic, s.critic_batch, job.critic_group
+                    job.update_settings,
+                    cfg.critic,
+                    job.rl_critic,
+                    job.critic,
+                    s.critic_batch,
+                    job.critic_group,
                 )
         if s.batch is not None:
             with s.timer("actor_update"):
@@ -155,7 +168,7 @@ def actor_waits(job: rl.RLJob, batch: PolicyBatch) -> UpdateResult:
     cfg = job.cfg
     old_BT = batch.old_logprobs_BT
     if old_BT is None:
-        parts = micro_rows(cfg, job.rl, batch, job.actor_group)
+        parts = micro_rows(cfg.trainer, job.rl, batch, job.actor_group)
         fused = fused_chunk_for(cfg.model, job.actor)
         old_BT = logprobs_of(
             job.actor, batch, parts, cfg.rollout.temperature, cfg.trainer.pack_sequences, fused

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -59,7 +60,9 @@ from spmdrl.rl.model_rewards import ModelRewards, build_model_rewards, check_mod
 from spmdrl.rl.models import Critic, build_critic, build_models
 from spmdrl.rl.reference import Reference
 from spmdrl.rl.samples import ScoredSamples, train_samples, validate
+from spmdrl.rl.settings import update_settings
 from spmdrl.rl.token_budgets import measure_token_budgets, wants_memory_budgets
+from spmdrl.rl.update import UpdateSettings
 from spmdrl.rollout.engine import (
     RolloutEngine,
     build_engine,
@@ -123,6 +126,11 @@ class RLJob:
     @property
     def cfg(self) -> Config:
         return self.run.cfg
+
+    @functools.cached_property
+    def update_settings(self) -> UpdateSettings:
+        """What the trainer's passes read of the config (spmdrl.rl.update), gathered once."""
+        return update_settings(self.cfg)
 
     @property
     def env(self) -> DistEnv:
@@ -247,7 +255,9 @@ def build_job(cfg: Config, *, with_critic: bool = False, asynchronous: bool = Fa
     model_dir = warm_start(run, plan) if cfg.warmstart.enabled else base_dir
 
     # Off-policy rows (async, max_staleness >= 1): the old logprobs are the trainer's, not the engine's.
-    recompute_old = needs_old_logprobs(cfg, rl) or (placement.is_async and cfg.trainer.max_staleness > 0)
+    recompute_old = needs_old_logprobs(cfg.algorithm, rl) or (
+        placement.is_async and cfg.trainer.max_staleness > 0
+    )
     # Offloaded parameters take their optimizer state with them; on a CPU trainer there is nowhere to move it.
     offload_optim = cfg.model.offload_optimizer and not cfg.model.offload_params and env.device.type == "cuda"
     # Who scores with reward_model.*: the actor's ranks (colocated: every rank), or under

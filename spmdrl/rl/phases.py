@@ -184,12 +184,25 @@ def experience(job: RLJob, s: Step, batch: PolicyBatch, group: dist.ProcessGroup
     # Timed only when a pass runs: an on-policy step without a reference runs neither.
     with s.timer.maybe("old_ref", job.recompute_old or job.ref is not None):
         batch = old_and_ref_logprobs(
-            cfg, job.rl, job.actor, job.ref, batch, job.actor_group, recompute_old=job.recompute_old
+            job.update_settings,
+            job.rl,
+            job.actor,
+            job.ref,
+            batch,
+            job.actor_group,
+            recompute_old=job.recompute_old,
         )
     with s.timer("experience"):  # the advantages (ReMax's baseline, gdpo's components where they apply)
-        components_BK = gdpo_reward_components(cfg, s.samples.rewards)
+        components_BK = gdpo_reward_components(cfg.algorithm, cfg.reward, s.samples.rewards)
         batch, metrics = batch_advantages(
-            cfg, batch, s.baseline_B, job.kl_ctrl, job.device, job.actor_group, components_BK
+            cfg.algorithm,
+            cfg.rollout.n,
+            batch,
+            s.baseline_B,
+            job.kl_ctrl,
+            job.device,
+            job.actor_group,
+            components_BK,
         )
     s.metrics.update(metrics)
     with s.timer.maybe("exchange", rows.moves):
@@ -202,7 +215,7 @@ def update_actor(job: RLJob, batch: PolicyBatch) -> UpdateResult:
     counts RL steps). model.offload_optimizer brings the moments back for it."""
     assert job.optimizer is not None and job.scheduler is not None and job.actor_offload is not None
     with job.actor_offload.on_device():
-        result = update_policy(job.cfg, job.rl, job.actor, job.optimizer, batch, job.actor_group)
+        result = update_policy(job.update_settings, job.rl, job.actor, job.optimizer, batch, job.actor_group)
     job.scheduler.step()
     return result
 

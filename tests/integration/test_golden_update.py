@@ -110,6 +110,7 @@ def _worker(rank: int, world: int, model_dir: str, cfg: Any) -> list[dict[str, f
     from spmdrl.rl.batch import PolicyBatch
     from spmdrl.rl.micro_batches import micro_batch_rows
     from spmdrl.rl.models import build_models
+    from spmdrl.rl.settings import update_settings
     from spmdrl.rl.update import logprobs_of, update_policy
 
     cpu = torch.device("cpu")
@@ -153,7 +154,7 @@ def _worker(rank: int, world: int, model_dir: str, cfg: Any) -> list[dict[str, f
                     temp,
                 )
             )
-        metrics = update_policy(cfg, rl, actor, optimizer, batch).metrics
+        metrics = update_policy(update_settings(cfg), rl, actor, optimizer, batch).metrics
         scheduler.step()
         with torch.no_grad():
             sq = sum(
