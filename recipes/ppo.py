@@ -100,7 +100,7 @@ def make_experience(job: rl.RLJob, s: Step) -> None:
         job.engine.sleep(keep_weights=False)
     with s.timer("experience"):  # the rows on the device, and where each role's go
         local = policy_batch(s.samples, job.tokenizer.pad_token_id, job.device)
-        rows = plan_rows(cfg, job.placement, job.rl, local, job.device, job.rl_critic)
+        rows = plan_rows(cfg.parallel.balance_tokens, job.placement, job.rl, local, job.device, job.rl_critic)
     with s.timer.maybe("exchange", rows.moves):
         batch, critic_batch = to_role(rows, local, "actor"), to_role(rows, local, "critic")
     sampled_mask_BT = batch.response_mask_BT if batch is not None else None  # the mismatch metric's
@@ -185,14 +185,24 @@ def log(job: rl.RLJob, s: Step) -> None:
         assert s.update is not None and s.sampled_mask_BT is not None
         actor_part = (s.batch, s.sampled_mask_BT, s.update.old_logprobs_BT)
     # Every rank: the step's timings, the slowest rank's (each role's phases are 0 on the other's ranks).
-    base = step_metrics(cfg, s.samples, s.timer, job.device, actor_part, job.actor_group, s.resident_gb)
+    base = step_metrics(
+        cfg.rollout.n,
+        cfg.algorithm.ppo_epochs,
+        s.samples,
+        s.timer,
+        job.device,
+        actor_part,
+        job.actor_group,
+        s.resident_gb,
+    )
     # Tokens/s and MFU of each role's update and no-grad passes (spmdrl/rl/perf.py), reduced over the role's
     # own ranks; the critic's travel to rank 0 with its other metrics.
     actor_perf: dict[str, float] = {}
     if s.batch is not None:
         passes = int(job.recompute_old) + int(job.ref is not None)  # the values pass is the critic's
         actor_perf = actor_perf_metrics(
-            cfg,
+            cfg.model,
+            cfg.algorithm.ppo_epochs,
             job.actor,
             s.batch,
             base,
@@ -207,7 +217,13 @@ def log(job: rl.RLJob, s: Step) -> None:
         critic_metrics = {
             **critic_metrics,
             **critic_perf_metrics(
-                cfg, job.critic.model, s.critic_batch, base, device=job.device, group=job.critic_group
+                cfg.model,
+                cfg.algorithm.ppo_epochs,
+                job.critic.model,
+                s.critic_batch,
+                base,
+                device=job.device,
+                group=job.critic_group,
             ),
         }
     if job.placement.is_split:  # the first critic rank tells rank 0, which logs

@@ -511,7 +511,9 @@ def log_step(
     curves after a validation."""
     cfg = job.cfg
     if job.env.is_main and cfg.logging.samples_every > 0 and step % cfg.logging.samples_every == 0:
-        write_samples(job.samples_path, train_samples(step, job.tokenizer, samples, cfg))
+        write_samples(
+            job.samples_path, train_samples(step, job.tokenizer, samples, cfg.logging.samples_per_log)
+        )
     validated = validates_at(job, step)
     if validated:
         metrics.update(val_metrics if val_metrics is not None else validation(job, step))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from spmdrl.algos.policy_losses import POLICY_LOSSES
 from spmdrl.config import Config
+from spmdrl.rl.samples import RewardSettings
 from spmdrl.rl.update import UpdateSettings, policy_loss_name
 
 
@@ -26,3 +27,8 @@ def update_settings(cfg: Config) -> UpdateSettings:
         max_response_length=cfg.data.max_response_length,
         loss_section=cfg.section(loss_fn.section) if loss_fn.section is not None else None,
     )
+
+
+def reward_settings(cfg: Config) -> RewardSettings:
+    """What the stop on a step's failed rewards reads (spmdrl.rl.samples.check_reward_errors)."""
+    return RewardSettings(cfg.reward, cfg.reward_model, cfg.model.param_dtype)

@@ -11,6 +11,7 @@ from spmdrl.config import RolloutConfig
 from spmdrl.data.prompts import PromptExample
 from spmdrl.rewards.sandbox import RewardResult
 from spmdrl.rl.samples import ScoredSamples, check_reward_errors
+from spmdrl.rl.settings import reward_settings
 from spmdrl.rollout.engine import Generation
 from spmdrl.testing.spawn import run_distributed
 from tests.unit.rl.test_reward_error_sources import CPU, _cfg
@@ -47,7 +48,7 @@ def _judged(rank: int, world: int, model_dir: str) -> dict:
     out = rewards(samples, step=1).rewards
     metrics = rewards.metrics()
     try:
-        check_reward_errors(cfg, out, step=1, device=CPU)
+        check_reward_errors(reward_settings(cfg), out, step=1, device=CPU)
         stopped = None
     except RuntimeError as e:
         stopped = str(e)

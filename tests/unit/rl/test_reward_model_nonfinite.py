@@ -23,6 +23,7 @@ from spmdrl.rewards.sandbox import RewardResult
 from spmdrl.rl.model_rewards import ModelRewards
 from spmdrl.rl.reward_model import RewardModel, encode_for_rm
 from spmdrl.rl.samples import ScoredSamples, check_reward_errors
+from spmdrl.rl.settings import reward_settings
 from spmdrl.rollout.engine import Generation
 
 CPU = torch.device("cpu")
@@ -122,14 +123,14 @@ def test_nonfinite_scores_get_error_score_and_are_counted(
     assert metrics["reward/rule_score"] == pytest.approx(0.5)
     # 2 of 4 is above 0.25: the stop names the reward model, its count and its fix, and not reward.fn.
     with pytest.raises(RuntimeError) as e:
-        check_reward_errors(cfg, r, step=7, device=CPU)
+        check_reward_errors(reward_settings(cfg), r, step=7, device=CPU)
     msg = str(e.value)
     assert msg.startswith("step 7: 2 of 4 samples (50%) got no score, above reward.max_error_frac=0.25 (or")
     assert "  - 2 reward-model scores were NaN/inf (reward_model.path=my_rm)" in msg
     assert "check the checkpoint" in msg and "model.param_dtype=auto" in msg
     assert "reward.fn" not in msg and "judge" not in msg
     # Under the limit the step goes on, on finite rewards.
-    check_reward_errors(_cfg(max_error_frac=0.5), r, step=7, device=CPU)
+    check_reward_errors(reward_settings(_cfg(max_error_frac=0.5)), r, step=7, device=CPU)
 
 
 def test_a_sample_reward_fn_failed_too_counts_once(poisoned: tuple[RewardModel, RewardModel]) -> None:
@@ -140,7 +141,7 @@ def test_a_sample_reward_fn_failed_too_counts_once(poisoned: tuple[RewardModel, 
     r = out.rewards
     assert (r.num_errors, r.num_rm_nonfinite, r.num_rm_only, r.num_fn_failed) == (3, 2, 1, 2)
     with pytest.raises(RuntimeError) as e:
-        check_reward_errors(cfg, r, step=2, device=CPU)
+        check_reward_errors(reward_settings(cfg), r, step=2, device=CPU)
     lines = str(e.value).splitlines()
     assert lines[0].startswith("step 2: 3 of 4 samples (75%) got no score")
     assert lines[1].startswith("  - 2 from reward.fn=mine")
@@ -160,7 +161,7 @@ def test_a_zero_weight_model_still_counts_its_nan(poisoned: tuple[RewardModel, R
 
 def _stop(cfg: Config, scores_B: torch.Tensor) -> str:
     with pytest.raises(RuntimeError) as e:
-        check_reward_errors(cfg, RewardResult(scores_B, 0, 0), step=4, device=CPU)
+        check_reward_errors(reward_settings(cfg), RewardResult(scores_B, 0, 0), step=4, device=CPU)
     return str(e.value)
 
 
@@ -183,7 +184,9 @@ def test_a_nonfinite_training_reward_stops_whatever_the_limit() -> None:
     )
     assert "reward_model.judge.weight=inf is not a finite number" in _stop(judged, torch.tensor([math.inf]))
     # Finite rewards pass.
-    check_reward_errors(cfg, RewardResult(torch.tensor([1.0, -3.0e38]), 0, 0), step=4, device=CPU)
+    check_reward_errors(
+        reward_settings(cfg), RewardResult(torch.tensor([1.0, -3.0e38]), 0, 0), step=4, device=CPU
+    )
 
 
 def test_an_overflowing_weight_is_caught_before_training(poisoned: tuple[RewardModel, RewardModel]) -> None:
@@ -222,7 +225,7 @@ def _two_ranks(rank: int, world: int, rm_dir: str) -> dict:
     out = rewards(_samples(responses=clean if rank == 0 else RESPONSES), step=5)
     metrics = rewards.metrics()
     try:
-        check_reward_errors(cfg, out.rewards, step=5, device=CPU)
+        check_reward_errors(reward_settings(cfg), out.rewards, step=5, device=CPU)
         stopped = None
     except RuntimeError as e:
         stopped = str(e)
