@@ -249,7 +249,7 @@ def build_job(cfg: Config, *, with_critic: bool = False, asynchronous: bool = Fa
     # Multi-turn: the chat template must render tool turns, the parser must load (before the warm-start).
     agent = build_agent_loop(cfg, tokenizer, tools, max_model_len=rl.max_model_len)
     reward_fn = load_reward_fn(cfg.reward.fn)
-    check_model_rewards(cfg)  # reward_model.path's files, before the warm-start
+    check_model_rewards(cfg.reward_model)  # reward_model.path's files, before the warm-start
     check_data_sources(cfg.reward.fn, _data_sources(train_ds, val_ds))
 
     model_dir = warm_start(run, plan) if cfg.warmstart.enabled else base_dir
@@ -293,8 +293,14 @@ def build_job(cfg: Config, *, with_critic: bool = False, asynchronous: bool = Fa
     # Models on their meshes (colocated: the same ranks), then the engine on every rank.
     meshes = placement.build_meshes(env.device.type)
     is_actor, is_critic = meshes.holds("actor"), with_critic and meshes.holds("critic")
-    actor, ref = build_models(cfg, env.device, meshes, model_dir)
-    critic = build_critic(cfg, env.device, meshes, model_dir, run.cache_dir) if is_critic else None
+    actor, ref = build_models(cfg.model, cfg.trainer, cfg.algorithm, env.device, meshes, model_dir)
+    critic = (
+        build_critic(
+            cfg.critic, cfg.model, cfg.trainer.total_steps, env.device, meshes, model_dir, run.cache_dir
+        )
+        if is_critic
+        else None
+    )
     optimizer = build_optimizer(actor, cfg.optim) if is_actor else None
     if is_actor:
         log.info("actor update: %s", describe_grad_sync(actor, cfg.trainer.defer_grad_sync))

@@ -117,7 +117,7 @@ def _worker(rank: int, world: int, model_dir: str, cfg: Any) -> list[dict[str, f
     derived = derive(cfg, world, PROMPTS * STEPS, samples_per_item=N)
     rl = derive_rl(cfg, derived)
     meshes = Placement.colocated(world).build_meshes("cpu")
-    actor, ref = build_models(cfg, cpu, meshes, Path(model_dir))
+    actor, ref = build_models(cfg.model, cfg.trainer, cfg.algorithm, cpu, meshes, Path(model_dir))
     optimizer = build_optimizer(actor, cfg.optim)
     scheduler = build_lr_scheduler(optimizer, cfg.optim, STEPS)
     initial = {n: p.detach().full_tensor().clone() for n, p in actor.named_parameters()}

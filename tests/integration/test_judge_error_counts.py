@@ -44,7 +44,7 @@ def _judged(rank: int, world: int, model_dir: str) -> dict:
     # reward.fn failed on sample 0 (an error), scored the others.
     fn_result = RewardResult(rule_B, 1, 0, failed_B=torch.tensor([True, False, False, False]))
     samples = ScoredSamples(prompts, gens, fn_result, ["1", "2", "2", "3"], rule_B.clone())
-    rewards = ModelRewards(cfg, None, judge, CPU)
+    rewards = ModelRewards(cfg.reward, cfg.reward_model, cfg.rollout.seed, None, judge, CPU)
     out = rewards(samples, step=1).rewards
     metrics = rewards.metrics()
     try:

@@ -73,7 +73,7 @@ def _worker(rank: int, world: int, model_dir: str) -> dict[str, Any]:
         )
         validate(cfg)
         rl = derive_rl(cfg, derive(cfg, world, 100, samples_per_item=2))
-        actor, ref = build_models(cfg, cpu, meshes, Path(model_dir))
+        actor, ref = build_models(cfg.model, cfg.trainer, cfg.algorithm, cpu, meshes, Path(model_dir))
         assert ref is not None and ref.adapters_off and ref.model is actor
         # One update of the adapters (B starts at zero: the adapted actor would be its base).
         optimizer = build_optimizer(actor, cfg.optim)

@@ -72,7 +72,7 @@ def _worker(rank: int, world: int, model_dir: str) -> dict[str, Any]:
         )
         validate(cfg)
         rl = derive_rl(cfg, derive(cfg, world, 100, samples_per_item=2))
-        actor, ref = build_models(cfg, cpu, meshes, Path(model_dir))
+        actor, ref = build_models(cfg.model, cfg.trainer, cfg.algorithm, cpu, meshes, Path(model_dir))
         assert ref is not None
         optimizer = torch.optim.SGD(actor.parameters(), lr=0.1)
         parts = micro_batch_rows(
