@@ -349,13 +349,14 @@ def plain_passes(
     clipped policy loss with its k3 KL term against the reference, summed over sampled tokens and divided
     by the mini-batch's count (token-mean), backward; then clip_grad_norm_ and the optimizer step. bf16
     autocast on CUDA, float32 on CPU, as spmdrl's param_dtype=auto. No metrics, no checks: the floor."""
+    from spmdrl.rl.settings import update_settings
     from spmdrl.rl.update import loss_modes, mini_batches
 
     a = cfg.algorithm
     device = batch.input_ids_BT.device
     autocast = _autocast(device)
     temperature = cfg.rollout.temperature
-    plans = list(mini_batches(cfg, rl, batch, loss_modes(cfg)))
+    plans = list(mini_batches(update_settings(cfg), rl, batch, loss_modes(cfg.algorithm)))
     counts = [int(sum(mb.response_mask_BT.sum() for mb in mbs)) for _, _, _, mbs, _ in plans]  # host, once
 
     def update() -> None:
@@ -549,6 +550,7 @@ def build_column(
     from spmdrl.config_loader import load_config
     from spmdrl.logging.flops import DecoderShape, forward_flops, training_flops
     from spmdrl.optim import build_optimizer
+    from spmdrl.rl.settings import update_settings
     from spmdrl.rl.update import logprobs_of, loss_modes, micro_rows, mini_batches, update_policy
 
     cfg = load_config([*config_overrides(a), *a.set, *overrides])
@@ -567,18 +569,21 @@ def build_column(
     else:
         optimizer = build_optimizer(model, cfg.optim)
     batch = synthetic_batch(a, model.config.vocab_size, device)
-    parts = micro_rows(cfg, rl, batch)
+    parts = micro_rows(cfg.trainer, rl, batch)
     lengths = batch.row_lengths()
     shape = DecoderShape.from_hf_config(model.config)
     epochs = cfg.algorithm.ppo_epochs
     # The update's own plan (its token budget, each mini-batch alone), every epoch.
-    n_micro_update = sum(len(plan) for _, _, plan, _, _ in mini_batches(cfg, rl, batch, loss_modes(cfg)))
+    n_micro_update = sum(
+        len(plan)
+        for _, _, plan, _, _ in mini_batches(update_settings(cfg), rl, batch, loss_modes(cfg.algorithm))
+    )
     if plain:
         update, forward = plain_passes(cfg, rl, model, optimizer, batch, parts)
     else:
 
         def update() -> Any:
-            return update_policy(cfg, rl, model, optimizer, batch)
+            return update_policy(update_settings(cfg), rl, model, optimizer, batch)
 
         def forward() -> Any:
             return logprobs_of(model, batch, parts, cfg.rollout.temperature, cfg.trainer.pack_sequences)

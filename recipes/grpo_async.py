@@ -48,6 +48,7 @@ from spmdrl.rl.async_rows import CARRIED_METRICS, TOKEN_VERSIONS, BatchLayout, p
 from spmdrl.rl.batch import PolicyBatch
 from spmdrl.rl.partial import generate_partial
 from spmdrl.rl.samples import check_reward_errors
+from spmdrl.rl.settings import reward_settings
 from spmdrl.rl.weight_notice import Notice, announce
 
 
@@ -202,7 +203,7 @@ def receive(job: rl.RLJob, s: phases.Step, layout: BatchLayout) -> PolicyBatch:
     s.samples, s.baseline_B = received.samples, received.baseline_B  # ReMax's baselines came with the rows
     peak = {"m": received.memory_gb}  # perf/max_memory_gb is the trainer ranks'
     s.metrics["perf/rollout_max_memory_gb"] = all_reduce_max(peak, job.device, job.actor_group)["m"]
-    check_reward_errors(job.cfg, s.samples.rewards, s.step, job.device, job.actor_group)
+    check_reward_errors(reward_settings(job.cfg), s.samples.rewards, s.step, job.device, job.actor_group)
     # The staleness rule: what is older than k is never trained on (trainer.stale_policy=drop masks it out).
     per_token = job.cfg.rollout.partial != "off"  # a row may hold several versions' tokens
     k = job.cfg.trainer.max_staleness

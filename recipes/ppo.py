@@ -104,7 +104,9 @@ def make_experience(job: rl.RLJob, s: Step) -> None:
         job.engine.sleep(keep_weights=False)
     with s.timer("experience"):  # the rows on the device, and where each role's go
         local = policy_batch(s.samples, job.tokenizer.pad_token_id, job.device)
-        rows = plan_rows(cfg, job.placement, job.rl, local, job.device, job.plan.rl_critic)
+        rows = plan_rows(
+            cfg.parallel.balance_tokens, job.placement, job.rl, local, job.device, job.plan.rl_critic
+        )
     with s.timer.maybe("exchange", rows.moves):
         batch, critic_batch = to_role(rows, local, "actor"), to_role(rows, local, "critic")
     sampled_mask_BT = batch.response_mask_BT if batch is not None else None  # the mismatch metric's
@@ -113,18 +115,26 @@ def make_experience(job: rl.RLJob, s: Step) -> None:
         # reference runs neither, and logs no timing/old_ref_s.
         with s.timer.maybe("old_ref", job.recompute_old or job.ref is not None):
             batch = old_and_ref_logprobs(
-                cfg, job.rl, job.actor.model, job.ref, batch, job.actor_group, recompute_old=job.recompute_old
+                job.update_settings,
+                job.rl,
+                job.actor.model,
+                job.ref,
+                batch,
+                job.actor_group,
+                recompute_old=job.recompute_old,
             )
     if job.critic is not None and critic_batch is not None:
         with s.timer("values"):
-            parts = micro_rows(cfg, job.critic.rl, critic_batch, job.critic_group)
+            parts = micro_rows(cfg.trainer, job.critic.rl, critic_batch, job.critic_group)
             values_BT = values_of(job.critic.model, critic_batch, parts, cfg.trainer.pack_sequences)
             critic_batch = critic_batch.replace(values_BT=values_BT)
     with s.timer.maybe("exchange", rows.moves):
         batch = values_to_actor(rows, critic_batch, batch)
     if batch is not None:
         with s.timer("experience"):  # GAE
-            batch, s.metrics = batch_advantages(cfg, batch, None, job.kl_ctrl, job.device, job.actor_group)
+            batch, s.metrics = batch_advantages(
+                cfg.algorithm, cfg.rollout.n, batch, None, job.kl_ctrl, job.device, job.actor_group
+            )
     with s.timer.maybe("exchange", rows.moves):
         critic_batch = returns_to_critic(rows, batch, critic_batch)
         # parallel.balance_tokens, colocated: the rows move only now, as GAE's whitening is batch-wide.
@@ -143,7 +153,12 @@ def update(job: rl.RLJob, s: Step) -> None:
         if job.critic is not None and s.critic_batch is not None:
             with s.timer("critic_update"), job.critic.offload.on_device():
                 s.critic_metrics = update_critic(
-                    cfg, job.critic.rl, job.critic, s.critic_batch, job.critic_group
+                    job.update_settings,
+                    cfg.critic,
+                    job.critic.rl,
+                    job.critic,
+                    s.critic_batch,
+                    job.critic_group,
                 )
         if s.batch is not None:
             with s.timer("actor_update"):
@@ -157,7 +172,7 @@ def actor_waits(job: rl.RLJob, batch: PolicyBatch) -> UpdateResult:
     cfg, actor = job.cfg, job.trained("actor")
     old_BT = batch.old_logprobs_BT
     if old_BT is None:
-        parts = micro_rows(cfg, job.rl, batch, job.actor_group)
+        parts = micro_rows(cfg.trainer, job.rl, batch, job.actor_group)
         fused = fused_chunk_for(cfg.model, actor.model)
         old_BT = logprobs_of(
             actor.model, batch, parts, cfg.rollout.temperature, cfg.trainer.pack_sequences, fused
@@ -174,14 +189,24 @@ def log(job: rl.RLJob, s: Step) -> None:
         assert s.update is not None and s.sampled_mask_BT is not None
         actor_part = (s.batch, s.sampled_mask_BT, s.update.old_logprobs_BT)
     # Every rank: the step's timings, the slowest rank's (each role's phases are 0 on the other's ranks).
-    base = step_metrics(cfg, s.samples, s.timer, job.device, actor_part, job.actor_group, s.resident_gb)
+    base = step_metrics(
+        cfg.rollout.n,
+        cfg.algorithm.ppo_epochs,
+        s.samples,
+        s.timer,
+        job.device,
+        actor_part,
+        job.actor_group,
+        s.resident_gb,
+    )
     # Tokens/s and MFU of each role's update and no-grad passes (spmdrl/rl/perf.py), reduced over the role's
     # own ranks; the critic's travel to rank 0 with its other metrics.
     actor_perf: dict[str, float] = {}
     if job.actor is not None and s.batch is not None:
         passes = int(job.recompute_old) + int(job.ref is not None)  # the values pass is the critic's
         actor_perf = actor_perf_metrics(
-            cfg,
+            cfg.model,
+            cfg.algorithm.ppo_epochs,
             job.actor.model,
             s.batch,
             base,
@@ -195,7 +220,13 @@ def log(job: rl.RLJob, s: Step) -> None:
         critic_metrics = {
             **critic_metrics,
             **critic_perf_metrics(
-                cfg, job.critic.model, s.critic_batch, base, device=job.device, group=job.critic_group
+                cfg.model,
+                cfg.algorithm.ppo_epochs,
+                job.critic.model,
+                s.critic_batch,
+                base,
+                device=job.device,
+                group=job.critic_group,
             ),
         }
     if job.placement.is_split:  # the first critic rank tells rank 0, which logs

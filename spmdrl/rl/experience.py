@@ -23,17 +23,18 @@ from spmdrl.algos.advantages import (
     compute_advantages,
     token_level_rewards,
 )
+from spmdrl.algos.config import AlgorithmConfig, RolloutCorrectionConfig
 from spmdrl.algos.correction import metric_reduction, rollout_correction
 from spmdrl.algos.kl_control import AdaptiveKLController, FixedKLController, apply_kl_penalty
-from spmdrl.config import Config
 from spmdrl.derived import RLDerived
 from spmdrl.distributed.reduce import all_reduce_max, all_reduce_min, all_reduce_sum, sum_over_group
 from spmdrl.models.head import fused_chunk_for
+from spmdrl.rewards.config import RewardConfig
 from spmdrl.rewards.sandbox import RewardResult
 from spmdrl.rl.batch import PolicyBatch, build_policy_batch
 from spmdrl.rl.reference import Reference
 from spmdrl.rl.samples import ScoredSamples
-from spmdrl.rl.update import logprobs_and_sum_pi_squared_of, logprobs_of, micro_rows
+from spmdrl.rl.update import UpdateSettings, logprobs_and_sum_pi_squared_of, logprobs_of, micro_rows
 
 
 def policy_batch(samples: ScoredSamples, pad_id: int, device: torch.device) -> PolicyBatch:
@@ -48,7 +49,7 @@ def policy_batch(samples: ScoredSamples, pad_id: int, device: torch.device) -> P
 
 
 def old_and_ref_logprobs(
-    cfg: Config,
+    settings: UpdateSettings,
     rl: RLDerived,
     actor: torch.nn.Module,
     ref: Reference | None,
@@ -61,9 +62,9 @@ def old_and_ref_logprobs(
     (needs_old_logprobs), with the sum of squared probabilities when the estimator reads it, and the
     reference's logprobs when there is a reference (a KL term; under LoRA the actor with its adapters off,
     spmdrl.rl.reference). Every rank of ``group`` calls it."""
-    temp, pack = cfg.rollout.temperature, cfg.trainer.pack_sequences
+    temp, pack = settings.temperature, settings.trainer.pack_sequences
     if recompute_old:
-        parts = micro_rows(cfg, rl, batch, group)
+        parts = micro_rows(settings.trainer, rl, batch, group)
         # The optimal token baseline also reads each step's sum of squared probabilities.
         old_BT, sps_BT = logprobs_and_sum_pi_squared_of(
             actor,
@@ -71,13 +72,13 @@ def old_and_ref_logprobs(
             parts,
             temp,
             pack,
-            adv_estimator(cfg.algorithm.adv_estimator).needs_sum_pi_squared,
-            fused_chunk_tokens=fused_chunk_for(cfg.model, actor),
+            adv_estimator(settings.algorithm.adv_estimator).needs_sum_pi_squared,
+            fused_chunk_tokens=fused_chunk_for(settings.model, actor),
         )
         batch = batch.replace(old_logprobs_BT=old_BT, sum_pi_squared_BT=sps_BT)
     if ref is not None:
-        parts = micro_rows(cfg, rl, batch, group)
-        fused = fused_chunk_for(cfg.model, ref.model)
+        parts = micro_rows(settings.trainer, rl, batch, group)
+        fused = fused_chunk_for(settings.model, ref.model)
         with ref.scoring():
             ref_BT = logprobs_of(ref.model, batch, parts, temp, pack, fused)
         batch = batch.replace(ref_logprobs_BT=ref_BT)
@@ -85,7 +86,8 @@ def old_and_ref_logprobs(
 
 
 def advantage_estimator(
-    cfg: Config,
+    algo: AlgorithmConfig,
+    samples_per_prompt: int,
     num_prompts: int,
     baseline_B: torch.Tensor | None,
     values_BT: torch.Tensor | None = None,
@@ -96,13 +98,14 @@ def advantage_estimator(
     is_weights_BT: torch.Tensor | None = None,
     reward_components_BK: torch.Tensor | None = None,
 ) -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-    """algorithm.adv_estimator over this rank's rows (rollout.n consecutive samples per prompt):
+    """algorithm.adv_estimator over this rank's rows (``samples_per_prompt``, rollout.n, consecutive
+    samples per prompt):
     ``(token_rewards_BT, response_mask_BT) -> (advantages_BT, returns_BT)``. Group statistics are the
     rank's own (it holds whole groups); batch-wide ones are summed over ``group``, the actor's ranks, as
     verl computes them over the whole batch. Every rank of ``group`` must call it. The optimal token
     baseline reads the old logprobs, their sum of squared probabilities and any rollout-correction
     weights; gdpo its reward components (gdpo_reward_components)."""
-    a = cfg.algorithm
+    a = algo
     weights_K = tuple(a.gdpo_reward_weights) if a.gdpo_reward_weights is not None else None
 
     def advantages(
@@ -111,7 +114,7 @@ def advantage_estimator(
         inputs = AdvantageInputs(
             token_rewards_BT,
             response_mask_BT,
-            group_ids_B=torch.arange(num_prompts).repeat_interleave(cfg.rollout.n),
+            group_ids_B=torch.arange(num_prompts).repeat_interleave(samples_per_prompt),
             values_BT=values_BT,
             baseline_B=baseline_B,
             batch_sum=sum_over_group(group),
@@ -130,7 +133,7 @@ def advantage_estimator(
 
 
 def kl_in_reward(
-    cfg: Config,
+    algo: AlgorithmConfig,
     batch: PolicyBatch,
     token_rewards_BT: torch.Tensor,
     kl_ctrl: FixedKLController | AdaptiveKLController,
@@ -141,9 +144,7 @@ def kl_in_reward(
     mask, the old policy being verl's old_log_probs: the trainer's recomputed logprobs, or the engine's in
     rollout_correction.bypass_mode (where verl sets old_log_probs to them). The adaptive controller moves
     coef with the KL of the whole batch (all ranks), so every rank agrees."""
-    policy_BT = (
-        batch.engine_logprobs_BT if cfg.algorithm.rollout_correction.bypass_mode else batch.old_logprobs_BT
-    )
+    policy_BT = batch.engine_logprobs_BT if algo.rollout_correction.bypass_mode else batch.old_logprobs_BT
     assert batch.ref_logprobs_BT is not None and policy_BT is not None, "needs_old_logprobs says when"
     rewards_BT, mean_kl = apply_kl_penalty(
         token_rewards_BT,
@@ -151,7 +152,7 @@ def kl_in_reward(
         batch.ref_logprobs_BT,
         batch.response_mask_BT,
         kl_ctrl.value,
-        cfg.algorithm.kl_penalty,
+        algo.kl_penalty,
     )
     total = all_reduce_sum({"kl": float(mean_kl) * batch.num_rows, "n": batch.num_rows}, device, group)
     coef = kl_ctrl.value
@@ -163,11 +164,14 @@ def kl_in_reward(
 
 
 def correct_rollout(
-    cfg: Config, batch: PolicyBatch, device: torch.device, group: dist.ProcessGroup | None = None
+    rc: RolloutCorrectionConfig,
+    batch: PolicyBatch,
+    device: torch.device,
+    group: dist.ProcessGroup | None = None,
 ) -> tuple[PolicyBatch, dict[str, float]]:
-    """verl's rollout correction: importance weights and rejection of the tokens or sequences whose
-    engine logprobs stray too far from the trainer's (spmdrl/algos/correction.py)."""
-    rc = cfg.algorithm.rollout_correction
+    """verl's rollout correction (algorithm.rollout_correction): importance weights and rejection of the
+    tokens or sequences whose engine logprobs stray too far from the trainer's
+    (spmdrl/algos/correction.py)."""
     assert batch.old_logprobs_BT is not None
     corr = rollout_correction(
         batch.old_logprobs_BT,
@@ -192,7 +196,8 @@ def correct_rollout(
 
 
 def batch_advantages(
-    cfg: Config,
+    algo: AlgorithmConfig,
+    samples_per_prompt: int,
     batch: PolicyBatch,
     baseline_B: torch.Tensor | None,
     kl_ctrl: FixedKLController | AdaptiveKLController,
@@ -203,19 +208,21 @@ def batch_advantages(
     """The advantages on the actor's ranks, in verl's order (its fit loop): the KL to the reference folded into
     the reward if asked (on the sampled mask), the rollout correction (its rejection edits the response
     mask), then algorithm.adv_estimator on the edited mask, so rejected tokens take no part in the
-    whitening and returns. A rank holds whole groups; the batch-wide statistics are summed over ``group``.
+    whitening and returns. A rank holds whole groups (``samples_per_prompt``, rollout.n, rows each); the
+    batch-wide statistics are summed over ``group``.
     """
-    a = cfg.algorithm
+    a = algo
     assert batch.token_rewards_BT is not None
     token_rewards_BT, metrics = batch.token_rewards_BT, {}
     if a.use_kl_in_reward:
-        token_rewards_BT, metrics = kl_in_reward(cfg, batch, token_rewards_BT, kl_ctrl, device, group)
+        token_rewards_BT, metrics = kl_in_reward(a, batch, token_rewards_BT, kl_ctrl, device, group)
     if a.rollout_correction.enabled:
-        batch, corr_metrics = correct_rollout(cfg, batch, device, group)
+        batch, corr_metrics = correct_rollout(a.rollout_correction, batch, device, group)
         metrics.update(corr_metrics)
     estimate = advantage_estimator(
-        cfg,
-        batch.num_rows // cfg.rollout.n,
+        a,
+        samples_per_prompt,
+        batch.num_rows // samples_per_prompt,
         baseline_B,
         batch.values_BT,
         group,
@@ -228,13 +235,13 @@ def batch_advantages(
     return batch.replace(advantages_BT=advantages_BT, returns_BT=returns_BT), metrics
 
 
-def needs_old_logprobs(cfg: Config, rl: RLDerived) -> bool:
+def needs_old_logprobs(algo: AlgorithmConfig, rl: RLDerived) -> bool:
     """Whether the old logprobs get a pass of their own (old_and_ref_logprobs). verl always does (outside its rollout-correction
     bypass mode); here only when the update's first forward is not the old policy (several optimizer
     steps), or when something needs them before the update: the rollout correction, and the KL in the
     reward (verl's apply_kl_penalty reads old_log_probs: recomputed ones, the engine's only in bypass
     mode)."""
-    a = cfg.algorithm
+    a = algo
     if a.rollout_correction.bypass_mode:
         return False  # the engine's logprobs are the old ones (verl's apply_bypass_mode)
     if a.recompute_old_logprobs == "always":
@@ -248,10 +255,12 @@ def needs_old_logprobs(cfg: Config, rl: RLDerived) -> bool:
     return several_steps or a.rollout_correction.enabled or a.use_kl_in_reward or otb
 
 
-def gdpo_reward_components(cfg: Config, rewards: RewardResult) -> torch.Tensor | None:
+def gdpo_reward_components(
+    algo: AlgorithmConfig, reward: RewardConfig, rewards: RewardResult
+) -> torch.Tensor | None:
     """(B, K): each sample's algorithm.gdpo_reward_keys, from the reward function's returned dict; None
     for any other estimator."""
-    a = cfg.algorithm
+    a = algo
     if a.adv_estimator != "gdpo":
         return None
     keys = a.gdpo_reward_keys or []
@@ -264,4 +273,4 @@ def gdpo_reward_components(cfg: Config, rewards: RewardResult) -> torch.Tensor |
     components_BK = torch.tensor([rewards.extra[k] for k in keys], dtype=torch.float32).T
     # A sample whose reward call failed has no components: it scores reward.error_score in each, as its
     # score does.
-    return torch.nan_to_num(components_BK, nan=cfg.reward.error_score)
+    return torch.nan_to_num(components_BK, nan=reward.error_score)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -57,7 +58,9 @@ from spmdrl.rl.models import TrainedModel, build_critic, build_models
 from spmdrl.rl.plan import NO_EXTRA_ROLES, JobPlan, Roles, plan_job
 from spmdrl.rl.reference import Reference
 from spmdrl.rl.samples import ScoredSamples, train_samples, validate
+from spmdrl.rl.settings import update_settings
 from spmdrl.rl.token_budgets import measure_token_budgets, wants_memory_budgets
+from spmdrl.rl.update import UpdateSettings
 from spmdrl.rollout.engine import (
     RolloutEngine,
     build_engine,
@@ -127,6 +130,11 @@ class RLJob:
     @property
     def cfg(self) -> Config:
         return self.run.cfg
+
+    @functools.cached_property
+    def update_settings(self) -> UpdateSettings:
+        """What the trainer's passes read of the config (spmdrl.rl.update), gathered once."""
+        return update_settings(self.cfg)
 
     @property
     def env(self) -> DistEnv:
@@ -246,7 +254,7 @@ def build_job(cfg: Config, roles: Roles = NO_EXTRA_ROLES) -> RLJob:
     # Multi-turn: the chat template must render tool turns, the parser must load (before the warm-start).
     agent = build_agent_loop(cfg, tokenizer, tools, max_model_len=rl.max_model_len)
     reward_fn = load_reward_fn(cfg.reward.fn)
-    check_model_rewards(cfg)  # reward_model.path's files, before the warm-start
+    check_model_rewards(cfg.reward_model)  # reward_model.path's files, before the warm-start
     check_data_sources(cfg.reward.fn, _data_sources(train_ds, val_ds))
 
     model_dir = warm_start(run, start) if cfg.warmstart.enabled else base_dir
@@ -267,7 +275,7 @@ def build_job(cfg: Config, roles: Roles = NO_EXTRA_ROLES) -> RLJob:
 
     # Models on their meshes (colocated: the same ranks), then the engine on every rank.
     meshes = placement.build_meshes(env.device.type)
-    policy, ref = build_models(cfg, env.device, meshes, model_dir)
+    policy, ref = build_models(cfg.model, cfg.trainer, cfg.algorithm, env.device, meshes, model_dir)
     actor = None
     if meshes.holds("actor"):
         optimizer = build_optimizer(policy, cfg.optim)
@@ -283,7 +291,9 @@ def build_job(cfg: Config, roles: Roles = NO_EXTRA_ROLES) -> RLJob:
         log.info("actor update: %s", describe_grad_sync(policy, cfg.trainer.defer_grad_sync))
     critic = None
     if plan.rl_critic is not None and meshes.holds("critic"):
-        c = build_critic(cfg, env.device, meshes, model_dir, run.cache_dir)
+        c = build_critic(
+            cfg.critic, cfg.model, cfg.trainer.total_steps, env.device, meshes, model_dir, run.cache_dir
+        )
         offload = OptimizerOffload(c.optimizer, env.device, plan.offload_optimizer)
         critic = TrainedRole(
             c.model, c.optimizer, c.scheduler, offload, plan.rl_critic, meshes.group("critic")
@@ -492,7 +502,9 @@ def log_step(
     curves after a validation."""
     cfg = job.cfg
     if job.env.is_main and cfg.logging.samples_every > 0 and step % cfg.logging.samples_every == 0:
-        write_samples(job.samples_path, train_samples(step, job.tokenizer, samples, cfg))
+        write_samples(
+            job.samples_path, train_samples(step, job.tokenizer, samples, cfg.logging.samples_per_log)
+        )
     validated = validates_at(job, step)
     if validated:
         metrics.update(val_metrics if val_metrics is not None else validation(job, step))

@@ -12,7 +12,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from spmdrl.config import Config
 from spmdrl.distributed.reduce import all_reduce_max, all_reduce_sum
 from spmdrl.logging.timer import PhaseTimer
 from spmdrl.rl.batch import PolicyBatch
@@ -88,7 +87,8 @@ def reward_extra_metrics(
 
 
 def step_metrics(
-    cfg: Config,
+    samples_per_prompt: int,
+    ppo_epochs: int,
     samples: ScoredSamples,
     timer: PhaseTimer,
     device: torch.device,
@@ -103,9 +103,10 @@ def step_metrics(
 
     The mismatch is measured on every sampled token (the sampled mask, before rejection masked any).
     ``group``: the ranks that hold the step's samples, over which the rest is reduced (default: every
-    rank; parallel.placement=async: the trainer ranks, which received them).
+    rank; parallel.placement=async: the trainer ranks, which received them). ``samples_per_prompt``:
+    rollout.n; ``ppo_epochs``: algorithm.ppo_epochs, the passes the update made over the actor's tokens.
     """
-    n, gens, scores_B = cfg.rollout.n, samples.gens, samples.scores_B
+    n, gens, scores_B = samples_per_prompt, samples.gens, samples.scores_B
     sums = all_reduce_sum(
         {
             "reward": float(scores_B.sum()),
@@ -160,7 +161,7 @@ def step_metrics(
         mismatch = logprob_mismatch(
             old_logprobs_BT, batch.engine_logprobs_BT, sampled_mask_BT, group=actor_group or dist.group.WORLD
         )
-        tokens = float(batch.attention_mask_BT.sum()) * cfg.algorithm.ppo_epochs
+        tokens = float(batch.attention_mask_BT.sum()) * ppo_epochs
         train_tokens = all_reduce_sum({"t": tokens}, device, actor_group)["t"]
         metrics.update(
             {f"mismatch/{k}": mismatch[k] for k in ("logprob_abs_diff_mean", "logprob_abs_diff_max", "kl_k3")}

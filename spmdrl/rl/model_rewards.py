@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from spmdrl.config import Config
 from spmdrl.distributed.reduce import all_reduce_sum
 from spmdrl.rewards.combine import weighted_reward
+from spmdrl.rewards.config import RewardConfig, RewardModelConfig
 from spmdrl.rewards.reward_model_path import check_reward_model_dir
 from spmdrl.rl.judge import Judge
 from spmdrl.rl.reward_model import RewardModel, build_reward_model
@@ -45,13 +46,18 @@ class ModelRewards:
 
     def __init__(
         self,
-        cfg: Config,
+        reward: RewardConfig,
+        reward_model: RewardModelConfig,
+        seed: int,
         rm: RewardModel | None,
         judge: Judge | None,
         device: torch.device,
         group: dist.ProcessGroup | None = None,
     ) -> None:
-        self.cfg, self.rm, self.judge, self.device, self.group = cfg, rm, judge, device, group
+        """``reward``, ``reward_model``: the weights and error score; ``seed``: rollout.seed, from which the
+        judge's sampling seeds follow."""
+        self.reward, self.reward_model, self.seed = reward, reward_model, seed
+        self.rm, self.judge, self.device, self.group = rm, judge, device, group
         self._sums: dict[str, float] = defaultdict(float)
         self._calls = 0
 
@@ -62,10 +68,10 @@ class ModelRewards:
         reward/errors (once per sample: not again where reward.fn, or the judge, failed on it too) and in
         the result's num_judge_errors / num_rm_nonfinite, which the stop on reward.max_error_frac names.
         ``record=False`` keeps the call out of the step's metrics (ReMax's baseline generations)."""
-        cfg, gens = self.cfg, samples.gens
+        gens = samples.gens
         messages = [samples.prompts[g.prompt_index].messages for g in gens]
         rule_B = samples.rewards.scores_B
-        parts = {"rule": (cfg.reward.rule_weight, rule_B)}
+        parts = {"rule": (self.reward.rule_weight, rule_B)}
         sums: dict[str, float] = self._sums if record else defaultdict(float)
         sums["n"] += len(gens)
         sums["rule"] += float(rule_B.sum())
@@ -82,8 +88,8 @@ class ModelRewards:
             rm_bad_B = ~torch.isfinite(rm_B)
             if rm_bad_B.any():
                 self._warn_nonfinite(rm_B, rm_bad_B)
-                rm_B = torch.where(rm_bad_B, torch.full_like(rm_B, cfg.reward.error_score), rm_B)
-            parts["rm"] = (cfg.reward_model.weight, rm_B)
+                rm_B = torch.where(rm_bad_B, torch.full_like(rm_B, self.reward.error_score), rm_B)
+            parts["rm"] = (self.reward_model.weight, rm_B)
             sums["rm"] += float(rm_B[~rm_bad_B].sum())
             sums["rm_nonfinite"] += int(rm_bad_B.sum())
             sums["rm_truncated"] += self.rm.num_truncated
@@ -92,9 +98,9 @@ class ModelRewards:
             truths = [samples.prompts[g.prompt_index].ground_truth for g in gens]
             # A seed per (step, call of the step): a resumed run samples the same judgements.
             self._calls += 1
-            seed = (cfg.rollout.seed * 1_000_003 + step) * 1_000 + 500 + self._calls
+            seed = (self.seed * 1_000_003 + step) * 1_000 + 500 + self._calls
             judge_B, parsed_B = self.judge.score(messages, samples.responses, truths, seed=seed)
-            parts["judge"] = (cfg.reward_model.judge.weight, judge_B)
+            parts["judge"] = (self.reward_model.judge.weight, judge_B)
             unparsed_B = ~parsed_B
             judge_errors = int(unparsed_B.sum())
             judge_only = int((unparsed_B & ~fn_failed_B).sum())
@@ -125,8 +131,8 @@ class ModelRewards:
             "first: sample %d, %s",
             int(bad_B.sum()),
             len(rm_B),
-            self.cfg.reward_model.path,
-            self.cfg.reward.error_score,
+            self.reward_model.path,
+            self.reward.error_score,
             first,
             float(rm_B[first]),
         )
@@ -180,10 +186,10 @@ def build_model_rewards(
         if rm_cfg.judge.enable
         else None
     )
-    return ModelRewards(cfg, rm, judge, device, group)
+    return ModelRewards(cfg.reward, rm_cfg, cfg.rollout.seed, rm, judge, device, group)
 
 
-def check_model_rewards(cfg: Config) -> None:
+def check_model_rewards(rm_cfg: RewardModelConfig) -> None:
     """reward_model.path's files (ConfigError), before anything expensive starts."""
-    if cfg.reward_model.enable:
-        check_reward_model_dir(cfg.reward_model.path)
+    if rm_cfg.enable:
+        check_reward_model_dir(rm_cfg.path)

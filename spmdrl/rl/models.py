@@ -12,20 +12,27 @@ from pathlib import Path
 
 import torch
 
-from spmdrl.config import Config
+from spmdrl.algos.config import AlgorithmConfig
 from spmdrl.distributed.placement import Meshes
 from spmdrl.models.build import build_fsdp_model, build_meta_model, model_spec
 from spmdrl.models.causal_attention import use_causal_sdpa
+from spmdrl.models.config import ModelConfig
 from spmdrl.models.load import resolve_model_path_all_ranks
 from spmdrl.models.varlen import apply_packed_attention
 from spmdrl.optim import build_lr_scheduler, build_optimizer
 from spmdrl.rl.reference import Reference
+from spmdrl.trainer_config import CriticConfig, TrainerConfig
 
 log = logging.getLogger("spmdrl")
 
 
 def build_models(
-    cfg: Config, device: torch.device, meshes: Meshes, model_dir: Path
+    model_cfg: ModelConfig,
+    trainer: TrainerConfig,
+    algo: AlgorithmConfig,
+    device: torch.device,
+    meshes: Meshes,
+    model_dir: Path,
 ) -> tuple[torch.nn.Module, Reference | None]:
     """The actor (trained) and, when a KL term needs it, the reference, FSDP2 on the actor's ranks: a
     frozen copy of model.path, or under LoRA (model.lora.rank > 0) the actor itself with its adapters off,
@@ -33,35 +40,36 @@ def build_models(
 
     A rank that does not hold the actor (split placement) gets a meta-device copy of it instead: the
     names and shapes it receives the actor's weights by (weight_sync.Fanout), no memory, no reference.
+    ``trainer``: how packed rows attend; ``algo``: whether a KL term needs the reference.
     """
-    a = cfg.algorithm
+    a = algo
     if not meshes.holds("actor"):
-        return build_meta_model(model_spec(cfg.model, model_dir, device, train=False)), None
-    actor_spec = model_spec(cfg.model, model_dir, device, train=True)
+        return build_meta_model(model_spec(model_cfg, model_dir, device, train=False)), None
+    actor_spec = model_spec(model_cfg, model_dir, device, train=True)
     actor = build_fsdp_model(actor_spec, meshes.fsdp("actor"), device)
     # Scoring passes without transformers' mask building (spmdrl.models.causal_attention): no host-device
     # sync per forward, and SDPA's flash kernel for padded rows.
     use_causal_sdpa(actor)
     # How packed rows attend (trainer.packed_attention): the actor's and the reference's packed forwards
     # pass the segments' boundaries (spmdrl.models.forward); the critic's keep their mask.
-    t = cfg.trainer
+    t = trainer
     attention = dict(packed=t.pack_sequences, device=device, dtype=actor_spec.param_dtype)
     apply_packed_attention(actor, t.packed_attention, **attention)
     # A KL term needs a reference. Under LoRA the actor's frozen base is one already (verl's way): scored
     # with its adapters off, it costs no memory and no second load.
     kl_term, ref = a.use_kl_loss or a.use_kl_in_reward, None
-    if kl_term and cfg.model.lora.enabled:
+    if kl_term and model_cfg.lora.enabled:
         ref = Reference(actor, adapters_off=True)
     elif kl_term:
         model = build_fsdp_model(
-            model_spec(cfg.model, model_dir, device, train=False), meshes.fsdp("ref"), device
+            model_spec(model_cfg, model_dir, device, train=False), meshes.fsdp("ref"), device
         )
         use_causal_sdpa(model)
         apply_packed_attention(model, t.packed_attention, **attention)
         ref = Reference(model)
     if ref is not None:
         log.info("reference: %s", ref.describe())
-    if cfg.model.offload_ref and (ref is None or ref.adapters_off):
+    if model_cfg.offload_ref and (ref is None or ref.adapters_off):
         why = "no KL term" if ref is None else "under LoRA the reference is the actor with its adapters off"
         log.warning("model.offload_ref=true does nothing here: %s, so no reference model is built", why)
     return actor, ref
@@ -80,18 +88,23 @@ Critic = TrainedModel  # PPO's value model is one
 
 
 def build_critic(
-    cfg: Config, device: torch.device, meshes: Meshes, actor_dir: Path, cache_dir: Path
+    critic_cfg: CriticConfig,
+    model_cfg: ModelConfig,
+    total_steps: int,
+    device: torch.device,
+    meshes: Meshes,
+    actor_dir: Path,
+    cache_dir: Path,
 ) -> Critic:
-    """The value model (FSDP2 like the actor, on the critic's ranks), its optimizer and schedule."""
+    """The value model (FSDP2 like the actor, on the critic's ranks), its optimizer and schedule
+    (``total_steps``: trainer.total_steps, 0 for a schedule of one step)."""
     path = (
-        resolve_model_path_all_ranks(cfg.critic.model_path, cache_dir, critic=True)
-        if cfg.critic.model_path
+        resolve_model_path_all_ranks(critic_cfg.model_path, cache_dir, critic=True)
+        if critic_cfg.model_path
         else actor_dir
     )
-    spec = model_spec(cfg.model, path, device, train=True, head="value")
+    spec = model_spec(model_cfg, path, device, train=True, head="value")
     model = build_fsdp_model(spec, meshes.fsdp("critic"), device)
     use_causal_sdpa(model)
-    optimizer = build_optimizer(model, cfg.critic.optim)
-    return Critic(
-        model, optimizer, build_lr_scheduler(optimizer, cfg.critic.optim, cfg.trainer.total_steps or 1)
-    )
+    optimizer = build_optimizer(model, critic_cfg.optim)
+    return Critic(model, optimizer, build_lr_scheduler(optimizer, critic_cfg.optim, total_steps or 1))

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from spmdrl.config import Config
 from spmdrl.distributed.reduce import all_reduce_sum
 from spmdrl.logging.flops import (
     DecoderShape,
@@ -25,7 +24,7 @@ from spmdrl.logging.flops import (
     training_flops,
     utilization,
 )
-from spmdrl.models.config import ac_mode
+from spmdrl.models.config import ModelConfig, ac_mode
 from spmdrl.rl.batch import PolicyBatch
 
 
@@ -81,7 +80,8 @@ def value_training_flops(
 
 
 def actor_perf_metrics(
-    cfg: Config,
+    model_cfg: ModelConfig,
+    ppo_epochs: int,
     actor: torch.nn.Module,
     batch: PolicyBatch,
     timings: dict[str, float],
@@ -103,13 +103,13 @@ def actor_perf_metrics(
         shape,
         lengths.tokens,
         lengths.response_tokens,
-        recompute=ac_mode(cfg.model.activation_checkpointing),
-        every=cfg.model.activation_checkpointing_every,
+        recompute=ac_mode(model_cfg.activation_checkpointing),
+        every=model_cfg.activation_checkpointing_every,
     )
     forward = forward_flops(shape, lengths.tokens, lengths.response_tokens)
     return _role_perf(
         ACTOR_KEYS,
-        cfg.algorithm.ppo_epochs,
+        ppo_epochs,
         lengths.tokens,
         train,
         forward * forward_passes,
@@ -121,7 +121,8 @@ def actor_perf_metrics(
 
 
 def critic_perf_metrics(
-    cfg: Config,
+    model_cfg: ModelConfig,
+    ppo_epochs: int,
     critic: torch.nn.Module,
     batch: PolicyBatch,
     timings: dict[str, float],
@@ -139,13 +140,11 @@ def critic_perf_metrics(
     train = value_training_flops(
         shape,
         lengths.tokens,
-        recompute=ac_mode(cfg.model.activation_checkpointing),
-        every=cfg.model.activation_checkpointing_every,
+        recompute=ac_mode(model_cfg.activation_checkpointing),
+        every=model_cfg.activation_checkpointing_every,
     )
     forward = value_forward_flops(shape, lengths.tokens)
-    return _role_perf(
-        CRITIC_KEYS, cfg.algorithm.ppo_epochs, lengths.tokens, train, forward, timings, device, group
-    )
+    return _role_perf(CRITIC_KEYS, ppo_epochs, lengths.tokens, train, forward, timings, device, group)
 
 
 def _role_perf(

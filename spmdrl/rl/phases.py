@@ -54,6 +54,7 @@ from spmdrl.rl.samples import (
     score,
     train_sampling,
 )
+from spmdrl.rl.settings import reward_settings
 from spmdrl.rl.update import UpdateResult, update_policy
 from spmdrl.rollout.engine import Generation, SamplingSpec
 
@@ -102,7 +103,7 @@ def rollout_and_score(job: RLJob, s: Step) -> None:
     stops if too many samples got no score (reward.max_error_frac)."""
     s.samples = generate_and_score(job, s.step, s.timer)
     s.samples.metrics.update(job.rollout.take_metrics(job.device))
-    check_reward_errors(job.cfg, s.samples.rewards, s.step, job.device)
+    check_reward_errors(reward_settings(job.cfg), s.samples.rewards, s.step, job.device)
 
 
 def generate_and_score(
@@ -121,17 +122,19 @@ def generate_and_score(
     ``again``: these prompts instead of the sampler's, unfiltered (a stale batch generated again).
     The samples' ``metrics`` hold what DAPO and the reward models measured, reduced over ``group``."""
     cfg = job.cfg
-    shaping = OverlongShaping(cfg, job.device, group) if cfg.reward.overlong_buffer.enable else None
+    shaping = None
+    if cfg.reward.overlong_buffer.enable:
+        shaping = OverlongShaping(cfg.reward.overlong_buffer, cfg.data.max_response_length, job.device, group)
     dynamic = None
     if cfg.algorithm.filter_groups.enable and again is None:
-        dynamic = DynamicSampling(cfg, step, job.device, group)
+        dynamic = DynamicSampling(cfg.algorithm.filter_groups, cfg.rollout.n, step, job.device, group)
     for gen_batch in itertools.count(1):
         prompts = again if again is not None else [job.train_ds[i] for i in job.sampler.next_batch()]
-        spec = train_sampling(cfg, step, gen_batch)
+        spec = train_sampling(cfg.rollout, cfg.data.max_response_length, step, gen_batch)
         with timer("rollout"):
             gens = generate(prompts, spec) if generate is not None else job.rollout.generate(prompts, spec)
         with timer("reward"):
-            samples = score(cfg, job.reward_fn, job.tokenizer, prompts, gens)
+            samples = score(cfg.reward, job.reward_fn, job.tokenizer, prompts, gens)
             if job.model_rewards is not None:  # reward_model.*: weighted with the rule (docs/rewards.md)
                 samples = job.model_rewards(samples, step)
         if shaping is not None:
@@ -161,12 +164,14 @@ def greedy_baseline(
     prompt, scored as the samples are), repeated for its rollout.n rows."""
     cfg = job.cfg
     with timer("rollout"):
-        greedy = greedy_rollout(job.rollout, prompts, cfg, step)
+        greedy = greedy_rollout(job.rollout, prompts, cfg.rollout.stop, cfg.data.max_response_length, step)
     with timer("reward"):
-        baseline = score(cfg, job.reward_fn, job.tokenizer, prompts, greedy)
+        baseline = score(cfg.reward, job.reward_fn, job.tokenizer, prompts, greedy)
         if job.model_rewards is not None:  # the same reward as the samples'
             baseline = job.model_rewards(baseline, step, record=False)
-    check_reward_errors(cfg, baseline.rewards, step, job.device, group, what="greedy ReMax baselines")
+    check_reward_errors(
+        reward_settings(cfg), baseline.rewards, step, job.device, group, what="greedy ReMax baselines"
+    )
     return baseline.scores_B.repeat_interleave(cfg.rollout.n)
 
 
@@ -179,12 +184,12 @@ def experience(job: RLJob, s: Step, batch: PolicyBatch, group: dist.ProcessGroup
     rows among ``group`` only after that (the advantages needed whole groups)."""
     cfg = job.cfg
     with s.timer("experience"):
-        rows = plan_rows(cfg, job.placement, job.rl, batch, job.device, group=group)
+        rows = plan_rows(cfg.parallel.balance_tokens, job.placement, job.rl, batch, job.device, group=group)
     sampled_mask_BT = batch.response_mask_BT  # the mismatch metric reads every sampled token
     # Timed only when a pass runs: an on-policy step without a reference runs neither.
     with s.timer.maybe("old_ref", job.recompute_old or job.ref is not None):
         batch = old_and_ref_logprobs(
-            cfg,
+            job.update_settings,
             job.rl,
             job.trained("actor").model,
             job.ref,
@@ -193,9 +198,16 @@ def experience(job: RLJob, s: Step, batch: PolicyBatch, group: dist.ProcessGroup
             recompute_old=job.recompute_old,
         )
     with s.timer("experience"):  # the advantages (ReMax's baseline, gdpo's components where they apply)
-        components_BK = gdpo_reward_components(cfg, s.samples.rewards)
+        components_BK = gdpo_reward_components(cfg.algorithm, cfg.reward, s.samples.rewards)
         batch, metrics = batch_advantages(
-            cfg, batch, s.baseline_B, job.kl_ctrl, job.device, job.actor_group, components_BK
+            cfg.algorithm,
+            cfg.rollout.n,
+            batch,
+            s.baseline_B,
+            job.kl_ctrl,
+            job.device,
+            job.actor_group,
+            components_BK,
         )
     s.metrics.update(metrics)
     with s.timer.maybe("exchange", rows.moves):
@@ -208,7 +220,9 @@ def update_actor(job: RLJob, batch: PolicyBatch) -> UpdateResult:
     counts RL steps). model.offload_optimizer brings the moments back for it."""
     actor = job.trained("actor")
     with actor.offload.on_device():
-        result = update_policy(job.cfg, job.rl, actor.model, actor.optimizer, batch, job.actor_group)
+        result = update_policy(
+            job.update_settings, job.rl, actor.model, actor.optimizer, batch, job.actor_group
+        )
     actor.scheduler.step()
     return result
 
@@ -237,7 +251,15 @@ def actor_metrics(job: RLJob, s: Step, group: dist.ProcessGroup | None = None) -
     actor_part = (s.batch, s.sampled_mask_BT, s.update.old_logprobs_BT)
     metrics = {
         **step_metrics(
-            job.cfg, s.samples, s.timer, job.device, actor_part, job.actor_group, s.resident_gb, group=group
+            job.cfg.rollout.n,
+            job.cfg.algorithm.ppo_epochs,
+            s.samples,
+            s.timer,
+            job.device,
+            actor_part,
+            job.actor_group,
+            s.resident_gb,
+            group=group,
         ),
         **s.update.metrics,
         **s.metrics,
@@ -246,7 +268,8 @@ def actor_metrics(job: RLJob, s: Step, group: dist.ProcessGroup | None = None) -
     passes = int(job.recompute_old) + int(job.ref is not None)
     metrics.update(
         actor_perf_metrics(
-            job.cfg,
+            job.cfg.model,
+            job.cfg.algorithm.ppo_epochs,
             actor.model,
             s.batch,
             metrics,

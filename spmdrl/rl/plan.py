@@ -108,7 +108,9 @@ def plan_job(
     if with_critic and rl_critic is None:  # colocated: the critic trains on the actor's rows
         rl_critic = rl
     # Off-policy rows (async, max_staleness >= 1): the old logprobs are the trainer's, not the engine's.
-    recompute_old = needs_old_logprobs(cfg, rl) or (placement.is_async and cfg.trainer.max_staleness > 0)
+    recompute_old = needs_old_logprobs(cfg.algorithm, rl) or (
+        placement.is_async and cfg.trainer.max_staleness > 0
+    )
     # Offloaded parameters take their optimizer state with them; on a CPU trainer there is nowhere to move it.
     offload = cfg.model.offload_optimizer and not cfg.model.offload_params and device_type == "cuda"
     # reward_model.*: the actor's ranks (colocated: every rank) score, or the rollout ranks under async,

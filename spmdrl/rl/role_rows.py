@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from spmdrl.config import Config
 from spmdrl.derived import RLDerived
 from spmdrl.distributed.exchange import RowLayout, gather_lengths, move_rows
 from spmdrl.distributed.placement import Placement
@@ -73,7 +72,7 @@ class RowPlan:
 
 
 def plan_rows(
-    cfg: Config,
+    balance_tokens: bool,
     placement: Placement,
     rl_actor: RLDerived,
     local: PolicyBatch,
@@ -83,8 +82,9 @@ def plan_rows(
 ) -> RowPlan:
     """This step's layouts (``rl_critic``: the critic's batch arithmetic, under a split placement). Every
     rank that holds rows calls it (two small all_gathers of row lengths when rows move): every rank, or
-    under parallel.placement=async the trainer ranks, whose ``group`` it then takes."""
-    balance = cfg.parallel.balance_tokens
+    under parallel.placement=async the trainer ranks, whose ``group`` it then takes. ``balance_tokens``:
+    parallel.balance_tokens."""
+    balance = balance_tokens
     plan = RowPlan(placement, balance, device)
     if not placement.is_split and not balance:
         return plan

@@ -18,18 +18,20 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
+from spmdrl.algos.config import FilterGroupsConfig
 from spmdrl.algos.dapo import (
     dynamic_sampling_metrics,
     groups_with_signal,
     overlong_penalty,
     should_generate_more,
 )
-from spmdrl.config import Config
 from spmdrl.data.prompts import PromptDataset, PromptExample
 from spmdrl.distributed.reduce import all_reduce_min, all_reduce_sum
 from spmdrl.logging.samples import Sample
+from spmdrl.rewards.config import JudgeConfig, OverlongBufferConfig, RewardConfig, RewardModelConfig
 from spmdrl.rewards.registry import RewardInput
 from spmdrl.rewards.sandbox import RewardResult, score_batch
+from spmdrl.rollout.config import RolloutConfig
 from spmdrl.rollout.engine import Generation, SamplingSpec
 from spmdrl.rollout.rollout import Rollout
 from spmdrl.runtime import Run
@@ -49,15 +51,32 @@ class ScoredSamples:
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
-def train_sampling(cfg: Config, step: int, gen_batch: int = 1) -> SamplingSpec:
+@dataclasses.dataclass(frozen=True)
+class RewardSettings:
+    """What the stop on a step's failed rewards reads of the config (check_reward_errors), gathered by
+    spmdrl.rl.settings.reward_settings."""
+
+    reward: RewardConfig
+    reward_model: RewardModelConfig
+    # model.param_dtype: the reward model runs in it (the stop on its NaN/inf scores names it).
+    param_dtype: str
+
+
+def train_sampling(
+    rollout: RolloutConfig, max_response_length: int, step: int, gen_batch: int = 1
+) -> SamplingSpec:
     """The sampling settings of the step's ``gen_batch``-th generation batch (DAPO may generate several):
     each batch of each step samples with a seed of its own."""
-    seed = (cfg.rollout.seed * 1_000_003 + step) * 1_000 + gen_batch - 1
-    return SamplingSpec.for_training(cfg.rollout, cfg.data.max_response_length, seed=seed)
+    seed = (rollout.seed * 1_000_003 + step) * 1_000 + gen_batch - 1
+    return SamplingSpec.for_training(rollout, max_response_length, seed=seed)
 
 
 def score(
-    cfg: Config, reward_fn: object, tokenizer: object, prompts: list[PromptExample], gens: list[Generation]
+    rc: RewardConfig,
+    reward_fn: object,
+    tokenizer: object,
+    prompts: list[PromptExample],
+    gens: list[Generation],
 ) -> ScoredSamples:
     """The reward of each generation (reward.fn, in the sandbox: timeouts and failures score
     reward.error_score and are counted)."""
@@ -74,7 +93,6 @@ def score(
         )
         for r, g in zip(responses, gens, strict=True)
     ]
-    rc = cfg.reward
     result = score_batch(
         reward_fn,  # type: ignore[arg-type]
         inputs,
@@ -95,14 +113,20 @@ class OverlongShaping:
 
     METRIC_KEYS = ("reward/overlong_penalty_mean", "reward/overlong_frac")
 
-    def __init__(self, cfg: Config, device: torch.device, group: dist.ProcessGroup | None = None) -> None:
-        self.cfg, self.device, self.group = cfg, device, group
+    def __init__(
+        self,
+        ob: OverlongBufferConfig,
+        max_response_length: int,
+        device: torch.device,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.ob, self.max_response_length, self.device, self.group = ob, max_response_length, device, group
         self.penalties: list[float] = []
 
     def __call__(self, samples: ScoredSamples) -> ScoredSamples:
-        ob = self.cfg.reward.overlong_buffer
+        ob = self.ob
         lengths_B = torch.tensor([len(g.token_ids) for g in samples.gens])
-        penalty_B = overlong_penalty(lengths_B, self.cfg.data.max_response_length, ob.len, ob.penalty_factor)
+        penalty_B = overlong_penalty(lengths_B, self.max_response_length, ob.len, ob.penalty_factor)
         self.penalties += penalty_B.tolist()
         return dataclasses.replace(samples, scores_B=samples.scores_B + penalty_B)
 
@@ -137,7 +161,8 @@ class DynamicSampling:
     verl pools kept groups over the whole world; here each rank must end with the same number of rows
     (the update's FSDP collectives run once per micro-batch on every rank), so the decision to generate
     more is made on the smallest per-rank count, identical on every rank (one all_reduce per batch).
-    ``group``: the ranks that generate (all of them, or the rollout ranks under parallel.placement=async).
+    ``group``: the ranks that generate (all of them, or the rollout ranks under parallel.placement=async);
+    ``n``: rollout.n, the samples of a prompt.
     """
 
     METRIC_KEYS = tuple(
@@ -146,9 +171,15 @@ class DynamicSampling:
     )
 
     def __init__(
-        self, cfg: Config, step: int, device: torch.device, group: dist.ProcessGroup | None = None
+        self,
+        filter_groups: FilterGroupsConfig,
+        n: int,
+        step: int,
+        device: torch.device,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
-        self.cfg, self.step, self.device, self.group = cfg, step, device, group
+        self.filter_groups, self.n = filter_groups, n
+        self.step, self.device, self.group = step, device, group
         self.target = 0  # this rank's prompts per step
         self.batches = self.generated = self.dropped = self.errors = self.timeouts = 0
         self.judge_errors = self.judge_only = self.rm_nonfinite = self.rm_only = 0
@@ -156,7 +187,7 @@ class DynamicSampling:
 
     def add(self, samples: ScoredSamples) -> None:
         """One generation batch: keeps its groups with signal."""
-        n = self.cfg.rollout.n
+        n = self.n
         self.target = len(samples.prompts)
         self.batches += 1
         self.generated += len(samples.prompts)
@@ -172,7 +203,7 @@ class DynamicSampling:
             "acc": (raw_B >= 1.0).float(),
             "score": raw_B,
             "seq_final_reward": scores_B,
-        }[self.cfg.algorithm.filter_groups.metric]
+        }[self.filter_groups.metric]
         keep_B = groups_with_signal(metric_B, torch.arange(len(samples.prompts)).repeat_interleave(n))
         for i, p in enumerate(samples.prompts):
             if not keep_B[i * n]:
@@ -196,14 +227,14 @@ class DynamicSampling:
         fewest = int(all_reduce_min({"kept": len(self._kept)}, self.device, self.group)["kept"])
         try:
             return not should_generate_more(
-                fewest, self.target, self.batches, self.cfg.algorithm.filter_groups.max_num_gen_batches
+                fewest, self.target, self.batches, self.filter_groups.max_num_gen_batches
             )
         except ValueError as e:
             raise RuntimeError(f"step {self.step}: {e}") from None
 
     def kept(self) -> ScoredSamples:
         """This rank's first ``target`` kept groups; the failure counts are the whole step's."""
-        n, kept = self.cfg.rollout.n, self._kept[: self.target]
+        n, kept = self.n, self._kept[: self.target]
         gens = [dataclasses.replace(g, prompt_index=i) for i, k in enumerate(kept) for g in k.gens]
         # Extra reward keys (gdpo's components) follow their rows; NaN where a batch's samples had none.
         keys = sorted({key for k in kept for key in k.extra})
@@ -238,17 +269,16 @@ class DynamicSampling:
 
 
 def greedy_rollout(
-    rollout: Rollout, prompts: list[PromptExample], cfg: Config, step: int
+    rollout: Rollout, prompts: list[PromptExample], stop: list[str], max_response_length: int, step: int
 ) -> list[Generation]:
-    """One greedy completion per prompt (remax's baseline)."""
-    spec = SamplingSpec(
-        n=1, temperature=0.0, max_tokens=cfg.data.max_response_length, stop=list(cfg.rollout.stop), seed=step
-    )
+    """One greedy completion per prompt (remax's baseline), up to ``max_response_length`` tokens or a
+    string of ``stop`` (rollout.stop)."""
+    spec = SamplingSpec(n=1, temperature=0.0, max_tokens=max_response_length, stop=list(stop), seed=step)
     return rollout.generate(prompts, spec)
 
 
-def train_samples(step: int, tokenizer: object, samples: ScoredSamples, cfg: Config) -> list[Sample]:
-    """The first logging.samples_per_log samples, to log with their training reward."""
+def train_samples(step: int, tokenizer: object, samples: ScoredSamples, samples_per_log: int) -> list[Sample]:
+    """The first ``samples_per_log`` (logging.samples_per_log) samples, to log with their training reward."""
     return [
         Sample(
             step,
@@ -260,7 +290,7 @@ def train_samples(step: int, tokenizer: object, samples: ScoredSamples, cfg: Con
             samples.prompts[g.prompt_index].data_source,
         )
         for g, r, s in list(zip(samples.gens, samples.responses, samples.scores_B.tolist(), strict=True))[
-            : cfg.logging.samples_per_log
+            :samples_per_log
         ]
     ]
 
@@ -288,7 +318,7 @@ def validate(
         training=False,  # never slowed by rollout.latency_tail
     )
     tool_metrics = {f"val/{k}": v for k, v in rollout.take_metrics(env.device).items()}
-    scored = score(cfg, reward_fn, tokenizer, mine, gens)
+    scored = score(cfg.reward, reward_fn, tokenizer, mine, gens)
     sums: dict[str, float] = defaultdict(float)
     for g, s in zip(gens, scored.scores_B.tolist(), strict=True):
         src = mine[g.prompt_index].data_source or "unknown"
@@ -330,7 +360,7 @@ def validate(
 
 
 def check_reward_errors(
-    cfg: Config,
+    settings: RewardSettings,
     rewards: RewardResult,
     step: int,
     device: torch.device,
@@ -360,20 +390,22 @@ def check_reward_errors(
         group,
     )
     if t["nonfinite"]:
-        raise RuntimeError(nonfinite_reward_message(cfg, step, int(t["nonfinite"]), int(t["n"]), what))
+        raise RuntimeError(nonfinite_reward_message(settings, step, int(t["nonfinite"]), int(t["n"]), what))
     frac = t["bad"] / max(t["n"], 1)
-    if frac > cfg.reward.max_error_frac:
-        raise RuntimeError(reward_errors_message(cfg, step, {k: int(v) for k, v in t.items()}, what))
+    if frac > settings.reward.max_error_frac:
+        raise RuntimeError(reward_errors_message(settings, step, {k: int(v) for k, v in t.items()}, what))
 
 
-def reward_errors_message(cfg: Config, step: int, t: dict[str, int], what: str = "samples") -> str:
+def reward_errors_message(
+    settings: RewardSettings, step: int, t: dict[str, int], what: str = "samples"
+) -> str:
     """The stop's message from the step's counts over ranks (check_reward_errors' keys)."""
     bad, n, timeouts, judge, rm = t["bad"], t["n"], t["timeouts"], t["judge"], t["rm"]
     fn_failed = bad - t["judge_only"] - t["rm_only"]
     head = f"step {step}: {bad} of {n} {what} ({bad / max(n, 1):.0%}) got no score"
-    limit = f"above reward.max_error_frac={cfg.reward.max_error_frac}"
+    limit = f"above reward.max_error_frac={settings.reward.max_error_frac}"
     fn_what = (
-        f"reward.fn={cfg.reward.fn} ({timeouts} timed out, the rest raised or returned something that is not "
+        f"reward.fn={settings.reward.fn} ({timeouts} timed out, the rest raised or returned something that is not "
         "a finite number)"
     )
     if judge == 0 and rm == 0:  # reward.fn alone
@@ -389,14 +421,13 @@ def reward_errors_message(cfg: Config, step: int, t: dict[str, int], what: str =
             "fix the function."
         )
     if judge:
-        lines.append(_judge_line(cfg, judge, judge - t["judge_only"]))
+        lines.append(_judge_line(settings.reward_model.judge, judge, judge - t["judge_only"]))
     if rm:
-        lines.append(_rm_line(cfg, rm, rm - t["rm_only"]))
+        lines.append(_rm_line(settings, rm, rm - t["rm_only"]))
     return "\n".join(lines)
 
 
-def _judge_line(cfg: Config, judge: int, both: int) -> str:
-    jc = cfg.reward_model.judge
+def _judge_line(jc: JudgeConfig, judge: int, both: int) -> str:
     return (
         f"  - {judge} judge replies that did not parse (reward_model.judge.*"
         + (f"; {both} of them on samples reward.fn failed too" if both else "")
@@ -407,8 +438,8 @@ def _judge_line(cfg: Config, judge: int, both: int) -> str:
     )
 
 
-def _rm_line(cfg: Config, rm: int, overlap: int) -> str:
-    rc, dtype = cfg.reward_model, cfg.model.param_dtype
+def _rm_line(settings: RewardSettings, rm: int, overlap: int) -> str:
+    rc, dtype = settings.reward_model, settings.param_dtype
     return (
         f"  - {rm} reward-model scores were NaN/inf (reward_model.path={rc.path}"
         + (f"; {overlap} of them on samples reward.fn or the judge failed too" if overlap else "")
@@ -418,24 +449,27 @@ def _rm_line(cfg: Config, rm: int, overlap: int) -> str:
     )
 
 
-def nonfinite_reward_message(cfg: Config, step: int, bad: int, n: int, what: str = "samples") -> str:
+def nonfinite_reward_message(
+    settings: RewardSettings, step: int, bad: int, n: int, what: str = "samples"
+) -> str:
     """The stop when a weighted training reward is NaN or inf: names what can make one, from the config
     (each source's own failures already score reward.error_score)."""
     of = "" if what == "samples" else f" ({what})"
     head = (
         f"step {step}: {bad} of {n} training rewards{of} are NaN/inf; stopping rather than training on them"
     )
-    es = cfg.reward.error_score
+    reward, reward_model = settings.reward, settings.reward_model
+    es = reward.error_score
     if not math.isfinite(es):
         return (
             f"{head}: reward.error_score={es} is what every failed sample scores (reward.fn, the judge, the "
             "reward model); set a finite one (the default is 0.0)"
         )
-    weights = {"reward.rule_weight": cfg.reward.rule_weight}
-    if cfg.reward_model.enable:
-        weights["reward_model.weight"] = cfg.reward_model.weight
-    if cfg.reward_model.judge.enable:
-        weights["reward_model.judge.weight"] = cfg.reward_model.judge.weight
+    weights = {"reward.rule_weight": reward.rule_weight}
+    if reward_model.enable:
+        weights["reward_model.weight"] = reward_model.weight
+    if reward_model.judge.enable:
+        weights["reward_model.judge.weight"] = reward_model.judge.weight
     odd = {k: w for k, w in weights.items() if not math.isfinite(w)}
     if odd:
         return f"{head}: {', '.join(f'{k}={w}' for k, w in odd.items())} is not a finite number; set one"

@@ -17,18 +17,20 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from spmdrl.algos.aggregation import Aggregation, count_units_of_rows
+from spmdrl.algos.config import AlgorithmConfig
 from spmdrl.algos.kl import kl_penalty
 from spmdrl.algos.policy_losses import POLICY_LOSSES, agg_mode_for
 from spmdrl.algos.value_loss import clipped_value_loss
-from spmdrl.config import Config
 from spmdrl.derived import RLDerived
 from spmdrl.distributed.reduce import all_reduce_sum, all_reduce_sum_tensors
 from spmdrl.models import packing
+from spmdrl.models.config import ModelConfig
 from spmdrl.models.forward import attention_mask_for, packed_attention_mask, policy_forward, policy_logprobs
 from spmdrl.models.grad_sync import defers_grad_sync, gradient_sync
 from spmdrl.models.head import fused_chunk_for
@@ -37,10 +39,29 @@ from spmdrl.optim import clip_grad_norm
 from spmdrl.rl.batch import PolicyBatch
 from spmdrl.rl.micro_batches import MicroBatch, micro_batch_rows, plan_micro_batches
 from spmdrl.rl.models import Critic
+from spmdrl.trainer_config import CriticConfig, OptimConfig, TrainerConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateSettings:
+    """What the trainer's passes over the rows read of the job's config (the no-grad passes before the
+    update and the update itself), gathered once by the job (spmdrl.rl.settings.update_settings)."""
+
+    algorithm: AlgorithmConfig
+    trainer: TrainerConfig  # pack_sequences, defer_grad_sync
+    optim: OptimConfig  # the actor's: grad_clip, nonfinite_grad
+    model: ModelConfig  # use_fused_kernels: the LM head the passes run
+    # rollout.temperature: the logprobs are those of the distribution the engine sampled from.
+    temperature: float
+    # data.max_response_length: seq-mean-token-sum-norm's divisor when algorithm.loss_scale_factor is 0.
+    max_response_length: int
+    # The values of the config section the policy loss declared (its ``section``), None if it declared
+    # none: resolved once, with the loss's name, where the settings are gathered.
+    loss_section: Any = None
 
 
 def micro_rows(
-    cfg: Config, rl: RLDerived, batch: PolicyBatch, group: dist.ProcessGroup | None = None
+    trainer: TrainerConfig, rl: RLDerived, batch: PolicyBatch, group: dist.ProcessGroup | None = None
 ) -> list[torch.Tensor]:
     """This rank's rows of ``batch`` per micro-batch of a no-grad pass (logprobs_of, values_of):
     rl.micro_batch_size sequences, or up to rl.log_prob_max_token_len tokens (the same number of
@@ -50,7 +71,7 @@ def micro_rows(
         micro_batch_size=rl.micro_batch_size,
         token_budget=rl.log_prob_max_token_len,
         group=group,
-        padded=not cfg.trainer.pack_sequences,
+        padded=not trainer.pack_sequences,
     )
 
 
@@ -163,7 +184,7 @@ def values_of(
 
 
 def mini_batches(
-    cfg: Config,
+    settings: UpdateSettings,
     rl: RLDerived,
     batch: PolicyBatch,
     modes: tuple[str, ...],
@@ -182,8 +203,8 @@ def mini_batches(
     The rows' sizes are read from the device once, here, and every micro-batch is planned from them on
     the host (the same plan every epoch): the loops over micro-batches read nothing from the device.
     """
-    a = cfg.algorithm
-    norm_length = float(a.loss_scale_factor or cfg.data.max_response_length)
+    a = settings.algorithm
+    norm_length = float(a.loss_scale_factor or settings.max_response_length)
     device = batch.input_ids_BT.device
     lengths = batch.row_lengths()
     per_mini = rl.per_rank_mini_batch_seqs
@@ -196,7 +217,7 @@ def mini_batches(
             micro_batch_size=rl.micro_batch_size,
             token_budget=rl.ppo_max_token_len,
             group=group,
-            padded=not cfg.trainer.pack_sequences,
+            padded=not settings.trainer.pack_sequences,
         )
         plans.append(plan_micro_batches([lo + idx for idx in parts], lengths, device))
         rows = range(lo, lo + per_mini)
@@ -218,18 +239,24 @@ def mini_batches(
 
 
 def update_critic(
-    cfg: Config, rl: RLDerived, critic: Critic, batch: PolicyBatch, group: dist.ProcessGroup | None = None
+    settings: UpdateSettings,
+    critic_cfg: CriticConfig,
+    rl: RLDerived,
+    critic: Critic,
+    batch: PolicyBatch,
+    group: dist.ProcessGroup | None = None,
 ) -> dict[str, float]:
-    """The clipped value loss towards the returns, over the same mini-batches and epochs as the actor."""
-    a = cfg.algorithm
+    """The clipped value loss towards the returns, over the same mini-batches and epochs as the actor
+    (``settings``' schedule; ``critic_cfg``: the critic's clipping and optimizer, not the actor's)."""
+    a = settings.algorithm
     assert batch.values_BT is not None and batch.returns_BT is not None
     sums = _DeviceSums()
     grad_norms = []
-    defer = defers_grad_sync(critic.model, cfg.trainer.defer_grad_sync)
-    for _, _, plans, micro_batches, (agg,) in mini_batches(cfg, rl, batch, (a.loss_agg_mode,), group):
+    defer = defers_grad_sync(critic.model, settings.trainer.defer_grad_sync)
+    for _, _, plans, micro_batches, (agg,) in mini_batches(settings, rl, batch, (a.loss_agg_mode,), group):
         for i, (plan, mb) in enumerate(zip(plans, micro_batches, strict=True)):
             gradient_sync(critic.model, defer, last=i == len(micro_batches) - 1)
-            values_BT = _shifted_values(critic.model, mb, cfg.trainer.pack_sequences, plan.lengths)
+            values_BT = _shifted_values(critic.model, mb, settings.trainer.pack_sequences, plan.lengths)
             assert mb.values_BT is not None and mb.returns_BT is not None
             loss, stats = clipped_value_loss(
                 values_BT,
@@ -237,16 +264,16 @@ def update_critic(
                 mb.returns_BT,
                 mb.response_mask_BT,
                 agg=agg,
-                cliprange=cfg.critic.cliprange_value,
+                cliprange=critic_cfg.cliprange_value,
             )
             loss.backward()
             sums.add("vf_loss", loss)
             for k, v in stats.items():
                 sums.add(k, v, len(micro_batches))
-        grad_norm = clip_grad_norm(critic.model, cfg.critic.optim.grad_clip)
+        grad_norm = clip_grad_norm(critic.model, critic_cfg.optim.grad_clip)
         if not math.isfinite(grad_norm):
             raise FloatingPointError(
-                f"non-finite critic gradient norm; try a lower critic.optim.lr (now {cfg.critic.optim.lr})"
+                f"non-finite critic gradient norm; try a lower critic.optim.lr (now {critic_cfg.optim.lr})"
             )
         grad_norms.append(grad_norm)
         critic.optimizer.step()
@@ -261,21 +288,20 @@ def update_critic(
     return metrics
 
 
-def policy_loss_name(cfg: Config) -> str:
+def policy_loss_name(algo: AlgorithmConfig) -> str:
     """algorithm.policy_loss, or bypass_mode when the rollout correction runs in bypass mode (verl's
     apply_bypass_mode sets the loss mode so)."""
-    return "bypass_mode" if cfg.algorithm.rollout_correction.bypass_mode else cfg.algorithm.policy_loss
+    return "bypass_mode" if algo.rollout_correction.bypass_mode else algo.policy_loss
 
 
-def loss_modes(cfg: Config) -> tuple[str, str]:
+def loss_modes(algo: AlgorithmConfig) -> tuple[str, str]:
     """``(policy term's mode, entropy and KL terms' mode)``: algorithm.loss_agg_mode for both, except the
     policy term of sapo and geo_mean, which verl reduces with a mode of its own (agg_mode_for)."""
-    a = cfg.algorithm
-    return agg_mode_for(policy_loss_name(cfg), a.loss_agg_mode), a.loss_agg_mode
+    return agg_mode_for(policy_loss_name(algo), algo.loss_agg_mode), algo.loss_agg_mode
 
 
 def micro_batch_loss(
-    cfg: Config,
+    settings: UpdateSettings,
     actor: torch.nn.Module,
     mb: PolicyBatch,
     agg: Aggregation,
@@ -295,20 +321,20 @@ def micro_batch_loss(
     response column is read from the device (a sync on a GPU), and so is its count of valid tokens by a
     loss that declared ``valid_count`` (clip_cov, kl_cov).
     """
-    a = cfg.algorithm
+    a = settings.algorithm
     entropy_in_loss = a.entropy_coeff > 0
     lp_BT, ent_BT = policy_logprobs(
         actor,
         mb.input_ids_BT,
         mb.attention_mask_BT,
-        temperature=cfg.rollout.temperature,
+        temperature=settings.temperature,
         with_entropy=True,
         entropy_grad=entropy_in_loss,
-        pack_sequences=cfg.trainer.pack_sequences,
+        pack_sequences=settings.trainer.pack_sequences,
         first_column=mb.first_response_column() if plan is None else plan.first_column,
         lengths_B=None if plan is None else plan.lengths,
         first_columns_B=None if plan is None else plan.first_columns,
-        fused_chunk_tokens=fused_chunk_for(cfg.model, actor),
+        fused_chunk_tokens=fused_chunk_for(settings.model, actor),
     )
     assert ent_BT is not None
     mask_BT = mb.response_mask_BT
@@ -316,9 +342,12 @@ def micro_batch_loss(
         old_BT = mb.engine_logprobs_BT
     else:
         old_BT = mb.old_logprobs_BT if mb.old_logprobs_BT is not None else lp_BT.detach()
-    loss_fn = POLICY_LOSSES.get(policy_loss_name(cfg))
-    # A loss that declared a config section of its own also gets its values.
-    own: dict[str, object] = {"section": cfg.section(loss_fn.section)} if loss_fn.section is not None else {}
+    loss_fn = POLICY_LOSSES.get(policy_loss_name(a))
+    # A loss that declared a config section of its own also gets its values (settings.loss_section).
+    own: dict[str, object] = {}
+    if loss_fn.section is not None:
+        assert settings.loss_section is not None, "update_settings resolves the loss's section"
+        own["section"] = settings.loss_section
     if loss_fn.valid_count:
         # mask_BT's ones, counted on the host from the rows' lengths (the mask the plan was made from:
         # the rollout correction's rejection edits the batch's mask before the update plans it).
@@ -382,7 +411,7 @@ _SUMMED = ("pg_loss", "kl_loss", "entropy")
 
 
 def update_policy(
-    cfg: Config,
+    settings: UpdateSettings,
     rl: RLDerived,
     actor: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -395,17 +424,17 @@ def update_policy(
     ranks), counted once per mini-batch with one all_reduce, and FSDP sums the gradients over ranks:
     the gradient of the whole mini-batch's loss, however it is split (spmdrl/algos/aggregation.py).
     """
-    a = cfg.algorithm
-    modes = loss_modes(cfg)
+    a = settings.algorithm
+    modes = loss_modes(a)
     old_BT = batch.old_logprobs_BT.clone() if batch.old_logprobs_BT is not None else None
     captured_BT = torch.zeros_like(batch.engine_logprobs_BT)
     sums = _DeviceSums()
     grad_norms, skipped = [], 0
-    defer = defers_grad_sync(actor, cfg.trainer.defer_grad_sync)
-    for epoch, m, plans, micro_batches, (pg_agg, agg) in mini_batches(cfg, rl, batch, modes, group):
+    defer = defers_grad_sync(actor, settings.trainer.defer_grad_sync)
+    for epoch, m, plans, micro_batches, (pg_agg, agg) in mini_batches(settings, rl, batch, modes, group):
         for i, (plan, mb) in enumerate(zip(plans, micro_batches, strict=True)):
             gradient_sync(actor, defer, last=i == len(micro_batches) - 1)
-            out = micro_batch_loss(cfg, actor, mb, agg, pg_agg, plan)
+            out = micro_batch_loss(settings, actor, mb, agg, pg_agg, plan)
             if old_BT is None and epoch == 0:  # on-policy: this forward is the old policy
                 captured_BT[plan.index_B, : out.logprobs_BT.shape[1]] = out.logprobs_BT
             out.loss.backward()
@@ -414,12 +443,13 @@ def update_policy(
             # The last reference to this micro-batch's graph: dropped before the next forward, not
             # when `out` is reassigned after it, so no part of it can add to the next one's peak.
             del out
-        grad_norm = clip_grad_norm(actor, cfg.optim.grad_clip)
+        optim = settings.optim
+        grad_norm = clip_grad_norm(actor, optim.grad_clip)
         if not math.isfinite(grad_norm):
-            if cfg.optim.nonfinite_grad == "stop":
+            if optim.nonfinite_grad == "stop":
                 raise FloatingPointError(
                     f"non-finite gradient norm in PPO epoch {epoch} mini-batch {m}; try a lower "
-                    f"optim.lr (now {cfg.optim.lr}), check the rewards, or set optim.nonfinite_grad=skip"
+                    f"optim.lr (now {optim.lr}), check the rewards, or set optim.nonfinite_grad=skip"
                 )
             skipped += 1  # verl's behaviour: drop this update, keep training
             optimizer.zero_grad(set_to_none=True)

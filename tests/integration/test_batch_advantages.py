@@ -84,7 +84,9 @@ def _step4_on_rank(rank: int, world: int, name: str) -> tuple[torch.Tensor, torc
         {k: v[rank * rows : (rank + 1) * rows] for k, v in batch.tensors().items()}
     )
     cfg = cfg_with_n(adv_estimator=name, rollout_correction=REJECT, gamma=0.9, lam=0.8)
-    out, _ = batch_advantages(cfg, shard, None, FixedKLController(0.0), CPU, group=None)
+    out, _ = batch_advantages(
+        cfg.algorithm, cfg.rollout.n, shard, None, FixedKLController(0.0), CPU, group=None
+    )
     assert out.returns_BT is not None
     return out.response_mask_BT, out.advantages_BT, out.returns_BT
 
@@ -95,7 +97,9 @@ def test_batch_advantages_on_two_ranks_equal_the_whole_batch() -> None:
     name = "gae"
     per_rank = run_distributed(_step4_on_rank, 2, name, timeout_s=90)
     cfg = cfg_with_n(adv_estimator=name, rollout_correction=REJECT, gamma=0.9, lam=0.8)
-    want, _ = batch_advantages(cfg, scored_batch(), None, FixedKLController(0.0), CPU)
+    want, _ = batch_advantages(
+        cfg.algorithm, cfg.rollout.n, scored_batch(), None, FixedKLController(0.0), CPU
+    )
     for got, field in zip(
         (torch.cat(parts) for parts in zip(*per_rank, strict=True)),
         ("response_mask_BT", "advantages_BT", "returns_BT"),

@@ -110,13 +110,14 @@ def _worker(rank: int, world: int, model_dir: str, cfg: Any) -> list[dict[str, f
     from spmdrl.rl.batch import PolicyBatch
     from spmdrl.rl.micro_batches import micro_batch_rows
     from spmdrl.rl.models import build_models
+    from spmdrl.rl.settings import update_settings
     from spmdrl.rl.update import logprobs_of, update_policy
 
     cpu = torch.device("cpu")
     derived = derive(cfg, world, PROMPTS * STEPS, samples_per_item=N)
     rl = derive_rl(cfg, derived)
     meshes = Placement.colocated(world).build_meshes("cpu")
-    actor, ref = build_models(cfg, cpu, meshes, Path(model_dir))
+    actor, ref = build_models(cfg.model, cfg.trainer, cfg.algorithm, cpu, meshes, Path(model_dir))
     optimizer = build_optimizer(actor, cfg.optim)
     scheduler = build_lr_scheduler(optimizer, cfg.optim, STEPS)
     initial = {n: p.detach().full_tensor().clone() for n, p in actor.named_parameters()}
@@ -153,7 +154,7 @@ def _worker(rank: int, world: int, model_dir: str, cfg: Any) -> list[dict[str, f
                     temp,
                 )
             )
-        metrics = update_policy(cfg, rl, actor, optimizer, batch).metrics
+        metrics = update_policy(update_settings(cfg), rl, actor, optimizer, batch).metrics
         scheduler.step()
         with torch.no_grad():
             sq = sum(

@@ -42,6 +42,7 @@ def _worker(rank: int, world: int, model_dir: str, unit: str = "auto") -> dict:
     from spmdrl.models.grad_sync import defers_grad_sync
     from spmdrl.models.parallelize import shard_ranks
     from spmdrl.rl.batch import PolicyBatch
+    from spmdrl.rl.settings import update_settings
     from spmdrl.rl.update import update_policy
 
     calls, gathers = [0], [0]
@@ -85,7 +86,7 @@ def _worker(rank: int, world: int, model_dir: str, unit: str = "auto") -> dict:
         optimizer = torch.optim.SGD(actor.parameters(), lr=0.1)
         params = optimizer.param_groups[0]["params"]
         calls[0] = gathers[0] = 0
-        metrics = update_policy(cfg, rl, actor, optimizer, batch).metrics
+        metrics = update_policy(update_settings(cfg), rl, actor, optimizer, batch).metrics
         out[defer] = dict(
             reduces=calls[0], gathers=gathers[0], metrics=metrics, weights=[p.full_tensor() for p in params]
         )

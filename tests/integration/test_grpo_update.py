@@ -34,6 +34,7 @@ def _worker(
     from spmdrl.optim import build_optimizer
     from spmdrl.rl.batch import PolicyBatch
     from spmdrl.rl.micro_batches import micro_batch_rows
+    from spmdrl.rl.settings import update_settings
     from spmdrl.rl.update import logprobs_of, update_policy
 
     cfg = Config(
@@ -75,7 +76,7 @@ def _worker(
         )
     with torch.no_grad():
         before, _ = policy_logprobs(actor, ids, attn)
-    result = update_policy(cfg, rl, actor, build_optimizer(actor, cfg.optim), batch)
+    result = update_policy(update_settings(cfg), rl, actor, build_optimizer(actor, cfg.optim), batch)
     metrics = result.metrics
     # The old policy the update reports is the one before it (the first forward when on-policy).
     torch.testing.assert_close(result.old_logprobs_BT * resp, before * resp)
@@ -116,6 +117,7 @@ def _nonfinite_worker(rank: int, world: int, model_dir: str, mode: str) -> tuple
     from spmdrl.models.build import ModelSpec, build_fsdp_model
     from spmdrl.optim import build_optimizer
     from spmdrl.rl.batch import PolicyBatch
+    from spmdrl.rl.settings import update_settings
     from spmdrl.rl.update import update_policy
 
     cfg = Config(
@@ -138,7 +140,7 @@ def _nonfinite_worker(rank: int, world: int, model_dir: str, mode: str) -> tuple
     batch = PolicyBatch(ids, torch.ones(B, T, dtype=torch.long), resp, torch.zeros(B, T), adv[:, None] * resp)
     before = [p.to_local().clone() for p in actor.parameters()]
     try:
-        metrics = update_policy(cfg, rl, actor, optimizer, batch).metrics
+        metrics = update_policy(update_settings(cfg), rl, actor, optimizer, batch).metrics
     except FloatingPointError as e:
         return str(e), -1.0, True
     unchanged = all(torch.equal(a, p.to_local()) for a, p in zip(before, actor.parameters(), strict=True))

@@ -11,6 +11,7 @@ from spmdrl.config import RolloutConfig
 from spmdrl.data.prompts import PromptExample
 from spmdrl.rewards.sandbox import RewardResult
 from spmdrl.rl.samples import ScoredSamples, check_reward_errors
+from spmdrl.rl.settings import reward_settings
 from spmdrl.rollout.engine import Generation
 from spmdrl.testing.spawn import run_distributed
 from tests.unit.rl.test_reward_error_sources import CPU, _cfg
@@ -43,11 +44,11 @@ def _judged(rank: int, world: int, model_dir: str) -> dict:
     # reward.fn failed on sample 0 (an error), scored the others.
     fn_result = RewardResult(rule_B, 1, 0, failed_B=torch.tensor([True, False, False, False]))
     samples = ScoredSamples(prompts, gens, fn_result, ["1", "2", "2", "3"], rule_B.clone())
-    rewards = ModelRewards(cfg, None, judge, CPU)
+    rewards = ModelRewards(cfg.reward, cfg.reward_model, cfg.rollout.seed, None, judge, CPU)
     out = rewards(samples, step=1).rewards
     metrics = rewards.metrics()
     try:
-        check_reward_errors(cfg, out, step=1, device=CPU)
+        check_reward_errors(reward_settings(cfg), out, step=1, device=CPU)
         stopped = None
     except RuntimeError as e:
         stopped = str(e)

@@ -50,6 +50,7 @@ def _worker(rank: int, world: int, model_dir: str) -> dict[str, Any]:
     from spmdrl.rl.experience import old_and_ref_logprobs
     from spmdrl.rl.models import build_models
     from spmdrl.rl.reference import Reference
+    from spmdrl.rl.settings import update_settings
     from spmdrl.rl.update import update_policy
 
     batch = rank_policy_batch(ROWS, rank, world)
@@ -72,16 +73,16 @@ def _worker(rank: int, world: int, model_dir: str) -> dict[str, Any]:
         )
         validate(cfg)
         rl = derive_rl(cfg, derive(cfg, world, 100, samples_per_item=2))
-        actor, ref = build_models(cfg, cpu, meshes, Path(model_dir))
+        actor, ref = build_models(cfg.model, cfg.trainer, cfg.algorithm, cpu, meshes, Path(model_dir))
         assert ref is not None and ref.adapters_off and ref.model is actor
         # One update of the adapters (B starts at zero: the adapted actor would be its base).
         optimizer = build_optimizer(actor, cfg.optim)
-        trained = old_and_ref_logprobs(cfg, rl, actor, ref, batch, None, recompute_old=True)
-        update_policy(cfg, rl, actor, optimizer, trained)
+        trained = old_and_ref_logprobs(update_settings(cfg), rl, actor, ref, batch, None, recompute_old=True)
+        update_policy(update_settings(cfg), rl, actor, optimizer, trained)
 
-        before = old_and_ref_logprobs(cfg, rl, actor, None, batch, None, recompute_old=True)
-        scored = old_and_ref_logprobs(cfg, rl, actor, ref, batch, None, recompute_old=True)
-        after = old_and_ref_logprobs(cfg, rl, actor, None, batch, None, recompute_old=True)
+        before = old_and_ref_logprobs(update_settings(cfg), rl, actor, None, batch, None, recompute_old=True)
+        scored = old_and_ref_logprobs(update_settings(cfg), rl, actor, ref, batch, None, recompute_old=True)
+        after = old_and_ref_logprobs(update_settings(cfg), rl, actor, None, batch, None, recompute_old=True)
 
         # The reference as build_models built it before: a frozen copy of model.path, FSDP2 on its mesh.
         frozen = build_fsdp_model(
@@ -91,7 +92,9 @@ def _worker(rank: int, world: int, model_dir: str) -> dict[str, Any]:
         apply_packed_attention(
             frozen, cfg.trainer.packed_attention, packed=pack, device=cpu, dtype=torch.float32
         )
-        apart = old_and_ref_logprobs(cfg, rl, actor, Reference(frozen), batch, None, recompute_old=False)
+        apart = old_and_ref_logprobs(
+            update_settings(cfg), rl, actor, Reference(frozen), batch, None, recompute_old=False
+        )
 
         mask = batch.response_mask_BT.bool()
         out[f"pack={pack}"] = dict(

@@ -39,6 +39,7 @@ def _update_worker(rank: int, world: int, model_dir: str) -> dict[str, object]:
     from spmdrl.optim import build_optimizer
     from spmdrl.rl.batch import PolicyBatch
     from spmdrl.rl.micro_batches import micro_batch_rows
+    from spmdrl.rl.settings import update_settings
     from spmdrl.rl.update import logprobs_of, update_policy
     from spmdrl.rollout.weight_sync import iter_full_tensors, trainer_weights
 
@@ -86,7 +87,7 @@ def _update_worker(rank: int, world: int, model_dir: str) -> dict[str, object]:
             ref_logprobs_BT=logprobs_of(ref, batch, rows, 1.0),
             old_logprobs_BT=logprobs_of(actor, batch, rows, 1.0),
         )
-        result = update_policy(cfg, rl, actor, build_optimizer(actor, cfg.optim), batch)
+        result = update_policy(update_settings(cfg), rl, actor, build_optimizer(actor, cfg.optim), batch)
         weights = {n: t.clone() for n, t in iter_full_tensors(trainer_weights(actor), dtype=torch.float32)}
         return {
             "metrics": result.metrics,

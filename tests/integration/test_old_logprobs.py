@@ -59,6 +59,7 @@ def _worker(rank: int, world: int, model_dir: str, ref_dir: str) -> dict:
     from spmdrl.rl.batch import PolicyBatch
     from spmdrl.rl.experience import needs_old_logprobs, old_and_ref_logprobs
     from spmdrl.rl.reference import Reference
+    from spmdrl.rl.settings import update_settings
     from spmdrl.rl.update import update_policy
 
     cpu, f32 = torch.device("cpu"), torch.float32
@@ -87,9 +88,11 @@ def _worker(rank: int, world: int, model_dir: str, ref_dir: str) -> dict:
             optimizer = torch.optim.SGD(actor.parameters(), lr=0.1)
             ref = build_fsdp_model(ModelSpec(Path(ref_dir), f32, f32, train=False), meshes.fsdp("ref"), cpu)
             actor_calls, ref_calls = forwards(actor), forwards(ref)
-            recompute_old = needs_old_logprobs(cfg, rl)
+            recompute_old = needs_old_logprobs(cfg.algorithm, rl)
             reference = Reference(ref)
-            batch = old_and_ref_logprobs(cfg, rl, actor, reference, data, None, recompute_old=recompute_old)
+            batch = old_and_ref_logprobs(
+                update_settings(cfg), rl, actor, reference, data, None, recompute_old=recompute_old
+            )
             passes = actor_calls[0] + ref_calls[0]
             grads: list[torch.Tensor] = []
             params = optimizer.param_groups[0]["params"]  # the sharded ones (the root is unsharded now)
@@ -98,7 +101,7 @@ def _worker(rank: int, world: int, model_dir: str, ref_dir: str) -> dict:
                     p.grad.full_tensor().clone() for p in params
                 )
             )
-            result = update_policy(cfg, rl, actor, optimizer, batch)
+            result = update_policy(update_settings(cfg), rl, actor, optimizer, batch)
             weights = [p.full_tensor().clone() for p in params]
             out[(case, recompute)] = dict(
                 recompute_old=recompute_old,
@@ -115,7 +118,15 @@ def _worker(rank: int, world: int, model_dir: str, ref_dir: str) -> dict:
         rl = derive_rl(cfg, derive(cfg, world, 100, samples_per_item=N))
         actor = build_fsdp_model(ModelSpec(Path(model_dir), f32, f32), meshes.fsdp("actor"), cpu)
         calls = forwards(actor)
-        old_and_ref_logprobs(cfg, rl, actor, None, data, None, recompute_old=needs_old_logprobs(cfg, rl))
+        old_and_ref_logprobs(
+            update_settings(cfg),
+            rl,
+            actor,
+            None,
+            data,
+            None,
+            recompute_old=needs_old_logprobs(cfg.algorithm, rl),
+        )
         out[("no_ref", recompute)] = calls[0]
     return out
 

@@ -48,6 +48,7 @@ def _worker(rank: int, world: int, model_dir: str) -> dict[str, Any]:
     from spmdrl.distributed.placement import Placement
     from spmdrl.rl.micro_batches import micro_batch_rows
     from spmdrl.rl.models import build_models
+    from spmdrl.rl.settings import update_settings
     from spmdrl.rl.update import logprobs_of, update_policy
     from spmdrl.testing.syncs import SyncCounter
 
@@ -71,7 +72,7 @@ def _worker(rank: int, world: int, model_dir: str) -> dict[str, Any]:
         )
         validate(cfg)
         rl = derive_rl(cfg, derive(cfg, world, 100, samples_per_item=2))
-        actor, ref = build_models(cfg, cpu, meshes, Path(model_dir))
+        actor, ref = build_models(cfg.model, cfg.trainer, cfg.algorithm, cpu, meshes, Path(model_dir))
         assert ref is not None
         optimizer = torch.optim.SGD(actor.parameters(), lr=0.1)
         parts = micro_batch_rows(
@@ -82,7 +83,7 @@ def _worker(rank: int, world: int, model_dir: str) -> dict[str, Any]:
             ref_lp = logprobs_of(ref.model, batch, parts, 1.0, True)
         b = batch.replace(ref_logprobs_BT=ref_lp + 0.05 * batch.advantages_BT)  # a KL term with a gradient
         b = b.replace(old_logprobs_BT=logprobs_of(actor, b, parts, 1.0, True))
-        metrics = update_policy(cfg, rl, actor, optimizer, b).metrics
+        metrics = update_policy(update_settings(cfg), rl, actor, optimizer, b).metrics
         state = get_model_state_dict(actor, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         out[setting] = dict(
             impl=(actor.config._attn_implementation, ref.model.config._attn_implementation),

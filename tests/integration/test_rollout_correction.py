@@ -43,7 +43,7 @@ def _correct_rollout_on_rank(rank: int, world: int) -> dict[str, float]:
     shift = math.log(2.0) if rank == 0 else -math.log(2.0)
     assert mb.old_logprobs_BT is not None
     batch = mb.replace(engine_logprobs_BT=mb.old_logprobs_BT - shift)
-    return correct_rollout(cfg, batch, torch.device("cpu"))[1]
+    return correct_rollout(cfg.algorithm.rollout_correction, batch, torch.device("cpu"))[1]
 
 
 @pytest.mark.slow

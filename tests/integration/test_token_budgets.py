@@ -37,6 +37,7 @@ def _batch(rank: int) -> Any:
 
 def _worker(rank: int, world: int, budgets: tuple[int, int], pack: bool) -> dict[str, list[list[int]]]:
     from spmdrl.config import Config, DataConfig, RolloutConfig, TrainerConfig, derive, derive_rl
+    from spmdrl.rl.settings import update_settings
     from spmdrl.rl.update import micro_rows, mini_batches
 
     cfg = Config(
@@ -52,8 +53,8 @@ def _worker(rank: int, world: int, budgets: tuple[int, int], pack: bool) -> dict
     )
     rl = derive_rl(cfg, derive(cfg, world, 100, samples_per_item=4))
     batch = _batch(rank)
-    no_grad = [p.tolist() for p in micro_rows(cfg, rl, batch)]
-    ((_, _, plans, _, _),) = list(mini_batches(cfg, rl, batch, ("token-mean",)))
+    no_grad = [p.tolist() for p in micro_rows(cfg.trainer, rl, batch)]
+    ((_, _, plans, _, _),) = list(mini_batches(update_settings(cfg), rl, batch, ("token-mean",)))
     return {"no_grad": no_grad, "update": [p.rows for p in plans]}
 
 

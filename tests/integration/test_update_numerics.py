@@ -123,6 +123,7 @@ def _worker(
     from spmdrl.models.build import ModelSpec, build_fsdp_model
     from spmdrl.rl.batch import PolicyBatch
     from spmdrl.rl.micro_batches import micro_batch_rows
+    from spmdrl.rl.settings import update_settings
     from spmdrl.rl.update import logprobs_of, update_policy
 
     cpu, f32 = torch.device("cpu"), torch.float32
@@ -154,7 +155,7 @@ def _worker(
         batch = batch.replace(ref_logprobs_BT=logprobs_of(ref, batch, parts, temp, t.pack_sequences))
         if cfg.algorithm.ppo_epochs > 1 or rl.mini_batches_per_step > 1:  # as the recipe does
             batch = batch.replace(old_logprobs_BT=logprobs_of(actor, batch, parts, temp, t.pack_sequences))
-        metrics = update_policy(cfg, rl, actor, optimizer, batch).metrics
+        metrics = update_policy(update_settings(cfg), rl, actor, optimizer, batch).metrics
         state = get_model_state_dict(actor, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         results.append((state if rank == 0 else None, metrics))
         del actor, ref, optimizer

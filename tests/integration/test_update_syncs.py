@@ -78,6 +78,7 @@ def _worker(rank: int, world: int, model_dir: str, micro: int, layout: str) -> d
     from spmdrl.rl.batch import PolicyBatch
     from spmdrl.rl.micro_batches import micro_batch_rows
     from spmdrl.rl.models import Critic
+    from spmdrl.rl.settings import update_settings
     from spmdrl.rl.update import logprobs_of, update_critic, update_policy, values_of
     from spmdrl.testing.syncs import SyncCounter
 
@@ -120,16 +121,16 @@ def _worker(rank: int, world: int, model_dir: str, micro: int, layout: str) -> d
 
     # A first update creates AdamW's state, whose step counters live on the host (capturable=False):
     # the counter is told so, as it is told that the row indices are host tensors.
-    update_policy(cfg, rl, actor, optimizer, batch)
-    update_critic(cfg, rl, critic, batch)
+    update_policy(update_settings(cfg), rl, actor, optimizer, batch)
+    update_critic(update_settings(cfg), cfg.critic, rl, critic, batch)
     host = [s["step"] for opt in (optimizer, critic_opt) for s in opt.state.values()]
 
     counts = {}
     passes = {
         "logprobs_of": lambda: logprobs_of(actor, batch, parts, 1.0, pack),
         "values_of": lambda: values_of(critic.model, batch, parts, pack),
-        "update_policy": lambda: update_policy(cfg, rl, actor, optimizer, batch),
-        "update_critic": lambda: update_critic(cfg, rl, critic, batch),
+        "update_policy": lambda: update_policy(update_settings(cfg), rl, actor, optimizer, batch),
+        "update_critic": lambda: update_critic(update_settings(cfg), cfg.critic, rl, critic, batch),
     }
     for name, run in passes.items():
         with SyncCounter() as c:

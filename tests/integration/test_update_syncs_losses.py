@@ -53,6 +53,7 @@ def _worker(rank: int, world: int, model_dir: str, micro: int) -> dict[str, Any]
     from spmdrl.models.build import ModelSpec, build_fsdp_model
     from spmdrl.optim import build_optimizer
     from spmdrl.rl.batch import PolicyBatch
+    from spmdrl.rl.settings import update_settings
     from spmdrl.rl.update import loss_modes, mini_batches, update_policy
     from spmdrl.testing.syncs import SyncCounter
 
@@ -100,14 +101,14 @@ def _worker(rank: int, world: int, model_dir: str, micro: int) -> dict[str, Any]
             a = dataclasses.replace(a, rollout_correction=correction)
         cfg = dataclasses.replace(base, algorithm=a)
         # The host count each micro-batch's loss gets is its mask's count.
-        for _, _, plans, mbs, _ in mini_batches(cfg, rl, batch, loss_modes(cfg)):
+        for _, _, plans, mbs, _ in mini_batches(update_settings(cfg), rl, batch, loss_modes(cfg.algorithm)):
             assert [p.response_tokens for p in plans] == [int(mb.response_mask_BT.sum()) for mb in mbs]
         # A first update creates AdamW's state, whose step counters live on the host (capturable=False).
-        update_policy(cfg, rl, actor, optimizer, batch)
+        update_policy(update_settings(cfg), rl, actor, optimizer, batch)
         host = [s["step"] for s in optimizer.state.values()]
         with SyncCounter() as c:
             c.mark_host(*host)
-            update_policy(cfg, rl, actor, optimizer, batch)
+            update_policy(update_settings(cfg), rl, actor, optimizer, batch)
         counts[loss] = (_places(c), c.summary())
     return counts
 

@@ -157,7 +157,7 @@ def test_reward_extra_keys_travel_per_row() -> None:
             "algorithm.gdpo_reward_keys=[accuracy,format]",
         ]
     )
-    components = gdpo_reward_components(cfg, got)
+    components = gdpo_reward_components(cfg.algorithm, cfg.reward, got)
     assert components is not None
     err = cfg.reward.error_score
     assert components.tolist() == [[0.0, 1.0], [1.0, err], [1.0, err], [1.0, err]]

@@ -11,6 +11,7 @@ import torch
 from spmdrl.config import Config, RewardConfig
 from spmdrl.rewards.sandbox import RewardResult
 from spmdrl.rl.samples import check_reward_errors
+from spmdrl.rl.settings import reward_settings
 
 CPU = torch.device("cpu")
 
@@ -18,9 +19,13 @@ CPU = torch.device("cpu")
 def test_failing_baselines_stop_and_are_named() -> None:
     cfg = Config(reward=RewardConfig(fn="tiny", max_error_frac=0.25))
     what = "greedy ReMax baselines"
-    check_reward_errors(cfg, RewardResult(torch.zeros(4), 1, 0), step=3, device=CPU, what=what)
+    check_reward_errors(
+        reward_settings(cfg), RewardResult(torch.zeros(4), 1, 0), step=3, device=CPU, what=what
+    )
     with pytest.raises(RuntimeError, match=r"step 3: 2 of 4 greedy ReMax baselines \(50%\) got no score"):
-        check_reward_errors(cfg, RewardResult(torch.zeros(4), 2, 0), step=3, device=CPU, what=what)
+        check_reward_errors(
+            reward_settings(cfg), RewardResult(torch.zeros(4), 2, 0), step=3, device=CPU, what=what
+        )
     with pytest.raises(RuntimeError, match=r"1 of 4 training rewards \(greedy ReMax baselines\) are NaN/inf"):
         nan = torch.tensor([0.0, float("nan"), 0.0, 0.0])
-        check_reward_errors(cfg, RewardResult(nan, 0, 0), step=3, device=CPU, what=what)
+        check_reward_errors(reward_settings(cfg), RewardResult(nan, 0, 0), step=3, device=CPU, what=what)

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from transformers import Qwen2Config
 
-from spmdrl.config import AlgorithmConfig, Config, ModelConfig
+from spmdrl.config import ModelConfig
 from spmdrl.logging.flops import DecoderShape
 from spmdrl.rl import perf
 from spmdrl.rl.batch import PolicyBatch
@@ -65,8 +65,11 @@ MLP_PER_TOKEN_AND_LAYER = 2 * 3 * 64 * 128  # 49,152: what model.activation_chec
 ACTOR_FORWARD = LAYERS + 3 * 12_800
 
 
-def _cfg(ac: str = "off") -> Config:
-    return Config(algorithm=AlgorithmConfig(ppo_epochs=2), model=ModelConfig(activation_checkpointing=ac))
+EPOCHS = 2  # algorithm.ppo_epochs
+
+
+def _model(ac: str = "off") -> ModelConfig:
+    return ModelConfig(activation_checkpointing=ac)
 
 
 def test_value_model_flops_by_hand() -> None:
@@ -85,7 +88,7 @@ def test_value_model_flops_by_hand() -> None:
 
 def test_critic_tokens_per_s_everywhere_and_no_mfu_without_a_peak() -> None:
     timings = {"timing/critic_update_s": 4.0, "timing/values_s": 0.5, "timing/actor_update_s": 1.0}
-    m = perf.critic_perf_metrics(_cfg(), _Model(), _batch(), timings, device=CPU)
+    m = perf.critic_perf_metrics(_model(), EPOCHS, _Model(), _batch(), timings, device=CPU)
     # 8 real tokens x 2 PPO epochs / 1 rank / 4 s: the critic's own time, not the actor's.
     assert m == {"perf/critic_tokens_per_s_update": pytest.approx(4.0)}
 
@@ -93,12 +96,12 @@ def test_critic_tokens_per_s_everywhere_and_no_mfu_without_a_peak() -> None:
 def test_critic_mfu_of_the_update_and_the_values_pass(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(perf, "device_peak_flops", lambda device: PEAK)
     timings = {"timing/critic_update_s": 4.0, "timing/values_s": 0.5, "timing/old_ref_s": 9.0}
-    m = perf.critic_perf_metrics(_cfg(), _Model(), _batch(), timings, device=CPU)
+    m = perf.critic_perf_metrics(_model(), EPOCHS, _Model(), _batch(), timings, device=CPU)
     assert m["perf/critic_mfu"] == pytest.approx(2 * 3 * VALUE_FORWARD / 4.0 / PEAK)  # 2 epochs x 3 forwards
     assert m["perf/critic_hfu"] == m["perf/critic_mfu"]  # nothing recomputed
     assert m["perf/critic_mfu_forward"] == pytest.approx(VALUE_FORWARD / 0.5 / PEAK)  # one values pass
     assert not any(k.startswith("perf/") and "critic" not in k for k in m)  # none of the actor's keys
-    ac = perf.critic_perf_metrics(_cfg(ac="full"), _Model(), _batch(), timings, device=CPU)
+    ac = perf.critic_perf_metrics(_model(ac="full"), EPOCHS, _Model(), _batch(), timings, device=CPU)
     assert ac["perf/critic_mfu"] == m["perf/critic_mfu"]  # MFU counts model FLOPs only
     assert ac["perf/critic_hfu"] == pytest.approx(2 * (3 * VALUE_FORWARD + LAYERS) / 4.0 / PEAK)
 
@@ -106,7 +109,7 @@ def test_critic_mfu_of_the_update_and_the_values_pass(monkeypatch: pytest.Monkey
 def test_critic_without_its_phase_timings_logs_no_mfu(monkeypatch: pytest.MonkeyPatch) -> None:
     """On an actor rank's view of the timings (no critic phase), nothing is divided by a zero time."""
     monkeypatch.setattr(perf, "device_peak_flops", lambda device: PEAK)
-    m = perf.critic_perf_metrics(_cfg(), _Model(), _batch(), {}, device=CPU)
+    m = perf.critic_perf_metrics(_model(), EPOCHS, _Model(), _batch(), {}, device=CPU)
     assert set(m) == {"perf/critic_tokens_per_s_update"}
 
 
@@ -114,12 +117,26 @@ def test_actor_during_the_critic_warm_up_reports_only_its_forwards(monkeypatch: 
     """PPO's critic.warmup_steps: the actor did not update, so no update speed; its old/ref passes ran."""
     timings = {"timing/actor_update_s": 2.0, "timing/old_ref_s": 0.5}
     cpu = perf.actor_perf_metrics(
-        _cfg(), _Model(), _batch(), timings, forward_passes=2, device=CPU, trained=False
+        _model(),
+        EPOCHS,
+        _Model(),
+        _batch(),
+        timings,
+        forward_passes=2,
+        device=CPU,
+        trained=False,
     )
     assert cpu == {}  # no peak, no update: nothing to report
     monkeypatch.setattr(perf, "device_peak_flops", lambda device: PEAK)
     m = perf.actor_perf_metrics(
-        _cfg(), _Model(), _batch(), timings, forward_passes=2, device=CPU, trained=False
+        _model(),
+        EPOCHS,
+        _Model(),
+        _batch(),
+        timings,
+        forward_passes=2,
+        device=CPU,
+        trained=False,
     )
     assert m == {"perf/mfu_forward": pytest.approx(2 * ACTOR_FORWARD / 0.5 / PEAK)}
 
@@ -130,7 +147,15 @@ def _two_ranks(rank: int, world_size: int) -> None:
     perf.device_peak_flops = lambda device: PEAK  # this child process's module: a CPU has no peak
     batch = PolicyBatch.concat([_batch()] * (rank + 1))
     timings = {"timing/critic_update_s": 4.0, "timing/values_s": 0.5}
-    m = perf.critic_perf_metrics(_cfg(), _Model(), batch, timings, device=CPU, group=dist.group.WORLD)
+    m = perf.critic_perf_metrics(
+        _model(),
+        EPOCHS,
+        _Model(),
+        batch,
+        timings,
+        device=CPU,
+        group=dist.group.WORLD,
+    )
     assert m["perf/critic_tokens_per_s_update"] == pytest.approx(3 * 8 * 2 / 2 / 4.0)
     assert m["perf/critic_mfu"] == pytest.approx(3 * 2 * 3 * VALUE_FORWARD / 4.0 / 2 / PEAK)
     assert m["perf/critic_mfu_forward"] == pytest.approx(3 * VALUE_FORWARD / 0.5 / 2 / PEAK)

@@ -52,7 +52,8 @@ def test_every_estimator_by_name(name: str) -> None:
     )
     otb = adv_estimator(name).needs_sum_pi_squared
     adv_BT, returns_BT = advantage_estimator(
-        cfg,
+        cfg.algorithm,
+        N,
         B // N,
         baseline_B,
         values_BT,
@@ -72,7 +73,7 @@ def test_which_settings_add_the_old_logprob_pass() -> None:
 
     def needs(**algorithm: object) -> bool:
         cfg = _cfg(**algorithm)
-        return needs_old_logprobs(cfg, derive_rl(cfg, derive(cfg, 1, 1000, samples_per_item=N)))
+        return needs_old_logprobs(cfg.algorithm, derive_rl(cfg, derive(cfg, 1, 1000, samples_per_item=N)))
 
     assert not needs()
     # The optimal token baseline reads the old policy's logprobs and sum of squared probabilities.
@@ -93,7 +94,9 @@ def test_gdpo_reward_components_from_the_reward_functions_dict() -> None:
     cfg = _cfg(adv_estimator="gdpo", gdpo_reward_keys=["accuracy", "format"])
     # One column per key, in the keys' order; a failed sample (NaN) scores reward.error_score in each.
     expected = torch.tensor([[0.0, 1.0], [1.0, 0.0], [0.0, 0.0]])
-    torch.testing.assert_close(gdpo_reward_components(cfg, rewards), expected)
-    assert gdpo_reward_components(_cfg(), rewards) is None
+    torch.testing.assert_close(gdpo_reward_components(cfg.algorithm, cfg.reward, rewards), expected)
+    assert gdpo_reward_components(_cfg().algorithm, cfg.reward, rewards) is None
     with pytest.raises(RuntimeError, match=r"returned no \['length'\]"):
-        gdpo_reward_components(_cfg(adv_estimator="gdpo", gdpo_reward_keys=["length"]), rewards)
+        gdpo_reward_components(
+            _cfg(adv_estimator="gdpo", gdpo_reward_keys=["length"]).algorithm, cfg.reward, rewards
+        )

@@ -44,7 +44,7 @@ def _verl_order(cfg: Config, batch: PolicyBatch) -> tuple[torch.Tensor, torch.Te
 def test_advantages_follow_the_rejection_as_in_verl(name: str) -> None:
     cfg = cfg_with_n(adv_estimator=name, rollout_correction=REJECT, gamma=0.9, lam=0.8)
     batch = scored_batch()
-    out, metrics = batch_advantages(cfg, batch, None, FixedKLController(0.0), CPU)
+    out, metrics = batch_advantages(cfg.algorithm, cfg.rollout.n, batch, None, FixedKLController(0.0), CPU)
     mask_BT, advantages_BT, returns_BT = _verl_order(cfg, batch)
     rejected = float((batch.response_mask_BT & ~mask_BT).sum() / batch.response_mask_BT.sum())
     assert 0.05 < rejected < 0.3 and metrics["rollout_corr/rollout_rs_masked_fraction"] > 0
@@ -72,11 +72,11 @@ def test_kl_in_reward_reads_the_trainers_old_logprobs() -> None:
     plain = cfg_with_n()
     rl = derive_rl(plain, derive(plain, 1, 64, samples_per_item=N))
     assert rl.mini_batches_per_step == 1 and plain.algorithm.ppo_epochs == 1
-    assert not needs_old_logprobs(plain, rl)
+    assert not needs_old_logprobs(plain.algorithm, rl)
     cfg = cfg_with_n(use_kl_in_reward=True, kl_penalty="kl", adv_estimator="grpo")
-    assert needs_old_logprobs(cfg, rl)
+    assert needs_old_logprobs(cfg.algorithm, rl)
     bypass = dataclasses.replace(cfg.algorithm, rollout_correction=RolloutCorrectionConfig(bypass_mode=True))
-    assert not needs_old_logprobs(dataclasses.replace(cfg, algorithm=bypass), rl)
+    assert not needs_old_logprobs(bypass, rl)
 
     batch = scored_batch()
     assert batch.old_logprobs_BT is not None and batch.ref_logprobs_BT is not None
@@ -88,5 +88,5 @@ def test_kl_in_reward_reads_the_trainers_old_logprobs() -> None:
     ):
         kl_BT = (policy_BT - batch.ref_logprobs_BT) * mask_BT
         want = float((kl_BT.sum(1) / mask_BT.sum(1)).mean())
-        _, metrics = batch_advantages(c, batch, None, FixedKLController(0.1), CPU)
+        _, metrics = batch_advantages(c.algorithm, c.rollout.n, batch, None, FixedKLController(0.1), CPU)
         assert metrics["actor/reward_kl_penalty"] == pytest.approx(want, rel=1e-5)

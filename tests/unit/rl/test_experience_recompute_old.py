@@ -16,7 +16,7 @@ N = 2
 def _needs(**algorithm: object) -> bool:
     cfg = Config(algorithm=AlgorithmConfig(**algorithm))  # type: ignore[arg-type]
     cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, n=N))
-    return needs_old_logprobs(cfg, derive_rl(cfg, derive(cfg, 1, 1000, samples_per_item=N)))
+    return needs_old_logprobs(cfg.algorithm, derive_rl(cfg, derive(cfg, 1, 1000, samples_per_item=N)))
 
 
 def test_auto_skips_the_pass_only_on_policy_and_always_runs_it() -> None:

@@ -84,7 +84,9 @@ def test_step_metrics_values_and_keys_single_process() -> None:
         rollout=2.0, reward=0.25, actor_update=1.75, critic_update=0.5, update=2.25, not_a_phase=9.0
     )
     before = host_peak_memory_gb()
-    m = step_metrics(_cfg(), samples, timer, CPU, _actor_part(), resident_gb=0.75)
+    m = step_metrics(
+        _cfg().rollout.n, _cfg().algorithm.ppo_epochs, samples, timer, CPU, _actor_part(), resident_gb=0.75
+    )
     after = host_peak_memory_gb()
 
     assert {k.split("/")[0] for k in m} == NAMESPACES
@@ -124,7 +126,7 @@ def test_step_metrics_values_and_keys_single_process() -> None:
 
 def test_step_metrics_without_actor_part_or_optional_figures() -> None:
     samples = _samples([0.0, 0.0], [4, 4], ["stop", "stop"], errors=0, timeouts=0)
-    m = step_metrics(_cfg(), samples, _timer(rollout=1.0), CPU, None)
+    m = step_metrics(_cfg().rollout.n, _cfg().algorithm.ppo_epochs, samples, _timer(rollout=1.0), CPU, None)
     assert not any(k.startswith("mismatch/") for k in m)
     assert "perf/train_tokens_per_s" not in m
     assert "perf/update_overlap" not in m  # no critic update
@@ -141,7 +143,15 @@ def _two_rank_worker(rank: int, world: int) -> dict:
     else:
         samples = _samples([1.0, 2.0], [10, 10], ["length", "stop"], errors=0, timeouts=1)
         timer = _timer(rollout=4.0, reward=0.5)
-    return step_metrics(_cfg(), samples, timer, CPU, _actor_part(), resident_gb=float(rank + 1))
+    return step_metrics(
+        _cfg().rollout.n,
+        _cfg().algorithm.ppo_epochs,
+        samples,
+        timer,
+        CPU,
+        _actor_part(),
+        resident_gb=float(rank + 1),
+    )
 
 
 def test_step_metrics_reduces_over_ranks() -> None:

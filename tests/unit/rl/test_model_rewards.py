@@ -48,7 +48,7 @@ def test_weighted_with_the_rule(reward_model: RewardModel) -> None:
         reward=RewardConfig(rule_weight=0.5),
         reward_model=RewardModelConfig(enable=True, path="x", weight=2.0),
     )
-    rewards = ModelRewards(cfg, reward_model, None, CPU)
+    rewards = ModelRewards(cfg.reward, cfg.reward_model, cfg.rollout.seed, reward_model, None, CPU)
     samples = _samples()
     out = rewards(samples, step=1)
     messages = [samples.prompts[g.prompt_index].messages for g in samples.gens]
@@ -73,5 +73,7 @@ def test_shaping_already_applied_stays_on_top(reward_model: RewardModel) -> None
     shaped = ScoredSamples(
         samples.prompts, samples.gens, samples.rewards, samples.responses, samples.scores_B - 0.25
     )
-    out = ModelRewards(cfg, reward_model, None, CPU)(shaped, step=1)
+    out = ModelRewards(cfg.reward, cfg.reward_model, cfg.rollout.seed, reward_model, None, CPU)(
+        shaped, step=1
+    )
     assert torch.allclose(out.scores_B, out.rewards.scores_B - 0.25, atol=1e-6)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import Qwen2Config
 
-from spmdrl.config import AlgorithmConfig, Config, ModelConfig
+from spmdrl.config import ModelConfig
 from spmdrl.rl import perf
 from spmdrl.rl.batch import PolicyBatch
 
@@ -50,13 +50,16 @@ FORWARD = 8 * 147_456 + 10_752 + 38_400
 LAYERS = 8 * 147_456 + 10_752
 
 
-def _cfg(ac: str = "off") -> Config:
-    return Config(algorithm=AlgorithmConfig(ppo_epochs=2), model=ModelConfig(activation_checkpointing=ac))
+EPOCHS = 2  # algorithm.ppo_epochs
+
+
+def _model(ac: str = "off") -> ModelConfig:
+    return ModelConfig(activation_checkpointing=ac)
 
 
 def test_tokens_per_s_everywhere_and_no_mfu_without_a_peak() -> None:
     timings = {"timing/actor_update_s": 2.0, "timing/old_ref_s": 0.5}
-    m = perf.actor_perf_metrics(_cfg(), _Model(), _batch(), timings, forward_passes=2, device=CPU)
+    m = perf.actor_perf_metrics(_model(), EPOCHS, _Model(), _batch(), timings, forward_passes=2, device=CPU)
     # 8 real tokens x 2 PPO epochs / 1 rank / 2 s.
     assert m == {"perf/tokens_per_s_update": pytest.approx(8.0)}
 
@@ -65,11 +68,19 @@ def test_mfu_of_the_update_and_the_forward_with_a_known_peak(monkeypatch: pytest
     peak = 989.5e12
     monkeypatch.setattr(perf, "device_peak_flops", lambda device: peak)
     timings = {"timing/actor_update_s": 2.0, "timing/old_ref_s": 0.5}
-    m = perf.actor_perf_metrics(_cfg(), _Model(), _batch(), timings, forward_passes=2, device=CPU)
+    m = perf.actor_perf_metrics(_model(), EPOCHS, _Model(), _batch(), timings, forward_passes=2, device=CPU)
     assert m["perf/mfu_update"] == pytest.approx(2 * 3 * FORWARD / 2.0 / peak)  # 2 epochs of 3 forwards
     assert m["perf/hfu_update"] == m["perf/mfu_update"]  # nothing recomputed
     assert m["perf/mfu_forward"] == pytest.approx(2 * FORWARD / 0.5 / peak)  # old + ref passes
-    ac = perf.actor_perf_metrics(_cfg(ac="full"), _Model(), _batch(), timings, forward_passes=0, device=CPU)
+    ac = perf.actor_perf_metrics(
+        _model(ac="full"),
+        EPOCHS,
+        _Model(),
+        _batch(),
+        timings,
+        forward_passes=0,
+        device=CPU,
+    )
     assert ac["perf/mfu_update"] == m["perf/mfu_update"]  # MFU counts model FLOPs only
     assert ac["perf/hfu_update"] == pytest.approx(2 * (3 * FORWARD + LAYERS) / 2.0 / peak)
     assert "perf/mfu_forward" not in ac  # no old/ref pass ran

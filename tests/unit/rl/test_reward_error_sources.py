@@ -9,18 +9,17 @@ import pytest
 import torch
 
 from spmdrl.config import (
-    AlgorithmConfig,
     Config,
     FilterGroupsConfig,
     JudgeConfig,
     RewardConfig,
     RewardModelConfig,
-    RolloutConfig,
 )
 from spmdrl.data.prompts import PromptExample
 from spmdrl.rewards.registry import RewardFn, RewardInput
 from spmdrl.rewards.sandbox import RewardResult, score_batch
 from spmdrl.rl.samples import DynamicSampling, ScoredSamples, check_reward_errors
+from spmdrl.rl.settings import reward_settings
 from spmdrl.rollout.engine import Generation
 from spmdrl.testing.spawn import run_distributed
 
@@ -37,7 +36,7 @@ def _cfg(max_error_frac: float = 0.25) -> Config:
 
 def _stop(cfg: Config, rewards: RewardResult) -> str:
     with pytest.raises(RuntimeError) as e:
-        check_reward_errors(cfg, rewards, step=3, device=CPU)
+        check_reward_errors(reward_settings(cfg), rewards, step=3, device=CPU)
     return str(e.value)
 
 
@@ -68,7 +67,7 @@ def test_both_sources_each_with_a_count_a_sample_failed_twice_once() -> None:
     lines = msg.splitlines()  # one line per source, reward.fn's first
     assert len(lines) == 3 and "reward.fn" in lines[1] and "judge" in lines[2] and "judge" not in lines[1]
     # Under the limit nothing stops, judge failures included.
-    check_reward_errors(_cfg(max_error_frac=0.75), rewards, step=3, device=CPU)
+    check_reward_errors(reward_settings(_cfg(max_error_frac=0.75)), rewards, step=3, device=CPU)
 
 
 def _two_ranks(rank: int, world: int) -> str:
@@ -79,7 +78,7 @@ def _two_ranks(rank: int, world: int) -> str:
         else RewardResult(torch.zeros(4), 3, 0, num_judge_errors=3, num_judge_only=3)
     )
     try:
-        check_reward_errors(_cfg(), rewards, step=2, device=CPU)
+        check_reward_errors(reward_settings(_cfg()), rewards, step=2, device=CPU)
     except RuntimeError as e:
         return str(e)
     return ""
@@ -115,9 +114,7 @@ def _batch(judge_errors: int, judge_only: int, errors: int) -> ScoredSamples:
 
 def test_dynamic_sampling_keeps_the_judge_counts_of_every_batch() -> None:
     fg = FilterGroupsConfig(enable=True, metric="reward", max_num_gen_batches=0)
-    dyn = DynamicSampling(
-        Config(rollout=RolloutConfig(n=2), algorithm=AlgorithmConfig(filter_groups=fg)), 1, CPU
-    )
+    dyn = DynamicSampling(fg, 2, 1, CPU)
     dyn.add(_batch(judge_errors=2, judge_only=1, errors=3))
     dyn.add(_batch(judge_errors=1, judge_only=1, errors=1))
     kept = dyn.kept().rewards

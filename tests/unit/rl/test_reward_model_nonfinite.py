@@ -23,6 +23,7 @@ from spmdrl.rewards.sandbox import RewardResult
 from spmdrl.rl.model_rewards import ModelRewards
 from spmdrl.rl.reward_model import RewardModel, encode_for_rm
 from spmdrl.rl.samples import ScoredSamples, check_reward_errors
+from spmdrl.rl.settings import reward_settings
 from spmdrl.rollout.engine import Generation
 
 CPU = torch.device("cpu")
@@ -103,7 +104,7 @@ def test_nonfinite_scores_get_error_score_and_are_counted(
     cfg = _cfg()
     samples = _samples()
     good_B = healthy.score(_messages(samples), samples.responses)
-    rewards = ModelRewards(cfg, broken, None, CPU)
+    rewards = ModelRewards(cfg.reward, cfg.reward_model, cfg.rollout.seed, broken, None, CPU)
     with caplog.at_level("WARNING"):
         out = rewards(samples, step=1)
     assert "reward model: 2 of 4 scores were NaN/inf (reward_model.path=my_rm)" in caplog.text
@@ -122,25 +123,27 @@ def test_nonfinite_scores_get_error_score_and_are_counted(
     assert metrics["reward/rule_score"] == pytest.approx(0.5)
     # 2 of 4 is above 0.25: the stop names the reward model, its count and its fix, and not reward.fn.
     with pytest.raises(RuntimeError) as e:
-        check_reward_errors(cfg, r, step=7, device=CPU)
+        check_reward_errors(reward_settings(cfg), r, step=7, device=CPU)
     msg = str(e.value)
     assert msg.startswith("step 7: 2 of 4 samples (50%) got no score, above reward.max_error_frac=0.25 (or")
     assert "  - 2 reward-model scores were NaN/inf (reward_model.path=my_rm)" in msg
     assert "check the checkpoint" in msg and "model.param_dtype=auto" in msg
     assert "reward.fn" not in msg and "judge" not in msg
     # Under the limit the step goes on, on finite rewards.
-    check_reward_errors(_cfg(max_error_frac=0.5), r, step=7, device=CPU)
+    check_reward_errors(reward_settings(_cfg(max_error_frac=0.5)), r, step=7, device=CPU)
 
 
 def test_a_sample_reward_fn_failed_too_counts_once(poisoned: tuple[RewardModel, RewardModel]) -> None:
     _, broken = poisoned
     cfg = _cfg()
     # reward.fn failed on samples 0 and 3; the model's NaN on 3 adds no sample, on 1 it adds one.
-    out = ModelRewards(cfg, broken, None, CPU)(_samples(failed=[True, False, False, True]), step=1)
+    out = ModelRewards(cfg.reward, cfg.reward_model, cfg.rollout.seed, broken, None, CPU)(
+        _samples(failed=[True, False, False, True]), step=1
+    )
     r = out.rewards
     assert (r.num_errors, r.num_rm_nonfinite, r.num_rm_only, r.num_fn_failed) == (3, 2, 1, 2)
     with pytest.raises(RuntimeError) as e:
-        check_reward_errors(cfg, r, step=2, device=CPU)
+        check_reward_errors(reward_settings(cfg), r, step=2, device=CPU)
     lines = str(e.value).splitlines()
     assert lines[0].startswith("step 2: 3 of 4 samples (75%) got no score")
     assert lines[1].startswith("  - 2 from reward.fn=mine")
@@ -153,14 +156,21 @@ def test_a_zero_weight_model_still_counts_its_nan(poisoned: tuple[RewardModel, R
     # A broken model logged next to a rule-only reward is still a broken model, as an unparsed judge
     # reply is counted at any weight.
     _, broken = poisoned
-    out = ModelRewards(_cfg(weight=0.0), broken, None, CPU)(_samples(), step=1)
+    out = ModelRewards(
+        _cfg(weight=0.0).reward,
+        _cfg(weight=0.0).reward_model,
+        _cfg(weight=0.0).rollout.seed,
+        broken,
+        None,
+        CPU,
+    )(_samples(), step=1)
     assert torch.equal(out.scores_B, 0.5 * torch.tensor([1.0, 0.0, 1.0, 0.0]))
     assert (out.rewards.num_errors, out.rewards.num_rm_nonfinite) == (2, 2)
 
 
 def _stop(cfg: Config, scores_B: torch.Tensor) -> str:
     with pytest.raises(RuntimeError) as e:
-        check_reward_errors(cfg, RewardResult(scores_B, 0, 0), step=4, device=CPU)
+        check_reward_errors(reward_settings(cfg), RewardResult(scores_B, 0, 0), step=4, device=CPU)
     return str(e.value)
 
 
@@ -183,7 +193,9 @@ def test_a_nonfinite_training_reward_stops_whatever_the_limit() -> None:
     )
     assert "reward_model.judge.weight=inf is not a finite number" in _stop(judged, torch.tensor([math.inf]))
     # Finite rewards pass.
-    check_reward_errors(cfg, RewardResult(torch.tensor([1.0, -3.0e38]), 0, 0), step=4, device=CPU)
+    check_reward_errors(
+        reward_settings(cfg), RewardResult(torch.tensor([1.0, -3.0e38]), 0, 0), step=4, device=CPU
+    )
 
 
 def test_an_overflowing_weight_is_caught_before_training(poisoned: tuple[RewardModel, RewardModel]) -> None:
@@ -197,7 +209,7 @@ def test_an_overflowing_weight_is_caught_before_training(poisoned: tuple[RewardM
     samples = _samples()
     scores_B = rm.score(_messages(samples), samples.responses)
     assert torch.isfinite(scores_B).all() and (scores_B.abs() > 1.2).all(), scores_B  # x 3e38: past 3.4e38
-    out = ModelRewards(cfg, rm, None, CPU)(samples, step=1)
+    out = ModelRewards(cfg.reward, cfg.reward_model, cfg.rollout.seed, rm, None, CPU)(samples, step=1)
     assert out.rewards.num_rm_nonfinite == 0 and not torch.isfinite(out.scores_B).all()
     assert "overflowed float32" in _stop(cfg, out.rewards.scores_B)
 
@@ -217,12 +229,19 @@ def _two_ranks(rank: int, world: int, rm_dir: str) -> dict:
         reward_model=RewardModelConfig(enable=True, path=rm_dir, weight=2.0, micro_batch_size_per_gpu=3),
     )
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
-    rewards = ModelRewards(cfg, build_reward_model(cfg.reward_model, cfg.model, mesh, CPU), None, CPU)
+    rewards = ModelRewards(
+        cfg.reward,
+        cfg.reward_model,
+        cfg.rollout.seed,
+        build_reward_model(cfg.reward_model, cfg.model, mesh, CPU),
+        None,
+        CPU,
+    )
     clean = ["#### 1", "#### 7", "#### 2", "#### 3"]
     out = rewards(_samples(responses=clean if rank == 0 else RESPONSES), step=5)
     metrics = rewards.metrics()
     try:
-        check_reward_errors(cfg, out.rewards, step=5, device=CPU)
+        check_reward_errors(reward_settings(cfg), out.rewards, step=5, device=CPU)
         stopped = None
     except RuntimeError as e:
         stopped = str(e)

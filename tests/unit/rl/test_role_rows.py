@@ -95,7 +95,7 @@ def _worker(rank: int, world: int) -> dict:
 
     # Colocated, not balanced: no layout, nothing moves, the very same objects come back.
     cfg = Config(parallel=ParallelConfig(placement="colocated", balance_tokens=False))
-    plan = plan_rows(cfg, Placement.colocated(world), _rl(2), local, cpu)
+    plan = plan_rows(cfg.parallel.balance_tokens, Placement.colocated(world), _rl(2), local, cpu)
     b, s = plan.balance_colocated(local, sampled)
     out["colocated_plain"] = {
         "moves": plan.moves,
@@ -106,7 +106,7 @@ def _worker(rank: int, world: int) -> dict:
 
     # Colocated and balanced: the whole batch and the sampled mask go to the balanced layout.
     cfg = Config(parallel=ParallelConfig(placement="colocated", balance_tokens=True))
-    plan = plan_rows(cfg, Placement.colocated(world), _rl(2), local, cpu)
+    plan = plan_rows(cfg.parallel.balance_tokens, Placement.colocated(world), _rl(2), local, cpu)
     b, s = plan.balance_colocated(local, sampled)
     assert b is not None and s is not None
     out["colocated_balanced"] = {
@@ -123,7 +123,7 @@ def _worker(rank: int, world: int) -> dict:
     for balance in (False, True):
         cfg = Config(parallel=ParallelConfig(placement="split", critic_ranks=2, balance_tokens=balance))
         placement = Placement.split(world, 2)
-        plan = plan_rows(cfg, placement, _rl(2), local, cpu, rl_critic=_rl(1))
+        plan = plan_rows(cfg.parallel.balance_tokens, placement, _rl(2), local, cpu, rl_critic=_rl(1))
         assert plan.world is not None and plan.actor is not None and plan.critic is not None
         spec = local.field_spec()
         to_actor = plan.move(local.tensors(), spec, plan.world, plan.actor)
@@ -154,7 +154,9 @@ def _worker(rank: int, world: int) -> dict:
     trainers = dist.new_group([0, 1])  # every rank creates it, as the placement's meshes are
     if rank < 2:
         cfg = Config(parallel=ParallelConfig(placement="async", rollout_ranks=2, balance_tokens=True))
-        plan = plan_rows(cfg, Placement.asynchronous(world, 2), _rl(2), local, cpu, group=trainers)
+        plan = plan_rows(
+            cfg.parallel.balance_tokens, Placement.asynchronous(world, 2), _rl(2), local, cpu, group=trainers
+        )
         b, s = plan.balance_colocated(local, sampled)
         assert b is not None and s is not None
         out["async_balanced"] = {

@@ -39,6 +39,7 @@ from spmdrl.rl.samples import (
     train_samples,
     train_sampling,
 )
+from spmdrl.rl.settings import reward_settings
 from spmdrl.rollout.engine import Generation, TrajectoryInfo
 from spmdrl.testing.spawn import run_distributed
 
@@ -94,11 +95,17 @@ def _dynamic_cfg(metric: str = "reward", max_batches: int = 0) -> Config:
 
 def test_train_sampling_seeds_each_batch_of_each_step() -> None:
     cfg = Config(rollout=RolloutConfig(n=N, seed=3), data=DataConfig(max_response_length=17))
-    spec = train_sampling(cfg, step=5, gen_batch=2)
+    spec = train_sampling(cfg.rollout, cfg.data.max_response_length, step=5, gen_batch=2)
     assert spec.seed == (3 * 1_000_003 + 5) * 1_000 + 1 and spec.max_tokens == 17
-    seeds = {train_sampling(cfg, s, b).seed for s in range(1, 20) for b in range(1, 6)}
+    seeds = {
+        train_sampling(cfg.rollout, cfg.data.max_response_length, s, b).seed
+        for s in range(1, 20)
+        for b in range(1, 6)
+    }
     assert len(seeds) == 19 * 5
-    assert train_sampling(cfg, 5, 2) == spec  # reproducible (a resumed run samples the same)
+    assert (
+        train_sampling(cfg.rollout, cfg.data.max_response_length, 5, 2) == spec
+    )  # reproducible (a resumed run samples the same)
 
 
 def test_score_decodes_and_scores_each_generation_against_its_prompt() -> None:
@@ -125,7 +132,7 @@ def test_score_decodes_and_scores_each_generation_against_its_prompt() -> None:
     gens[2] = Generation(
         1, gens[2].token_ids, [], "stop", trajectory=TrajectoryInfo(num_turns=2, tool_calls=3)
     )
-    out = score(Config(), fn, tok, prompts, gens)
+    out = score(RewardConfig(), fn, tok, prompts, gens)
     assert out.responses == texts
     assert [s[1] for s in seen] == ["19", "19", "42", "42"]
     assert seen[0][2] == {"k": "a"} and seen[2][2]["k"] == "b" and seen[2][2]["num_turns"] == 2
@@ -142,7 +149,7 @@ def test_train_samples_logs_the_first_with_their_training_reward() -> None:
     prompt_ids = tok("12 + 7 =", add_special_tokens=False).input_ids
     samples.prompts[1] = PromptExample(1, prompt_ids, [], "19", "tiny", {})
     cfg = Config(rollout=RolloutConfig(n=N), logging=LoggingConfig(samples_per_log=3))
-    logged = train_samples(4, tok, samples, cfg)
+    logged = train_samples(4, tok, samples, cfg.logging.samples_per_log)
     assert [(s.response, s.reward, s.ground_truth) for s in logged] == [
         ("a/0", 1.0, "gt-a"),
         ("a/1", 0.0, "gt-a"),
@@ -155,7 +162,9 @@ def test_train_samples_logs_the_first_with_their_training_reward() -> None:
 
 
 def test_overlong_shaping_adds_the_penalty_to_the_training_reward_only() -> None:
-    shaping = OverlongShaping(_shaping_cfg(), CPU)
+    shaping = OverlongShaping(
+        _shaping_cfg().reward.overlong_buffer, _shaping_cfg().data.max_response_length, CPU
+    )
     # Buffer: the last 4 of 10 tokens; 0 up to 6 tokens, then down to -0.5 at 10.
     s = shaping(_samples(["a", "b"], raw=[1.0, 0.0, 1.0, 1.0], lengths=[5, 6, 8, 10]))
     assert s.scores_B.tolist() == pytest.approx([1.0, 0.0, 0.75, 0.5])
@@ -164,7 +173,9 @@ def test_overlong_shaping_adds_the_penalty_to_the_training_reward_only() -> None
     # Every batch's penalties count (a dropped group's too): 0, 0, -0.25, -0.5, -0.375, 0.
     m = shaping.metrics()
     assert m == pytest.approx({"reward/overlong_penalty_mean": -1.125 / 6, "reward/overlong_frac": 3 / 6})
-    assert OverlongShaping(_shaping_cfg(), CPU).metrics() == {
+    assert OverlongShaping(
+        _shaping_cfg().reward.overlong_buffer, _shaping_cfg().data.max_response_length, CPU
+    ).metrics() == {
         "reward/overlong_penalty_mean": 0.0,
         "reward/overlong_frac": 0.0,
     }
@@ -174,7 +185,9 @@ def test_overlong_shaping_adds_the_penalty_to_the_training_reward_only() -> None
 
 
 def test_dynamic_sampling_keeps_groups_with_signal_until_enough() -> None:
-    dyn = DynamicSampling(_dynamic_cfg(), step=3, device=CPU)
+    dyn = DynamicSampling(
+        _dynamic_cfg().algorithm.filter_groups, _dynamic_cfg().rollout.n, step=3, device=CPU
+    )
     # a: all 1, c: all 0 (dropped); b differs (kept).
     dyn.add(_samples(["a", "b", "c"], raw=[1, 1, 0, 1, 0, 0], errors=1, tag=1))
     assert (dyn.target, dyn.batches, dyn.generated, dyn.dropped) == (3, 1, 3, 2)
@@ -203,7 +216,9 @@ def test_dynamic_sampling_keeps_groups_with_signal_until_enough() -> None:
 def test_dynamic_sampling_keeps_each_samples_token_versions() -> None:
     """rollout.partial under parallel.placement=async: a weight switch lands in some generation batch;
     the kept samples keep their own per-token versions and interrupted flags (which the rows carry)."""
-    dyn = DynamicSampling(_dynamic_cfg(), step=2, device=CPU)
+    dyn = DynamicSampling(
+        _dynamic_cfg().algorithm.filter_groups, _dynamic_cfg().rollout.n, step=2, device=CPU
+    )
     first = _samples(["a", "b"], raw=[1, 1, 0, 1])  # a: dropped; b: kept, switched mid-generation
     first.gens = [
         dataclasses.replace(g, versions=[1, 1, 2][: len(g.token_ids)], interrupted=True) for g in first.gens
@@ -229,7 +244,9 @@ def test_dynamic_sampling_keeps_each_samples_token_versions() -> None:
 def test_dynamic_sampling_filters_on_the_configured_metric(metric: str, kept: list[str]) -> None:
     # p: both scored 1 but one was shaped down (overlong); q: different scores, both below 1.
     samples = _samples(["p", "q"], raw=[1.0, 1.0, 0.5, 0.2], shaped=[1.0, 0.5, 0.5, 0.2])
-    dyn = DynamicSampling(_dynamic_cfg(metric), step=1, device=CPU)
+    dyn = DynamicSampling(
+        _dynamic_cfg(metric).algorithm.filter_groups, _dynamic_cfg(metric).rollout.n, step=1, device=CPU
+    )
     dyn.add(samples)
     out = dyn.kept()
     assert [p.ground_truth for p in out.prompts] == [f"gt-{k}" for k in kept]
@@ -240,7 +257,12 @@ def test_dynamic_sampling_filters_on_the_configured_metric(metric: str, kept: li
 
 
 def test_dynamic_sampling_stops_after_max_num_gen_batches() -> None:
-    dyn = DynamicSampling(_dynamic_cfg(max_batches=2), step=7, device=CPU)
+    dyn = DynamicSampling(
+        _dynamic_cfg(max_batches=2).algorithm.filter_groups,
+        _dynamic_cfg(max_batches=2).rollout.n,
+        step=7,
+        device=CPU,
+    )
     dyn.add(_samples(["a"], raw=[1, 1]))
     assert not dyn.enough()
     dyn.add(_samples(["b"], raw=[0, 0]))
@@ -254,11 +276,11 @@ def test_dynamic_sampling_stops_after_max_num_gen_batches() -> None:
 def test_check_reward_errors_stops_above_the_allowed_fraction() -> None:
     cfg = Config(reward=RewardConfig(fn="tiny", max_error_frac=0.5))
     # 2 of 4 failed: at the limit, not above it.
-    check_reward_errors(cfg, RewardResult(torch.zeros(4), 1, 1), step=1, device=CPU)
+    check_reward_errors(reward_settings(cfg), RewardResult(torch.zeros(4), 1, 1), step=1, device=CPU)
     with pytest.raises(RuntimeError, match=r"step 2: 3 of 4 samples \(75%\).*reward.fn=tiny \(1 timed out"):
-        check_reward_errors(cfg, RewardResult(torch.zeros(4), 2, 1), step=2, device=CPU)
+        check_reward_errors(reward_settings(cfg), RewardResult(torch.zeros(4), 2, 1), step=2, device=CPU)
     never = Config(reward=RewardConfig(max_error_frac=1.0))
-    check_reward_errors(never, RewardResult(torch.zeros(4), 4, 0), step=3, device=CPU)
+    check_reward_errors(reward_settings(never), RewardResult(torch.zeros(4), 4, 0), step=3, device=CPU)
 
 
 # ---------------------------------------------------------------------------------------------- over 2 ranks
@@ -267,13 +289,17 @@ def test_check_reward_errors_stops_above_the_allowed_fraction() -> None:
 def _two_rank_worker(rank: int, world: int) -> dict:
     out: dict = {}
     # Overlong: rank 0's responses run into the buffer, rank 1's do not.
-    shaping = OverlongShaping(_shaping_cfg(), CPU)
+    shaping = OverlongShaping(
+        _shaping_cfg().reward.overlong_buffer, _shaping_cfg().data.max_response_length, CPU
+    )
     shaping(_samples(["x"], raw=[1, 1], lengths=[8, 10] if rank == 0 else [2, 2]))
     out["overlong"] = shaping.metrics()
 
     # Dynamic sampling: 2 prompts per rank. Rank 0 keeps both of its first batch, rank 1 one: every rank
     # generates again (the fewest kept decides). Then rank 1 has 2, and every rank trains.
-    dyn = DynamicSampling(_dynamic_cfg(), step=1, device=CPU)
+    dyn = DynamicSampling(
+        _dynamic_cfg().algorithm.filter_groups, _dynamic_cfg().rollout.n, step=1, device=CPU
+    )
     dyn.add(_samples(["a", "b"], raw=[1, 0, 1, 0] if rank == 0 else [1, 0, 1, 1]))
     out["enough_1"] = dyn.enough()
     dyn.add(_samples(["c", "d"], raw=[1, 0, 0, 1] if rank == 0 else [0, 0, 0, 1]))
@@ -321,7 +347,9 @@ def _rollout_group_worker(rank: int, world: int) -> dict | None:
     if rank == 0:
         return None
     mine = rank - 1
-    dyn = DynamicSampling(_dynamic_cfg(), step=1, device=CPU, group=group)
+    dyn = DynamicSampling(
+        _dynamic_cfg().algorithm.filter_groups, _dynamic_cfg().rollout.n, step=1, device=CPU, group=group
+    )
     dyn.add(_samples(["a", "b"], raw=[1, 0, 1, 0] if mine == 0 else [1, 0, 1, 1]))
     first = dyn.enough()
     dyn.add(_samples(["c", "d"], raw=[1, 0, 0, 1] if mine == 0 else [0, 0, 0, 1]))

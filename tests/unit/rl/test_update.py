@@ -16,6 +16,7 @@ from spmdrl.algos.policy_losses import POLICY_LOSSES, agg_mode_for
 from spmdrl.config import AlgorithmConfig, Config, ConfigError, validate
 from spmdrl.models.forward import policy_logprobs
 from spmdrl.rl.batch import PolicyBatch
+from spmdrl.rl.settings import update_settings
 from spmdrl.rl.update import loss_modes, micro_batch_loss
 from spmdrl.testing.models import SMALL_QWEN2
 
@@ -51,7 +52,7 @@ def test_every_policy_loss_by_name_trains(name: str) -> None:
     model = Qwen2ForCausalLM(Qwen2Config(**SMALL_QWEN2)).float()
     mb = _batch()
     agg = Aggregation.local(agg_mode_for(name, cfg.algorithm.loss_agg_mode), mb.response_mask_BT)
-    out = micro_batch_loss(cfg, model, mb, agg)
+    out = micro_batch_loss(update_settings(cfg), model, mb, agg)
     assert math.isfinite(out.loss.item())
     out.loss.backward()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
@@ -90,13 +91,13 @@ def test_bad_names_and_critic_estimators_fail_in_validation() -> None:
 )
 def test_entropy_and_kl_terms_keep_the_configured_mode(name: str, mode: str, policy_mode: str) -> None:
     cfg = _cfg(policy_loss=name, loss_agg_mode=mode, use_kl_loss=True, kl_loss_type="k1")
-    assert loss_modes(cfg) == (policy_mode, mode)
+    assert loss_modes(cfg.algorithm) == (policy_mode, mode)
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(**SMALL_QWEN2)).float()
     mb = _batch()
     mask_BT = mb.response_mask_BT
     agg, pg_agg = Aggregation.local(mode, mask_BT), Aggregation.local(policy_mode, mask_BT)
-    out = micro_batch_loss(cfg, model, mb, agg, pg_agg)
+    out = micro_batch_loss(update_settings(cfg), model, mb, agg, pg_agg)
     with torch.no_grad():
         lp_BT, ent_BT = policy_logprobs(
             model, mb.input_ids_BT, mb.attention_mask_BT, with_entropy=True, first_column=4
@@ -117,13 +118,13 @@ def test_bypass_mode_trains_against_the_engine_logprobs() -> None:
     )
     cfg = _cfg(rollout_correction=rc, use_kl_loss=False)
     validate(cfg)
-    assert loss_modes(cfg) == ("token-mean", "token-mean")
+    assert loss_modes(cfg.algorithm) == ("token-mean", "token-mean")
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(**SMALL_QWEN2)).float()
     mb = _batch()
     mb = mb.replace(engine_logprobs_BT=mb.engine_logprobs_BT - 0.3)  # differs from old_logprobs_BT
     mask_BT = mb.response_mask_BT
-    out = micro_batch_loss(cfg, model, mb, Aggregation.local("token-mean", mask_BT))
+    out = micro_batch_loss(update_settings(cfg), model, mb, Aggregation.local("token-mean", mask_BT))
     lp_BT, _ = policy_logprobs(model, mb.input_ids_BT, mb.attention_mask_BT, first_column=4)
     expected_kl = ((mb.engine_logprobs_BT - lp_BT.detach()) * mask_BT).sum() / mask_BT.sum()
     torch.testing.assert_close(out.stats["ppo_kl"], expected_kl)

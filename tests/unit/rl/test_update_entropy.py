@@ -21,6 +21,7 @@ from spmdrl.algos.losses import entropy_from_logits
 from spmdrl.config import AlgorithmConfig, Config
 from spmdrl.models.forward import policy_logprobs
 from spmdrl.rl.batch import PolicyBatch
+from spmdrl.rl.settings import update_settings
 from spmdrl.rl.update import MicroBatchLoss, micro_batch_loss
 from spmdrl.testing.models import SMALL_QWEN2
 
@@ -78,7 +79,7 @@ def _run(model: torch.nn.Module, cfg: Config, mb: PolicyBatch) -> tuple[MicroBat
     Every saved storage stays alive while ``out.loss`` does, so no address in the count is reused.
     """
     with _saved_bytes() as seen:
-        out = micro_batch_loss(cfg, model, mb, _agg(mb))
+        out = micro_batch_loss(update_settings(cfg), model, mb, _agg(mb))
     return out, sum(seen.values())
 
 
@@ -126,7 +127,7 @@ def test_entropy_bonus_gets_its_gradient(model: torch.nn.Module, temperature: fl
     handle = model.get_output_embeddings().register_forward_hook(keep_logits)
     try:
         for c in (0.0, coeff):
-            out = micro_batch_loss(_cfg(c, temperature), model, mb, _agg(mb))
+            out = micro_batch_loss(update_settings(_cfg(c, temperature)), model, mb, _agg(mb))
             out.loss.backward()
             assert len(captured) == 1, "the head ran once on the scored positions"
             grads.append(captured.pop().grad)
@@ -162,7 +163,7 @@ def test_graph_is_freed_by_backward(model: torch.nn.Module) -> None:
 
     for coeff in (0.0, 0.01):
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = micro_batch_loss(_cfg(coeff, 1.0), model, mb, _agg(mb))
+            out = micro_batch_loss(update_settings(_cfg(coeff, 1.0)), model, mb, _agg(mb))
         assert any(r() is not None for r in big), "the logprobs' graph saves B x T x V tensors"
         out.loss.backward()
         assert all(r() is None for r in big), f"coeff {coeff}: a B x T x V tensor outlived the backward"

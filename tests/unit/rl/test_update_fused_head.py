@@ -13,6 +13,7 @@ from spmdrl.algos.aggregation import Aggregation
 from spmdrl.config import AlgorithmConfig, Config, ModelConfig
 from spmdrl.rl.batch import PolicyBatch
 from spmdrl.rl.micro_batches import plan_micro_batches
+from spmdrl.rl.settings import update_settings
 from spmdrl.rl.update import micro_batch_loss
 from spmdrl.testing.models import SMALL_QWEN2
 
@@ -51,7 +52,7 @@ def test_fused_head_in_the_update_equals_plain() -> None:
         )
         cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, temperature=0.8))
         model.zero_grad(set_to_none=True)
-        out = micro_batch_loss(cfg, model, mb, agg, plan=plan)
+        out = micro_batch_loss(update_settings(cfg), model, mb, agg, plan=plan)
         out.loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         results[fused] = (out, grads)

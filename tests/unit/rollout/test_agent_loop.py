@@ -20,6 +20,7 @@ def test_logits_at_mask_zero_positions_do_not_reach_the_loss() -> None:
     from spmdrl.algos.aggregation import Aggregation
     from spmdrl.config import Config
     from spmdrl.models.forward import scored_positions
+    from spmdrl.rl.settings import update_settings
     from spmdrl.rl.update import micro_batch_loss
 
     torch.manual_seed(0)
@@ -75,7 +76,7 @@ def test_logits_at_mask_zero_positions_do_not_reach_the_loss() -> None:
 
             handle = model.lm_head.register_forward_hook(hook)
         agg = Aggregation("token-mean", float(mask.sum()))
-        loss = micro_batch_loss(cfg, model, mb, agg).loss
+        loss = micro_batch_loss(update_settings(cfg), model, mb, agg).loss
         loss.backward()
         if handle is not None:
             handle.remove()
