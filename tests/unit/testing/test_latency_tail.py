@@ -149,3 +149,19 @@ def test_build_rollout_applies_what_the_launcher_installed(monkeypatch: pytest.M
     assert isinstance(wrapped, LatencyTailRollout) and type(wrapped.inner) is Rollout
     assert wrapped.engine is engine and wrapped.take_wait_seconds() == 0.0
 
+
+def test_the_launcher_refuses_a_tail_the_config_cannot_hold() -> None:
+    """The launcher's whole path short of a run, as a forked rank: its arguments, spmdrl.train's config,
+    the tail checked against it, the config error's exit (grpo_tiny's batch is 32 prompts)."""
+    import os
+
+    from spmdrl.testing import prefork
+    from spmdrl.testing.spawn import free_port
+
+    argv = ["-m", "spmdrl.testing.latency_tail", "--prompts", "33", "--seconds", "1", "recipe=grpo_tiny"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    code, output, timed_out = prefork.run_job(
+        argv, nproc=1, cwd=None, env=env, port=free_port(), timeout_s=120
+    )
+    assert (code, timed_out) == (1, False)
+    assert "latency tail: --prompts 33 is more than the step's batch" in output, output
