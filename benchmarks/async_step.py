@@ -6,12 +6,15 @@
     python benchmarks/async_step.py --staleness 0,1 --tail-prompts 4 --tail-seconds 5 --steps 12
 
 For each trainer.max_staleness k of ``--staleness`` (default 0,1,2), without and with a simulated latency
-tail (``--tail``; rollout.latency_tail: ``--tail-prompts`` of each rollout rank's prompts per generate call
-are slow, the call returns ``--tail-seconds`` late; docs/rollout.md#simulated-latency-tail), the script runs
-the real recipe as a subprocess,
+tail (``--tail``: ``--tail-prompts`` of each rollout rank's prompts per generate call are slow, the call
+returns ``--tail-seconds`` late; docs/rollout.md#simulated-latency-tail), the script runs the real recipe as
+a subprocess, the tail's jobs through the tail's launcher (spmdrl.testing.latency_tail, which wraps the
+job's Rollout and runs spmdrl.train's main),
 
     torchrun --nproc_per_node=<nproc> -m spmdrl.train recipe=<recipe> trainer.max_staleness=<k>
-        trainer.total_steps=<steps> rollout.latency_tail.prompts=<p> rollout.latency_tail.seconds=<s> ...
+        trainer.total_steps=<steps> ...
+    torchrun --nproc_per_node=<nproc> -m spmdrl.testing.latency_tail --prompts <p> --seconds <s>
+        recipe=<recipe> trainer.max_staleness=<k> trainer.total_steps=<steps> ...
 
 (``--set KEY=VALUE``, repeatable, is appended to every job's overrides, so it wins), one job after the
 other, and reads its metrics.jsonl back. Every job trains the same number of steps of the same batch:
@@ -31,8 +34,8 @@ step 0) and validation and checkpoints are not in it. Two windows:
 - ``x k=0``: each over the k=0 job's with the same tail setting, measured in the same run (above 1,
   faster than the synchronous loop on the same split of ranks).
 - ``step_s``, ``rollout_s``, ``tail_s``, policy age: over the steady steps. ``rollout_s``: the mean
-  ``timing/rollout_s`` (generation, the tail's wait included); ``tail_s``: the mean
-  ``rollout/latency_tail_s`` (or ``timing/latency_tail_s``) where the recipe logs it; ``age_mean`` /
+  ``timing/rollout_s`` (generation, the tail's wait included); ``tail_s``: the mean ``rollout/wait_s``
+  (what the generating ranks' Rollout waited: the tail's) where the recipe logs it; ``age_mean`` /
   ``age_max``: the mean ``async/policy_age_mean`` and the largest ``async/policy_age_max`` (versions
   between the policy that generated a row and the one trained).
 - ``val_acc``: the last ``val/accuracy`` logged (trainer.val_every; validation is not in the steps' time).
@@ -109,11 +112,9 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--tail", default="both", choices=("both", "off", "on"), help="jobs without / with the tail"
     )
+    p.add_argument("--tail-prompts", type=int, default=2, help="slow prompts per generate call per rank")
     p.add_argument(
-        "--tail-prompts", type=int, default=2, help="rollout.latency_tail.prompts of the tail jobs"
-    )
-    p.add_argument(
-        "--tail-seconds", type=float, default=2.0, help="rollout.latency_tail.seconds of the tail jobs"
+        "--tail-seconds", type=float, default=2.0, help="how late a call with a slow prompt returns"
     )
     p.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="an override for every job"
@@ -155,8 +156,6 @@ def overrides(a: argparse.Namespace, job: Job, out_dir: Path) -> list[str]:
         f"recipe={a.recipe}",
         f"trainer.max_staleness={job.k}",
         f"trainer.total_steps={a.steps}",
-        f"rollout.latency_tail.prompts={a.tail_prompts if job.tail else 0}",
-        f"rollout.latency_tail.seconds={a.tail_seconds if job.tail else 0.0}",
         "trainer.log_every=1",  # a row per step
         "trainer.save_every=0",  # no checkpoint inside the measured steps (one after the last)
         "logging.backends=[]",
@@ -166,14 +165,26 @@ def overrides(a: argparse.Namespace, job: Job, out_dir: Path) -> list[str]:
     ]
 
 
+def launcher(a: argparse.Namespace, job: Job) -> list[str]:
+    """What torchrun runs: spmdrl.train, or for a tail job the tail's launcher with its settings."""
+    if not job.tail:
+        return ["-m", "spmdrl.train"]
+    tail = ["--prompts", str(a.tail_prompts), "--seconds", str(a.tail_seconds)]
+    return ["-m", "spmdrl.testing.latency_tail", *tail]
+
+
 def check_configs(a: argparse.Namespace) -> None:
-    """Every job's overrides compose into a valid config before the first job's minutes."""
+    """Every job's overrides compose into a valid config (and the tail fits it) before the first job's
+    minutes."""
     from spmdrl.config_loader import load_config
     from spmdrl.errors import ConfigError
+    from spmdrl.testing.latency_tail import LatencyTail
 
     for job in jobs(a):
         try:
-            load_config(overrides(a, job, Path("out")))
+            cfg = load_config(overrides(a, job, Path("out")))
+            if job.tail:
+                LatencyTail(a.tail_prompts, a.tail_seconds).check(cfg)
         except ConfigError as e:
             raise SystemExit(f"the {job.name} job's config: {e}") from None
 
@@ -211,7 +222,7 @@ def read_result(job: Job, metrics_path: Path, warmup: int) -> Result:
         steady_steps_per_hour=_per_hour(steady) if steady else None,
         step_s=statistics.fmean(values("timing/step_s")),
         rollout_s=_mean(values("timing/rollout_s")),
-        tail_s=_mean(values("rollout/latency_tail_s") or values("timing/latency_tail_s")),
+        tail_s=_mean(values("rollout/wait_s")),
         policy_age_mean=_mean(values("async/policy_age_mean")),
         policy_age_max=max(ages_max) if ages_max else None,
         val_accuracy=val[-1] if val else None,
@@ -309,9 +320,9 @@ def run_job(a: argparse.Namespace, job: Job, work: Path) -> Result:
     out_dir = work / f"{job.name}-run"
     args = overrides(a, job, out_dir)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={a.nproc}"]
-    cmd += ["-m", "spmdrl.train", *args]
-    shown = " ".join(o for o in args if not o.startswith(OUTPUT_KEY))
-    print(f"{job.name}: torchrun --nproc_per_node={a.nproc} -m spmdrl.train {shown}", flush=True)
+    cmd += [*launcher(a, job), *args]
+    shown = " ".join([*launcher(a, job), *(o for o in args if not o.startswith(OUTPUT_KEY))])
+    print(f"{job.name}: torchrun --nproc_per_node={a.nproc} {shown}", flush=True)
     log_path = work / f"{job.name}.log"
     t0 = time.perf_counter()
     code = run_logged(cmd, log_path, a.timeout)

@@ -45,7 +45,7 @@ from spmdrl.rewards.config import (
     RewardConfig,
     RewardModelConfig,
 )
-from spmdrl.rollout.config import CPU_GEMM_PATHS, LatencyTailConfig, MultiTurnConfig, RolloutConfig
+from spmdrl.rollout.config import CPU_GEMM_PATHS, MultiTurnConfig, RolloutConfig
 from spmdrl.trainer_config import AUTO_TOKENS, CriticConfig, OptimConfig, TrainerConfig, WarmstartConfig
 
 __all__ = [
@@ -65,7 +65,6 @@ __all__ = [
     "FilterGroupsConfig",
     "JudgeConfig",
     "KLCtrlConfig",
-    "LatencyTailConfig",
     "LoggingConfig",
     "LoraConfig",
     "ModelConfig",
@@ -163,30 +162,6 @@ def _check_choices(node: Any, prefix: str) -> None:
             _check_registered(f"{prefix}{f.name}", value, *f.metadata["registry"])
 
 
-def _validate_latency_tail(cfg: Config) -> None:
-    """rollout.latency_tail: no negative values, no more slow prompts than a step has, and a wait the
-    other ranks' collectives outlast."""
-    tail = cfg.rollout.latency_tail
-    if tail.prompts < 0 or tail.seconds < 0:
-        raise ConfigError(
-            f"rollout.latency_tail.prompts and rollout.latency_tail.seconds must be >= 0 (0: no simulated "
-            f"latency tail), got {tail.prompts}, {tail.seconds}"
-        )
-    if tail.prompts > cfg.trainer.global_batch_size:
-        raise ConfigError(
-            f"rollout.latency_tail.prompts={tail.prompts} is more than the step's batch "
-            f"(trainer.global_batch_size={cfg.trainer.global_batch_size} prompts); it counts slow prompts per "
-            "generate call on each rank: lower it"
-        )
-    limit_s = cfg.trainer.collective_timeout_min * 60
-    if tail.seconds >= limit_s:
-        raise ConfigError(
-            f"rollout.latency_tail.seconds={tail.seconds} must stay below trainer.collective_timeout_min="
-            f"{cfg.trainer.collective_timeout_min} minutes: the other ranks wait in a collective while a rank "
-            "waits out its slow prompts"
-        )
-
-
 def _check_across_sections(cfg: Config) -> None:
     """The checks of a value against another section's: timeouts against trainer.collective_timeout_min,
     the token budgets against the longest sequence, the async settings against parallel.placement."""
@@ -222,7 +197,6 @@ def _check_across_sections(cfg: Config) -> None:
             f"must stay below trainer.collective_timeout_min={t.collective_timeout_min} minutes: the "
             "other ranks wait in the next collective while a rank finishes its rollout"
         )
-    _validate_latency_tail(cfg)
     _check_reward_model_placement(cfg)
 
 

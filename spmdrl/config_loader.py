@@ -64,6 +64,9 @@ _MOVED_KEYS = {"data.tiny": "tiny_task", "data.tiny_tools": "tools_task"}
 _REPLACED_KEYS = {
     "logging.tensorboard": "metrics backends are one list now: logging.backends=[tensorboard] (the default), "
     "logging.backends=[] for none, or any of tensorboard, console, wandb, mlflow",
+    "rollout.latency_tail": "the simulated latency tail is no config setting now but a launcher of the tests and "
+    "benchmarks: torchrun ... -m spmdrl.testing.latency_tail --prompts P --seconds S <spmdrl.train's "
+    "arguments> (docs/rollout.md#simulated-latency-tail)",
 }
 
 

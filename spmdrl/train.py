@@ -25,7 +25,15 @@ from spmdrl.gc_heap import freeze_startup_heap, pause_collection, skip_exit_coll
 if TYPE_CHECKING:
     from spmdrl.config import Config
 
-__all__ = ["EXIT_CONFIG_ERROR", "exit_config_error", "main", "parse_config", "run_recipe", "usage"]
+__all__ = [
+    "EXIT_CONFIG_ERROR",
+    "exit_config_error",
+    "main",
+    "parse_config",
+    "run_entry",
+    "run_recipe",
+    "usage",
+]
 
 
 # A segfault in an extension (a kernel, the engine) would otherwise show only "exit -11": print every
@@ -182,11 +190,16 @@ def _run(recipe_main: Callable[[Config], None], cfg: Config) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    pause_collection()
+    run_entry(parse_config(sys.argv[1:] if argv is None else argv))
+
+
+def run_entry(cfg: Config) -> None:
+    """Runs the recipe ``cfg.entry`` names: :func:`main` after its :func:`parse_config`, for a launcher
+    that checks or installs something between the two (spmdrl.testing.latency_tail)."""
     from spmdrl.config_loader import import_entry
     from spmdrl.distributed.failure import run_or_die
 
-    pause_collection()
-    cfg = parse_config(sys.argv[1:] if argv is None else argv)
     try:
         recipe = import_entry(cfg.entry)  # load_config imported it already: this returns the same module
     except ConfigError as e:

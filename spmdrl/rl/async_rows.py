@@ -72,7 +72,7 @@ COLUMNS: dict[str, torch.dtype] = {
     "rm_only": torch.long,  # ... of them, on samples reward.fn and the judge scored
     "rollout_s": torch.float64,  # the rollout rank's seconds, on every row
     "reward_s": torch.float64,
-    "latency_tail_s": torch.float64,  # of rollout_s: rollout.latency_tail's simulated wait
+    "rollout_wait_s": torch.float64,  # of rollout_s: what its Rollout waited (Rollout.take_wait_seconds)
     "memory_gb": torch.float64,  # the rollout rank's peak memory so far (perf/rollout_max_memory_gb)
     "interrupted": torch.bool,  # rollout.partial: a weight switch landed while it was generating
     "regenerated": torch.bool,  # trainer.stale_policy=regenerate: generated again, the first one too old
@@ -202,7 +202,7 @@ def pack_samples(
         "rm_only": column([samples.rewards.num_rm_only * f for f in first], torch.long),
         "rollout_s": column([seconds.get("rollout_s", 0.0)] * B, torch.float64),
         "reward_s": column([seconds.get("reward_s", 0.0)] * B, torch.float64),
-        "latency_tail_s": column([seconds.get("latency_tail_s", 0.0)] * B, torch.float64),
+        "rollout_wait_s": column([seconds.get("rollout_wait_s", 0.0)] * B, torch.float64),
         "memory_gb": column([peak_memory_gb(device)["memory_gb"]] * B, torch.float64),
         "interrupted": column(list(interrupted) if interrupted is not None else [False] * B, torch.bool),
         "regenerated": column([regenerated] * B, torch.bool),
@@ -252,7 +252,8 @@ def fill_missing_fields(
     """Rows saved in a queue before TOKEN_VERSIONS, ``interrupted``, ``regenerated``, the judge's and
     reward model's counts, ReMax's baseline and the reward's extra keys travelled (a checkpoint of an
     earlier release): every token of ``version``'s, nothing interrupted, generated again or failed by the
-    judge or the reward model, no baseline and no extra keys, as they were generated. The measured
+    judge or the reward model, no baseline, no extra keys and no Rollout wait, as they were generated; a
+    field that no longer travels is dropped. The measured
     metrics go to CARRIED_METRICS' columns by name: ``carried``, the names the queue was saved with (None:
     saved without them, read by their count; an unknown count measured nothing that can be named)."""
     rows["measured"] = _measured_by_name(rows["measured"], carried)
@@ -267,6 +268,10 @@ def fill_missing_fields(
             rows[name] = torch.zeros_like(rows["version"], dtype=torch.long)
     if "baseline" not in rows:
         rows["baseline"] = torch.full_like(rows["version"], math.nan, dtype=torch.float32)
+    if "rollout_wait_s" not in rows:  # saved under an earlier name, or before it travelled: not counted
+        rows["rollout_wait_s"] = torch.zeros_like(rows["version"], dtype=torch.float64)
+    for name in set(rows) - set(SPEC):  # a field that no longer travels
+        del rows[name]
     B = rows["version"].shape[0]
     for name in (REWARD_EXTRA, REWARD_EXTRA_NAMES):
         if name not in rows:  # the reward's extra keys did not travel: none
@@ -305,9 +310,8 @@ class ReceivedBatch:
     batch: PolicyBatch
     samples: ScoredSamples
     versions_B: torch.Tensor
-    seconds: dict[
-        str, float
-    ]  # the slowest sending rank's rollout_s / reward_s (/ latency_tail_s) among these rows
+    # The slowest sending rank's rollout_s / reward_s (/ rollout_wait_s) among these rows.
+    seconds: dict[str, float]
     memory_gb: float  # the largest sending rank's peak memory among them
     # Per token, the version that sampled it (TOKEN_VERSIONS), and per row whether rollout.partial
     # switched its weights mid-generation.
@@ -320,13 +324,13 @@ class ReceivedBatch:
     # (samples.metrics: the rollout ranks' reduced metrics that came with the rows, CARRIED_METRICS)
 
     def timings(self, timer: PhaseTimer) -> dict[str, float]:
-        """The rollout ranks' generation and scoring seconds as the step's phases, and
-        rollout.latency_tail's wait as the metric a colocated run logs it as."""
+        """The rollout ranks' generation and scoring seconds as the step's phases, and what their Rollout
+        waited as the metric a colocated run logs it as (rollout/wait_s, Rollout.take_metrics)."""
         for phase, seconds in self.seconds.items():
-            if phase != "latency_tail_s":
+            if phase != "rollout_wait_s":
                 timer.add(phase.removesuffix("_s"), seconds)
-        tail = self.seconds.get("latency_tail_s")
-        return {} if tail is None else {"rollout/latency_tail_s": tail}
+        wait = self.seconds.get("rollout_wait_s")
+        return {} if wait is None else {"rollout/wait_s": wait}
 
     def without_stale(
         self, step: int, k: int, per_token: bool, device: torch.device, group: dist.ProcessGroup | None
@@ -392,9 +396,9 @@ def unpack(
     measured = rows["measured"][0, : len(CARRIED_METRICS)].tolist()
     metrics = {k: v for k, v in zip(CARRIED_METRICS, measured, strict=False) if not math.isnan(v)}
     samples = ScoredSamples(prompts, gens, rewards, responses, scores_B, metrics=metrics)
-    seconds = {k: float(col[k].max()) for k in ("rollout_s", "reward_s", "latency_tail_s")}
-    if not seconds["latency_tail_s"]:  # logged (timing/latency_tail_s) only where the tail is on
-        del seconds["latency_tail_s"]
+    seconds = {k: float(col[k].max()) for k in ("rollout_s", "reward_s", "rollout_wait_s")}
+    if not seconds["rollout_wait_s"]:  # logged (rollout/wait_s) only where a Rollout waited
+        del seconds["rollout_wait_s"]
     baseline_B = col["baseline"].to(torch.float32)
     has_baseline = not bool(baseline_B.isnan().all())
     return ReceivedBatch(

@@ -69,7 +69,7 @@ from spmdrl.rollout.engine import (
     check_kv_cache_tokens,
 )
 from spmdrl.rollout.mismatch import ParityError, parity_failure
-from spmdrl.rollout.rollout import Rollout, build_agent_loop, load_multi_turn_tools
+from spmdrl.rollout.rollout import Rollout, build_agent_loop, build_rollout, load_multi_turn_tools
 from spmdrl.rollout.weight_sync import Fanout, SyncCheck, SyncStats, sync_weights, sync_with_fallback
 from spmdrl.runtime import Run, start_run
 from spmdrl.supervised.warmstart import warm_start
@@ -359,7 +359,8 @@ def build_job(cfg: Config, roles: Roles = NO_EXTRA_ROLES) -> RLJob:
         ref=ref,
         engine=engine,
         # group: the multi-turn metrics reduce over the ranks that generate (async: the rollout ranks).
-        rollout=Rollout(engine, agent, cfg.rollout.latency_tail, group=meshes.group("rollout")),
+        # build_rollout: what a launcher wrapped it in, if anything (spmdrl.rollout.rollout.wrap_rollouts).
+        rollout=build_rollout(engine, agent, group=meshes.group("rollout")),
         fanout=fanout,
         kl_ctrl=kl_ctrl,
         start_step=0,

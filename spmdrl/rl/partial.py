@@ -9,16 +9,12 @@ goes on under the new weights, each token keeping the version that sampled it.
 
 from __future__ import annotations
 
-import time
 from typing import Protocol
 
 from spmdrl.data.prompts import PromptExample
-from spmdrl.logging.timer import PhaseTimer
 from spmdrl.rl.job import RLJob, sync_actor_weights
 from spmdrl.rl.weight_notice import Notice
-from spmdrl.rollout.engine import Generation, SamplingSpec, request_seed
-from spmdrl.rollout.interruptible import generate_interruptible
-from spmdrl.rollout.rollout import slow_prompts
+from spmdrl.rollout.engine import Generation, SamplingSpec
 
 
 class Versioned(Protocol):
@@ -28,28 +24,16 @@ class Versioned(Protocol):
 def generate_partial(
     job: RLJob,
     notice: Notice,
-    timer: PhaseTimer,
     engine: Versioned,
     prompts: list[PromptExample],
     spec: SamplingSpec,
 ) -> list[Generation]:
     """``prompts``' generation by ``engine.version``, interrupted when ``notice`` arrives by version
     ``notice.version``'s sync (which then counts as the step's, and is ``engine``'s version from then on);
-    each Generation holds its tokens' versions. rollout.latency_tail stalls it after its first engine step
-    (the requests stay in flight while it waits), so an update can land in the middle of a slow batch."""
-    tail = job.cfg.rollout.latency_tail
-    slow: list[int] = []
-    if tail.prompts > 0 and tail.seconds > 0:
-        slow = slow_prompts(
-            len(prompts), tail.prompts, request_seed(spec.seed or 0, job.engine.groups.dp_index)
-        )
-    polls = [0]
+    each Generation holds its tokens' versions. It runs through the job's Rollout
+    (Rollout.generate_interruptible), so what a launcher wrapped it in sees it too."""
 
     def poll() -> bool:
-        polls[0] += 1
-        if polls[0] == 2 and slow:
-            with timer("latency_tail"):
-                time.sleep(tail.seconds)
         return not notice.synced and notice.arrived()  # once: the switch syncs this notice's version
 
     def switch() -> int:
@@ -59,13 +43,7 @@ def generate_partial(
         engine.version = notice.version
         return notice.version
 
-    out = generate_interruptible(
-        job.engine,
-        [p.prompt_ids for p in prompts],
-        spec,
-        version=engine.version,
-        poll=poll,
-        switch=switch,
-        mode=job.cfg.rollout.partial,
+    out = job.rollout.generate_interruptible(
+        prompts, spec, version=engine.version, poll=poll, switch=switch, mode=job.cfg.rollout.partial
     )
     return out.generations

@@ -315,7 +315,7 @@ def validate(
     gens = rollout.generate(
         mine,
         SamplingSpec.for_validation(cfg.rollout, max_tokens, seed=cfg.rollout.seed),
-        training=False,  # never slowed by rollout.latency_tail
+        training=False,  # a validation call (a wrapper may treat it apart: never slowed, say)
     )
     tool_metrics = {f"val/{k}": v for k, v in rollout.take_metrics(env.device).items()}
     scored = score(cfg.reward, reward_fn, tokenizer, mine, gens)

@@ -67,21 +67,6 @@ class MultiTurnConfig:
 
 
 @dataclass
-class LatencyTailConfig:
-    """A simulated long tail of generation latency, for benchmarks and tests (docs/rollout.md#simulated-
-    latency-tail). In each training generate call on each rank, ``prompts`` of the call's prompts are slow:
-    the call returns ``seconds`` after the engine is done, as a batched engine waits for its slowest
-    request. It models waiting that leaves the generating rank idle (a slow tool call, an environment, a
-    remote judge), not compute: the rank sleeps. Validation generations are never slowed. 0 in either: off."""
-
-    # Slow prompts per generate call on each rank (a rank holding fewer: all of them; at most
-    # trainer.global_batch_size). Which ones is a seeded choice per call, the same on every run.
-    prompts: int = 0
-    # Extra seconds the call takes when any of its prompts is slow.
-    seconds: float = 0.0
-
-
-@dataclass
 class RolloutConfig:
     """The in-process generation engine (vLLM) and its sampling settings."""
 
@@ -157,7 +142,6 @@ class RolloutConfig:
     val_temperature: float = 0.0
     seed: int = 0
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
-    latency_tail: LatencyTailConfig = field(default_factory=LatencyTailConfig)
     # Partial rollouts (parallel.placement=async with trainer.max_staleness >= 1, docs/async.md): a weight
     # update that arrives while a batch is generating interrupts it between engine steps. "continue":
     # the unfinished samples resume on the new weights from the tokens they have (the prefix is

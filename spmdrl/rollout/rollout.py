@@ -5,16 +5,15 @@ Both return :class:`~spmdrl.rollout.engine.Generation` lists in the same layout,
 (rewards, advantages, the update) does not care which ran; a multi-turn generation carries its loss mask
 (0 on tool output) and what happened in it (:class:`~spmdrl.rollout.engine.TrajectoryInfo`).
 
-``rollout.latency_tail`` slows training generations here, for every recipe: a simulated long tail of
-latency (docs/rollout.md#simulated-latency-tail).
+The job builds its Rollout with :func:`build_rollout`, which passes it through the wrappers a launcher
+installed (:func:`wrap_rollouts`): the seam for changing how training generates without touching the
+user's config (a benchmark's simulated slow prompts, say: docs/rollout.md#simulated-latency-tail).
 """
 
 from __future__ import annotations
 
 import logging
-import random
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -31,8 +30,9 @@ from spmdrl.rollout.agent_loop import (
     multi_turn_metrics,
     tool_latency_p99,
 )
-from spmdrl.rollout.config import LatencyTailConfig, RolloutConfig
-from spmdrl.rollout.engine import Generation, RolloutEngine, SamplingSpec, request_seed
+from spmdrl.rollout.config import RolloutConfig
+from spmdrl.rollout.engine import Generation, RolloutEngine, SamplingSpec
+from spmdrl.rollout.interruptible import VersionedGenerations, generate_interruptible
 
 log = logging.getLogger(__name__)
 
@@ -75,59 +75,28 @@ def load_multi_turn_tools(cfg: RolloutSections) -> dict[str, Any]:
     return tools
 
 
-def slow_prompts(num_prompts: int, count: int, seed: int) -> list[int]:
-    """The indices (sorted) of the ``count`` prompts of a generate call that the simulated latency tail
-    slows: a choice seeded by ``seed`` alone, so the same call picks the same prompts on any host and
-    run. All of them when the call holds fewer than ``count``."""
-    if count >= num_prompts:
-        return list(range(num_prompts))
-    return sorted(random.Random(seed).sample(range(num_prompts), count))
-
-
 class Rollout:
     """Samples a step's responses on this rank (every rank of ``group``, the ranks that generate, calls
     :meth:`generate` together; None: the whole world, parallel.placement=async: the rollout ranks)."""
 
     def __init__(
-        self,
-        engine: RolloutEngine,
-        agent: AgentLoop | None = None,
-        latency_tail: LatencyTailConfig | None = None,
-        *,
-        group: dist.ProcessGroup | None = None,
+        self, engine: RolloutEngine, agent: AgentLoop | None = None, *, group: dist.ProcessGroup | None = None
     ) -> None:
         self.engine = engine
         self.agent = agent
         self.group = group  # the multi-turn metrics reduce over it
-        self.latency_tail = latency_tail or LatencyTailConfig()
         self._gens: list[Generation] = []
         self._stats: list[LoopStats] = []
-        # The simulated tail since the last take: seconds waited and calls slowed, on this rank.
-        self._tail_s = 0.0
-        self._tail_calls = 0
-        self._calls = 0  # seeds the slow-prompt choice of calls without a sampling seed
-        self.last_slow_prompts: list[int] = []  # the latest training call's slow prompts (indices)
 
     @property
     def multi_turn(self) -> bool:
         return self.agent is not None
 
-    @property
-    def tail_enabled(self) -> bool:
-        return self.latency_tail.prompts > 0 and self.latency_tail.seconds > 0
-
     def generate(
         self, prompts: Sequence[PromptExample], spec: SamplingSpec, *, training: bool = True
     ) -> list[Generation]:
-        """This rank's completions of ``prompts``. ``training=False`` (validation) is never slowed by
-        rollout.latency_tail."""
-        self._calls += 1
-        gens = self._generate(prompts, spec)
-        if training and self.tail_enabled:
-            self._wait_tail(len(prompts), spec.seed)
-        return gens
-
-    def _generate(self, prompts: Sequence[PromptExample], spec: SamplingSpec) -> list[Generation]:
+        """This rank's completions of ``prompts``. ``training=False``: a validation call (the same here; a
+        wrapper may tell them apart)."""
         ids = [p.prompt_ids for p in prompts]
         if self.agent is None:
             return self.engine.generate(ids, spec)
@@ -137,33 +106,38 @@ class Rollout:
         self._stats.append(stats)
         return gens
 
-    def _wait_tail(self, num_prompts: int, seed: int | None) -> None:
-        """The simulated slow prompts: the call returns rollout.latency_tail.seconds late when any of its
-        prompts is slow, as a batched engine's call waits for its slowest request. A sleep, not work: the
-        latency it stands for (a tool, an environment, a judge) leaves this rank idle. The choice is
-        seeded by the call's sampling seed (its own call count without one) and the engine's index."""
-        base = seed if seed is not None else self._calls
-        slow = slow_prompts(
-            num_prompts, self.latency_tail.prompts, request_seed(base, self.engine.groups.dp_index)
+    def generate_interruptible(
+        self,
+        prompts: Sequence[PromptExample],
+        spec: SamplingSpec,
+        *,
+        version: int,
+        poll: Callable[[], bool],
+        switch: Callable[[], int],
+        mode: str,
+    ) -> VersionedGenerations:
+        """A single-turn training call that a weight update may interrupt between engine steps
+        (rollout.partial; :func:`spmdrl.rollout.interruptible.generate_interruptible` says how)."""
+        ids = [p.prompt_ids for p in prompts]
+        return generate_interruptible(
+            self.engine, ids, spec, version=version, poll=poll, switch=switch, mode=mode
         )
-        self.last_slow_prompts = slow
-        if not slow:
-            return
-        t0 = time.perf_counter()
-        time.sleep(self.latency_tail.seconds)
-        self._tail_s += time.perf_counter() - t0
-        self._tail_calls += 1
+
+    def take_wait_seconds(self) -> float:
+        """Seconds this rank's training calls spent waiting on something other than the engine since the
+        last take (inside the rollout phase): what a wrapper that waits reports (a simulated slow prompt, a
+        remote environment). This Rollout never waits: 0. take_metrics takes it too: call one."""
+        return 0.0
 
     def take_metrics(self, device: torch.device) -> dict[str, float]:
         """``multi_turn/*`` over every generating rank's trajectories since the last call (a collective
-        over ``group``: each of its ranks calls it; nothing for single-turn rollouts), and ``rollout/latency_tail_s`` when this rank waited
-        on simulated slow prompts since the last call."""
-        tail_s, tail_calls = self.take_tail_seconds()
-        # This rank's own wait, not a reduction: every slowed call on every rank waits the same
-        # rollout.latency_tail.seconds, and a collective here would add one to the single-turn path
+        over ``group``: each of its ranks calls it; nothing for single-turn rollouts), and ``rollout/wait_s``
+        when this rank's calls waited since the last call (:meth:`take_wait_seconds`)."""
+        # This rank's own wait, not a reduction: a collective here would add one to the single-turn path
         # (which a recipe may call on some ranks only).
-        tail = {"rollout/latency_tail_s": tail_s} if tail_calls else {}
-        return {**tail, **self.take_multi_turn_metrics(device)}
+        wait_s = self.take_wait_seconds()
+        wait = {"rollout/wait_s": wait_s} if wait_s > 0 else {}
+        return {**wait, **self.take_multi_turn_metrics(device)}
 
     def take_multi_turn_metrics(self, device: torch.device) -> dict[str, float]:
         """``multi_turn/*`` (MULTI_TURN_KEYS) over the trajectories of every rank of ``group`` since the
@@ -198,12 +172,28 @@ class Rollout:
             out[f"multi_turn/terminate_reason/{r}"] = sums[f"terminate_reason/{r}"] / n
         return out
 
-    def take_tail_seconds(self) -> tuple[float, int]:
-        """This rank's simulated wait since the last take (seconds, calls slowed): for a recipe that ships
-        its rollout ranks' measures to the trainer ranks itself. take_metrics takes it too: call one."""
-        out = (self._tail_s, self._tail_calls)
-        self._tail_s, self._tail_calls = 0.0, 0
-        return out
+
+# What a launcher wraps every job's Rollout in (wrap_rollouts), in order, innermost first.
+RolloutWrapper = Callable[[Rollout], Rollout]
+_WRAPPERS: list[RolloutWrapper] = []
+
+
+def wrap_rollouts(wrapper: RolloutWrapper) -> None:
+    """From now on, in this process, every Rollout :func:`build_rollout` makes is ``wrapper(rollout)``: for
+    a launcher that runs spmdrl.train with training's generation changed (a test's or benchmark's simulated
+    latency, docs/rollout.md#simulated-latency-tail), not for recipes (a recipe builds what it wants
+    itself). The wrapper returns a Rollout (a subclass that calls the one it wraps, typically)."""
+    _WRAPPERS.append(wrapper)
+
+
+def build_rollout(
+    engine: RolloutEngine, agent: AgentLoop | None = None, *, group: dist.ProcessGroup | None = None
+) -> Rollout:
+    """The job's Rollout over ``engine`` (and ``agent``), wrapped by what :func:`wrap_rollouts` installed."""
+    rollout = Rollout(engine, agent, group=group)
+    for wrapper in _WRAPPERS:
+        rollout = wrapper(rollout)
+    return rollout
 
 
 def _tools_kwargs(p: PromptExample) -> dict[str, Any] | None:

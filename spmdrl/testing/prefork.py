@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -113,10 +114,15 @@ def attach_streams(stdout: int, stderr: int) -> None:
     os.close(stderr)
 
 
+# The modules a forked job may run (``-m <module>``): each has ``main(argv)`` and imports nothing the fork
+# server has not (the latency tail's launcher runs spmdrl.train's main with a wrapped Rollout).
+FORKABLE_MODULES = ("spmdrl.train", "spmdrl.testing.latency_tail")
+
+
 def can_run(argv: list[str], env: dict[str, str]) -> bool:
     """Whether a job ``torchrun <argv>`` in the environment ``env`` (the whole of it) can be forked:
-    ``-m spmdrl.train``, and every import-time variable as the fork server has it."""
-    if argv[:2] != ["-m", "spmdrl.train"]:
+    ``-m <one of FORKABLE_MODULES>``, and every import-time variable as the fork server has it."""
+    if len(argv) < 2 or argv[0] != "-m" or argv[1] not in FORKABLE_MODULES:
         return False
     return compatible(env)
 
@@ -202,7 +208,7 @@ def run_job(
         rank_env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
         p = ctx.Process(
             target=_rank_main,
-            args=(argv[2:], rank_env, str(cwd or os.getcwd()), name),
+            args=(argv[2:], rank_env, str(cwd or os.getcwd()), name, None, argv[1]),
             name=f"spmdrl-rank{rank}",
         )
         p.start()
@@ -281,10 +287,17 @@ def run_train(
         )
 
 
-def _rank_main(args: list[str], env: dict[str, str], cwd: str, out: str, err: str | None = None) -> None:
+def _rank_main(
+    args: list[str],
+    env: dict[str, str],
+    cwd: str,
+    out: str,
+    err: str | None = None,
+    module: str = "spmdrl.train",
+) -> None:
     """One process forked from the fork server: the given environment (a rank's, as torchrun gives it),
     working directory, stdout into ``out`` and stderr into ``err`` (or ``out`` too), appending; then
-    ``python -m spmdrl.train <args>``."""
+    ``python -m <module> <args>`` (spmdrl.train, or another of FORKABLE_MODULES)."""
     os.setsid()
     for fd_no, path in ((1, out), (2, err or out)):
         fd = os.open(path, os.O_WRONLY | os.O_APPEND)
@@ -297,12 +310,12 @@ def _rank_main(args: list[str], env: dict[str, str], cwd: str, out: str, err: st
     os.chdir(cwd)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
-    import spmdrl.train
+    entry = importlib.import_module(module)
 
-    sys.argv = [spmdrl.train.__file__, *args]
+    sys.argv = [entry.__file__, *args]
     code = 0
     try:
-        spmdrl.train.main(args)
+        entry.main(args)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException:  # noqa: BLE001 - as an uncaught exception ends a script: its traceback, exit 1

@@ -1,6 +1,7 @@
 """benchmarks/async_step.py's run path: two real jobs of a synchronous recipe (grpo_tiny on 2 ranks, k=0),
-without and with rollout.latency_tail, read back into the table and the JSON. grpo_tiny logs no async/*
-keys, so the policy age is '-'; the tail job's rollout phase holds the tail's wait and logs it."""
+without and with the latency tail (its launcher, spmdrl.testing.latency_tail), read back into the table
+and the JSON. grpo_tiny logs no async/* keys, so the policy age is '-'; the tail job's rollout phase holds
+the tail's wait and logs it (rollout/wait_s)."""
 
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def test_runs_a_recipe_without_and_with_the_latency_tail(tmp_path: Path) -> None
     # The tail is in the rollout phase and logged; without it, nothing is.
     assert "async_step/k0/tail_s" not in figs
     assert "async_step/k0_tail/tail_s" in figs, (
-        "rollout.latency_tail never reached the job's Rollout (build_job)"
+        "the tail's launcher never wrapped the job's Rollout (build_rollout)"
     )
     assert figs["async_step/k0_tail/tail_s"]["value"] >= TAIL_S
     assert figs["async_step/k0_tail/rollout_s"]["value"] >= TAIL_S

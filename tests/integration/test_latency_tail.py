@@ -1,6 +1,6 @@
-"""rollout.latency_tail through a real engine (spmdrl/rollout/rollout.py): the same seeded call through
-Rollout without a tail, with one (a training call) and as a validation call; the choice of slow prompts and
-the config checks are unit-tested (tests/unit/rollout/test_latency_tail.py)."""
+"""The latency tail's Rollout wrapper through a real engine (spmdrl/testing/latency_tail.py): the same seeded
+call through a Rollout without the tail, with it (a training call) and as a validation call; the choice of
+slow prompts, the checks and the launcher are unit-tested (tests/unit/testing/test_latency_tail.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from spmdrl.config import LatencyTailConfig, RolloutConfig
-from spmdrl.rollout.rollout import slow_prompts
+from spmdrl.rollout.config import RolloutConfig
+from spmdrl.testing.latency_tail import LatencyTail, LatencyTailRollout, slow_prompts
 
 # Long enough that an engine call of a few tokens never takes as long, even on a loaded machine.
 TAIL_S = 5.0
@@ -35,7 +35,7 @@ def _tail_worker(rank: int, world: int, model_dir: str) -> dict:
     spec = SamplingSpec(n=2, temperature=1.0, max_tokens=6, seed=42)
     device = torch.device("cpu")
     plain = Rollout(engine)
-    tailed = Rollout(engine, latency_tail=LatencyTailConfig(prompts=1, seconds=TAIL_S))
+    tailed = LatencyTailRollout(Rollout(engine), LatencyTail(prompts=1, seconds=TAIL_S))
     plain.generate(prompts, spec)  # warm-up: the first call compiles and caches
     out: dict = {}
     for name, rollout, training in (("plain", plain, True), ("tail", tailed, True), ("val", tailed, False)):
@@ -45,7 +45,7 @@ def _tail_worker(rank: int, world: int, model_dir: str) -> dict:
             seconds=time.perf_counter() - t0,
             tokens=[g.token_ids for g in gens],
             metrics=rollout.take_metrics(device),
-            slow=list(rollout.last_slow_prompts),
+            slow=list(getattr(rollout, "last_slow_prompts", [])),
         )
     out["expected_slow"] = slow_prompts(4, 1, request_seed(42, engine.groups.dp_index))
     engine.close()
@@ -65,7 +65,7 @@ def test_a_training_call_waits_the_tail_and_a_validation_call_does_not(tmp_path:
     # The engine's own time varies by seconds on a shared CPU: the tail call is not compared with the plain
     # one, only with what the tail alone must add.
     assert tail["seconds"] >= TAIL_S, out
-    assert tail["metrics"]["rollout/latency_tail_s"] >= TAIL_S
+    assert tail["metrics"]["rollout/wait_s"] >= TAIL_S
     assert tail["slow"] == out["expected_slow"] and len(tail["slow"]) == 1
     # Validation is never slowed, and reports no tail; a Rollout without one reports nothing.
     assert val["seconds"] < TAIL_S, out

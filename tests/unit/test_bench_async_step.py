@@ -35,7 +35,7 @@ def _rows(step_s: list[float], ages: list[float] | None = None, tail_s: float | 
         if ages is not None:
             row |= {"async/policy_age_mean": ages[i - 1], "async/policy_age_max": math.ceil(ages[i - 1])}
         if tail_s is not None:
-            row["rollout/latency_tail_s"] = tail_s
+            row["rollout/wait_s"] = tail_s
         rows.append(row)
     rows.append({"step": len(step_s), "val/accuracy": 0.7})
     return rows
@@ -57,9 +57,6 @@ def test_read_result_windows(bench: ModuleType, tmp_path: Path) -> None:
     # No steady step (k=2 of 2 steps): the run's figure alone, the means over every step.
     short = bench.read_result(bench.Job(2, False), _write(tmp_path / "k2.jsonl", _rows([5.0, 3.0])), warmup=1)
     assert short.steady_steps == 0 and short.steady_steps_per_hour is None and short.step_s == 4.0
-    # A recipe that times the tail as a phase of its rollout ranks (timing/latency_tail_s) is read too.
-    rows = [{**row, "timing/latency_tail_s": 1.5} for row in _rows([5.0, 4.0])]
-    assert bench.read_result(job, _write(tmp_path / "t.jsonl", rows), warmup=1).tail_s == 1.5
     with pytest.raises(ValueError, match="no step row with timing/step_s"):
         bench.read_result(job, _write(tmp_path / "none.jsonl", [{"step": 0, "val/accuracy": 0.5}]), warmup=1)
 
@@ -106,10 +103,13 @@ def test_jobs_and_their_overrides_compose(bench: ModuleType) -> None:
     assert names == ["k0", "k1", "k2", "k0_tail", "k1_tail", "k2_tail"]
     cfg = load_config(bench.overrides(a, bench.Job(2, True), Path("out")))
     assert cfg.name == "grpo_async_tiny" and cfg.trainer.max_staleness == 2
-    assert (cfg.rollout.latency_tail.prompts, cfg.rollout.latency_tail.seconds) == (3, 2.0)
     assert cfg.trainer.val_every == 0 and cfg.trainer.log_every == 1 and cfg.trainer.output_dir == "out"
     off = load_config(bench.overrides(a, bench.Job(0, False), Path("out")))
-    assert off.rollout.latency_tail.prompts == 0 and off.trainer.max_staleness == 0
+    assert off.trainer.max_staleness == 0
+    # The tail's jobs run through its launcher (it wraps the job's Rollout); the others: the plain recipe.
+    tail = ["-m", "spmdrl.testing.latency_tail", "--prompts", "3", "--seconds", "2.0"]
+    assert bench.launcher(a, bench.Job(2, True)) == tail
+    assert bench.launcher(a, bench.Job(0, False)) == ["-m", "spmdrl.train"]
     assert [j.name for j in bench.jobs(bench._args(["--tail", "off", "--staleness", "1"]))] == ["k1"]
 
 
@@ -134,6 +134,10 @@ def test_bad_arguments(
 
 
 def test_a_bad_override_fails_before_any_job(bench: ModuleType) -> None:
-    a = bench._args(["--set", "rollout.latency_tail.prompts=-1", "--tail", "off"])
-    with pytest.raises(SystemExit, match=r"the k0 job's config: rollout\.latency_tail\.prompts"):
+    a = bench._args(["--set", "trainer.totl_steps=3", "--tail", "off"])
+    with pytest.raises(SystemExit, match=r"the k0 job's config: unknown config key 'trainer\.totl_steps'"):
+        bench.check_configs(a)
+    # The tail is checked against each tail job's config: more slow prompts than grpo_async_tiny's batch.
+    a = bench._args(["--staleness", "0", "--tail", "on", "--tail-prompts", "65"])
+    with pytest.raises(SystemExit, match=r"the k0_tail job's config: latency tail: --prompts 65 is more"):
         bench.check_configs(a)

@@ -15,6 +15,7 @@ import torch
 from spmdrl.config_loader import load_config
 from spmdrl.data.prompts import PromptExample
 from spmdrl.errors import ConfigError
+from spmdrl.logging.timer import PhaseTimer
 from spmdrl.rewards.sandbox import RewardResult
 from spmdrl.rl.async_rows import (
     CARRIED_METRICS,
@@ -186,6 +187,21 @@ def test_rows_queued_before_baselines_and_extra_keys_travelled() -> None:
     filled = fill_missing_fields(rows, 5)
     got = unpack(filled, PromptsByIndex(_samples().prompts), IdsTokenizer(), 2, 0)  # type: ignore[arg-type]
     assert got.baseline_B is None and got.samples.rewards.extra == {}
+
+
+def test_a_rollout_wait_travels_and_a_queue_saved_under_the_old_name_resumes() -> None:
+    """What a wrapped Rollout waited (its rollout_wait_s phase) reaches the trainer as rollout/wait_s; rows
+    queued when the column was the latency tail's (latency_tail_s) drop it and report no wait."""
+    cpu = torch.device("cpu")
+    rows = pack_samples(_samples(), 5, {"rollout_s": 3.0, "rollout_wait_s": 2.0}, 0, cpu)
+    got = unpack(rows, PromptsByIndex(_samples().prompts), IdsTokenizer(), 2, 0)  # type: ignore[arg-type]
+    assert got.seconds == {"rollout_s": 3.0, "reward_s": 0.0, "rollout_wait_s": 2.0}
+    assert got.timings(PhaseTimer()) == {"rollout/wait_s": 2.0}
+    rows["latency_tail_s"] = rows.pop("rollout_wait_s")
+    filled = fill_missing_fields(rows, 5)
+    assert "latency_tail_s" not in filled
+    got = unpack(filled, PromptsByIndex(_samples().prompts), IdsTokenizer(), 2, 0)  # type: ignore[arg-type]
+    assert "rollout_wait_s" not in got.seconds and got.timings(PhaseTimer()) == {}
 
 
 def _measured_after_restore(

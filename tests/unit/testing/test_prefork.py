@@ -21,6 +21,11 @@ def test_what_is_read_at_import_decides_whether_a_job_is_forked(monkeypatch: pyt
     assert prefork.compatible(_job_env())
     assert prefork.can_run(["-m", "spmdrl.train", "recipe=grpo_tiny"], _job_env())
     assert not prefork.can_run(["my_recipe.py", "recipe=grpo_tiny"], _job_env())  # a script: real torchrun
+    # The latency tail's launcher runs spmdrl.train's main too; any other module: real torchrun.
+    assert prefork.can_run(
+        ["-m", "spmdrl.testing.latency_tail", "--prompts", "1", "--seconds", "2"], _job_env()
+    )
+    assert not prefork.can_run(["-m", "my.module", "recipe=grpo_tiny"], _job_env())
     for changed in ("OMP_NUM_THREADS", "ATEN_CPU_CAPABILITY", "HF_HUB_OFFLINE", "VLLM_LOGGING_LEVEL"):
         assert not prefork.compatible(_job_env(**{changed: "7"})), changed
     # A variable the fork server's imports set themselves (vLLM's sets PYTORCH_NVML_BASED_CUDA_CHECK=1):
