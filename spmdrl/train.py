@@ -66,6 +66,8 @@ Overrides (Hydra's grammar; each key, its type and default: the sections spmdrl/
                         (no torchrun, no model), print one line and exit:
                         0 fine, 2 a configuration or data error (run it before torchrun, which exits 1
                         on any worker's failure and would retry a typo under --max-restarts)
+  --world-size N        with --check or --cfg job: also plan an RL recipe's job on N ranks (placement,
+                        per-rank batches, steps) and print it; a job that does not fit N ranks exits 2
 
 A misspelled key or a wrong type fails at once, naming the valid keys. Exit codes: 0 done, 1 a failure while
 running, 2 a configuration or data error (torchrun turns any failure into 1). docs/configuration.md has the
@@ -85,7 +87,8 @@ def parse_config(argv: list[str], *, import_entry: bool = True) -> Config:
     message (reported once for the job, not once per rank: spmdrl.config_exit).
 
     ``--help`` prints :func:`usage` and exits 0; ``--cfg job`` prints the config and exits 0; ``--check``
-    prints one line and exits 0 when everything is fine."""
+    prints one line and exits 0 when everything is fine. With ``--world-size N`` either also prints the RL
+    recipe's plan on N ranks (spmdrl/rl/plan.py; under ``--cfg job`` as YAML comments)."""
     from spmdrl.config_loader import load_config, to_yaml
     from spmdrl.data.parquet import DataError
     from spmdrl.preflight import check_inputs
@@ -96,7 +99,7 @@ def parse_config(argv: list[str], *, import_entry: bool = True) -> Config:
     check_only = "--check" in argv
     argv = [a for a in argv if a != "--check"]
     argv, print_cfg = _pop_cfg_flag(argv)
-    argv, world_size = _pop_world_size(argv, check_only)
+    argv, world_size = _pop_world_size(argv, check_only or print_cfg)
     try:
         cfg = load_config(argv, import_entry_module=import_entry)
         checked = check_inputs(cfg)
@@ -110,23 +113,26 @@ def parse_config(argv: list[str], *, import_entry: bool = True) -> Config:
         print("\n".join(plan), end="\n" if plan else "")
         sys.exit(0)
     if print_cfg:
+        plan = _plan_lines(cfg, world_size) if world_size is not None else []
         if os.environ.get("RANK", "0") == "0":
             print(to_yaml(cfg), end="")
+            print("".join(f"# {line.removeprefix('spmdrl: ')}\n" for line in plan), end="")
         sys.exit(0)
     return cfg
 
 
-def _pop_world_size(argv: list[str], check_only: bool) -> tuple[list[str], int | None]:
-    """``argv`` without ``--world-size N`` (``--check``'s: plan the job on N ranks), and N."""
+def _pop_world_size(argv: list[str], planned: bool) -> tuple[list[str], int | None]:
+    """``argv`` without ``--world-size N`` (``--check``'s and ``--cfg job``'s: plan the job on N ranks),
+    and N."""
     rest, found = [], None
     for i, arg in enumerate(argv):
         if arg == "--world-size" or arg.startswith("--world-size="):
             value = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
             if not value.isdigit() or int(value) < 1:
                 exit_config_error(f"--world-size {value!r}: give the number of ranks, e.g. --world-size 8")
-            if not check_only:
+            if not planned:
                 exit_config_error(
-                    "--world-size goes with --check (a launched job's world size is torchrun's)"
+                    "--world-size goes with --check or --cfg job (a launched job's world size is torchrun's)"
                 )
             found = int(value)
         elif not (i > 0 and argv[i - 1] == "--world-size"):

@@ -67,3 +67,16 @@ def test_check_refuses_a_world_the_job_does_not_fit_without_saying_ok(
         "config ok" not in captured.out
         and "parallel.placement=async needs the asynchronous loop" in captured.err
     )
+
+
+def test_cfg_job_with_a_world_size_appends_the_plan_as_yaml_comments(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import yaml
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(["recipe=grpo_tiny", "--cfg", "job", "--world-size", "2"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "# plan on 2 ranks: colocated:" in out
+    assert yaml.safe_load(out)["trainer"]["global_batch_size"] == 32  # still the config, as YAML
