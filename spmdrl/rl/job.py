@@ -54,7 +54,7 @@ from spmdrl.optim import OptimizerOffload, build_lr_scheduler, build_optimizer
 from spmdrl.rewards.registry import check_data_sources, load_reward_fn
 from spmdrl.rl.async_queue import PipelineShape, check_resume_all_ranks
 from spmdrl.rl.model_rewards import ModelRewards, build_model_rewards, check_model_rewards
-from spmdrl.rl.models import TrainedModel, build_critic, build_models
+from spmdrl.rl.models import ModelAndOptimizer, build_critic, build_models
 from spmdrl.rl.plan import NO_EXTRA_ROLES, JobPlan, Roles, plan_job
 from spmdrl.rl.reference import Reference
 from spmdrl.rl.samples import ScoredSamples, train_samples, validate
@@ -81,7 +81,7 @@ CURVE_KEYS = ["rollout/reward_mean", "val/accuracy"]
 
 
 @dataclasses.dataclass
-class TrainedRole(TrainedModel):
+class TrainedRole(ModelAndOptimizer):
     """A role this rank trains (the actor; PPO's critic): its model, optimizer and schedule, where the
     optimizer's moments live between updates (model.offload_optimizer), its update's batch arithmetic and
     its ranks' process group. Present on the role's ranks, absent (None) on every other rank."""

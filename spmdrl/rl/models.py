@@ -76,7 +76,7 @@ def build_models(
 
 
 @dataclasses.dataclass
-class TrainedModel:
+class ModelAndOptimizer:
     """A model with its optimizer and learning-rate schedule."""
 
     model: torch.nn.Module
@@ -84,7 +84,7 @@ class TrainedModel:
     scheduler: torch.optim.lr_scheduler.LRScheduler
 
 
-Critic = TrainedModel  # PPO's value model is one
+Critic = ModelAndOptimizer  # PPO's value model is one
 
 
 def build_critic(

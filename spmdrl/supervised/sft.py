@@ -36,6 +36,7 @@ from spmdrl.runtime import Run
 from spmdrl.supervised.model import TrainedModel, build_trained_model
 from spmdrl.supervised.sft_batches import forward_loss, load_sft_dataset, micro_batches, num_target_tokens
 from spmdrl.supervised.sft_eval import generate_samples, validation_loss
+from spmdrl.trainer_config import OptimConfig
 
 log = logging.getLogger("spmdrl")
 
@@ -87,7 +88,7 @@ def train_sft(run: Run, cfg: Config, stage: str = "") -> Path:
         # steps are its job's: none here).
         with profile_step(() if stage else cfg.logging.profile_steps, out_dir, step, env.rank, env.device):
             train_loss, grad_norm, all_tokens = sft_step(
-                trained, cfg, train_ds, sampler, derived, pad_id, env.device, step
+                trained, cfg.optim, train_ds, sampler, derived, pad_id, env.device, step
             )
             step_s = time.perf_counter() - t0  # without the trace's writing
 
@@ -133,7 +134,7 @@ def train_sft(run: Run, cfg: Config, stage: str = "") -> Path:
 
 def sft_step(
     trained: TrainedModel,
-    cfg: Config,
+    optim: OptimConfig,
     ds: SFTDataset,
     sampler: DistributedSampler,
     derived: Derived,
@@ -161,5 +162,5 @@ def sft_step(
         loss = forward_loss(trained.model, batch, counts["tokens"])
         loss.backward()
         loss_sum += loss.detach()
-    totals, grad_norm = trained.optimizer_step({"loss": loss_sum}, cfg.optim, step)
+    totals, grad_norm = trained.optimizer_step({"loss": loss_sum}, optim, step)
     return totals["loss"], grad_norm, counts["all_tokens"]

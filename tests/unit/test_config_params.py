@@ -26,10 +26,11 @@ ALLOWED = {
     "rl/async_queue.py": {"of"},  # PipelineShape.of: the pipeline a checkpoint's queue belongs to
     "rl/async_rows.py": {"check_async_batch"},
     "supervised/model.py": {"build_trained_model"},
-    "supervised/sft.py": {"train_sft", "sft_step"},  # sft_step: not yet converted
+    "supervised/sft.py": {"train_sft"},
     "supervised/warmstart.py": {"warmstart_config"},
     "testing/latency_tail.py": {"check"},
-    # Not yet converted (left by issue 42's first pass): the memory model's planning and the SFT step.
+    # The GPU memory model: the token budgets are planning (placement, sizes, budgets), as plan_job is; it
+    # reads the models', the trainer's, the engine's and the reward model's settings to size one pass.
     "rl/token_budgets.py": {
         "wants_memory_budgets",
         "memory_inputs",
