@@ -121,23 +121,35 @@ def parse_config(argv: list[str], *, import_entry: bool = True) -> Config:
     return cfg
 
 
+def _pop_option(argv: list[str], names: tuple[str, ...]) -> tuple[list[str], str | None]:
+    """``argv`` without the option ``names`` (``--name value`` or ``--name=value``), and its value (None
+    when absent; "" when it ends the line without one)."""
+    rest, value, i = [], None, 0
+    while i < len(argv):
+        arg = argv[i]
+        name = arg.split("=", 1)[0]
+        if name in names:
+            value = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
+            i += 1 if "=" in arg else 2
+            continue
+        rest.append(arg)
+        i += 1
+    return rest, value
+
+
 def _pop_world_size(argv: list[str], planned: bool) -> tuple[list[str], int | None]:
     """``argv`` without ``--world-size N`` (``--check``'s and ``--cfg job``'s: plan the job on N ranks),
     and N."""
-    rest, found = [], None
-    for i, arg in enumerate(argv):
-        if arg == "--world-size" or arg.startswith("--world-size="):
-            value = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
-            if not value.isdigit() or int(value) < 1:
-                exit_config_error(f"--world-size {value!r}: give the number of ranks, e.g. --world-size 8")
-            if not planned:
-                exit_config_error(
-                    "--world-size goes with --check or --cfg job (a launched job's world size is torchrun's)"
-                )
-            found = int(value)
-        elif not (i > 0 and argv[i - 1] == "--world-size"):
-            rest.append(arg)
-    return rest, found
+    rest, value = _pop_option(argv, ("--world-size",))
+    if value is None:
+        return rest, None
+    if not value.isdigit() or int(value) < 1:
+        exit_config_error(f"--world-size {value!r}: give the number of ranks, e.g. --world-size 8")
+    if not planned:
+        exit_config_error(
+            "--world-size goes with --check or --cfg job (a launched job's world size is torchrun's)"
+        )
+    return rest, int(value)
 
 
 def _plan_lines(cfg: Config, world_size: int) -> list[str]:
@@ -159,20 +171,11 @@ def _plan_lines(cfg: Config, world_size: int) -> list[str]:
 
 
 def _pop_cfg_flag(argv: list[str]) -> tuple[list[str], bool]:
-    """``argv`` without Hydra's ``--cfg job`` (or ``--cfg=job``), and whether it was there."""
-    rest, found, i = [], False, 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg in ("--cfg", "-c") or arg.startswith("--cfg="):
-            value = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
-            if value != "job":
-                exit_config_error(f"{arg} {value}: spmdrl prints only the job's config: --cfg job")
-            found = True
-            i += 1 if "=" in arg else 2
-            continue
-        rest.append(arg)
-        i += 1
-    return rest, found
+    """``argv`` without Hydra's ``--cfg job`` (or ``--cfg=job``, ``-c job``), and whether it was there."""
+    rest, value = _pop_option(argv, ("--cfg", "-c"))
+    if value is not None and value != "job":
+        exit_config_error(f"--cfg {value}: spmdrl prints only the job's config: --cfg job")
+    return rest, value is not None
 
 
 def run_recipe(recipe_main: Callable[[Config], None], argv: list[str] | None = None) -> None:
