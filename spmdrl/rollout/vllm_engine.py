@@ -152,7 +152,7 @@ class VLLMEngine:
         self._warned_no_sleep = False
 
         prepare_environment()
-        # Before vLLM's import, which already logs some of the warnings spmdrl demotes (spmdrl.rollout.vllm_logs).
+        # Before vLLM's import, which logs some of the warnings spmdrl demotes (spmdrl.rollout.vllm_logs).
         vllm_logs.install(device_type, dist.get_rank())
         check_model_runner(cfg, device_type)
         if cfg.model_runner != "auto":  # read when the engine's config is built (LLM(...) below)
