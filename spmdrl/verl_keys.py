@@ -116,8 +116,9 @@ def _resume_mode(value: Any, given: Given) -> str:
     raise ConfigError(f"trainer.resume_mode={value!r}: verl's values are auto, disable and resume_path")
 
 
-def _reward_fn(value: Any, given: Given) -> str:
-    return f"{value}:{given.get('custom_reward_function.name') or 'compute_score'}"
+def _reward_fn(section: str) -> Callable[[Any, Given], str]:
+    """<section>.path -> reward.fn=<path>:<name>, the name from <section>.name (verl's default compute_score)."""
+    return lambda value, given: f"{value}:{given.get(f'{section}.name') or 'compute_score'}"
 
 
 def _val_temperature(value: Any, given: Given) -> float:
@@ -272,6 +273,20 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     VerlKey(f"{_ACTOR}.policy_loss.clip_cov_ub", "algorithm.clip_cov_ub"),
     VerlKey(f"{_ACTOR}.policy_loss.kl_cov_ratio", "algorithm.kl_cov_ratio"),
     VerlKey(f"{_ACTOR}.policy_loss.ppo_kl_coef", "algorithm.ppo_kl_coef"),
+    VerlKey(f"{_ACTOR}.policy_loss.dro_beta", "algorithm.dro_beta"),
+    VerlKey(
+        f"{_ACTOR}.loss_scale_factor",
+        "algorithm.loss_scale_factor",
+        "verl's null: 0 (unset)",
+        convert=lambda v, g: 0.0 if v is None else float(v),
+    ),
+    VerlKey(
+        f"{_ACTOR}.optim.num_cycles",
+        None,
+        "accepted when 0.5: spmdrl's cosine schedule is half a cycle "
+        "(optim.schedule=cosine, optim.min_lr_ratio)",
+        accepts=_equals(0.5),
+    ),
     VerlKey(f"{_ACTOR}.fsdp_config.param_offload", "model.offload_params"),
     VerlKey(f"{_ACTOR}.fsdp_config.optimizer_offload", "model.offload_optimizer"),
     VerlKey(
@@ -356,6 +371,18 @@ VERL_KEYS: tuple[VerlKey, ...] = (
         accepts=_equals(-1),
     ),
     VerlKey(f"{_ROLLOUT}.val_kwargs.*", None, "spmdrl's validation setting is rollout.val_temperature"),
+    VerlKey(
+        f"{_ROLLOUT}.do_sample",
+        None,
+        "accepted when True; greedy training rollouts: rollout.temperature=0",
+        accepts=_equals(True),
+    ),
+    VerlKey(
+        f"{_ROLLOUT}.ignore_eos",
+        None,
+        "accepted when False: a response ends at the end-of-sequence token (rollout.stop adds stop strings)",
+        accepts=_equals(False),
+    ),
     VerlKey(f"{_ROLLOUT}.multi_turn.enable", "rollout.multi_turn.enable"),
     VerlKey(f"{_ROLLOUT}.multi_turn.max_assistant_turns", "rollout.multi_turn.max_assistant_turns"),
     VerlKey(f"{_ROLLOUT}.multi_turn.max_user_turns", "rollout.multi_turn.max_user_turns"),
@@ -366,6 +393,11 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     ),
     VerlKey(f"{_ROLLOUT}.multi_turn.tool_config_path", "rollout.multi_turn.tool_config_path"),
     VerlKey(f"{_ROLLOUT}.multi_turn.format", "rollout.multi_turn.format"),
+    VerlKey(
+        f"{_ROLLOUT}.multi_turn.*",
+        None,
+        "spmdrl's multi-turn settings are rollout.multi_turn.* (docs/multi_turn.md)",
+    ),
     VerlKey(
         f"{_ROLLOUT}.data_parallel_size",
         None,
@@ -405,6 +437,30 @@ VERL_KEYS: tuple[VerlKey, ...] = (
         "critic.optim.warmup_steps",
         "verl's -1: 0",
         convert=lambda v, g: max(int(v), 0),
+    ),
+    VerlKey("critic.optim.betas", "critic.optim.betas"),
+    VerlKey("critic.optim.min_lr_ratio", "critic.optim.min_lr_ratio"),
+    VerlKey("critic.optim.lr_scheduler_type", "critic.optim.schedule", "constant or cosine"),
+    VerlKey("critic.optim.warmup_style", "critic.optim.schedule", "constant or cosine (verl's older name)"),
+    VerlKey(
+        "critic.ppo_epochs",
+        None,
+        "accepted when equal to the actor's: the critic trains on the actor's "
+        "mini-batches and epochs (algorithm.ppo_epochs)",
+        accepts=_same_as(f"{_ACTOR}.ppo_epochs", 1),
+    ),
+    VerlKey(
+        "critic.ppo_mini_batch_size",
+        None,
+        "accepted when equal to the actor's: the critic trains on the "
+        "actor's mini-batches (algorithm.ppo_mini_batch_size)",
+        accepts=lambda v, g: v == g.get(f"{_ACTOR}.ppo_mini_batch_size", v),
+    ),
+    VerlKey(
+        "critic.loss_agg_mode",
+        None,
+        "accepted when equal to the actor's (algorithm.loss_agg_mode)",
+        accepts=_same_as(f"{_ACTOR}.loss_agg_mode", "token-mean"),
     ),
     VerlKey("critic.cliprange_value", "critic.cliprange_value"),
     VerlKey("critic.ppo_micro_batch_size_per_gpu", None, "accepted: " + _MICRO, accepts=_any),
@@ -468,6 +524,31 @@ VERL_KEYS: tuple[VerlKey, ...] = (
         accepts=_truncation_error,
     ),
     VerlKey(
+        "data.train_max_samples",
+        None,
+        "accepted when -1 (all rows); a subset: a smaller file",
+        accepts=_equals(-1, None),
+    ),
+    VerlKey(
+        "data.val_max_samples",
+        None,
+        "accepted when -1 (all rows); a subset: a smaller file",
+        accepts=_equals(-1, None),
+    ),
+    VerlKey(
+        "data.val_batch_size",
+        None,
+        "accepted: spmdrl generates the whole validation set at once (the "
+        "engine batches it); the value does not change the result",
+        accepts=_any,
+    ),
+    VerlKey(
+        "data.custom_cls.path",
+        None,
+        "accepted when null; spmdrl reads parquet rows in verl's schema (docs/data.md)",
+        accepts=_equals(None),
+    ),
+    VerlKey(
         "data.return_raw_chat",
         None,
         "accepted: spmdrl's rollout applies the chat template itself",
@@ -505,19 +586,51 @@ VERL_KEYS: tuple[VerlKey, ...] = (
         "accepted when False: spmdrl has no PF-PPO reweighting",
         accepts=_equals(False),
     ),
-    # ----- custom reward
+    # ----- reward model and rule reward
+    VerlKey("reward_model.model.path", "reward_model.path"),
+    VerlKey("reward.reward_kwargs.overlong_buffer_cfg.enable", "reward.overlong_buffer.enable"),
+    VerlKey("reward.reward_kwargs.overlong_buffer_cfg.len", "reward.overlong_buffer.len"),
+    VerlKey(
+        "reward.reward_kwargs.overlong_buffer_cfg.penalty_factor", "reward.overlong_buffer.penalty_factor"
+    ),
+    VerlKey(
+        "reward.reward_kwargs.max_resp_len",
+        None,
+        "accepted when equal to data.max_response_length, which spmdrl's overlong penalty counts from",
+        accepts=_same_as("data.max_response_length", None),
+    ),
+    VerlKey("reward_model.overlong_buffer.enable", "reward.overlong_buffer.enable", "verl's older name"),
+    VerlKey("reward_model.overlong_buffer.len", "reward.overlong_buffer.len", "verl's older name"),
+    VerlKey(
+        "reward_model.overlong_buffer.penalty_factor",
+        "reward.overlong_buffer.penalty_factor",
+        "verl's older name",
+    ),
     VerlKey(
         "custom_reward_function.path",
         "reward.fn",
         "with custom_reward_function.name (default compute_score): reward.fn=<path>:<name>",
-        convert=_reward_fn,
+        convert=_reward_fn("custom_reward_function"),
     ),
     VerlKey(
         "custom_reward_function.name",
         None,
-        "accepted with custom_reward_function.path (reward.fn="
-        "<path>:<name>); alone, give reward.fn=<module or file>:<name>",
+        "accepted with custom_reward_function.path (reward.fn=<path>:<name>); alone, give "
+        "reward.fn=<module or file>:<name>",
         accepts=lambda v, g: "custom_reward_function.path" in g,
+    ),
+    VerlKey(
+        "reward.custom_reward_function.path",
+        "reward.fn",
+        "with reward.custom_reward_function.name (default compute_score): reward.fn=<path>:<name>",
+        convert=_reward_fn("reward.custom_reward_function"),
+    ),
+    VerlKey(
+        "reward.custom_reward_function.name",
+        None,
+        "accepted with reward.custom_reward_function.path (reward.fn=<path>:<name>); alone, give "
+        "reward.fn=<module or file>:<name>",
+        accepts=lambda v, g: "reward.custom_reward_function.path" in g,
     ),
     # ----- trainer
     VerlKey("trainer.total_epochs", "trainer.total_epochs"),
@@ -560,6 +673,38 @@ VERL_KEYS: tuple[VerlKey, ...] = (
         "trainer.keep_checkpoints",
         "verl's null (all): 0",
         convert=lambda v, g: 0 if v is None else int(v),
+    ),
+    VerlKey(
+        "trainer.max_critic_ckpt_to_keep",
+        None,
+        "accepted when equal to max_actor_ckpt_to_keep: one "
+        "checkpoint holds every model (trainer.keep_checkpoints)",
+        accepts=lambda v, g: v == g.get("trainer.max_actor_ckpt_to_keep"),
+    ),
+    VerlKey(
+        "trainer.default_hdfs_dir",
+        None,
+        "accepted when null; spmdrl writes to trainer.output_dir",
+        accepts=_equals(None),
+    ),
+    VerlKey(
+        "trainer.del_local_ckpt_after_load",
+        None,
+        "accepted when False: spmdrl keeps the newest trainer.keep_checkpoints",
+        accepts=_equals(False),
+    ),
+    VerlKey(
+        "trainer.rollout_data_dir",
+        None,
+        "accepted when null; spmdrl writes rollout samples to "
+        "<trainer.output_dir>/samples.jsonl (logging.samples_every, logging.samples_per_log)",
+        accepts=_equals(None),
+    ),
+    VerlKey(
+        "trainer.validation_data_dir",
+        None,
+        "accepted when null; spmdrl writes validation samples to <trainer.output_dir>/samples.jsonl",
+        accepts=_equals(None),
     ),
     VerlKey("trainer.critic_warmup", "critic.warmup_steps"),
     VerlKey("trainer.device", "trainer.device"),
@@ -695,18 +840,20 @@ def translate(overrides: list[str], spmdrl_key: Callable[[str], bool]) -> tuple[
     spmdrl's own, which stays as it is unless the table transforms its value (the names both share).
     Raises ConfigError for a refused key or value, and for two verl keys that set one spmdrl key to
     different values."""
-    parsed: list[tuple[str, str, Any, VerlKey] | None] = []
-    for ov in overrides:
-        kv = _parse(ov)
+    keyed = [_parse(ov) for ov in overrides]
+    # Every table key of the command line, with its value: what an entry's value is checked against.
+    given = {kv[0]: kv[1] for kv in keyed if kv is not None and entry_for(kv[0]) is not None}
+    parsed: list[tuple[str, Any, VerlKey] | None] = []
+    for ov, kv in zip(overrides, keyed, strict=True):
         entry = entry_for(kv[0]) if kv is not None else None
-        same = entry is not None and entry.convert is None and entry.spmdrl == (kv or ("",))[0]
-        if kv is None or entry is None or (same and not ov.startswith("+")):
-            parsed.append(None)  # spmdrl's own key, or not in the table: composed as written
+        if kv is None or entry is None:
+            parsed.append(None)  # not in the table: composed as written (an unknown key fails there)
+        elif entry.spmdrl == kv[0] and entry.convert is None and not ov.startswith("+"):
+            parsed.append(None)  # a name both share, its value as it is
         elif spmdrl_key(kv[0]) and entry.spmdrl != kv[0]:
             parsed.append(None)  # spmdrl has this name itself (as another setting): spmdrl's meaning wins
         else:
-            parsed.append((ov, kv[0], kv[1], entry))
-    given = {p[1]: p[2] for p in parsed if p is not None}
+            parsed.append((kv[0], kv[1], entry))
     out: list[str] = []
     applied: list[Applied] = []
     written: dict[str, tuple[str, str]] = {}  # spmdrl key -> (verl key, rendered value)
@@ -714,7 +861,7 @@ def translate(overrides: list[str], spmdrl_key: Callable[[str], bool]) -> tuple[
         if item is None:
             out.append(ov)
             continue
-        _, key, value, entry = item
+        key, value, entry = item
         if entry.spmdrl is None:
             if entry.accepts is None or not entry.accepts(value, given):
                 raise ConfigError(f"verl's {key}={render(value)} has no spmdrl equivalent: {entry.note}")
@@ -730,9 +877,8 @@ def translate(overrides: list[str], spmdrl_key: Callable[[str], bool]) -> tuple[
                 )
             written[target] = (key, text)
             out.append(f"{target}={text}")
-        if (
-            entry.spmdrl != key
-        ):  # a name both share, its value only normalized (one path -> a list): not logged
+        # A name both share, its value only normalized (one path -> a list), is not logged.
+        if entry.spmdrl != key:
             applied.append(Applied(key, entry.spmdrl, text))
     return out, applied
 

@@ -244,8 +244,11 @@ def test_plus_forms_and_conflicting_verl_keys() -> None:
             "actor_rollout_ref.rollout.val_kwargs.temperature=0.6",
             "custom_reward_function.path=my_rewards.py",
             "data.train_files=tiny:train",
+            "+reward.reward_kwargs.overlong_buffer_cfg.enable=True",  # verl 0.9.1's DAPO form
+            "+reward.reward_kwargs.max_resp_len=24",
+            "data.max_response_length=24",
         ],
-        lambda key: key in ("data.max_prompt_length", "data.train_files"),
+        lambda key: key in ("data.max_prompt_length", "data.train_files", "data.max_response_length"),
     )
     assert out == [
         "optim.lr=3e-05",
@@ -256,6 +259,8 @@ def test_plus_forms_and_conflicting_verl_keys() -> None:
         "rollout.val_temperature=0.6",
         "reward.fn=my_rewards.py:compute_score",
         "data.train_files=[tiny:train]",
+        "reward.overlong_buffer.enable=true",
+        "data.max_response_length=24",
     ]
     loaded = load_config(["recipe=grpo_tiny", *out[:5]], import_entry_module=False)
     assert loaded.optim.lr == 3e-5 and loaded.data.max_prompt_length == 60
