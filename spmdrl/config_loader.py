@@ -115,8 +115,8 @@ def check_key(dotted: str, schema: type = Config) -> None:
                 hint = f" '{old}' is the top-level section '{_MOVED_KEYS[old]}' now: '{new}'."
             elif old in _REPLACED_KEYS:
                 hint = f" '{old}' is gone: {_REPLACED_KEYS[old]}."
-            elif (verl := unknown_key_hint(dotted)) is not None:
-                hint = f" {verl}."
+            if (verl := unknown_key_hint(dotted)) is not None and old not in _MOVED_KEYS and not close:
+                hint += f" {verl}."
             raise ConfigError(
                 f"unknown config key '{dotted}'.{hint} Valid keys at {where}: {', '.join(sorted(fields))}"
             )

@@ -549,6 +549,25 @@ VERL_KEYS: tuple[VerlKey, ...] = (
         accepts=_equals(None),
     ),
     VerlKey(
+        "data.gen_batch_size",
+        None,
+        "accepted when equal to data.train_batch_size: spmdrl generates "
+        "trainer.global_batch_size prompts per round, also under algorithm.filter_groups",
+        accepts=lambda v, g: v is None or v == g.get("data.train_batch_size"),
+    ),
+    VerlKey(
+        "data.validation_shuffle",
+        None,
+        "accepted when False: spmdrl validates on the files' order",
+        accepts=_equals(False),
+    ),
+    VerlKey(
+        "data.tokenizer",
+        None,
+        "accepted when null: spmdrl uses model.path's tokenizer",
+        accepts=_equals(None),
+    ),
+    VerlKey(
         "data.return_raw_chat",
         None,
         "accepted: spmdrl's rollout applies the chat template itself",
@@ -580,6 +599,13 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     VerlKey("algorithm.filter_groups.enable", "algorithm.filter_groups.enable"),
     VerlKey("algorithm.filter_groups.metric", "algorithm.filter_groups.metric"),
     VerlKey("algorithm.filter_groups.max_num_gen_batches", "algorithm.filter_groups.max_num_gen_batches"),
+    VerlKey(
+        "algorithm.filter_groups.max_inflight_gen_batches",
+        None,
+        "accepted when 1: spmdrl generates one batch at a time",
+        accepts=_equals(1),
+    ),
+    VerlKey("algorithm.pf_ppo.*", None, "spmdrl has no PF-PPO reweighting"),
     VerlKey(
         "algorithm.use_pf_ppo",
         None,
@@ -721,6 +747,13 @@ VERL_KEYS: tuple[VerlKey, ...] = (
         accepts=_launch(per_node=False),
     ),
     VerlKey(
+        "trainer.checkpoint_callback_class",
+        None,
+        "accepted when null; code around a run goes in a "
+        "recipe of your own (entry=path/to/recipe.py, docs/configuration.md)",
+        accepts=_equals(None),
+    ),
+    VerlKey(
         "trainer.val_before_train",
         None,
         "accepted when True: spmdrl validates at step 0 whenever "
@@ -771,13 +804,19 @@ def is_verl_only(key: str) -> bool:
     return any(key == s or key.startswith(s + ".") for s in VERL_ONLY_SECTIONS)
 
 
+# spmdrl's sections that verl has too (under the same name): an unknown key there may be a verl key.
+SHARED_SECTIONS = ("data", "trainer", "algorithm", "critic", "reward", "reward_model")
+
+
 def unknown_key_hint(key: str) -> str | None:
-    """check_key's hint for a key under a section only verl has, that the table does not name."""
-    if not is_verl_only(key):
-        return None
-    return (
-        f"'{key}' is a verl key spmdrl has no equivalent for (the verl keys spmdrl understands: {DOC_PATH})"
-    )
+    """check_key's hint for a key the table does not name: under a section only verl has, a verl key spmdrl
+    has no equivalent for; under a section both have, possibly one."""
+    where = f"the verl keys spmdrl understands: {DOC_PATH}"
+    if is_verl_only(key):
+        return f"'{key}' is a verl key spmdrl has no equivalent for ({where})"
+    if key.split(".", 1)[0] in SHARED_SECTIONS:
+        return f"If it is a verl key, spmdrl has no equivalent for it ({where})"
+    return None
 
 
 @dataclass(frozen=True)
@@ -864,7 +903,10 @@ def translate(overrides: list[str], spmdrl_key: Callable[[str], bool]) -> tuple[
         key, value, entry = item
         if entry.spmdrl is None:
             if entry.accepts is None or not entry.accepts(value, given):
-                raise ConfigError(f"verl's {key}={render(value)} has no spmdrl equivalent: {entry.note}")
+                what = (
+                    "has no spmdrl equivalent" if entry.accepts is None else "differs from what spmdrl does"
+                )
+                raise ConfigError(f"verl's {key}={render(value)} {what}: {entry.note}")
             applied.append(Applied(key, None, render(value)))
             continue
         text = render(entry.convert(value, given) if entry.convert is not None else value)

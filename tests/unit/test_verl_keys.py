@@ -200,8 +200,9 @@ def test_the_ppo_example_passes_check_and_sets_the_critic() -> None:
 def test_an_unsupported_verl_value_exits_2_with_what_to_do() -> None:
     res = run_train(["recipe=grpo_tiny", "actor_rollout_ref.rollout.name=sglang", "--check"])
     assert res.returncode == 2
-    assert "spmdrl: config error: verl's actor_rollout_ref.rollout.name=sglang has no spmdrl equivalent" in (
-        res.stderr
+    assert (
+        "spmdrl: config error: verl's actor_rollout_ref.rollout.name=sglang differs from what spmdrl does"
+        in (res.stderr)
     )
     assert "accepted when vllm" in res.stderr
 
@@ -217,6 +218,9 @@ def test_an_unsupported_verl_value_exits_2_with_what_to_do() -> None:
         ("data.truncation=left", "never truncates a prompt"),
         ("actor_rollout_ref.actor.no_such_key=1", "is a verl key spmdrl has no equivalent for"),
         ("custom_reward_function.name=my_score", "give reward.fn="),
+        ("algorithm.pf_ppo.weight_pow=2", "has no spmdrl equivalent: spmdrl has no PF-PPO"),
+        # A key of a section both have, which the table does not name: maybe verl's.
+        ("data.image_key=images", "If it is a verl key, spmdrl has no equivalent for it"),
     ],
 )
 def test_refused_verl_keys_say_what_to_do(override: str, message: str) -> None:
