@@ -1,7 +1,7 @@
-"""verl's config names on spmdrl's command line (spmdrl/verl_keys.py): verl's published GSM8K GRPO and PPO
-example command lines pass ``--check`` and ``--cfg job`` shows spmdrl's values; a verl key or value spmdrl
-does not support fails with what to do instead; the table cannot name a spmdrl key that does not exist,
-and docs/verl_keys.md is what the table generates.
+"""verl's config names on spmdrl's command line (spmdrl/verl_keys.py; the table: spmdrl/verl_key_table.py):
+verl's published GSM8K GRPO and PPO example command lines pass ``--check`` and ``--cfg job`` shows spmdrl's
+values; a verl key or value spmdrl does not support fails with what to do instead; the table cannot name a
+spmdrl key that does not exist, and docs/verl_keys.md is what the table generates.
 
 The ``--check`` / ``--cfg job`` runs are processes forked from the tests' fork server
 (spmdrl.testing.prefork.run_train); the rest calls the loader in-process."""
@@ -18,7 +18,9 @@ import yaml
 from spmdrl.config_loader import check_key, load_config, schema_class
 from spmdrl.errors import ConfigError
 from spmdrl.testing.prefork import run_train
-from spmdrl.verl_keys import DOC_PATH, VERL_KEYS, doc_markdown, entry_for, translate
+from spmdrl.verl_key_table import DOC_PATH, VERL_KEYS, entry_for
+from spmdrl.verl_keys import translate
+from spmdrl.verl_keys_doc import doc_markdown
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -290,4 +292,6 @@ def test_every_spmdrl_key_of_the_table_exists() -> None:
 
 def test_the_doc_is_what_the_table_generates() -> None:
     committed = (ROOT / DOC_PATH).read_text()
-    assert committed == doc_markdown(), f"{DOC_PATH} is stale: regenerate it with python -m spmdrl.verl_keys"
+    assert committed == doc_markdown(), (
+        f"{DOC_PATH} is stale: regenerate it with python -m spmdrl.verl_keys_doc"
+    )
