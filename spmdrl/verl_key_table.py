@@ -113,6 +113,15 @@ def _resume_mode(value: Any, given: Given) -> str:
     raise ConfigError(f"trainer.resume_mode={value!r}: verl's values are auto, disable and resume_path")
 
 
+def _keep(value: Any, given: Given) -> int:
+    if value is None or int(value) < 1:
+        raise ConfigError(
+            f"trainer.max_actor_ckpt_to_keep={value}: spmdrl keeps the newest trainer.keep_checkpoints "
+            "checkpoints, at least 1; give a number"
+        )
+    return int(value)
+
+
 def _reward_fn(section: str) -> Callable[[Any, Given], str]:
     """<section>.path -> reward.fn=<path>:<name>, the name from <section>.name (verl's default compute_score)."""
     return lambda value, given: f"{value}:{given.get(f'{section}.name') or 'compute_score'}"
@@ -251,8 +260,13 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     VerlKey(f"{_ACTOR}.ppo_epochs", "algorithm.ppo_epochs"),
     VerlKey(
         f"{_ACTOR}.clip_ratio",
-        "algorithm.clip_ratio_low",
-        "also sets algorithm.clip_ratio_high unless clip_ratio_high is given",
+        None,
+        "accepted where it changes nothing in verl 0.9.1, which reads it only for a bound that is null: "
+        "equal to 0.2 (the bounds' default) unless clip_ratio_low and clip_ratio_high are both given; "
+        "set the bounds instead (algorithm.clip_ratio_low, algorithm.clip_ratio_high)",
+        accepts=lambda v, g: all(
+            v == 0.2 or f"{_ACTOR}.{b}" in g for b in ("clip_ratio_low", "clip_ratio_high")
+        ),
     ),
     VerlKey(f"{_ACTOR}.clip_ratio_low", "algorithm.clip_ratio_low"),
     VerlKey(f"{_ACTOR}.clip_ratio_high", "algorithm.clip_ratio_high"),
@@ -412,10 +426,8 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     VerlKey(f"{_REF}.log_prob_micro_batch_size_per_gpu", None, "accepted: " + _MICRO, accepts=_any),
     VerlKey(
         f"{_REF}.log_prob_max_token_len_per_gpu",
-        None,
-        "accepted when equal to the rollout's: spmdrl "
-        "has one budget for the no-grad passes, trainer.log_prob_max_token_len_per_gpu",
-        accepts=_same_as(f"{_ROLLOUT}.log_prob_max_token_len_per_gpu", None),
+        "trainer.log_prob_max_token_len_per_gpu",
+        "one budget for every no-grad pass: as the rollout's (a different value is refused)",
     ),
     VerlKey(f"{_REF}.log_prob_use_dynamic_bsz", None, "accepted: " + _MICRO, accepts=_any),
     VerlKey(
@@ -694,8 +706,8 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     VerlKey(
         "trainer.max_actor_ckpt_to_keep",
         "trainer.keep_checkpoints",
-        "verl's null (all): 0",
-        convert=lambda v, g: 0 if v is None else int(v),
+        "at least 1 (verl's null, every checkpoint, has no equivalent)",
+        convert=_keep,
     ),
     VerlKey(
         "trainer.max_critic_ckpt_to_keep",

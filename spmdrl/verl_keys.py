@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from spmdrl.errors import ConfigError
-from spmdrl.verl_key_table import DOC_PATH, SHARED_SECTIONS, VERL_ONLY_SECTIONS, Given, VerlKey, entry_for
+from spmdrl.verl_key_table import DOC_PATH, SHARED_SECTIONS, VERL_ONLY_SECTIONS, VerlKey, entry_for
 
 
 def is_verl_only(key: str) -> bool:
@@ -125,27 +125,19 @@ def translate(overrides: list[str], spmdrl_key: Callable[[str], bool]) -> tuple[
             applied.append(Applied(key, None, render(value)))
             continue
         text = render(entry.convert(value, given) if entry.convert is not None else value)
-        for target in _targets(entry, key, given):
-            if target in written and written[target][1] != text:
-                other = written[target][0]
-                raise ConfigError(
-                    f"verl's {other} and {key} both set {target} here, to different values "
-                    f"({written[target][1]} and {text}); give one of them"
-                )
-            written[target] = (key, text)
-            out.append(f"{target}={text}")
+        target = entry.spmdrl
+        if target in written and written[target][1] != text:
+            other = written[target][0]
+            raise ConfigError(
+                f"verl's {other} and {key} both set {target} here, to different values "
+                f"({written[target][1]} and {text}); give one of them"
+            )
+        written[target] = (key, text)
+        out.append(f"{target}={text}")
         # A name both share, its value only normalized (one path -> a list), is not logged.
         if entry.spmdrl != key:
             applied.append(Applied(key, entry.spmdrl, text))
     return out, applied
-
-
-def _targets(entry: VerlKey, key: str, given: Given) -> list[str]:
-    """The spmdrl keys an entry writes: one, but verl's clip_ratio is both bounds unless a bound is given."""
-    assert entry.spmdrl is not None
-    if key == "actor_rollout_ref.actor.clip_ratio" and "actor_rollout_ref.actor.clip_ratio_high" not in given:
-        return [entry.spmdrl, "algorithm.clip_ratio_high"]
-    return [entry.spmdrl]
 
 
 def log_line(applied: list[Applied]) -> str:

@@ -220,6 +220,9 @@ def test_an_unsupported_verl_value_exits_2_with_what_to_do() -> None:
         ("data.truncation=left", "never truncates a prompt"),
         ("actor_rollout_ref.actor.no_such_key=1", "is a verl key spmdrl has no equivalent for"),
         ("custom_reward_function.name=my_score", "give reward.fn="),
+        # verl 0.9.1 reads clip_ratio only where the bounds are null (their defaults are 0.2).
+        ("actor_rollout_ref.actor.clip_ratio=0.3", "set the bounds instead (algorithm.clip_ratio_low"),
+        ("trainer.max_actor_ckpt_to_keep=null", "at least 1"),
         ("algorithm.pf_ppo.weight_pow=2", "has no spmdrl equivalent: spmdrl has no PF-PPO"),
         # A key of a section both have, which the table does not name: maybe verl's.
         ("data.image_key=images", "If it is a verl key, spmdrl has no equivalent for it"),
@@ -245,7 +248,8 @@ def test_plus_forms_and_conflicting_verl_keys() -> None:
         [
             "+actor_rollout_ref.actor.optim.lr=3e-5",
             "++data.max_prompt_length=60",
-            "actor_rollout_ref.actor.clip_ratio=0.25",
+            "actor_rollout_ref.actor.clip_ratio_high=0.28",
+            "actor_rollout_ref.actor.clip_ratio=0.2",  # verl's default of the bounds: accepted
             "actor_rollout_ref.rollout.val_kwargs.do_sample=True",
             "actor_rollout_ref.rollout.val_kwargs.temperature=0.6",
             "custom_reward_function.path=my_rewards.py",
@@ -259,8 +263,7 @@ def test_plus_forms_and_conflicting_verl_keys() -> None:
     assert out == [
         "optim.lr=3e-05",
         "data.max_prompt_length=60",
-        "algorithm.clip_ratio_low=0.25",
-        "algorithm.clip_ratio_high=0.25",
+        "algorithm.clip_ratio_high=0.28",
         "rollout.val_temperature=0.6",
         "rollout.val_temperature=0.6",
         "reward.fn=my_rewards.py:compute_score",
@@ -268,9 +271,9 @@ def test_plus_forms_and_conflicting_verl_keys() -> None:
         "reward.overlong_buffer.enable=true",
         "data.max_response_length=24",
     ]
-    loaded = load_config(["recipe=grpo_tiny", *out[:5]], import_entry_module=False)
+    loaded = load_config(["recipe=grpo_tiny", *out[:4]], import_entry_module=False)
     assert loaded.optim.lr == 3e-5 and loaded.data.max_prompt_length == 60
-    assert loaded.algorithm.clip_ratio_high == 0.25 and loaded.rollout.val_temperature == 0.6
+    assert loaded.algorithm.clip_ratio_high == 0.28 and loaded.rollout.val_temperature == 0.6
     with pytest.raises(ConfigError, match="both set optim.grad_clip here, to different values"):
         translate(
             ["actor_rollout_ref.actor.grad_clip=1.0", "actor_rollout_ref.actor.optim.clip_grad=0.5"],
@@ -295,3 +298,10 @@ def test_the_doc_is_what_the_table_generates() -> None:
     assert committed == doc_markdown(), (
         f"{DOC_PATH} is stale: regenerate it with python -m spmdrl.verl_keys_doc"
     )
+
+
+def test_the_no_grad_budgets_of_rollout_and_ref_are_one_setting() -> None:
+    same = [f"actor_rollout_ref.{role}.log_prob_max_token_len_per_gpu=24000" for role in ("rollout", "ref")]
+    assert translate(same, lambda key: False)[0] == ["trainer.log_prob_max_token_len_per_gpu=24000"] * 2
+    with pytest.raises(ConfigError, match="both set trainer.log_prob_max_token_len_per_gpu"):
+        translate([same[0], "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=8000"], lambda key: False)
