@@ -771,9 +771,9 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     ),
     VerlKey(
         "trainer.balance_batch",
-        None,
-        "accepted: parallel.balance_tokens balances the rows by tokens",
-        accepts=_any,
+        "parallel.balance_tokens",
+        "every rank of a role gets about the same number of tokens before each update (verl's default True; "
+        "spmdrl's false)",
     ),
     VerlKey(
         "trainer.log_val_generations",
