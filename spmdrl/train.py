@@ -24,6 +24,7 @@ from spmdrl.gc_heap import freeze_startup_heap, pause_collection, skip_exit_coll
 
 if TYPE_CHECKING:
     from spmdrl.config import Config
+    from spmdrl.rl.plan import Roles
 
 __all__ = [
     "EXIT_CONFIG_ERROR",
@@ -92,6 +93,7 @@ def parse_config(argv: list[str], *, import_entry: bool = True) -> Config:
     from spmdrl.config_loader import load_config, to_yaml
     from spmdrl.data.parquet import DataError
     from spmdrl.preflight import check_inputs
+    from spmdrl.preflight_start import launched_world_size, missing_inputs
 
     if "--help" in argv or "-h" in argv:
         print(usage())
@@ -102,23 +104,45 @@ def parse_config(argv: list[str], *, import_entry: bool = True) -> Config:
     argv, world_size = _pop_world_size(argv, check_only or print_cfg)
     try:
         cfg = load_config(argv, import_entry_module=import_entry)
-        checked = check_inputs(cfg)
     except (ConfigError, DataError) as e:
         exit_config_error(str(e), "data" if isinstance(e, DataError) else "config")
+    missing: list[str] = []
+    try:
+        # An RL recipe's start checks run here too, on the world size it runs on where known.
+        checked = check_inputs(
+            cfg, roles=_recipe_roles(cfg, import_entry), world=launched_world_size(world_size)
+        )
+    except (ConfigError, DataError) as e:
+        # --cfg job prints the config before its data and model exist, marking what is missing.
+        missing = missing_inputs(cfg) if print_cfg and not check_only else []
+        if not missing:
+            exit_config_error(str(e), "data" if isinstance(e, DataError) else "config")
     if check_only:
         plan = _plan_lines(cfg, world_size) if world_size is not None else []  # exits 2 if it does not fit
-        print(
-            f"spmdrl: config ok: recipe {cfg.name} (entry {cfg.entry}); {'; '.join(checked)}; reward.fn={cfg.reward.fn}"
-        )
+        if not any(c.startswith("reward.fn=") for c in checked):  # an RL recipe's names its data sources
+            checked.append(f"reward.fn={cfg.reward.fn}")
+        print(f"spmdrl: config ok: recipe {cfg.name} (entry {cfg.entry}); {'; '.join(checked)}")
         print("\n".join(plan), end="\n" if plan else "")
         sys.exit(0)
     if print_cfg:
-        plan = _plan_lines(cfg, world_size) if world_size is not None else []
+        plan = _plan_lines(cfg, world_size) if world_size is not None and not missing else []
         if os.environ.get("RANK", "0") == "0":
             print(to_yaml(cfg), end="")
             print("".join(f"# {line.removeprefix('spmdrl: ')}\n" for line in plan), end="")
+            print("".join(f"# missing: {line}\n" for line in missing), end="")
         sys.exit(0)
     return cfg
+
+
+def _recipe_roles(cfg: Config, imported: bool) -> Roles | None:
+    """The RL roles the recipe's module declares (its ``ROLES``; None: not an RL recipe). ``imported``:
+    load_config imported the entry; otherwise the recipe is the running script (run_recipe)."""
+    from spmdrl.config_loader import import_entry
+    from spmdrl.rl.plan import Roles
+
+    module = import_entry(cfg.entry) if imported else sys.modules.get("__main__")
+    roles = getattr(module, "ROLES", None)
+    return roles if isinstance(roles, Roles) else None
 
 
 def _pop_option(argv: list[str], names: tuple[str, ...]) -> tuple[list[str], str | None]:
