@@ -2,12 +2,12 @@
 
 The config itself is validated when it loads (spmdrl.config_loader: keys, types, choices, and the
 functions it names, reward.fn's signature among them). What the config points at is checked here, each
-check cheap (no torch, no model, no row of data read):
+check cheap (no model; of the data, its footers and the reward's columns alone):
 
 - the data files (data.train_files, data.val_files): each exists, is parquet, has rows and holds the
   prompt column (data.prompt_key), from its footer alone. The built-in tasks' names (``tiny:train``) are
-  generated files: their split names are checked. The other columns a recipe needs (RL's reward_model,
-  SFT's response) and every cell are checked when the recipe loads the data;
+  generated files: their split names are checked. An RL recipe's reward columns are checked below; SFT's
+  response column and every cell are checked when the recipe loads the data;
 - model.compile: a C++ compiler on the PATH (inductor builds its kernels' wrappers with one, on CPU and
   GPU alike; without it the first forward failed deep in inductor, after the engine was built);
 - the model paths (model.path, critic.model_path): ``tiny``; a local directory with config.json and
@@ -37,7 +37,7 @@ from spmdrl.data.parquet import open_checked
 from spmdrl.errors import ConfigError
 from spmdrl.models.families import LINEAR_MODULES, check_architecture
 from spmdrl.models.load import check_model_path
-from spmdrl.preflight_start import check_rl_start
+from spmdrl.preflight_start import check_rl_start, data_files
 
 if TYPE_CHECKING:
     from spmdrl.rl.plan import Roles
@@ -216,3 +216,20 @@ def _unreachable(endpoint: str) -> str | None:
     except OSError as e:
         return f"{type(e).__name__}: {e}"
     return None
+
+
+def missing_inputs(cfg: Config) -> list[str]:
+    """What ``cfg`` points at that is not there (yet), one line each, for ``--cfg job``, which prints the
+    config anyway: the data files that do not exist, and the model paths :func:`check_model`
+    refuses (a directory not made yet, a hub id neither cached nor reachable)."""
+    missing = [f"{key} {name}" for key, name in data_files(cfg) if not Path(name).expanduser().exists()]
+    prepare = getattr(cfg.data, "prepare", "")  # the command that makes the data, where a recipe names one
+    if missing and prepare:
+        missing = [f"{line} (make it with: {prepare})" for line in missing]
+    for key, path in (("model.path", cfg.model.path), ("critic.model_path", cfg.critic.model_path)):
+        if path:
+            try:
+                check_model(path, key)
+            except ConfigError as e:
+                missing.append(str(e))
+    return missing

@@ -148,22 +148,3 @@ def check_rl_start(cfg: Config, roles: Roles | None, world: tuple[int, str] | No
     if roles is None:
         return []
     return [check_reward_data(cfg), check_engine_version(), check_plan(cfg, roles, world)]
-
-
-def missing_inputs(cfg: Config) -> list[str]:
-    """What ``cfg`` points at that is not there (yet), one line each, for ``--cfg job``, which prints the
-    config anyway: the data files that do not exist, and the model paths spmdrl.preflight.check_model
-    refuses (a directory not made yet, a hub id neither cached nor reachable)."""
-    from spmdrl.preflight import check_model
-
-    missing = [f"{key} {name}" for key, name in data_files(cfg) if not Path(name).expanduser().exists()]
-    prepare = getattr(cfg.data, "prepare", "")  # the command that makes the data, where a recipe names one
-    if missing and prepare:
-        missing = [f"{line} (make it with: {prepare})" for line in missing]
-    for key, path in (("model.path", cfg.model.path), ("critic.model_path", cfg.critic.model_path)):
-        if path:
-            try:
-                check_model(path, key)
-            except ConfigError as e:
-                missing.append(str(e))
-    return missing

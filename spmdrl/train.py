@@ -4,8 +4,10 @@ Every rank runs this same program. It composes the typed config (configs/config.
 recipe YAML, then the command-line overrides), imports the recipe the config's ``entry`` names (a shipped
 recipe, spmdrl.recipes.<entry>, or a Python file: spmdrl.config_loader.import_entry) and runs its
 ``main(cfg)``. Any rank's failure ends the whole job. ``--help`` lists the recipes; ``--cfg job`` prints
-the composed config and exits; ``--check`` checks the config and what it points at (spmdrl.preflight)
-without torchrun and exits 0 or 2 (spmdrl.config_exit says what each exit code means).
+the composed config and exits (marking the data files and model that are missing, which it does not
+need); ``--check`` checks the config and what it points at, and what an RL recipe's start checks
+(spmdrl.preflight, spmdrl.preflight_start), without torchrun and exits 0 or 2 (spmdrl.config_exit says
+what each exit code means). A launched rank runs the same checks first.
 
 Module-level imports stay light (no torch), so that --help answers at once.
 """
@@ -63,12 +65,17 @@ Overrides (Hydra's grammar; each key, its type and default: the sections spmdrl/
   my_section.key=value  a recipe's own settings, checked against its dataclass like any other key
   --cfg job             print the composed, validated config (what the run saves as config.yaml) and exit
   --check               check the config (reward.fn's signature too), the data files (they exist, are
-                        parquet, have rows and the prompt column) and the model paths in this one process
-                        (no torchrun, no model), print one line and exit:
-                        0 fine, 2 a configuration or data error (run it before torchrun, which exits 1
-                        on any worker's failure and would retry a typo under --max-restarts)
+                        parquet, have rows and the prompt column) and the model paths (a hub id: the hub
+                        has it) in this one process (no torchrun, no model); for an RL recipe also the
+                        reward's columns (reward_model.ground_truth), reward.fn for each data_source, the
+                        installed vLLM's release and the plan on WORLD_SIZE where set; print one line
+                        and exit: 0 fine, 2 a configuration or data error (run it before torchrun, which
+                        exits 1 on any worker's failure and would retry a typo under --max-restarts)
   --world-size N        with --check or --cfg job: also plan an RL recipe's job on N ranks (placement,
                         per-rank batches, steps) and print it; a job that does not fit N ranks exits 2
+                        (without it or WORLD_SIZE, --check's line says the plan was not checked)
+  --cfg job             (above) prints the config before its data files or model exist, with what is
+                        missing as "# missing: ..." comments after it
 
 A misspelled key or a wrong type fails at once, naming the valid keys. Exit codes: 0 done, 1 a failure while
 running, 2 a configuration or data error (torchrun turns any failure into 1). docs/configuration.md has the
@@ -92,8 +99,8 @@ def parse_config(argv: list[str], *, import_entry: bool = True) -> Config:
     recipe's plan on N ranks (spmdrl/rl/plan.py; under ``--cfg job`` as YAML comments)."""
     from spmdrl.config_loader import load_config, to_yaml
     from spmdrl.data.parquet import DataError
-    from spmdrl.preflight import check_inputs
-    from spmdrl.preflight_start import launched_world_size, missing_inputs
+    from spmdrl.preflight import check_inputs, missing_inputs
+    from spmdrl.preflight_start import launched_world_size
 
     if "--help" in argv or "-h" in argv:
         print(usage())
