@@ -11,6 +11,8 @@ reward.fn, plans the job on the world size and starts the engine; each of these 
   checked by spmdrl.rewards.registry.check_data_sources (``reward.fn=auto`` needs a built-in reward for
   each; a math source needs math-verify), and reward.fn resolved as the recipe resolves it;
 - the engine's release: the installed vLLM's version from its package metadata (vLLM is not imported);
+- the SFT stage's response column, where one runs (the sft entry; an RL recipe's warm-start);
+- a local or cached model's positions (prompt + response) and attention heads (rollout.tp);
 - the placement and batch arithmetic (spmdrl.rl.plan.plan_job) on the world size the job runs on, where
   it is known (``--world-size N``, or WORLD_SIZE as torchrun sets it); the training set's size is its rows
   before the overlong filter, so a plan that fails only after that filter still fails at start.
@@ -30,7 +32,7 @@ import pyarrow.compute as pc
 
 from spmdrl.config import Config
 from spmdrl.data import tiny_task, tools_task
-from spmdrl.data.parquet import open_checked, to_ground_truth
+from spmdrl.data.parquet import DataError, open_checked, to_ground_truth
 from spmdrl.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -142,9 +144,52 @@ def check_plan(cfg: Config, roles: Roles, world: tuple[int, str] | None) -> str:
     return f"plan on {world_size} ranks ({source}): {plan.derived.total_steps} steps"
 
 
-def check_rl_start(cfg: Config, roles: Roles | None, world: tuple[int, str] | None) -> list[str]:
-    """What an RL recipe's start checks (the module docstring); nothing for another recipe (``roles``
-    None: its module declares no ROLES)."""
-    if roles is None:
+def check_sft_columns(cfg: Config, roles: Roles | None) -> list[str]:
+    """The SFT stage's response column (data.response_key) in every data file, where one runs: the shipped
+    sft entry, or an RL recipe's warm-start (warmstart.enabled, warmstart.entry=sft), which trains on the
+    same files before RL starts (and would fail there, after the data and the reward were checked)."""
+    if roles is None and cfg.entry == "sft":
+        why = ""
+    elif roles is not None and cfg.warmstart.enabled and cfg.warmstart.entry == "sft":
+        why = " (the warm-start, warmstart.enabled=true, trains on it; or set warmstart.enabled=false)"
+    else:
         return []
-    return [check_reward_data(cfg), check_engine_version(), check_plan(cfg, roles, world)]
+    column = cfg.data.response_key
+    for _, name in data_files(cfg):
+        try:
+            open_checked([Path(name).expanduser()], [column], {column: "data.response_key"})
+        except DataError as e:
+            raise DataError(f"{e}{why}") from None
+    return [f"data.response_key={column}"] if data_files(cfg) else []
+
+
+def check_model_shape(cfg: Config) -> None:
+    """Prompt + response within the model's positions, and rollout.tp splitting its attention heads, from
+    the config.json of a local or cached model (spmdrl.rl.job.check_model_fits, as the start checks it
+    before the engine; a hub id not cached yet is checked there, after the download)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    from spmdrl.derived import max_sequence_length
+
+    path = cfg.model.path
+    local = Path(path).expanduser()
+    if path == "tiny":
+        return  # built at start, from the config's lengths
+    if not (local / "config.json").is_file():
+        cached = try_to_load_from_cache(path, "config.json") if path.count("/") == 1 else None
+        if not isinstance(cached, str):
+            return
+        local = Path(cached).parent
+    from spmdrl.rl.job import check_model_fits
+
+    check_model_fits(local, max_sequence_length(cfg), cfg.rollout.tp, cfg.model.trust_remote_code)
+
+
+def check_rl_start(cfg: Config, roles: Roles | None, world: tuple[int, str] | None) -> list[str]:
+    """What a recipe's start checks (the module docstring): an RL recipe's (``roles``: its module's
+    ROLES), and the SFT stage's columns (the sft entry's, an RL warm-start's)."""
+    if roles is None:
+        return check_sft_columns(cfg, roles)
+    checked = [check_reward_data(cfg), *check_sft_columns(cfg, roles), check_engine_version()]
+    check_model_shape(cfg)
+    return [*checked, check_plan(cfg, roles, world)]

@@ -20,6 +20,7 @@ Not tested here, and why:
 from __future__ import annotations
 
 import http.server
+import json
 import re
 import threading
 from collections.abc import Callable, Iterator
@@ -51,7 +52,8 @@ def _check(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, st
 
 
 def _data(path: str) -> list[str]:
-    return [f"data.train_files=[{path}]"]
+    """``path`` as the training data; grpo_tiny's warm-start (SFT on a response column) off."""
+    return [f"data.train_files=[{path}]", "warmstart.enabled=false"]
 
 
 def _fake_vllm(d: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
@@ -95,6 +97,16 @@ def hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[type[_Hub]]
     yield handler
     server.shutdown()
     server.server_close()
+
+
+def _model_dir(d: Path, **config: object) -> list[str]:
+    """A local model directory of a supported family (its config.json; the weights are not read)."""
+    model = d / "model"
+    model.mkdir()
+    fields = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "num_attention_heads": 4}
+    (model / "config.json").write_text(json.dumps({**fields, "num_key_value_heads": 2, **config}))
+    (model / "model.safetensors").write_bytes(b"")
+    return [f"model.path={model}", "warmstart.enabled=false"]
 
 
 # (case, the arguments it makes in tmp_path, what the error says): before, each said "config ok".
@@ -145,6 +157,23 @@ CASES: list[tuple[str, Callable[[Path, pytest.MonkeyPatch], list[str]], str]] = 
         "batch_that_does_not_split_over_the_launch_world_size",
         lambda d, mp: mp.setenv("WORLD_SIZE", "3") or [],  # torchrun's, or a launch script's
         r"on 3 ranks \(WORLD_SIZE\): trainer.global_batch_size=32 is not divisible by the data-parallel size 3",
+    ),
+    (
+        "warm_start_data_without_a_response_column",
+        lambda d, _: [
+            f"data.train_files=[{_parquet(d / 't.parquet', data_source=[_SOURCE], reward_model=[_TRUTH])}]"
+        ],  # grpo_tiny's warm-start is on
+        r"t.parquet has no column 'response' .*\(the warm-start, warmstart.enabled=true, trains on it",
+    ),
+    (
+        "sequences_longer_than_the_models_positions",
+        lambda d, _: _model_dir(d, max_position_embeddings=64),
+        r"max_response_length \(or rollout.max_model_len\) = \d+ exceeds the model's max_position_embeddings=64",
+    ),
+    (
+        "rollout_tp_that_does_not_split_the_heads",
+        lambda d, _: [*_model_dir(d), "rollout.tp=3"],
+        r"rollout.tp=3 does not split the model's 4 attention heads \(2 key/value heads",
     ),
     (
         "unsupported_vllm_release",
@@ -226,6 +255,18 @@ def test_cfg_job_prints_the_config_before_its_inputs_exist(
         parse_config(["recipe=grpo_gsm8k", "model.path=./not-downloaded-yet", "--check"])
     assert exit_info.value.code == 2
     assert "data file ~/data/gsm8k/train.parquet does not exist" in capsys.readouterr().err
+
+
+def test_sft_data_without_a_response_column_fails_at_check(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _parquet(tmp_path / "t.parquet", data_source=[_SOURCE], reward_model=[_TRUTH])
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(["recipe=sft_tiny", f"data.train_files=[{path}]", "data.val_files=[]", "--check"])
+    assert exit_info.value.code == 2
+    assert "t.parquet has no column 'response' (it has: prompt, data_source, reward_model)" in (
+        capsys.readouterr().err
+    )
 
 
 def test_cfg_job_still_refuses_a_bad_file_that_exists(
