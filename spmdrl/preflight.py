@@ -222,7 +222,7 @@ def missing_inputs(cfg: Config) -> list[str]:
     """What ``cfg`` points at that is not there (yet), one line each, for ``--cfg job``, which prints the
     config anyway: the data files that do not exist, and the model paths :func:`check_model`
     refuses (a directory not made yet, a hub id neither cached nor reachable)."""
-    missing = [f"{key} {name}" for key, name in data_files(cfg) if not Path(name).expanduser().exists()]
+    missing = [f"{key} {name}" for key, name in data_files(cfg.data) if not Path(name).expanduser().exists()]
     prepare = getattr(cfg.data, "prepare", "")  # the command that makes the data, where a recipe names one
     if missing and prepare:
         missing = [f"{line} (make it with: {prepare})" for line in missing]

@@ -32,8 +32,12 @@ import pyarrow.compute as pc
 
 from spmdrl.config import Config
 from spmdrl.data import tiny_task, tools_task
+from spmdrl.data.config import DataConfig
 from spmdrl.data.parquet import DataError, open_checked, to_ground_truth
+from spmdrl.derived import max_sequence_length
 from spmdrl.errors import ConfigError
+from spmdrl.models.config import ModelConfig
+from spmdrl.rollout.config import RolloutConfig
 
 if TYPE_CHECKING:
     from spmdrl.rl.plan import Roles
@@ -50,39 +54,40 @@ def read_data_columns(path: str, columns: list[str], optional: list[str]) -> pa.
     return f.read(columns=[*columns, *(c for c in optional if c in have)])
 
 
-def data_files(cfg: Config) -> list[tuple[str, str]]:
+def data_files(data: DataConfig) -> list[tuple[str, str]]:
     """(key, file) of every data file the run reads from disk (a built-in task's split is generated)."""
     prefixes = ("tiny:", tools_task.PREFIX)
     return [
         (f"{key}[{i}]", name)
-        for key, names in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files))
+        for key, names in (("data.train_files", data.train_files), ("data.val_files", data.val_files))
         for i, name in enumerate(names)
         if not name.startswith(prefixes)
     ]
 
 
-def check_reward_data(cfg: Config) -> str:
+def check_reward_data(data: DataConfig, reward_fn: str) -> str:
     """Every data file holds the reward's columns, and reward.fn scores each of its data sources; returns
     a few words for ``--check``'s line. Raises DataError / ConfigError as the recipe's start would."""
     from spmdrl.rewards.registry import check_data_sources, load_reward_fn
 
-    load_reward_fn(cfg.reward.fn)  # as the recipe resolves it (a user's function: where workers import it)
+    load_reward_fn(reward_fn)  # as the recipe resolves it (a user's function: where workers import it)
     sources: set[str] = set()
-    for key, name in data_files(cfg):
+    for key, name in data_files(data):
         table = read_data_columns(name, ["reward_model"], ["data_source"])
         _check_ground_truth(table.column("reward_model"), name)
         found = _data_sources(table)
         try:
-            check_data_sources(cfg.reward.fn, found)
+            check_data_sources(reward_fn, found)
         except ConfigError as e:
             column = "" if "data_source" in table.column_names else " (it has no data_source column)"
             raise type(e)(f"{key}={name}{column}: {e}") from None
         sources |= found
-    if any(name.startswith("tiny:") for name in (*cfg.data.train_files, *cfg.data.val_files)):
+    names = [*data.train_files, *data.val_files]
+    if any(name.startswith("tiny:") for name in names):
         sources.add(tiny_task.DATA_SOURCE)
-    if any(name.startswith(tools_task.PREFIX) for name in (*cfg.data.train_files, *cfg.data.val_files)):
+    if any(name.startswith(tools_task.PREFIX) for name in names):
         sources.add(tools_task.DATA_SOURCE)
-    return f"reward.fn={cfg.reward.fn} on data_source {', '.join(map(repr, sorted(sources)))}"
+    return f"reward.fn={reward_fn} on data_source {', '.join(map(repr, sorted(sources)))}"
 
 
 def _check_ground_truth(column: pa.ChunkedArray, name: str) -> None:
@@ -144,34 +149,25 @@ def check_plan(cfg: Config, roles: Roles, world: tuple[int, str] | None) -> str:
     return f"plan on {world_size} ranks ({source}): {plan.derived.total_steps} steps"
 
 
-def check_sft_columns(cfg: Config, roles: Roles | None) -> list[str]:
-    """The SFT stage's response column (data.response_key) in every data file, where one runs: the shipped
-    sft entry, or an RL recipe's warm-start (warmstart.enabled, warmstart.entry=sft), which trains on the
-    same files before RL starts (and would fail there, after the data and the reward were checked)."""
-    if roles is None and cfg.entry == "sft":
-        why = ""
-    elif roles is not None and cfg.warmstart.enabled and cfg.warmstart.entry == "sft":
-        why = " (the warm-start, warmstart.enabled=true, trains on it; or set warmstart.enabled=false)"
-    else:
-        return []
-    column = cfg.data.response_key
-    for _, name in data_files(cfg):
+def check_sft_columns(data: DataConfig, why: str = "") -> list[str]:
+    """The SFT stage's response column (data.response_key) in every data file; ``why``: what trains on it,
+    added to the error (an RL recipe's warm-start)."""
+    column = data.response_key
+    for _, name in data_files(data):
         try:
             open_checked([Path(name).expanduser()], [column], {column: "data.response_key"})
         except DataError as e:
             raise DataError(f"{e}{why}") from None
-    return [f"data.response_key={column}"] if data_files(cfg) else []
+    return [f"data.response_key={column}"] if data_files(data) else []
 
 
-def check_model_shape(cfg: Config) -> None:
+def check_model_shape(model: ModelConfig, rollout: RolloutConfig, max_model_len: int) -> None:
     """Prompt + response within the model's positions, and rollout.tp splitting its attention heads, from
     the config.json of a local or cached model (spmdrl.rl.job.check_model_fits, as the start checks it
     before the engine; a hub id not cached yet is checked there, after the download)."""
     from huggingface_hub import try_to_load_from_cache
 
-    from spmdrl.derived import max_sequence_length
-
-    path = cfg.model.path
+    path = model.path
     local = Path(path).expanduser()
     if path == "tiny":
         return  # built at start, from the config's lengths
@@ -182,14 +178,18 @@ def check_model_shape(cfg: Config) -> None:
         local = Path(cached).parent
     from spmdrl.rl.job import check_model_fits
 
-    check_model_fits(local, max_sequence_length(cfg), cfg.rollout.tp, cfg.model.trust_remote_code)
+    check_model_fits(local, max_model_len, rollout.tp, model.trust_remote_code)
 
 
 def check_rl_start(cfg: Config, roles: Roles | None, world: tuple[int, str] | None) -> list[str]:
     """What a recipe's start checks (the module docstring): an RL recipe's (``roles``: its module's
     ROLES), and the SFT stage's columns (the sft entry's, an RL warm-start's)."""
     if roles is None:
-        return check_sft_columns(cfg, roles)
-    checked = [check_reward_data(cfg), *check_sft_columns(cfg, roles), check_engine_version()]
-    check_model_shape(cfg)
+        return check_sft_columns(cfg.data) if cfg.entry == "sft" else []
+    checked = [check_reward_data(cfg.data, cfg.reward.fn)]
+    if cfg.warmstart.enabled and cfg.warmstart.entry == "sft":  # SFT on the same files before RL starts
+        why = " (the warm-start, warmstart.enabled=true, trains on it; or set warmstart.enabled=false)"
+        checked += check_sft_columns(cfg.data, why)
+    checked.append(check_engine_version())
+    check_model_shape(cfg.model, cfg.rollout, max_sequence_length(cfg))
     return [*checked, check_plan(cfg, roles, world)]

@@ -117,7 +117,7 @@ def parse_config(argv: list[str], *, import_entry: bool = True) -> Config:
     try:
         # An RL recipe's start checks run here too, on the world size it runs on where known.
         checked = check_inputs(
-            cfg, roles=_recipe_roles(cfg, import_entry), world=launched_world_size(world_size)
+            cfg, roles=_recipe_roles(cfg.entry, import_entry), world=launched_world_size(world_size)
         )
     except (ConfigError, DataError) as e:
         # --cfg job prints the config before its data and model exist, marking what is missing.
@@ -141,13 +141,13 @@ def parse_config(argv: list[str], *, import_entry: bool = True) -> Config:
     return cfg
 
 
-def _recipe_roles(cfg: Config, imported: bool) -> Roles | None:
+def _recipe_roles(entry: str, imported: bool) -> Roles | None:
     """The RL roles the recipe's module declares (its ``ROLES``; None: not an RL recipe). ``imported``:
     load_config imported the entry; otherwise the recipe is the running script (run_recipe)."""
     from spmdrl.config_loader import import_entry
     from spmdrl.rl.plan import Roles
 
-    module = import_entry(cfg.entry) if imported else sys.modules.get("__main__")
+    module = import_entry(entry) if imported else sys.modules.get("__main__")
     roles = getattr(module, "ROLES", None)
     return roles if isinstance(roles, Roles) else None
 
