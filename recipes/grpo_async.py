@@ -85,7 +85,7 @@ def main(cfg: Config) -> None:
     k, start = cfg.trainer.max_staleness, job.start_step
     layout = BatchLayout.plan(job.placement, job.derived.per_rank_batch_size * cfg.rollout.n)
     queue = Queue(version=start) if job.holds_engine else None
-    if queue is not None:  # fill the pipeline: batches start+1 .. start+k, by version start
+    if queue is not None and not cfg.trainer.val_only:  # fill the pipeline: start+1 .. start+k, by v start
         if job.resumed_from is not None:  # ... unless the checkpoint holds them, generated before it
             index, ckpt = job.env.rank - job.placement.role("rollout").first_rank, job.resumed_from
             queue.ahead.extend(

@@ -91,13 +91,15 @@ def resume_or_start(
     again. Every rank calls it; the loop's own state (RL's KL coefficient) is in the returned ``state``."""
     log_dir = run.output_dir / stage
     step, state = 0, {}
+    # trainer.val_only trains nothing: the resumed run's later rows are its training run's, kept.
+    rewind = not run.cfg.trainer.val_only
     if plan.resume_from is not None:
         t_load = time.perf_counter()
         state = load_checkpoint(plan.resume_from, roles)
         log.info("loaded %s in %.2f s", plan.resume_from, time.perf_counter() - t_load)
         step = int(state["step"])
         sampler.load_state_dict(state["sampler"])
-        if run.env.is_main:
+        if run.env.is_main and rewind:
             dropped = rewind_logs(log_dir, step)
             log.info(
                 "resumed from %s: step %d of %d (%d later log rows dropped)",
@@ -106,9 +108,9 @@ def resume_or_start(
                 total_steps,
                 dropped,
             )
-    elif plan.restarted and run.env.is_main:
+    elif plan.restarted and run.env.is_main and rewind:
         rewind_logs(log_dir, -1)
-    if step >= total_steps:
+    if step >= total_steps and rewind:
         log.info("the checkpoint is at the last step (%d): nothing left to train", step)
     return Start(step, run.metric_logger(total_steps, stage, resume_step=step), state)
 

@@ -3,7 +3,9 @@ when ``logging.backends`` names them). Rank 0 only, like every metric output.
 
 Each opens one run per logger (the RL run; an SFT warm-start's stage is a run of its own, named with
 its stage), records the run's parameters (:class:`~spmdrl.logging.backends.RunParams`) once, and logs
-the step's scalars under spmdrl's own keys (docs/metrics.md maps them to verl's names). A resumed run
+the step's scalars under spmdrl's own keys (docs/metrics.md maps them to verl's names), and the logged
+samples as tables (key "<split>/samples": wandb a wandb.Table at the step, MLflow a JSON artifact
+"<split>/samples/step-<N>.json" in its table layout, {"columns": [...], "data": [[...], ...]}). A resumed run
 continues the same tracker run: wandb by an id derived from the output directory, MLflow by the run id
 saved in it; the steps after the checkpoint are logged again.
 """
@@ -56,6 +58,11 @@ class WandbTracker:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self._run.log(metrics, step=step)
 
+    def log_table(self, step: int, key: str, columns: list[str], rows: list[list[object]]) -> None:
+        import wandb
+
+        self._run.log({key: wandb.Table(columns=columns, data=rows)}, step=step)
+
     def close(self) -> None:
         import wandb
 
@@ -105,6 +112,12 @@ class MlflowTracker:
         self._client.log_batch(
             self._run_id, metrics=[Metric(_mlflow_name(k), v, now, step) for k, v in metrics.items()]
         )
+
+    def log_table(self, step: int, key: str, columns: list[str], rows: list[list[object]]) -> None:
+        # mlflow.log_table's own layout, written with log_dict: log_table needs pandas, which
+        # mlflow-skinny (the `mlflow` extra) does not install. One file per step: a resumed run rewrites it.
+        table = {"columns": columns, "data": rows}
+        self._client.log_dict(self._run_id, table, f"{_mlflow_name(key)}/step-{step:06d}.json")
 
     def close(self) -> None:
         self._client.set_terminated(self._run_id)

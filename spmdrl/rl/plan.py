@@ -18,6 +18,7 @@ from typing import Any
 from spmdrl.config import Config
 from spmdrl.derived import Derived, RLDerived, derive, derive_rl
 from spmdrl.distributed.placement import Placement, plan_placement
+from spmdrl.errors import ConfigError
 from spmdrl.logging.profiler import check_profile_steps
 from spmdrl.models.memory_model import check_bare_module
 from spmdrl.rl.async_rows import check_async_batch
@@ -78,6 +79,7 @@ def plan_job(
     """The plan of an RL job with ``roles`` on ``world_size`` ranks over ``num_train_prompts`` prompts, or a
     ConfigError naming the fix. ``memory_budgets``: the (update, no-grad) token budgets a GPU's free memory allows, for the keys left at
     auto (spmdrl/rl/token_budgets.py); None: those keep sequence counts (always on CPU)."""
+    check_val_only(cfg)
     with_critic = roles.critic
     placement = plan_placement(
         cfg.parallel, world_size, needs_critic=with_critic, asynchronous=roles.asynchronous
@@ -117,6 +119,16 @@ def plan_job(
     # which hold the samples and the engines (the judge's).
     scorer = "rollout" if placement.is_async else "actor"
     return JobPlan(placement, derived, rl, rl_critic, recompute_old, offload, scorer)
+
+
+def check_val_only(cfg: Config) -> None:
+    """trainer.val_only runs the validation alone: without held-out data there is nothing to run."""
+    if cfg.trainer.val_only and not cfg.data.val_files:
+        raise ConfigError(
+            f"trainer.val_only=true runs validation only, on data.val_files, which is empty (recipe "
+            f"{cfg.name!r}): set data.val_files (e.g. data.val_files=[path/to/test.parquet]), or remove "
+            "trainer.val_only"
+        )
 
 
 def train_rows(cfg: Config, cache_dir: Path) -> int:

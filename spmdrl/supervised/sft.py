@@ -29,7 +29,6 @@ from spmdrl.derived import Derived, derive
 from spmdrl.distributed.reduce import all_reduce_sum
 from spmdrl.logging.plot import plot_curves
 from spmdrl.logging.profiler import check_profile_steps, profile_step
-from spmdrl.logging.samples import write_samples
 from spmdrl.models.grad_sync import gradient_sync
 from spmdrl.models.load import load_tokenizer, resolve_model_path_all_ranks
 from spmdrl.runtime import Run
@@ -108,8 +107,7 @@ def train_sft(run: Run, cfg: Config, stage: str = "") -> Path:
             samples = generate_samples(run, model, tokenizer, val_ds, step)
             if samples:
                 metrics["val/exact_match"] = sum(s.reward for s in samples) / len(samples)
-                if env.is_main:
-                    write_samples(out_dir / "samples.jsonl", samples)
+                start.logger.log_samples(samples)  # rank 0's: samples.jsonl, the trackers' tables
         if validated or loop.due(step, cfg.trainer.log_every, total):
             start.logger.log(step, metrics)
         if validated and env.is_main:
