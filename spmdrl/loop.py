@@ -84,15 +84,16 @@ def resume_or_start(
     sampler: DistributedSampler,
     total_steps: int,
     stage: str = "",
+    *,
+    rewind: bool = True,
 ) -> Start:
     """Loads ``plan.resume_from`` (if any) into ``roles`` (models, optimizers, schedules; this rank's RNG)
     and ``sampler``; then opens the metric logger in the output directory (``stage``: a sub-directory of
     it). The rows a resumed run logged after its checkpoint are dropped first: the run logs those steps
-    again. Every rank calls it; the loop's own state (RL's KL coefficient) is in the returned ``state``."""
+    again (``rewind=False``: kept, for a job that trains nothing, trainer.val_only). Every rank calls it; the
+    loop's own state (RL's KL coefficient) is in the returned ``state``."""
     log_dir = run.output_dir / stage
     step, state = 0, {}
-    # trainer.val_only trains nothing: the resumed run's later rows are its training run's, kept.
-    rewind = not run.cfg.trainer.val_only
     if plan.resume_from is not None:
         t_load = time.perf_counter()
         state = load_checkpoint(plan.resume_from, roles)

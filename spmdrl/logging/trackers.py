@@ -18,6 +18,7 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlparse
 
 from spmdrl.logging.backends import RunParams
 
@@ -86,6 +87,10 @@ class MlflowTracker:
         from mlflow.tracking import MlflowClient
 
         self._client = MlflowClient(tracking_uri=uri)
+        # A file store keeps a metric as a file named by its key, so "val/accuracy" and "val/accuracy/<source>"
+        # (a file and a directory of the same path) cannot both be stored: see _file_store_names.
+        self._file_store = urlparse(uri).scheme in ("", "file") and uri != "databricks"
+        self._renamed: set[str] = set()
         id_file = output_dir / "mlflow_run_id"
         if id_file.is_file():
             self._run_id = id_file.read_text().strip()
@@ -109,8 +114,11 @@ class MlflowTracker:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
+        names = {k: _mlflow_name(k) for k in metrics}
+        if self._file_store:
+            names = _file_store_names(names, self._renamed)
         self._client.log_batch(
-            self._run_id, metrics=[Metric(_mlflow_name(k), v, now, step) for k, v in metrics.items()]
+            self._run_id, metrics=[Metric(names[k], v, now, step) for k, v in metrics.items()]
         )
 
     def log_table(self, step: int, key: str, columns: list[str], rows: list[list[object]]) -> None:
@@ -125,6 +133,19 @@ class MlflowTracker:
 
 def _mlflow_name(key: str) -> str:
     return _MLFLOW_NAME_RE.sub("_", key)
+
+
+# Where a key has keys under it, its own value in an MLflow file store (val/accuracy -> val/accuracy/all).
+FILE_STORE_LEAF = "all"
+
+
+def _file_store_names(names: dict[str, str], renamed: set[str]) -> dict[str, str]:
+    """An MLflow file store's metric names: a name that other names of the row sit under (val/accuracy,
+    beside val/accuracy/<source>) becomes <name>/all, and stays so for the rest of the run (``renamed``,
+    updated); every other name is unchanged. A server's store takes the names as they are."""
+    parents = {n.rsplit("/", i)[0] for n in names.values() for i in range(1, n.count("/") + 1)}
+    renamed.update(n for n in names.values() if n in parents)
+    return {k: f"{n}/{FILE_STORE_LEAF}" if n in renamed else n for k, n in names.items()}
 
 
 def open_tracker(backend: str, output_dir: Path, tracking: Tracking) -> WandbTracker | MlflowTracker:

@@ -13,6 +13,9 @@ build_job, in order; every check that can fail does so before the warm-start and
      and reward_model.*'s models on the ranks that score (async: the rollout ranks too)
   6. when resuming, the checkpoint's state (models, optimizers, sampler, KL coefficient, RNG states) and
      the engine synced to its weights; the metric logger and the checkpointer
+
+trainer.val_only builds less (no warm-start run, reference, critic or reward model), logs into
+output_dir/val_only/, and its loop is :func:`validate_only`: one validation, no step.
 """
 
 from __future__ import annotations
@@ -412,8 +415,10 @@ def _role_state(
 def _resume_or_start(job: RLJob, roles: list[RoleState], plan: loop.StartPlan) -> None:
     """The skeleton's resume (spmdrl/loop.py: the roles' states, the sampler, the metric logger), then the
     RL loop's own: the KL coefficient, and the engine synced to the checkpoint's weights."""
+    # trainer.val_only trains nothing: the rows its checkpoint's run logged after it are kept.
+    val_only = job.cfg.trainer.val_only
     start = loop.resume_or_start(
-        job.run, plan, roles, job.sampler, job.total_steps, stage=val_only_stage(job.cfg)
+        job.run, plan, roles, job.sampler, job.total_steps, val_only_stage(job.cfg), rewind=not val_only
     )
     job.start_step, job.logger = start.step, start.logger
     if plan.resume_from is not None:

@@ -179,12 +179,21 @@ def test_samples_as_mlflow_tables(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         tmp_path, total_steps=3, backends=("mlflow",), progress_bar=False, tracking=tracking
     )
     logger.log_samples(SAMPLES[:2])
-    logger.log(2, {"val/accuracy": 0.5})
+    # A key with keys under it (RL's validation): a file store cannot hold both as given.
+    logger.log(2, {"val/accuracy": 0.5, "val/accuracy/tiny": 0.25})
     logger.log_samples(SAMPLES[2:])
+    logger.log(3, {"val/accuracy": 0.75, "train/loss": 1.0})
     logger.close()
 
     client = MlflowClient(tracking_uri=(tmp_path / "mlruns").as_uri())
     run_id = (tmp_path / "mlflow_run_id").read_text().strip()
+    keys = ("val/accuracy/all", "val/accuracy/tiny", "train/loss")
+    history = {k: [(m.step, m.value) for m in client.get_metric_history(run_id, k)] for k in keys}
+    assert history == {
+        "val/accuracy/all": [(2, 0.5), (3, 0.75)],
+        "val/accuracy/tiny": [(2, 0.25)],
+        "train/loss": [(3, 1.0)],
+    }
     for path, rows in (
         ("val/samples/step-000002.json", SAMPLES[:2]),
         ("train/samples/step-000003.json", SAMPLES[2:]),
@@ -194,11 +203,7 @@ def test_samples_as_mlflow_tables(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         assert table == {"columns": list(COLUMNS), "data": _table_rows(rows)}, path
     assert [
         json.loads(line)["response"] for line in (tmp_path / "samples.jsonl").read_text().splitlines()
-    ] == [
-        "2",
-        "5",
-        "6",
-    ]
+    ] == ["2", "5", "6"]
 
 
 def test_samples_as_wandb_tables(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
