@@ -508,7 +508,6 @@ def validate_only(job: RLJob) -> None:
     output_dir/val_only/; then the end, with no checkpoint and no export. Every rank calls it."""
     step = job.start_step
     metrics = validation(job, step)
-    metrics["timing/val_only_s"] = time.perf_counter() - job.started_at
     job.logger.log(step, metrics)
     if job.engine is not None:
         job.engine.close()

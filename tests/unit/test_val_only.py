@@ -4,6 +4,7 @@ from (never a warm-start run)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from pathlib import Path
 
@@ -25,11 +26,16 @@ def test_rl_recipes_accept_val_only(recipe: str) -> None:
     plan_job(cfg, world, 4000, roles)  # the plan build_job and --check make: no error
 
 
-def test_val_only_without_val_files_is_refused() -> None:
-    cfg = load_config(["recipe=grpo_tiny", "trainer.val_only=true", "data.val_files=[]"])
-    with pytest.raises(ConfigError, match=r"trainer.val_only=true .* data.val_files, which is empty"):
-        plan_job(cfg, 2, 4000)
-    plan_job(load_config(["recipe=grpo_tiny", "data.val_files=[]"]), 2, 4000)  # training needs none
+@pytest.mark.parametrize("recipe", ["grpo_tiny", "grpo_async_tiny", "ppo_tiny"])
+def test_val_only_without_val_files_is_refused(recipe: str) -> None:
+    match = r"trainer.val_only=true .* data.val_files, which is empty"
+    with pytest.raises(ConfigError, match=match):  # at config load (the recipe's check_config)
+        load_config([f"recipe={recipe}", "trainer.val_only=true", "data.val_files=[]"])
+    cfg = load_config([f"recipe={recipe}", "data.val_files=[]"])  # training needs none
+    # A fork's recipe without that check: the job's plan refuses it.
+    cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, val_only=True))
+    with pytest.raises(ConfigError, match=match):
+        plan_job(cfg, 4, 4000)
 
 
 @pytest.mark.parametrize("recipe", ["sft_tiny", "rm_tiny"])
