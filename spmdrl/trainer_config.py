@@ -231,11 +231,22 @@ class WarmstartConfig:
 VAL_ONLY_STAGE = "val_only"  # trainer.val_only's sub-directory of the output: its metrics and samples
 
 
+def check_val_only(trainer: TrainerConfig, val_files: list[str], name: str) -> None:
+    """trainer.val_only runs the validation alone: without held-out data there is nothing to run."""
+    if trainer.val_only and not val_files:
+        raise ConfigError(
+            f"trainer.val_only=true runs validation only, on data.val_files, which is empty (recipe "
+            f"{name!r}): set data.val_files (e.g. data.val_files=[path/to/test.parquet]), or remove "
+            "trainer.val_only"
+        )
+
+
 def refuse_val_only(trainer: TrainerConfig, entry: str, name: str) -> None:
-    """For a recipe without a validation-only mode (SFT, the reward model): trainer.val_only is refused at
+    """For a recipe without a validation-only mode (the reward model): trainer.val_only is refused at
     config load rather than ignored (a job that trains when asked only to evaluate)."""
     if trainer.val_only:
         raise ConfigError(
-            f"trainer.val_only=true is not supported by this recipe ({entry}, recipe {name!r}): only the RL "
-            "recipes (entry: grpo, grpo_async, ppo) run validation alone; remove trainer.val_only"
+            f"trainer.val_only=true is not supported by this recipe ({entry}, recipe {name!r}): the RL "
+            "recipes (entry: grpo, grpo_async, ppo) and SFT (entry: sft) run validation alone; remove "
+            "trainer.val_only"
         )

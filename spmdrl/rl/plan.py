@@ -18,11 +18,11 @@ from typing import Any
 from spmdrl.config import Config
 from spmdrl.derived import Derived, RLDerived, derive, derive_rl
 from spmdrl.distributed.placement import Placement, plan_placement
-from spmdrl.errors import ConfigError
 from spmdrl.logging.profiler import check_profile_steps
 from spmdrl.models.memory_model import check_bare_module
 from spmdrl.rl.async_rows import check_async_batch
 from spmdrl.rl.experience import needs_old_logprobs
+from spmdrl.trainer_config import check_val_only as check_val_only_data
 
 
 @dataclass(frozen=True)
@@ -123,12 +123,7 @@ def plan_job(
 
 def check_val_only(cfg: Config) -> None:
     """trainer.val_only runs the validation alone: without held-out data there is nothing to run."""
-    if cfg.trainer.val_only and not cfg.data.val_files:
-        raise ConfigError(
-            f"trainer.val_only=true runs validation only, on data.val_files, which is empty (recipe "
-            f"{cfg.name!r}): set data.val_files (e.g. data.val_files=[path/to/test.parquet]), or remove "
-            "trainer.val_only"
-        )
+    check_val_only_data(cfg.trainer, cfg.data.val_files, cfg.name)
 
 
 def train_rows(cfg: Config, cache_dir: Path) -> int:

@@ -3,7 +3,8 @@ checkpoint at step 2; a validation-only job on its output directory resumes that
 it, with wandb (offline) and MLflow (a file store) on. The proof that it evaluated the checkpoint's
 weights: its val/* metrics and greedy samples are the training run's at step 2 (which differ from step
 0's: the two steps moved the weights). It trains nothing, saves nothing, exports nothing, leaves the
-training run's logs as they were, and writes its own into output_dir/val_only/."""
+training run's logs as they were, and writes its own into output_dir/val_only/. The same for SFT
+(recipe=sft_tiny): its val/loss and samples on the checkpoint are the training run's at that step."""
 
 from __future__ import annotations
 
@@ -112,3 +113,47 @@ def test_val_only_evaluates_the_checkpoint(tmp_path: Path, monkeypatch: pytest.M
     (wandb_run,) = (evaluated / "wandb").glob("offline-run-*")
     (wandb_table,) = (wandb_run / "files" / "media" / "table" / "val").glob("samples_*.table.json")
     assert json.loads(wandb_table.read_text()) == table
+
+
+SFT_ARGS = [
+    "-m",
+    "spmdrl.train",
+    "recipe=sft_tiny",
+    "trainer.total_steps=2",
+    "trainer.val_every=1",  # validations at 1 and 2; the checkpoint at 2 (the last)
+    "tiny_task.num_train=64",
+    "tiny_task.num_test=16",
+    "trainer.global_batch_size=16",
+    "trainer.micro_batch_size=8",
+    "optim.lr=1e-2",
+    "optim.warmup_steps=0",
+    "trainer.save_hf=false",
+    "logging.samples_per_log=4",
+]
+
+
+def _sft(tmp_path: Path, out: Path, *overrides: str) -> None:
+    env = {"SPMDRL_CACHE": os.environ.get("SPMDRL_CACHE", str(Path.home() / ".cache" / "spmdrl"))}
+    res = torchrun(
+        [*SFT_ARGS, f"trainer.output_dir={out}", *overrides], nproc=2, cwd=tmp_path, timeout_s=600, env=env
+    )
+    assert res.returncode == 0, res.output[-5000:]
+
+
+def test_sft_val_only_evaluates_the_checkpoint(tmp_path: Path) -> None:
+    """SFT's validation alone (recipe=sft_tiny): its val/loss and greedy samples on the step-2 checkpoint
+    are the training run's at step 2 (not step 1's: the weights moved)."""
+    out = tmp_path / "run"
+    _sft(tmp_path, out)
+    trained = {r["step"]: r for r in read_metrics(out / "metrics.jsonl")}
+    assert trained[1]["val/loss"] != trained[2]["val/loss"]
+    logs = (out / "metrics.jsonl").read_bytes()
+
+    _sft(tmp_path, out, "trainer.val_only=true")
+    (row,) = read_metrics(out / "val_only" / "metrics.jsonl")
+    assert row["step"] == 2 and _val(row) == _val(trained[2])
+    assert _val_samples(out / "val_only" / "samples.jsonl", 2) == _val_samples(out / "samples.jsonl", 2)
+    # Nothing trained, saved or exported; the training run's metrics as they were.
+    assert (out / "metrics.jsonl").read_bytes() == logs
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2"]
+    assert not (out / "hf_model").exists()

@@ -1,5 +1,5 @@
-"""trainer.val_only's config rules (no processes): what an RL recipe needs for it, the recipes that refuse
-it, trainer.total_epochs=0 pointing at it, and the warm-start export a validation-only run evaluates
+"""trainer.val_only's config rules (no processes): what the RL and SFT recipes need for it, the reward
+model's refusal, trainer.total_epochs=0 pointing at it, and the warm-start export a validation-only run evaluates
 from (never a warm-start run)."""
 
 from __future__ import annotations
@@ -38,11 +38,16 @@ def test_val_only_without_val_files_is_refused(recipe: str) -> None:
         plan_job(cfg, 4, 4000)
 
 
-@pytest.mark.parametrize("recipe", ["sft_tiny", "rm_tiny"])
-def test_recipes_without_val_only_refuse_it(recipe: str) -> None:
-    with pytest.raises(ConfigError, match=r"trainer.val_only=true is not supported by this recipe"):
-        load_config([f"recipe={recipe}", "trainer.val_only=true"])
-    assert not load_config([f"recipe={recipe}"]).trainer.val_only
+def test_sft_val_only_needs_val_files() -> None:
+    assert load_config(["recipe=sft_tiny", "trainer.val_only=true"]).trainer.val_only
+    with pytest.raises(ConfigError, match=r"trainer.val_only=true .* data.val_files, which is empty"):
+        load_config(["recipe=sft_tiny", "trainer.val_only=true", "data.val_files=[]"])
+
+
+def test_the_reward_model_refuses_val_only() -> None:
+    with pytest.raises(ConfigError, match=r"trainer.val_only=true is not supported by this recipe \(rm,"):
+        load_config(["recipe=rm_tiny", "trainer.val_only=true"])
+    assert not load_config(["recipe=rm_tiny"]).trainer.val_only
 
 
 def test_zero_epochs_suggests_val_only() -> None:
