@@ -140,6 +140,7 @@ def _sft(tmp_path: Path, out: Path, *overrides: str) -> None:
     assert res.returncode == 0, res.output[-5000:]
 
 
+@pytest.mark.guarantee("eval:val_only")
 def test_sft_val_only_evaluates_the_checkpoint(tmp_path: Path) -> None:
     """SFT's validation alone (recipe=sft_tiny): its val/loss and greedy samples on the step-2 checkpoint
     are the training run's at step 2 (not step 1's: the weights moved)."""
