@@ -37,6 +37,7 @@ from spmdrl.errors import ConfigError
 from spmdrl.rl import phases
 from spmdrl.rl.experience import policy_batch
 from spmdrl.rl.phases import Step
+from spmdrl.rl.plan import check_val_only
 
 # The actor, the reference and the engines on every rank, no critic (--check --world-size N plans them).
 ROLES = rl.Roles()
@@ -44,6 +45,7 @@ ROLES = rl.Roles()
 
 def check_config(cfg: Config) -> None:
     """Settings this recipe would not run fail at config load (spmdrl.config_loader calls this)."""
+    check_val_only(cfg)  # trainer.val_only needs data.val_files
     a = cfg.algorithm
     if adv_estimator(a.adv_estimator).needs_critic:
         raise ConfigError(

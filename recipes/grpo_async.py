@@ -47,6 +47,7 @@ from spmdrl.rl import async_queue, phases, staleness
 from spmdrl.rl.async_rows import CARRIED_METRICS, TOKEN_VERSIONS, BatchLayout, pack_samples, transfer, unpack
 from spmdrl.rl.batch import PolicyBatch
 from spmdrl.rl.partial import generate_partial
+from spmdrl.rl.plan import check_val_only
 from spmdrl.rl.samples import check_reward_errors
 from spmdrl.rl.settings import reward_settings
 from spmdrl.rl.weight_notice import Notice, announce
@@ -66,6 +67,7 @@ ROLES = rl.Roles(asynchronous=True)
 
 def check_config(cfg: Config) -> None:
     """Settings this recipe would not run fail at config load (spmdrl.config_loader calls this)."""
+    check_val_only(cfg)  # trainer.val_only needs data.val_files
     if cfg.parallel.placement != "async":
         raise ConfigError(
             f"this recipe ({cfg.entry}, recipe {cfg.name!r}) runs only parallel.placement=async, got "
@@ -85,7 +87,7 @@ def main(cfg: Config) -> None:
     k, start = cfg.trainer.max_staleness, job.start_step
     layout = BatchLayout.plan(job.placement, job.derived.per_rank_batch_size * cfg.rollout.n)
     queue = Queue(version=start) if job.holds_engine else None
-    if queue is not None:  # fill the pipeline: batches start+1 .. start+k, by version start
+    if queue is not None and not cfg.trainer.val_only:  # fill the pipeline: start+1 .. start+k, by v start
         if job.resumed_from is not None:  # ... unless the checkpoint holds them, generated before it
             index, ckpt = job.env.rank - job.placement.role("rollout").first_rank, job.resumed_from
             queue.ahead.extend(

@@ -43,6 +43,7 @@ from spmdrl.rl.batch import PolicyBatch
 from spmdrl.rl.experience import batch_advantages, old_and_ref_logprobs, policy_batch
 from spmdrl.rl.metrics import step_metrics
 from spmdrl.rl.perf import actor_perf_metrics, critic_perf_metrics
+from spmdrl.rl.plan import check_val_only
 from spmdrl.rl.role_rows import RowPlan, plan_rows
 from spmdrl.rl.update import (
     UpdateResult,
@@ -71,6 +72,7 @@ ROLES = rl.Roles(critic=True)
 
 def check_config(cfg: Config) -> None:
     """Settings this recipe would not run fail at config load (spmdrl.config_loader calls this)."""
+    check_val_only(cfg)  # trainer.val_only needs data.val_files
     a = cfg.algorithm
     if not adv_estimator(a.adv_estimator).needs_critic:
         raise ConfigError(

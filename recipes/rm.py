@@ -57,6 +57,7 @@ from spmdrl.rollout.engine import SamplingSpec, build_engine, check_engine_confi
 from spmdrl.runtime import Run, start_run
 from spmdrl.supervised.model import build_trained_model
 from spmdrl.supervised.warmstart import warm_start
+from spmdrl.trainer_config import refuse_val_only
 
 log = logging.getLogger("spmdrl")
 
@@ -182,6 +183,11 @@ def validate(
 
 def _max_length(cfg: Config) -> int:
     return cfg.data.max_prompt_length + cfg.data.max_response_length
+
+
+def check_config(cfg: Config) -> None:
+    """Settings this recipe would not run fail at config load (spmdrl.config_loader calls this)."""
+    refuse_val_only(cfg.trainer, cfg.entry, cfg.name)
 
 
 def main(cfg: Config) -> None:

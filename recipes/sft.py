@@ -17,8 +17,14 @@ from __future__ import annotations
 from spmdrl.config import Config
 from spmdrl.runtime import start_run
 from spmdrl.supervised.sft import train_sft
+from spmdrl.trainer_config import check_val_only
 
-__all__ = ["main", "train_sft"]  # train_sft: what warmstart.entry=sft names
+__all__ = ["check_config", "main", "train_sft"]  # train_sft: what warmstart.entry=sft names
+
+
+def check_config(cfg: Config) -> None:
+    """Settings this recipe would not run fail at config load (spmdrl.config_loader calls this)."""
+    check_val_only(cfg.trainer, cfg.data.val_files, cfg.name)  # trainer.val_only needs data.val_files
 
 
 def main(cfg: Config) -> None:

@@ -84,11 +84,14 @@ def resume_or_start(
     sampler: DistributedSampler,
     total_steps: int,
     stage: str = "",
+    *,
+    rewind: bool = True,
 ) -> Start:
     """Loads ``plan.resume_from`` (if any) into ``roles`` (models, optimizers, schedules; this rank's RNG)
     and ``sampler``; then opens the metric logger in the output directory (``stage``: a sub-directory of
     it). The rows a resumed run logged after its checkpoint are dropped first: the run logs those steps
-    again. Every rank calls it; the loop's own state (RL's KL coefficient) is in the returned ``state``."""
+    again (``rewind=False``: kept, for a job that trains nothing, trainer.val_only). Every rank calls it; the
+    loop's own state (RL's KL coefficient) is in the returned ``state``."""
     log_dir = run.output_dir / stage
     step, state = 0, {}
     if plan.resume_from is not None:
@@ -97,7 +100,7 @@ def resume_or_start(
         log.info("loaded %s in %.2f s", plan.resume_from, time.perf_counter() - t_load)
         step = int(state["step"])
         sampler.load_state_dict(state["sampler"])
-        if run.env.is_main:
+        if run.env.is_main and rewind:
             dropped = rewind_logs(log_dir, step)
             log.info(
                 "resumed from %s: step %d of %d (%d later log rows dropped)",
@@ -106,9 +109,9 @@ def resume_or_start(
                 total_steps,
                 dropped,
             )
-    elif plan.restarted and run.env.is_main:
+    elif plan.restarted and run.env.is_main and rewind:
         rewind_logs(log_dir, -1)
-    if step >= total_steps:
+    if step >= total_steps and rewind:
         log.info("the checkpoint is at the last step (%d): nothing left to train", step)
     return Start(step, run.metric_logger(total_steps, stage, resume_step=step), state)
 

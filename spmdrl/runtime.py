@@ -22,6 +22,7 @@ from spmdrl.logging.backends import read_run_params
 from spmdrl.logging.metrics import MetricLogger, NullLogger
 from spmdrl.logging.trackers import Tracking
 from spmdrl.models.tiny import default_cache_dir
+from spmdrl.trainer_config import VAL_ONLY_STAGE
 
 log = logging.getLogger("spmdrl")
 
@@ -46,7 +47,7 @@ class Run:
             tracking = Tracking(
                 project=lc.project,
                 name=f"{name}-{subdir}" if subdir else name,
-                params=read_run_params(self.output_dir / "config.yaml", out / "derived.json"),
+                params=read_run_params(_config_yaml(self.output_dir, out), out / "derived.json"),
                 mlflow_tracking_uri=lc.mlflow_tracking_uri,
             )
         return MetricLogger(
@@ -79,6 +80,12 @@ class Run:
         if self.env.is_main:
             (self.output_dir / stage).mkdir(parents=True, exist_ok=True)
             (self.output_dir / stage / "derived.json").write_text(json.dumps(values, indent=2) + "\n")
+
+
+def _config_yaml(output_dir: Path, out: Path) -> Path:
+    """The config a logger in ``out`` records: its own (trainer.val_only's), else the run's."""
+    own = out / "config.yaml"
+    return own if own.is_file() else output_dir / "config.yaml"
 
 
 def setup_logging(rank: int) -> None:
@@ -149,8 +156,10 @@ def start_run(cfg: Config) -> Run:
     chosen = choose_output_dir(cfg) if env.is_main else ""
     output_dir = Path(broadcast_str(chosen)).resolve()
     if env.is_main:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "config.yaml").write_text(to_yaml(cfg))
+        # trainer.val_only writes beside a training run's outputs, not over them (its own config.yaml).
+        config_dir = output_dir / VAL_ONLY_STAGE if cfg.trainer.val_only else output_dir
+        config_dir.mkdir(parents=True, exist_ok=True)
+        (config_dir / "config.yaml").write_text(to_yaml(cfg))
     torch.distributed.barrier()
     log.info("output directory: %s", output_dir)
     log.info("world size %d on %s", env.world_size, env.device)

@@ -79,6 +79,11 @@ class TrainerConfig:
     # per segment); "auto", varlen on CUDA where such a kernel exists, mask elsewhere. Needs pack_sequences.
     packed_attention: str = choice("auto", ("auto", "mask", "varlen"))
     val_every: int = 0
+    # verl's name. RL recipes: no training; validate once the checkpoint the run would resume from
+    # (trainer.resume: auto, the newest in output_dir; or a path) or, with none, the model as configured,
+    # write its val/* metrics and samples into output_dir/val_only/ and exit (docs/checkpointing.md).
+    # Needs data.val_files.
+    val_only: bool = False
     # Write a metrics row (metrics.jsonl, tensorboard, console) every log_every steps; RL also at every
     # validation and at the last step.
     log_every: int = 1
@@ -119,11 +124,16 @@ class TrainerConfig:
         for key, value in {
             "trainer.global_batch_size": self.global_batch_size,
             "trainer.micro_batch_size": self.micro_batch_size,
-            "trainer.total_epochs": self.total_epochs,
             "trainer.log_every": self.log_every,
         }.items():
             if value <= 0:
                 raise ConfigError(f"{key} must be > 0, got {value}")
+        if self.total_epochs <= 0:
+            # verl runs validation alone with total_epochs=0 in some scripts; here that is a key of its own.
+            raise ConfigError(
+                f"trainer.total_epochs must be > 0, got {self.total_epochs}; to run validation only (no "
+                "training), set trainer.val_only=true instead"
+            )
         if self.total_steps < 0:
             raise ConfigError(
                 f"trainer.total_steps must be >= 0 (0 derives it from epochs), got {self.total_steps}"
@@ -216,3 +226,27 @@ class WarmstartConfig:
     optim: OptimConfig = field(
         default_factory=lambda: OptimConfig(lr=1e-3, schedule="cosine", warmup_steps=10, min_lr_ratio=0.1)
     )
+
+
+VAL_ONLY_STAGE = "val_only"  # trainer.val_only's sub-directory of the output: its metrics and samples
+
+
+def check_val_only(trainer: TrainerConfig, val_files: list[str], name: str) -> None:
+    """trainer.val_only runs the validation alone: without held-out data there is nothing to run."""
+    if trainer.val_only and not val_files:
+        raise ConfigError(
+            f"trainer.val_only=true runs validation only, on data.val_files, which is empty (recipe "
+            f"{name!r}): set data.val_files (e.g. data.val_files=[path/to/test.parquet]), or remove "
+            "trainer.val_only"
+        )
+
+
+def refuse_val_only(trainer: TrainerConfig, entry: str, name: str) -> None:
+    """For a recipe without a validation-only mode (the reward model): trainer.val_only is refused at
+    config load rather than ignored (a job that trains when asked only to evaluate)."""
+    if trainer.val_only:
+        raise ConfigError(
+            f"trainer.val_only=true is not supported by this recipe ({entry}, recipe {name!r}): the RL "
+            "recipes (entry: grpo, grpo_async, ppo) and SFT (entry: sft) run validation alone; remove "
+            "trainer.val_only"
+        )

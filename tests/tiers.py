@@ -31,6 +31,7 @@ GUARANTEES: dict[str, str] = {
     "fork:recipe": "a forked recipe in another directory runs with its own loss and section",
     "errors:config": "config and data errors: named once, exit 2, before any work",
     "errors:rank_failure": "one rank's exception ends the whole job promptly, the cause printed",
+    "eval:val_only": "trainer.val_only validates the checkpoint's weights once, trains and saves nothing",
     "checkpoint:atomic": "a save that fails (a full disk) loses nothing: the last checkpoint stays whole and loads",
     "engine:tp": "the in-process vLLM engine at tp=1 and tp=2 generates and serves synced weights",
     "fsdp:numerics": "FSDP2 on two ranks trains as one process does",

@@ -1,5 +1,6 @@
 """Metric outputs: metrics.jsonl (always), the backends of ``logging.backends`` (tensorboard, console,
-wandb, mlflow; spmdrl.logging.backends) and a progress bar, written by rank 0 only.
+wandb, mlflow; spmdrl.logging.backends) and a progress bar, written by rank 0 only; the logged samples
+(samples.jsonl, and as tables in wandb and MLflow).
 
 Reductions across ranks live in spmdrl.distributed.reduce; by the time values reach a logger they are
 plain floats that every rank agrees on. Other ranks get a :class:`NullLogger`, so call sites need
@@ -18,6 +19,7 @@ from typing import Any
 
 from spmdrl.logging.console import format_table
 from spmdrl.logging.progress import Progress, key_metrics, step_line
+from spmdrl.logging.samples import COLUMNS, Sample, sample_tables, write_samples
 from spmdrl.logging.trackers import Tracking, open_tracker
 
 log = logging.getLogger("spmdrl")
@@ -27,6 +29,9 @@ class NullLogger:
     """Logs nothing: what non-zero ranks get."""
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
+        pass
+
+    def log_samples(self, samples: list[Sample]) -> None:
         pass
 
     def close(self) -> None:
@@ -96,6 +101,14 @@ class MetricLogger(NullLogger):
         elif due and not self._table:
             # One short line, as the bar's: the key metrics; every one is in metrics.jsonl.
             log.info("%s", step_line(self._progress.line(step), clean))
+
+    def log_samples(self, samples: list[Sample]) -> None:
+        """samples.jsonl in the logger's directory; each tracker a table per step and split
+        ("val/samples", "train/samples")."""
+        write_samples(self.output_dir / "samples.jsonl", samples)
+        for (step, key), rows in sample_tables(samples).items():
+            for tracker in self._trackers:
+                tracker.log_table(step, key, list(COLUMNS), rows)
 
     def close(self) -> None:
         self._jsonl.close()

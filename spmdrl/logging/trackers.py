@@ -3,7 +3,9 @@ when ``logging.backends`` names them). Rank 0 only, like every metric output.
 
 Each opens one run per logger (the RL run; an SFT warm-start's stage is a run of its own, named with
 its stage), records the run's parameters (:class:`~spmdrl.logging.backends.RunParams`) once, and logs
-the step's scalars under spmdrl's own keys (docs/metrics.md maps them to verl's names). A resumed run
+the step's scalars under spmdrl's own keys (docs/metrics.md maps them to verl's names), and the logged
+samples as tables (key "<split>/samples": wandb a wandb.Table at the step, MLflow a JSON artifact
+"<split>/samples/step-<N>.json" in its table layout, {"columns": [...], "data": [[...], ...]}). A resumed run
 continues the same tracker run: wandb by an id derived from the output directory, MLflow by the run id
 saved in it; the steps after the checkpoint are logged again.
 """
@@ -16,6 +18,7 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlparse
 
 from spmdrl.logging.backends import RunParams
 
@@ -56,6 +59,11 @@ class WandbTracker:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self._run.log(metrics, step=step)
 
+    def log_table(self, step: int, key: str, columns: list[str], rows: list[list[object]]) -> None:
+        import wandb
+
+        self._run.log({key: wandb.Table(columns=columns, data=rows)}, step=step)
+
     def close(self) -> None:
         import wandb
 
@@ -79,6 +87,10 @@ class MlflowTracker:
         from mlflow.tracking import MlflowClient
 
         self._client = MlflowClient(tracking_uri=uri)
+        # A file store keeps a metric as a file named by its key, so "val/accuracy" and "val/accuracy/<source>"
+        # (a file and a directory of the same path) cannot both be stored: see _file_store_names.
+        self._file_store = urlparse(uri).scheme in ("", "file") and uri != "databricks"
+        self._renamed: set[str] = set()
         id_file = output_dir / "mlflow_run_id"
         if id_file.is_file():
             self._run_id = id_file.read_text().strip()
@@ -102,9 +114,18 @@ class MlflowTracker:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
+        names = {k: _mlflow_name(k) for k in metrics}
+        if self._file_store:
+            names = _file_store_names(names, self._renamed)
         self._client.log_batch(
-            self._run_id, metrics=[Metric(_mlflow_name(k), v, now, step) for k, v in metrics.items()]
+            self._run_id, metrics=[Metric(names[k], v, now, step) for k, v in metrics.items()]
         )
+
+    def log_table(self, step: int, key: str, columns: list[str], rows: list[list[object]]) -> None:
+        # mlflow.log_table's own layout, written with log_dict: log_table needs pandas, which
+        # mlflow-skinny (the `mlflow` extra) does not install. One file per step: a resumed run rewrites it.
+        table = {"columns": columns, "data": rows}
+        self._client.log_dict(self._run_id, table, f"{_mlflow_name(key)}/step-{step:06d}.json")
 
     def close(self) -> None:
         self._client.set_terminated(self._run_id)
@@ -112,6 +133,19 @@ class MlflowTracker:
 
 def _mlflow_name(key: str) -> str:
     return _MLFLOW_NAME_RE.sub("_", key)
+
+
+# Where a key has keys under it, its own value in an MLflow file store (val/accuracy -> val/accuracy/all).
+FILE_STORE_LEAF = "all"
+
+
+def _file_store_names(names: dict[str, str], renamed: set[str]) -> dict[str, str]:
+    """An MLflow file store's metric names: a name that other names of the row sit under (val/accuracy,
+    beside val/accuracy/<source>) becomes <name>/all, and stays so for the rest of the run (``renamed``,
+    updated); every other name is unchanged. A server's store takes the names as they are."""
+    parents = {n.rsplit("/", i)[0] for n in names.values() for i in range(1, n.count("/") + 1)}
+    renamed.update(n for n in names.values() if n in parents)
+    return {k: f"{n}/{FILE_STORE_LEAF}" if n in renamed else n for k, n in names.items()}
 
 
 def open_tracker(backend: str, output_dir: Path, tracking: Tracking) -> WandbTracker | MlflowTracker:

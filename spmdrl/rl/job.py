@@ -13,6 +13,9 @@ build_job, in order; every check that can fail does so before the warm-start and
      and reward_model.*'s models on the ranks that score (async: the rollout ranks too)
   6. when resuming, the checkpoint's state (models, optimizers, sampler, KL coefficient, RNG states) and
      the engine synced to its weights; the metric logger and the checkpointer
+
+trainer.val_only builds less (no warm-start run, reference, critic or reward model), logs into
+output_dir/val_only/, and its loop is :func:`validate_only`: one validation, no step.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from spmdrl.errors import ConfigError
 from spmdrl.logging.metrics import NullLogger
 from spmdrl.logging.plot import plot_curves
 from spmdrl.logging.profiler import profile_step
-from spmdrl.logging.samples import Sample, write_samples
+from spmdrl.logging.samples import Sample
 from spmdrl.logging.timer import PhaseTimer
 from spmdrl.models.grad_sync import describe_grad_sync
 from spmdrl.models.load import load_tokenizer, resolve_model_path_all_ranks
@@ -72,8 +75,9 @@ from spmdrl.rollout.mismatch import ParityError, parity_failure
 from spmdrl.rollout.rollout import Rollout, build_agent_loop, build_rollout, load_multi_turn_tools
 from spmdrl.rollout.weight_sync import Fanout, SyncCheck, SyncStats, sync_weights, sync_with_fallback
 from spmdrl.runtime import Run, start_run
-from spmdrl.supervised.warmstart import warm_start
+from spmdrl.supervised.warmstart import val_only_model, warm_start
 from spmdrl.tools import tool_schemas
+from spmdrl.trainer_config import VAL_ONLY_STAGE
 
 log = logging.getLogger("spmdrl")
 
@@ -191,11 +195,13 @@ class RLJob:
 
     @property
     def metrics_path(self) -> Path:
-        return self.run.output_dir / "metrics.jsonl"
+        return self.log_dir / "metrics.jsonl"
 
     @property
-    def samples_path(self) -> Path:
-        return self.run.output_dir / "samples.jsonl"
+    def log_dir(self) -> Path:
+        """Where metrics and samples go: the output directory, or trainer.val_only's own sub-directory of
+        it (beside the training run whose checkpoint it evaluates, not mixed with its logs)."""
+        return self.run.output_dir / val_only_stage(self.cfg)
 
 
 def build_job(cfg: Config, roles: Roles = NO_EXTRA_ROLES) -> RLJob:
@@ -257,10 +263,16 @@ def build_job(cfg: Config, roles: Roles = NO_EXTRA_ROLES) -> RLJob:
     check_model_rewards(cfg.reward_model)  # reward_model.path's files, before the warm-start
     check_data_sources(cfg.reward.fn, _data_sources(train_ds, val_ds))
 
-    model_dir = warm_start(run, start) if cfg.warmstart.enabled else base_dir
+    # trainer.val_only trains nothing, the warm-start neither: its export beside the checkpoint, if any.
+    val_only = cfg.trainer.val_only
+    if cfg.warmstart.enabled:
+        model_dir = val_only_model(start, base_dir) if val_only else warm_start(run, start)
+    else:
+        model_dir = base_dir
 
     run.log_derived(
         derived,
+        stage=val_only_stage(cfg),
         **plan.describe(cfg),
         **(memory.as_dict() if memory else {}),
         train_prompts=len(train_ds),
@@ -275,7 +287,11 @@ def build_job(cfg: Config, roles: Roles = NO_EXTRA_ROLES) -> RLJob:
 
     # Models on their meshes (colocated: the same ranks), then the engine on every rank.
     meshes = placement.build_meshes(env.device.type)
-    policy, ref = build_models(cfg.model, cfg.trainer, cfg.algorithm, env.device, meshes, model_dir)
+    # trainer.val_only: no reference, critic or reward model (validation scores with reward.fn alone);
+    # the actor with its optimizer still, which the checkpoint's state loads into.
+    policy, ref = build_models(
+        cfg.model, cfg.trainer, cfg.algorithm, env.device, meshes, model_dir, reference=not val_only
+    )
     actor = None
     if meshes.holds("actor"):
         optimizer = build_optimizer(policy, cfg.optim)
@@ -290,7 +306,7 @@ def build_job(cfg: Config, roles: Roles = NO_EXTRA_ROLES) -> RLJob:
         )
         log.info("actor update: %s", describe_grad_sync(policy, cfg.trainer.defer_grad_sync))
     critic = None
-    if plan.rl_critic is not None and meshes.holds("critic"):
+    if plan.rl_critic is not None and meshes.holds("critic") and not val_only:
         c = build_critic(
             cfg.critic, cfg.model, cfg.trainer.total_steps, env.device, meshes, model_dir, run.cache_dir
         )
@@ -324,7 +340,7 @@ def build_job(cfg: Config, roles: Roles = NO_EXTRA_ROLES) -> RLJob:
             max_model_len=rl.max_model_len,
             group=meshes.group(plan.scorer),
         )
-        if meshes.holds(plan.scorer)
+        if meshes.holds(plan.scorer) and not val_only
         else None
     )
     a = cfg.algorithm
@@ -399,7 +415,11 @@ def _role_state(
 def _resume_or_start(job: RLJob, roles: list[RoleState], plan: loop.StartPlan) -> None:
     """The skeleton's resume (spmdrl/loop.py: the roles' states, the sampler, the metric logger), then the
     RL loop's own: the KL coefficient, and the engine synced to the checkpoint's weights."""
-    start = loop.resume_or_start(job.run, plan, roles, job.sampler, job.total_steps)
+    # trainer.val_only trains nothing: the rows its checkpoint's run logged after it are kept.
+    val_only = job.cfg.trainer.val_only
+    start = loop.resume_or_start(
+        job.run, plan, roles, job.sampler, job.total_steps, val_only_stage(job.cfg), rewind=not val_only
+    )
     job.start_step, job.logger = start.step, start.logger
     if plan.resume_from is not None:
         job.resumed_from = plan.resume_from
@@ -478,9 +498,28 @@ def validation(job: RLJob, step: int) -> dict[str, float]:
         metrics, samples = validate(
             job.run, job.rollout, job.tokenizer, job.reward_fn, job.val_ds, job.cfg.data.max_response_length
         )
-    if job.env.is_main:
-        write_samples(job.samples_path, [dataclasses.replace(s, step=step) for s in samples])
+    job.logger.log_samples([dataclasses.replace(s, step=step) for s in samples])  # rank 0's
     return metrics
+
+
+def validate_only(job: RLJob) -> None:
+    """trainer.val_only: one validation of the weights the job loaded (the resumed checkpoint's, or the
+    model as configured), its metrics row at that checkpoint's step (0 without one) and its samples in
+    output_dir/val_only/; then the end, with no checkpoint and no export. Every rank calls it."""
+    step = job.start_step
+    metrics = validation(job, step)
+    job.logger.log(step, metrics)
+    if job.engine is not None:
+        job.engine.close()
+    job.logger.close()
+    dist.barrier()
+    log.info(
+        "validation only (trainer.val_only): %s at step %d, val/accuracy=%.4f; outputs in %s",
+        job.resumed_from or f"{job.model_dir} (no checkpoint)",
+        step,
+        metrics["val/accuracy"],
+        job.log_dir,
+    )
 
 
 def draw_curves(job: RLJob) -> None:
@@ -503,9 +542,7 @@ def log_step(
     curves after a validation."""
     cfg = job.cfg
     if job.env.is_main and cfg.logging.samples_every > 0 and step % cfg.logging.samples_every == 0:
-        write_samples(
-            job.samples_path, train_samples(step, job.tokenizer, samples, cfg.logging.samples_per_log)
-        )
+        job.logger.log_samples(train_samples(step, job.tokenizer, samples, cfg.logging.samples_per_log))
     validated = validates_at(job, step)
     if validated:
         metrics.update(val_metrics if val_metrics is not None else validation(job, step))
@@ -625,6 +662,11 @@ def async_sampler(run: Run, placement: Placement, num_samples: int, per_rank: in
         seed=run.cfg.data.seed,
         shuffle=run.cfg.data.shuffle,
     )
+
+
+def val_only_stage(cfg: Config) -> str:
+    """The sub-directory of the output that metrics and samples go to: trainer.val_only's, else none."""
+    return VAL_ONLY_STAGE if cfg.trainer.val_only else ""
 
 
 def _hf_writer(model: torch.nn.Module, tokenizer: object) -> Callable[[Path], None]:

@@ -33,6 +33,8 @@ def build_models(
     device: torch.device,
     meshes: Meshes,
     model_dir: Path,
+    *,
+    reference: bool = True,
 ) -> tuple[torch.nn.Module, Reference | None]:
     """The actor (trained) and, when a KL term needs it, the reference, FSDP2 on the actor's ranks: a
     frozen copy of model.path, or under LoRA (model.lora.rank > 0) the actor itself with its adapters off,
@@ -40,7 +42,8 @@ def build_models(
 
     A rank that does not hold the actor (split placement) gets a meta-device copy of it instead: the
     names and shapes it receives the actor's weights by (weight_sync.Fanout), no memory, no reference.
-    ``trainer``: how packed rows attend; ``algo``: whether a KL term needs the reference.
+    ``trainer``: how packed rows attend; ``algo``: whether a KL term needs the reference; ``reference``:
+    False builds none whatever ``algo`` says (trainer.val_only, which only generates).
     """
     a = algo
     if not meshes.holds("actor"):
@@ -57,7 +60,7 @@ def build_models(
     apply_packed_attention(actor, t.packed_attention, **attention)
     # A KL term needs a reference. Under LoRA the actor's frozen base is one already (verl's way): scored
     # with its adapters off, it costs no memory and no second load.
-    kl_term, ref = a.use_kl_loss or a.use_kl_in_reward, None
+    kl_term, ref = reference and (a.use_kl_loss or a.use_kl_in_reward), None
     if kl_term and model_cfg.lora.enabled:
         ref = Reference(actor, adapters_off=True)
     elif kl_term:

@@ -6,6 +6,7 @@ batches apart; recipes/ppo.py adds a critic around the same generation, actor up
 phase does is here, so a fix to one is made once:
 
   steps               the loop: validation at the start, each step profiled, checkpoints when due
+                      (trainer.val_only: the validation alone)
   generate_and_score  prompts -> rollout.n samples each, scored; DAPO's overlong penalty and dynamic
                       sampling, reward_model.*'s rewards
   greedy_baseline     ReMax: each prompt's greedy answer, scored, is its baseline
@@ -39,6 +40,7 @@ from spmdrl.rl.job import (
     save_checkpoint,
     saves_at,
     sync_actor_weights,
+    validate_only,
     validates_at,
     validation,
 )
@@ -86,7 +88,11 @@ def steps(
     one after the resumed checkpoint's to trainer.total_steps, yielded to the schedule's body under
     logging.profile_steps' profiler; after the body, ``save`` when a checkpoint is due (logged first, saved
     second: a kill between the two loses no row, the resumed run logs the step again); at the end,
-    :func:`~spmdrl.rl.job.finish`."""
+    :func:`~spmdrl.rl.job.finish`. trainer.val_only: validation alone, no step
+    (:func:`~spmdrl.rl.job.validate_only`)."""
+    if job.cfg.trainer.val_only:
+        validate_only(job)
+        return
     if job.start_step == 0 and validates_at(job, 0):
         job.logger.log(0, validation(job, 0))
     for step in range(job.start_step + 1, job.total_steps + 1):

@@ -22,6 +22,7 @@ from spmdrl.logging.profiler import check_profile_steps
 from spmdrl.models.memory_model import check_bare_module
 from spmdrl.rl.async_rows import check_async_batch
 from spmdrl.rl.experience import needs_old_logprobs
+from spmdrl.trainer_config import check_val_only as check_val_only_data
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,7 @@ def plan_job(
     """The plan of an RL job with ``roles`` on ``world_size`` ranks over ``num_train_prompts`` prompts, or a
     ConfigError naming the fix. ``memory_budgets``: the (update, no-grad) token budgets a GPU's free memory allows, for the keys left at
     auto (spmdrl/rl/token_budgets.py); None: those keep sequence counts (always on CPU)."""
+    check_val_only(cfg)
     with_critic = roles.critic
     placement = plan_placement(
         cfg.parallel, world_size, needs_critic=with_critic, asynchronous=roles.asynchronous
@@ -117,6 +119,11 @@ def plan_job(
     # which hold the samples and the engines (the judge's).
     scorer = "rollout" if placement.is_async else "actor"
     return JobPlan(placement, derived, rl, rl_critic, recompute_old, offload, scorer)
+
+
+def check_val_only(cfg: Config) -> None:
+    """trainer.val_only runs the validation alone: without held-out data there is nothing to run."""
+    check_val_only_data(cfg.trainer, cfg.data.val_files, cfg.name)
 
 
 def train_rows(cfg: Config, cache_dir: Path) -> int:

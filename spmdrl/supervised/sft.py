@@ -27,16 +27,16 @@ from spmdrl.data.sampler import DistributedSampler
 from spmdrl.data.sft import SFTDataset
 from spmdrl.derived import Derived, derive
 from spmdrl.distributed.reduce import all_reduce_sum
+from spmdrl.logging.metrics import NullLogger
 from spmdrl.logging.plot import plot_curves
 from spmdrl.logging.profiler import check_profile_steps, profile_step
-from spmdrl.logging.samples import write_samples
 from spmdrl.models.grad_sync import gradient_sync
 from spmdrl.models.load import load_tokenizer, resolve_model_path_all_ranks
 from spmdrl.runtime import Run
 from spmdrl.supervised.model import TrainedModel, build_trained_model
 from spmdrl.supervised.sft_batches import forward_loss, load_sft_dataset, micro_batches, num_target_tokens
 from spmdrl.supervised.sft_eval import generate_samples, validation_loss
-from spmdrl.trainer_config import OptimConfig
+from spmdrl.trainer_config import VAL_ONLY_STAGE, OptimConfig
 
 log = logging.getLogger("spmdrl")
 
@@ -44,7 +44,8 @@ CURVE_KEYS = ["train/loss", "val/loss", "val/exact_match"]
 
 
 def train_sft(run: Run, cfg: Config, stage: str = "") -> Path:
-    """The whole SFT run on an initialized Run; returns the exported HF model directory.
+    """The whole SFT run on an initialized Run; returns the exported HF model directory (trainer.val_only,
+    which trains and exports nothing: the model directory it built from).
 
     ``stage`` names a sub-directory of the run's output for metrics and the export (the warm-start uses
     "sft"); "" writes to the output directory itself. A stage saves no checkpoints and starts at step 0:
@@ -52,6 +53,10 @@ def train_sft(run: Run, cfg: Config, stage: str = "") -> Path:
     """
     env = run.env
     out_dir = run.output_dir / stage
+    # trainer.val_only (a run of its own, never a warm-start): one validation of what it would resume
+    # from, logged in output_dir/val_only/ (the training run's logs untouched), then the end.
+    val_only = cfg.trainer.val_only and not stage
+    log_stage = VAL_ONLY_STAGE if val_only else stage
 
     # Where the run starts, decided before anything is built (spmdrl/loop.py). A stage starts at step 0;
     # its job starts a restarted stage's logs over (spmdrl/supervised/warmstart.py).
@@ -71,7 +76,7 @@ def train_sft(run: Run, cfg: Config, stage: str = "") -> Path:
         check_profile_steps(cfg.logging.profile_steps, total)
     run.log_derived(
         derived,
-        stage=stage,
+        stage=log_stage,
         train_samples=len(train_ds),
         train_filtered_overlong=train_ds.num_filtered,
         val_samples=len(val_ds) if val_ds else 0,
@@ -80,7 +85,15 @@ def train_sft(run: Run, cfg: Config, stage: str = "") -> Path:
 
     # The model on every rank; checkpoints hold it with its optimizer, schedule, the sampler and RNG.
     trained = build_trained_model(run, cfg, model_dir, tokenizer, total, "actor")
-    start = loop.resume_or_start(run, plan, [trained.role], sampler, total, stage)
+    start = loop.resume_or_start(run, plan, [trained.role], sampler, total, log_stage, rewind=not val_only)
+    if val_only:
+        assert val_ds is not None  # checked at config load (recipes/sft.py)
+        metrics = validation(run, trained, tokenizer, val_ds, derived, start.step, start.logger)
+        start.logger.log(start.step, metrics)
+        start.logger.close()
+        torch.distributed.barrier()
+        log.info("validation only (trainer.val_only) at step %d: %s", start.step, metrics)
+        return model_dir
 
     for step in range(start.step + 1, total + 1):
         t0 = time.perf_counter()
@@ -103,13 +116,7 @@ def train_sft(run: Run, cfg: Config, stage: str = "") -> Path:
         validated = val_ds is not None and loop.validation_due(step, cfg.trainer.val_every, total)
         if validated:
             assert val_ds is not None
-            model = trained.model
-            metrics["val/loss"] = validation_loss(run, model, val_ds, derived.micro_batch_size, pad_id)
-            samples = generate_samples(run, model, tokenizer, val_ds, step)
-            if samples:
-                metrics["val/exact_match"] = sum(s.reward for s in samples) / len(samples)
-                if env.is_main:
-                    write_samples(out_dir / "samples.jsonl", samples)
+            metrics.update(validation(run, trained, tokenizer, val_ds, derived, step, start.logger))
         if validated or loop.due(step, cfg.trainer.log_every, total):
             start.logger.log(step, metrics)
         if validated and env.is_main:
@@ -130,6 +137,26 @@ def train_sft(run: Run, cfg: Config, stage: str = "") -> Path:
     loop.finish(run, trained.checkpointer, start.logger, outputs=export, curves=curves)
     log.info("SFT done: %d steps, outputs in %s", total, out_dir)
     return export_dir
+
+
+def validation(
+    run: Run,
+    trained: TrainedModel,
+    tokenizer: object,
+    val_ds: SFTDataset,
+    derived: Derived,
+    step: int,
+    logger: NullLogger,
+) -> dict[str, float]:
+    """The held-out loss, and greedy samples of the first prompts with their exact match (to ``logger``:
+    samples.jsonl, the trackers' tables, rank 0's). Every rank calls it."""
+    pad_id = tokenizer.pad_token_id  # type: ignore[attr-defined]
+    metrics = {"val/loss": validation_loss(run, trained.model, val_ds, derived.micro_batch_size, pad_id)}
+    samples = generate_samples(run, trained.model, tokenizer, val_ds, step)
+    if samples:
+        metrics["val/exact_match"] = sum(s.reward for s in samples) / len(samples)
+        logger.log_samples(samples)
+    return metrics
 
 
 def sft_step(

@@ -41,11 +41,17 @@ def warmstart_config(cfg: Config) -> Config:
     )
 
 
+def done_export(plan: StartPlan) -> Path | None:
+    """A resumed job's warm-start export, which sits next to its checkpoints; None if there is none."""
+    done = plan.resume_from.parent.parent / STAGE / "hf_model" if plan.resume_from else None
+    return done if done is not None and (done / "config.json").is_file() else None
+
+
 def warm_start(run: Run, plan: StartPlan) -> Path:
     """The SFT stage in this job; returns its HF export, which the job starts from. A resumed job's
     warm-start is done: its export sits next to the checkpoints."""
-    done = plan.resume_from.parent.parent / STAGE / "hf_model" if plan.resume_from else None
-    if done is not None and (done / "config.json").is_file():
+    done = done_export(plan)
+    if done is not None:
         log.info("warm-start done earlier: %s", done)
         return done
     if run.env.is_main and plan.restarted:  # an attempt that died before its first checkpoint: start over
@@ -60,3 +66,21 @@ def warm_start(run: Run, plan: StartPlan) -> Path:
         raise ConfigError(
             f"in the SFT warm-start (its trainer.* batch keys come from warmstart.*): {e}"
         ) from None
+
+
+def val_only_model(plan: StartPlan, base_dir: Path) -> Path:
+    """trainer.val_only in a job with warmstart.enabled: the model it evaluates is the checkpoint's, built
+    from the warm-start export beside it, never a warm-start run here (validation only trains nothing)."""
+    done = done_export(plan)
+    if done is not None:
+        return done
+    where = (
+        f"the checkpoint {plan.resume_from} has no warm-start export beside it ({STAGE}/hf_model)"
+        if plan.resume_from is not None
+        else "trainer.resume found no checkpoint to evaluate"
+    )
+    raise ConfigError(
+        f"trainer.val_only=true with warmstart.enabled=true: {where}, and a validation-only run does not train "
+        "the SFT warm-start. Point trainer.resume at a checkpoint of the run (or trainer.output_dir at its "
+        f"directory), or set warmstart.enabled=false to evaluate model.path ({base_dir}) as it is"
+    )

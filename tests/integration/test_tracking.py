@@ -1,15 +1,18 @@
 """logging.backends=[tensorboard,wandb,mlflow] in a real 2-process run (recipe=sft_tiny; RL recipes open
 their logger the same way, spmdrl.runtime.Run.metric_logger): wandb offline and MLflow's local file store
-each hold the run's metrics and parameters (config, git revision, derived values)."""
+each hold the run's metrics and parameters (config, git revision, derived values), and the validation's
+samples as a table."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import pytest
 
 from spmdrl.logging.metrics import read_metrics
+from spmdrl.logging.samples import COLUMNS
 from spmdrl.testing.launch import torchrun
 
 pytestmark = pytest.mark.slow
@@ -57,7 +60,7 @@ def test_sft_tiny_logs_to_tensorboard_wandb_and_mlflow(
     (wandb_run,) = (out / "wandb").glob("offline-run-*")
     (records,) = wandb_run.glob("run-*.wandb")
     data = records.read_bytes()
-    for text in ("train/loss", "timing/step_s", "git_revision", "grad_accum_steps", "tracked"):
+    for text in ("train/loss", "timing/step_s", "git_revision", "grad_accum_steps", "tracked", "val/samples"):
         assert text.encode() in data, text
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 reads file stores only when asked
@@ -69,4 +72,10 @@ def test_sft_tiny_logs_to_tensorboard_wandb_and_mlflow(
     assert params["config.trainer.total_steps"] == "3"
     assert params["derived.world_size"] == "2"
     assert params["git_revision"] != ""
-    assert {a.path for a in client.list_artifacts(run.info.run_id)} == {"config.yaml", "derived.json"}
+    assert {a.path for a in client.list_artifacts(run.info.run_id)} == {"config.yaml", "derived.json", "val"}
+    # The validation's samples (at the last step) as a table, as in samples.jsonl.
+    local = client.download_artifacts(run.info.run_id, "val/samples/step-000003.json", str(tmp_path / "dl"))
+    table = json.loads(Path(local).read_text())
+    jsonl = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert table["columns"] == list(COLUMNS) and len(table["data"]) == len(jsonl) > 0
+    assert [dict(zip(table["columns"], r, strict=True)) for r in table["data"]] == jsonl

@@ -1,5 +1,6 @@
 """Metrics backends (spmdrl/logging/backends.py, trackers.py, console.py): the config check, the console
-table, and wandb (WANDB_MODE=offline) and MLflow (a local file store) written for real and read back."""
+table, and wandb (WANDB_MODE=offline) and MLflow (a local file store) written for real and read back,
+metrics and the samples' tables."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from spmdrl.errors import ConfigError
 from spmdrl.logging.backends import RunParams, git_revision, read_run_params
 from spmdrl.logging.console import format_table
 from spmdrl.logging.metrics import MetricLogger, read_metrics
+from spmdrl.logging.samples import COLUMNS, Sample
 from spmdrl.logging.trackers import Tracking
 from spmdrl.testing.spawn import run_distributed
 
@@ -150,4 +152,81 @@ def test_wandb_offline_writes_a_run_directory(tmp_path: Path, monkeypatch: pytes
         "grad_accum_steps",
         "total_steps",
     ):
+        assert text.encode() in data, text
+
+
+SAMPLES = [
+    Sample(2, "val", "1+1=", "2", "2", 1.0, "tiny"),
+    Sample(2, "val", "2+2=", "5", "4", 0.0, "tiny"),
+    Sample(3, "train", "3+3=", "6", "6", 1.0, "tiny"),
+]
+
+
+def _table_rows(samples: list[Sample]) -> list[list[object]]:
+    return [[s.step, s.split, s.prompt, s.response, s.ground_truth, s.reward, s.data_source] for s in samples]
+
+
+def test_samples_as_mlflow_tables(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each step's samples of a split: a JSON artifact <split>/samples/step-<N>.json in MLflow's table
+    layout, read back from the file store; samples.jsonl whatever the backends."""
+    pytest.importorskip("mlflow", reason='mlflow is not installed: pip install -e ".[mlflow]"')
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    tracking = Tracking(project="spmdrl-test", name="run-a", params=_params(tmp_path))
+    logger = MetricLogger(
+        tmp_path, total_steps=3, backends=("mlflow",), progress_bar=False, tracking=tracking
+    )
+    logger.log_samples(SAMPLES[:2])
+    # A key with keys under it (RL's validation): a file store cannot hold both as given.
+    logger.log(2, {"val/accuracy": 0.5, "val/accuracy/tiny": 0.25})
+    logger.log_samples(SAMPLES[2:])
+    logger.log(3, {"val/accuracy": 0.75, "train/loss": 1.0})
+    logger.close()
+
+    client = MlflowClient(tracking_uri=(tmp_path / "mlruns").as_uri())
+    run_id = (tmp_path / "mlflow_run_id").read_text().strip()
+    keys = ("val/accuracy/all", "val/accuracy/tiny", "train/loss")
+    history = {k: [(m.step, m.value) for m in client.get_metric_history(run_id, k)] for k in keys}
+    assert history == {
+        "val/accuracy/all": [(2, 0.5), (3, 0.75)],
+        "val/accuracy/tiny": [(2, 0.25)],
+        "train/loss": [(3, 1.0)],
+    }
+    for path, rows in (
+        ("val/samples/step-000002.json", SAMPLES[:2]),
+        ("train/samples/step-000003.json", SAMPLES[2:]),
+    ):
+        local = client.download_artifacts(run_id, path, str(tmp_path / "download"))
+        table = json.loads(Path(local).read_text())
+        assert table == {"columns": list(COLUMNS), "data": _table_rows(rows)}, path
+    assert [
+        json.loads(line)["response"] for line in (tmp_path / "samples.jsonl").read_text().splitlines()
+    ] == ["2", "5", "6"]
+
+
+def test_samples_as_wandb_tables(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """wandb (offline): a wandb.Table per step and split, key "<split>/samples", in the run's files."""
+    pytest.importorskip("wandb", reason='wandb is not installed: pip install -e ".[wandb]"')
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    tracking = Tracking(project="spmdrl-test", name="run-a", params=_params(tmp_path))
+    logger = MetricLogger(tmp_path, total_steps=3, backends=("wandb",), progress_bar=False, tracking=tracking)
+    logger.log_samples(SAMPLES[:2])
+    logger.log(2, {"val/accuracy": 0.5})
+    logger.log_samples(SAMPLES[2:])
+    logger.close()
+
+    (run,) = (tmp_path / "wandb").glob("offline-run-*")
+    # One table file per logged table, under its key (wandb numbers the file by its own history row).
+    tables = run / "files" / "media" / "table"
+    (val,) = (tables / "val").glob("samples_*.table.json")
+    (train,) = (tables / "train").glob("samples_*.table.json")
+    assert json.loads(val.read_text()) == {"columns": list(COLUMNS), "data": _table_rows(SAMPLES[:2])}
+    assert json.loads(train.read_text()) == {"columns": list(COLUMNS), "data": _table_rows(SAMPLES[2:])}
+    # The history rows that hold them (protobuf; wandb ships no reader): the keys and the table files.
+    (records,) = run.glob("run-*.wandb")
+    data = records.read_bytes()
+    for text in ("val/samples", "train/samples", val.name, train.name):
         assert text.encode() in data, text
