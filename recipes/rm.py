@@ -224,7 +224,9 @@ def main(cfg: Config) -> None:
     rm.model.config.pad_token_id = tokenizer.pad_token_id  # the export's, which transformers' pooling needs
     start = loop.resume_or_start(run, plan, [rm.role], sampler, total)
     micro = derived.micro_batch_size
-    if start.step == 0 and loop.validation_due(0, cfg.trainer.val_every, total):  # the curve's start
+    if start.step == 0 and loop.validation_due(
+        0, cfg.trainer.val_every, total, at_start=cfg.trainer.val_before_train
+    ):  # the curve's start
         start.logger.log(0, validate(run, rm.model, tokenizer, val_pairs, micro))
 
     for step in range(start.step + 1, total + 1):

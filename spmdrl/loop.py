@@ -44,9 +44,12 @@ def due(step: int, every: int, total_steps: int) -> bool:
     return step == total_steps or (every > 0 and step % every == 0)
 
 
-def validation_due(step: int, every: int, total_steps: int) -> bool:
+def validation_due(step: int, every: int, total_steps: int, *, at_start: bool = True) -> bool:
     """trainer.val_every's cadence: :func:`due`, except that 0 turns validation off, at the last step too.
-    Step 0 is due: a run that starts measures its untrained model, the curves' first point."""
+    Step 0 is due unless ``at_start`` is false (trainer.val_before_train): a run that starts measures its
+    untrained model, the curves' first point."""
+    if step == 0 and not at_start:
+        return False
     return every > 0 and due(step, every, total_steps)
 
 

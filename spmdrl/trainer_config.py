@@ -79,6 +79,9 @@ class TrainerConfig:
     # per segment); "auto", varlen on CUDA where such a kernel exists, mask elsewhere. Needs pack_sequences.
     packed_attention: str = choice("auto", ("auto", "mask", "varlen"))
     val_every: int = 0
+    # verl's name. Validate at step 0 of a run that starts (the curves' first point: the model before
+    # training) when validation is on (val_every > 0); false skips that one.
+    val_before_train: bool = True
     # verl's name. RL recipes: no training; validate once the checkpoint the run would resume from
     # (trainer.resume: auto, the newest in output_dir; or a path) or, with none, the model as configured,
     # write its val/* metrics and samples into output_dir/val_only/ and exit (docs/checkpointing.md).

@@ -669,6 +669,7 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     ),
     # ----- trainer
     VerlKey("trainer.total_epochs", "trainer.total_epochs"),
+    VerlKey("trainer.val_only", "trainer.val_only", "validate the checkpoint (or model) once and exit"),
     VerlKey(
         "trainer.total_training_steps",
         "trainer.total_steps",
@@ -764,10 +765,8 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     ),
     VerlKey(
         "trainer.val_before_train",
-        None,
-        "accepted when True: spmdrl validates at step 0 whenever "
-        "trainer.val_every > 0, and has no setting to skip it (trainer.val_every=0 turns validation off)",
-        accepts=_equals(True),
+        "trainer.val_before_train",
+        "the same name: false skips step 0's validation (validation is on when trainer.val_every > 0)",
     ),
     VerlKey(
         "trainer.balance_batch",

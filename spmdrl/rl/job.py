@@ -465,8 +465,12 @@ def profiled(job: RLJob, step: int) -> contextlib.AbstractContextManager[None]:
 
 
 def validates_at(job: RLJob, step: int) -> bool:
-    """Validation runs every trainer.val_every steps, at the last, and at step 0 of a run that starts."""
-    return job.val_ds is not None and loop.validation_due(step, job.cfg.trainer.val_every, job.total_steps)
+    """Validation runs every trainer.val_every steps, at the last, and at step 0 of a run that starts
+    (unless trainer.val_before_train is false)."""
+    trainer = job.cfg.trainer
+    return job.val_ds is not None and loop.validation_due(
+        step, trainer.val_every, job.total_steps, at_start=trainer.val_before_train
+    )
 
 
 def saves_at(job: RLJob, step: int) -> bool:

@@ -26,6 +26,8 @@ def test_due_every_n_steps_and_at_the_last(every: int, steps: list[int]) -> None
 def test_validation_every_n_steps_at_the_last_and_at_the_start_unless_off() -> None:
     assert [s for s in range(7) if loop.validation_due(s, 4, 6)] == [0, 4, 6]
     assert not any(loop.validation_due(s, 0, 6) for s in range(7))  # 0: off, the last step too
+    # trainer.val_before_train=false: step 0 alone is skipped
+    assert [s for s in range(7) if loop.validation_due(s, 4, 6, at_start=False)] == [4, 6]
 
 
 @dataclass

@@ -212,8 +212,6 @@ def test_an_unsupported_verl_value_exits_2_with_what_to_do() -> None:
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        # verl's quickstart (docs/start/quickstart.rst) skips the step-0 validation; spmdrl cannot.
-        ("trainer.val_before_train=False", "trainer.val_every=0 turns validation off"),
         ("actor_rollout_ref.actor.fsdp_config.fsdp_size=4", "model.fsdp_unit"),  # a prefix entry
         ("actor_rollout_ref.rollout.val_kwargs.n=4", "one response per prompt"),
         ("trainer.logger=[console,swanlab]", "no swanlab backend"),
@@ -231,6 +229,12 @@ def test_an_unsupported_verl_value_exits_2_with_what_to_do() -> None:
 def test_refused_verl_keys_say_what_to_do(override: str, message: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(["recipe=grpo_tiny", override], import_entry_module=False)
+
+
+def test_verl_quickstart_skip_of_the_first_validation_is_spmdrls_setting() -> None:
+    """verl's quickstart (docs/start/quickstart.rst) passes trainer.val_before_train=False: the same name."""
+    cfg = load_config(["recipe=grpo_tiny", "trainer.val_before_train=False"], import_entry_module=False)
+    assert cfg.trainer.val_before_train is False
 
 
 def test_the_world_size_keys_are_checked_against_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
