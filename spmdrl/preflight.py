@@ -4,8 +4,9 @@ The config itself is validated when it loads (spmdrl.config_loader: keys, types,
 functions it names, reward.fn's signature among them). What the config points at is checked here, each
 check cheap (no torch, no model, no row of data read):
 
-- the data files (data.train_files, data.val_files): each exists, is parquet, has rows and holds the
-  prompt column (data.prompt_key), from its footer alone. The built-in tasks' names (``tiny:train``) are
+- the data entries (data.train_files, data.val_files): each exists, has rows and holds the prompt column
+  (data.prompt_key), a parquet file from its footer alone, a hub dataset from its metadata, a json
+  file or a dataset directory read as the run reads it (spmdrl.data.sources). The built-in tasks' names (``tiny:train``) are
   generated files: their split names are checked. The other columns a recipe needs (RL's reward_model,
   SFT's response) and every cell are checked when the recipe loads the data;
 - model.compile: a C++ compiler on the PATH (inductor builds its kernels' wrappers with one, on CPU and
@@ -29,7 +30,7 @@ from pathlib import Path
 
 from spmdrl.config import Config
 from spmdrl.data import tiny_task, tools_task
-from spmdrl.data.parquet import open_checked
+from spmdrl.data.sources import check_sources, read_options
 from spmdrl.errors import ConfigError
 from spmdrl.models.families import LINEAR_MODULES, check_architecture
 from spmdrl.models.load import check_model_path
@@ -107,14 +108,14 @@ def _check_actor_as_critic(cfg: Config) -> None:
 
 
 def check_data_files(cfg: Config) -> list[str]:
-    """The data files' footers: they exist, are parquet, have rows and the prompt column. Returns the
-    files checked."""
+    """The data entries (spmdrl.data.sources), each as cheaply as its kind allows (a parquet file's footer,
+    a hub dataset's metadata): they exist, have rows and the prompt column. Returns the entries checked."""
     d = cfg.data
     names: list[str] = []
     for key, files in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
         on_disk = [f for f in files if not _builtin_task_file(f, key)]
         if on_disk:
-            open_checked(on_disk, [d.prompt_key], {d.prompt_key: "data.prompt_key"})
+            check_sources(on_disk, [d.prompt_key], {d.prompt_key: "data.prompt_key"}, read_options(d, key))
         names += files
     return names
 

@@ -7,14 +7,30 @@ from dataclasses import dataclass, field
 from spmdrl.config_section import choice
 from spmdrl.errors import ConfigError
 
+# What data.columns may map: the columns the loaders read (spmdrl.data.prompts, spmdrl.data.sft).
+MAPPED_COLUMNS = ("prompt", "response", "ground_truth", "reward_model", "data_source", "extra_info")
+
 
 @dataclass
 class DataConfig:
-    # Parquet files. "tiny:train" / "tiny:test" name the built-in task's generated splits,
+    # Each entry: a .parquet, .jsonl or .json file, a datasets directory (save_to_disk, or a folder of
+    # data files), or a hub dataset id (org/name; "org/name:split", "org/name:config:split") - see
+    # spmdrl.data.sources. "tiny:train" / "tiny:test" name the built-in task's generated splits,
     # "tiny_tools:train" / "tiny_tools:test" those of the built-in tool task (their settings: the
     # tiny_task / tools_task sections, spmdrl.data.tiny_task / spmdrl.data.tools_task).
     train_files: list[str] = field(default_factory=lambda: ["tiny:train"])
     val_files: list[str] = field(default_factory=lambda: ["tiny:test"])
+    # Directories and hub ids: the split of train_files and of val_files, and the dataset's config (TRL's
+    # dataset_train_split, dataset_test_split, dataset_config). An entry's own ":split" wins.
+    train_split: str = "train"
+    val_split: str = "test"
+    dataset_config: str = ""
+    # spmdrl's column -> the source's, for every entry: {prompt: question}. ground_truth names a column of
+    # plain answers, read as verl's reward_model struct ({ground_truth: <value>}).
+    columns: dict[str, str] = field(default_factory=dict)
+    # The command that makes train_files / val_files when they come from a prep script; a missing file's
+    # error names it.
+    prepare: str = ""
     # Column holding the prompt: a list of chat messages (verl's schema) or a plain string.
     prompt_key: str = "prompt"
     # SFT only: column holding the response (a string, or a list of messages whose last is the answer).
@@ -33,3 +49,25 @@ class DataConfig:
         }.items():
             if value <= 0:
                 raise ConfigError(f"{key} must be > 0, got {value}")
+        self._check_columns()
+
+    def _check_columns(self) -> None:
+        unknown = sorted(set(self.columns) - set(MAPPED_COLUMNS))
+        if unknown:
+            raise ConfigError(
+                f"data.columns: {unknown} name no column spmdrl reads; its keys are spmdrl's columns "
+                f"({', '.join(MAPPED_COLUMNS)}) and its values the source's: data.columns={{prompt: question}}"
+            )
+        for ours, key, value in (
+            ("prompt", "data.prompt_key", self.prompt_key),
+            ("response", "data.response_key", self.response_key),
+        ):
+            if ours in self.columns and value != ours:
+                raise ConfigError(
+                    f"data.columns.{ours} and {key}={value} both name the {ours} column; set one of them"
+                )
+        if {"ground_truth", "reward_model"} <= set(self.columns):
+            raise ConfigError(
+                "data.columns.ground_truth and data.columns.reward_model both give the reward's ground truth; "
+                "set one of them (ground_truth: a column of plain answers; reward_model: verl's struct)"
+            )
