@@ -262,15 +262,16 @@ def _load_dataset(entry: Entry) -> Any:
         return loaded  # a single Dataset is its own split
     if entry.kind == "hub":
         _check_hub_reachable(entry)
-    args = (entry.location, entry.config or None)
     try:
-        return datasets.load_dataset(*args, split=entry.split)
+        # All splits, then ours: datasets prepares them all anyway, and a missing split's error is ours.
+        loaded = datasets.load_dataset(entry.location, entry.config or None)
     except ConnectionError as e:  # offline (datasets reads HF_HUB_OFFLINE) and not cached
         raise DataError(_hub_unreachable(entry, e)) from e
     except (ValueError, KeyError, FileNotFoundError) as e:
         raise DataError(f"{entry.label} could not be loaded: {e}") from e
     except Exception as e:  # datasets' own (DatasetNotFoundError, ...), named in the message
         raise DataError(f"{entry.label} could not be loaded ({type(e).__name__}: {e})") from e
+    return _split(entry, loaded)
 
 
 def _split(entry: Entry, loaded: Mapping[str, Any]) -> Any:
