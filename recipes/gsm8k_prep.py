@@ -3,8 +3,8 @@
     python -m spmdrl.recipes.gsm8k_prep --out ~/data/gsm8k                    # from the Hugging Face hub
     python -m spmdrl.recipes.gsm8k_prep --from-jsonl DIR --out ~/data/gsm8k   # from a local copy
 
-The hub path needs the ``datasets`` library (``pip install datasets``; it is not a dependency of
-spmdrl). The offline path reads ``DIR/train.jsonl`` and ``DIR/test.jsonl``, one
+The hub path needs the ``datasets`` library (the ``data`` extra: ``pip install 'spmdrl[data]'``). The
+offline path reads ``DIR/train.jsonl`` and ``DIR/test.jsonl``, one
 ``{"question": ..., "answer": ...}`` object per line: the files of the GSM8K GitHub release.
 
 Each row is what verl's GSM8K preprocessing writes, so runs on these files compare with verl's::
@@ -145,12 +145,12 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 def load_from_hub() -> dict[str, list[dict[str, Any]]]:
     """The train and test splits of ``openai/gsm8k`` (config ``main``), downloaded with ``datasets``."""
     try:
-        # Imported here: only this path needs it, and spmdrl does not depend on it.
+        # Imported here: only this path needs it, and it is an extra (data), not a dependency.
         import datasets
     except ImportError as e:
         raise MissingDependencyError(
-            "downloading GSM8K needs the `datasets` library, which spmdrl does not install: "
-            "pip install datasets  (or convert a local copy: --from-jsonl DIR)"
+            "downloading GSM8K needs the `datasets` library: pip install 'spmdrl[data]'  "
+            "(or convert a local copy: --from-jsonl DIR)"
         ) from e
     dd = datasets.load_dataset(DATA_SOURCE, HUB_CONFIG)
     return {split: list(dd[split]) for split in SPLITS}

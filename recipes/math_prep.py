@@ -4,7 +4,7 @@
     python -m spmdrl.recipes.math_prep --from-local DIR --out ~/data/math  # from a local copy
 
 The hub path downloads ``DigitalLearningGmbH/MATH-lighteval`` and needs the ``datasets`` library
-(``pip install datasets``; not a dependency of spmdrl). The local path reads either ``DIR/train.jsonl``
+(``pip install 'spmdrl[data]'``). The local path reads either ``DIR/train.jsonl``
 and ``DIR/test.jsonl`` (one ``{"problem": ..., "solution": ...}`` object per line, ``level`` and
 ``type`` optional) or the original release's layout, ``DIR/{train,test}/<subject>/<n>.json``.
 
@@ -159,11 +159,11 @@ def read_split(directory: Path, split: str) -> tuple[list[dict[str, Any]], str]:
 def load_from_hub() -> dict[str, list[dict[str, Any]]]:
     """The train and test splits of MATH-lighteval, downloaded with ``datasets``."""
     try:
-        import datasets  # only this path needs it, and spmdrl does not depend on it
+        import datasets  # only this path needs it; an extra (data), not a dependency
     except ImportError as e:
         raise MissingDependencyError(
-            "downloading MATH needs the `datasets` library, which spmdrl does not install: "
-            "pip install datasets  (or convert a local copy: --from-local DIR)"
+            "downloading MATH needs the `datasets` library: pip install 'spmdrl[data]'  "
+            "(or convert a local copy: --from-local DIR)"
         ) from e
     dd = datasets.load_dataset(DATA_SOURCE, HUB_CONFIG)
     return {split: list(dd[split]) for split in SPLITS}

@@ -2,13 +2,29 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from spmdrl.config_section import choice
 from spmdrl.errors import ConfigError
 
-# What data.columns may map: the columns the loaders read (spmdrl.data.prompts, spmdrl.data.sft).
-MAPPED_COLUMNS = ("prompt", "response", "ground_truth", "reward_model", "data_source", "extra_info")
+
+@dataclass
+class ColumnMap:
+    """data.columns: for each column spmdrl reads, the source's column that holds it ("": its own name).
+    A dataclass, not a dict, so that ``data.columns.prompt=question`` and ``data.columns={prompt: question}``
+    both work and a misspelled column gets the valid ones."""
+
+    prompt: str = ""
+    response: str = ""  # SFT
+    # A column of plain answers, read as verl's reward_model struct ({ground_truth: <value>}).
+    ground_truth: str = ""
+    reward_model: str = ""
+    data_source: str = ""
+    extra_info: str = ""
+
+    def mapping(self) -> dict[str, str]:
+        """spmdrl's column -> the source's, for the columns that are mapped."""
+        return {ours: theirs for ours, theirs in asdict(self).items() if theirs}
 
 
 @dataclass
@@ -25,9 +41,8 @@ class DataConfig:
     train_split: str = "train"
     val_split: str = "test"
     dataset_config: str = ""
-    # spmdrl's column -> the source's, for every entry: {prompt: question}. ground_truth names a column of
-    # plain answers, read as verl's reward_model struct ({ground_truth: <value>}).
-    columns: dict[str, str] = field(default_factory=dict)
+    # spmdrl's column -> the source's, for every entry: {prompt: question} (ColumnMap).
+    columns: ColumnMap = field(default_factory=ColumnMap)
     # The command that makes train_files / val_files when they come from a prep script; a missing file's
     # error names it.
     prepare: str = ""
@@ -52,21 +67,16 @@ class DataConfig:
         self._check_columns()
 
     def _check_columns(self) -> None:
-        unknown = sorted(set(self.columns) - set(MAPPED_COLUMNS))
-        if unknown:
-            raise ConfigError(
-                f"data.columns: {unknown} name no column spmdrl reads; its keys are spmdrl's columns "
-                f"({', '.join(MAPPED_COLUMNS)}) and its values the source's: data.columns={{prompt: question}}"
-            )
+        mapped = self.columns.mapping()
         for ours, key, value in (
             ("prompt", "data.prompt_key", self.prompt_key),
             ("response", "data.response_key", self.response_key),
         ):
-            if ours in self.columns and value != ours:
+            if ours in mapped and value != ours:
                 raise ConfigError(
                     f"data.columns.{ours} and {key}={value} both name the {ours} column; set one of them"
                 )
-        if {"ground_truth", "reward_model"} <= set(self.columns):
+        if {"ground_truth", "reward_model"} <= set(mapped):
             raise ConfigError(
                 "data.columns.ground_truth and data.columns.reward_model both give the reward's ground truth; "
                 "set one of them (ground_truth: a column of plain answers; reward_model: verl's struct)"

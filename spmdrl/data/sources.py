@@ -68,7 +68,7 @@ def read_options(data: DataConfig, key: str) -> ReadOptions:
     """The options of ``data.train_files`` or ``data.val_files`` (``key``)."""
     split = data.train_split if key == "data.train_files" else data.val_split
     return ReadOptions(
-        key=key, split=split, config=data.dataset_config, columns=dict(data.columns), prepare=data.prepare
+        key=key, split=split, config=data.dataset_config, columns=data.columns.mapping(), prepare=data.prepare
     )
 
 

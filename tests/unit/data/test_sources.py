@@ -16,7 +16,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from spmdrl.data.config import DataConfig
+from spmdrl.config_loader import load_config
+from spmdrl.data.config import ColumnMap, DataConfig
 from spmdrl.data.parquet import DataError
 from spmdrl.data.prompts import PromptDataset
 from spmdrl.data.sft import SFTDataset
@@ -190,12 +191,16 @@ def test_a_missing_file_names_the_prepare_command(tmp_path) -> None:
 
 
 def test_data_columns_is_checked_at_load() -> None:
-    with pytest.raises(ConfigError, match=r"data.columns: \['question'\] name no column spmdrl reads"):
-        DataConfig(columns={"question": "prompt"}).check()
     with pytest.raises(ConfigError, match="data.columns.prompt and data.prompt_key=question both name"):
-        DataConfig(columns={"prompt": "q"}, prompt_key="question").check()
+        DataConfig(columns=ColumnMap(prompt="q"), prompt_key="question").check()
     with pytest.raises(ConfigError, match="data.columns.ground_truth and data.columns.reward_model"):
-        DataConfig(columns={"ground_truth": "a", "reward_model": "b"}).check()
+        DataConfig(columns=ColumnMap(ground_truth="a", reward_model="b")).check()
+    # From the command line, both spellings; a column spmdrl does not read is an unknown key.
+    for override in ["data.columns={prompt: question, ground_truth: answer}", "data.columns.prompt=question"]:
+        cfg = load_config(["recipe=grpo_tiny", override])
+        assert read_options(cfg.data, "data.train_files").columns["prompt"] == "question"
+    with pytest.raises(ConfigError, match=r"unknown config key 'data.columns.question'"):
+        load_config(["recipe=grpo_tiny", "data.columns.question=prompt"])
 
 
 def test_without_datasets_the_error_names_the_extra(tmp_path, monkeypatch) -> None:

@@ -158,7 +158,7 @@ def test_missing_jsonl_and_missing_datasets_errors(tmp_path: Path, monkeypatch: 
     # Without the optional `datasets` library the hub path says what to install (None in sys.modules
     # makes the import fail, whether or not it is installed here).
     monkeypatch.setitem(sys.modules, "datasets", None)
-    with pytest.raises(gsm8k_prep.MissingDependencyError, match="pip install datasets"):
+    with pytest.raises(gsm8k_prep.MissingDependencyError, match=r"pip install 'spmdrl\[data\]'"):
         gsm8k_prep.prepare(tmp_path / "out")
 
 
@@ -171,6 +171,9 @@ def test_recipe_config_loads_and_reads_the_prepared_files() -> None:
     assert [Path(f) for f in cfg.data.val_files] == [out / "test.parquet"]
     assert cfg.reward.fn == "auto"
     assert load_config(["recipe=grpo_gsm8k", "model.path=some/model"]).model.path == "some/model"
+    # A missing file's error names the command that writes them where the recipes read (ppo_gsm8k too).
+    command = f"python -m spmdrl.recipes.gsm8k_prep --out {gsm8k_prep.DEFAULT_OUT}"
+    assert cfg.data.prepare == load_config(["recipe=ppo_gsm8k"]).data.prepare == command
 
 
 def test_recipe_config_batch_arithmetic_on_8_gpus() -> None:
