@@ -81,6 +81,8 @@ class Entry:
     location: str
     config: str = ""
     split: str = ""
+    # A hub dataset that cannot be had here: what to do instead ("": give a save_to_disk directory).
+    instead: str = ""
 
     @property
     def label(self) -> str:
@@ -88,8 +90,8 @@ class Entry:
         if self.kind in ("parquet", "json"):
             return self.location
         what = "hub dataset" if self.kind == "hub" else "dataset directory"
-        config = f"config {self.config}, " if self.config else ""
-        return f"{what} {self.location} ({config}split {self.split})"
+        about = [f"config {self.config}"] * bool(self.config) + [f"split {self.split}"] * bool(self.split)
+        return f"{what} {self.location}" + (f" ({', '.join(about)})" if about else "")
 
     @property
     def named(self) -> str:
@@ -105,6 +107,8 @@ class SourceView:
     entry: Entry
     columns: list[str]
     num_rows: int
+    # A json file's rows, read whole to be viewed (the source's names): not parsed twice.
+    table: pa.Table | None = field(default=None, repr=False, compare=False)
 
     @property
     def label(self) -> str:
@@ -128,7 +132,7 @@ def resolve_entry(entry: str | os.PathLike[str], opts: ReadOptions) -> Entry:
             return _local(text, base_path, config, split)
         if _HUB_ID.match(base):
             return Entry(text, "hub", base, config, split)
-    elif _HUB_ID.match(text) and not text.startswith("."):
+    elif _HUB_ID.match(text):
         return Entry(text, "hub", text, opts.config, opts.split)
     raise DataError(
         f"{opts.key}: {text!r} is no local file or directory, nor a hub dataset id (org/name); "
@@ -260,18 +264,27 @@ def _load_dataset(entry: Entry) -> Any:
         if isinstance(loaded, datasets.DatasetDict):
             return _split(entry, loaded)
         return loaded  # a single Dataset is its own split
+    # All splits, then ours: datasets prepares them all anyway, and a missing split's error is ours.
+    return _split(entry, _load_splits(entry))
+
+
+def load_hub_dataset(dataset_id: str, config: str = "", *, instead: str = "") -> Any:
+    """Every split of a hub dataset (a ``datasets.DatasetDict``), with a data entry's errors: an unreachable
+    or offline hub says so at once, and ``instead`` what to do then. What the prep scripts download with."""
+    return _load_splits(Entry(dataset_id, "hub", dataset_id, config, instead=instead))
+
+
+def _load_splits(entry: Entry) -> Any:
+    """A folder's or hub dataset's splits (a ``datasets.DatasetDict``)."""
+    datasets = _datasets()
     if entry.kind == "hub":
         _check_hub_reachable(entry)
     try:
-        # All splits, then ours: datasets prepares them all anyway, and a missing split's error is ours.
-        loaded = datasets.load_dataset(entry.location, entry.config or None)
+        return datasets.load_dataset(entry.location, entry.config or None)
     except ConnectionError as e:  # offline (datasets reads HF_HUB_OFFLINE) and not cached
         raise DataError(_hub_unreachable(entry, e)) from e
-    except (ValueError, KeyError, FileNotFoundError) as e:
-        raise DataError(f"{entry.label} could not be loaded: {e}") from e
-    except Exception as e:  # datasets' own (DatasetNotFoundError, ...), named in the message
+    except Exception as e:  # datasets' own (DatasetNotFoundError, a bad config, ...), named in the message
         raise DataError(f"{entry.label} could not be loaded ({type(e).__name__}: {e})") from e
-    return _split(entry, loaded)
 
 
 def _split(entry: Entry, loaded: Mapping[str, Any]) -> Any:
@@ -294,13 +307,13 @@ def _hub_unreachable(entry: Entry, why: str | ConnectionError) -> str:
     if isinstance(why, ConnectionError):
         state = "the hub is set offline (HF_HUB_OFFLINE)" if _hub_offline() else "the hub did not answer"
         why = f"it is not in the datasets cache and {state} ({why})"
-    return (
-        f"{entry.label} (no local file or directory of that name either) cannot be loaded: {why}. "
-        "Download it where the hub is reachable "
+    instead = entry.instead or (
+        "download it where the hub is reachable "
         f"(python -c \"import datasets; datasets.load_dataset('{entry.location}'"
-        f"{', ' + repr(entry.config) if entry.config else ''}).save_to_disk('DIR')\") and give DIR "
-        "instead, or copy the datasets cache here and set HF_HUB_OFFLINE=1"
+        f"{', ' + repr(entry.config) if entry.config else ''}).save_to_disk('DIR')\") and give DIR instead "
+        f"(no local file or directory is named {entry.location})"
     )
+    return f"{entry.label} cannot be loaded: {why}; {instead}, or copy the datasets cache here and set HF_HUB_OFFLINE=1"
 
 
 def _check_hub_reachable(entry: Entry) -> None:
@@ -334,7 +347,8 @@ def view_entry(entry: Entry, columns: Mapping[str, str]) -> SourceView:
         have, rows = f.schema_arrow.names, f.metadata.num_rows
     elif entry.kind == "json":
         table = _read_json(Path(entry.location))
-        have, rows = table.column_names, table.num_rows
+        _check_mapping(entry.named, table.column_names, columns)
+        return SourceView(entry, mapped_names(table.column_names, columns), table.num_rows, table)
     else:
         have, rows = _hub_view(entry) if entry.kind == "hub" else (None, 0)
         if have is None:
@@ -361,15 +375,17 @@ def _hub_view(entry: Entry) -> tuple[list[str] | None, int]:
     return list(info.features), int(splits[entry.split].num_examples)
 
 
-def read_entry(entry: Entry, wanted: Sequence[str], columns: Mapping[str, str]) -> pa.Table:
-    """The ``wanted`` columns (spmdrl's names) of the entry's rows, data.columns applied."""
+def read_entry(view: SourceView, wanted: Sequence[str], columns: Mapping[str, str]) -> pa.Table:
+    """The ``wanted`` columns (spmdrl's names) of the viewed entry's rows, data.columns applied."""
+    entry = view.entry
     theirs = list(dict.fromkeys(source_column(c, columns) for c in wanted))
     mapping = {ours: t for ours, t in columns.items() if t in theirs}
     try:
         if entry.kind == "parquet":
             table = _open_parquet(Path(entry.location)).read(columns=theirs)
         elif entry.kind == "json":
-            table = _read_json(Path(entry.location)).select(theirs)
+            json_rows = view.table if view.table is not None else _read_json(Path(entry.location))
+            table = json_rows.select(theirs)
         else:
             table = _dataset_table(_load_dataset(entry)).select(theirs)
     except (pa.ArrowException, OSError, KeyError) as e:
@@ -438,7 +454,7 @@ def read_sources(
             )
     tables = []
     for view in views:
-        table = read_entry(view.entry, wanted, opts.columns)
+        table = read_entry(view, wanted, opts.columns)
         if table.num_rows == 0:
             raise DataError(f"{view.entry.named} has no rows; remove it from the file list")
         tables.append(table)

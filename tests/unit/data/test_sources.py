@@ -243,7 +243,7 @@ def test_an_offline_hub_says_so(tmp_path) -> None:
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith("DataError hub dataset my-org/my-data (split train)"), res.stdout
     assert "not in the datasets cache and the hub is set offline (HF_HUB_OFFLINE)" in res.stdout
-    assert "give DIR instead" in res.stdout
+    assert "give DIR instead (no local file or directory is named my-org/my-data)" in res.stdout
 
 
 def test_check_accepts_a_jsonl_train_file_and_names_the_prepare_command(tmp_path) -> None:
