@@ -242,14 +242,17 @@ def _open_parquet(path: Path) -> pq.ParquetFile:
         ) from e
 
 
-def _datasets() -> Any:
+def _datasets(*, quiet: bool = True) -> Any:
+    """The datasets library; ``quiet``: without its progress bars (a bar per split and file, in every rank's
+    log; a prep script's download keeps them)."""
     try:
         import datasets
     except ImportError as e:
         raise DataError(
             f"reading a dataset directory or a hub dataset id needs the `datasets` library: {INSTALL_HINT}"
         ) from e
-    datasets.disable_progress_bars()  # a bar per split and file, in every rank's log
+    if quiet:
+        datasets.disable_progress_bars()
     return datasets
 
 
@@ -271,12 +274,12 @@ def _load_dataset(entry: Entry) -> Any:
 def load_hub_dataset(dataset_id: str, config: str = "", *, instead: str = "") -> Any:
     """Every split of a hub dataset (a ``datasets.DatasetDict``), with a data entry's errors: an unreachable
     or offline hub says so at once, and ``instead`` what to do then. What the prep scripts download with."""
-    return _load_splits(Entry(dataset_id, "hub", dataset_id, config, instead=instead))
+    return _load_splits(Entry(dataset_id, "hub", dataset_id, config, instead=instead), quiet=False)
 
 
-def _load_splits(entry: Entry) -> Any:
+def _load_splits(entry: Entry, *, quiet: bool = True) -> Any:
     """A folder's or hub dataset's splits (a ``datasets.DatasetDict``)."""
-    datasets = _datasets()
+    datasets = _datasets(quiet=quiet)
     if entry.kind == "hub":
         _check_hub_reachable(entry)
     try:
