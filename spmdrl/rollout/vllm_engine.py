@@ -24,6 +24,7 @@ import functools
 import gc
 import logging
 import os
+import sys
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
@@ -35,7 +36,7 @@ import torch.distributed as dist
 
 from spmdrl.errors import ConfigError
 from spmdrl.gc_heap import inert_freezes
-from spmdrl.rollout import cpu_gemm, cpu_shm, vllm_worker
+from spmdrl.rollout import cpu_gemm, cpu_shm, vllm_logs, vllm_worker
 from spmdrl.rollout.config import RolloutConfig
 from spmdrl.rollout.engine import (
     Generation,
@@ -151,6 +152,8 @@ class VLLMEngine:
         self._warned_no_sleep = False
 
         prepare_environment()
+        # Before vLLM's import, which logs some of the warnings spmdrl demotes (spmdrl.rollout.vllm_logs).
+        vllm_logs.install(device_type, dist.get_rank())
         check_model_runner(cfg, device_type)
         if cfg.model_runner != "auto":  # read when the engine's config is built (LLM(...) below)
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if cfg.model_runner == "v2" else "0"
@@ -178,6 +181,9 @@ class VLLMEngine:
             # Logprobs of the distribution actually sampled from (after temperature / top-k / top-p), which
             # is the behaviour policy the trainer's importance ratios need; "raw" would ignore temperature.
             logprobs_mode="processed_logprobs",
+            # Without a terminal tqdm's bar over the checkpoint's shards is a block of lines in the log at
+            # every build; the log says when the engine is built either way.
+            use_tqdm_on_load=sys.stderr.isatty(),
         )
         kv_bytes = kv_cache_bytes(model_dir, cfg, max_model_len, self.dtype, device_type)
         if kv_bytes is not None:

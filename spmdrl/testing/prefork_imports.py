@@ -43,7 +43,7 @@ import torch  # noqa: E402
 
 import spmdrl.config_loader  # noqa: E402 - loaded above, in order; named here for its functions
 from spmdrl.gc_heap import inert_freezes  # noqa: E402
-from spmdrl.rollout import vllm_engine, vllm_process  # noqa: E402, F401 - vllm_engine: preloaded
+from spmdrl.rollout import vllm_engine, vllm_logs, vllm_process  # noqa: E402, F401 - vllm_engine: preloaded
 
 # The recipes every RL job runs (and its SFT warm-start), by name, as the library reaches them.
 for _entry in ("grpo", "sft"):
@@ -51,6 +51,7 @@ for _entry in ("grpo", "sft"):
 
 if not torch.cuda.is_available():
     vllm_process.prepare_environment()
+    vllm_logs.install("cpu")  # as the engine does before its import: vLLM warns while it loads
     before = vllm_process.ProcessSettings.current()
     with inert_freezes():
         import vllm

@@ -12,6 +12,7 @@ import gzip
 import json
 import math
 import os
+import re
 import textwrap
 from pathlib import Path
 
@@ -40,6 +41,11 @@ REWARD = textwrap.dedent(
 def _train(tmp_path: Path, recipe: str, *overrides: str, nproc: int = 2) -> Path:
     """``torchrun --nproc_per_node=<nproc> -m spmdrl.train recipe=<recipe> ...`` in ``tmp_path``; must
     exit 0. Returns the run's output directory."""
+    return _train_with_output(tmp_path, recipe, *overrides, nproc=nproc)[0]
+
+
+def _train_with_output(tmp_path: Path, recipe: str, *overrides: str, nproc: int = 2) -> tuple[Path, str]:
+    """:func:`_train`, and what the job printed."""
     out = tmp_path / "run"
     res = torchrun(
         ["-m", "spmdrl.train", f"recipe={recipe}", f"trainer.output_dir={out}", *overrides],
@@ -49,13 +55,36 @@ def _train(tmp_path: Path, recipe: str, *overrides: str, nproc: int = 2) -> Path
         env={"SPMDRL_CACHE": os.environ.get("SPMDRL_CACHE", str(Path.home() / ".cache" / "spmdrl"))},
     )
     assert res.returncode == 0, res.output[-5000:]
-    return out
+    return out, res.output
+
+
+def _assert_quiet(output: str) -> None:
+    """Quiet by default: of vLLM's warnings only the advice a user can act on (LD_PRELOAD), from rank 0
+    (spmdrl.rollout.vllm_logs); no nanobind leak dump at exit; short step lines (spmdrl.logging.progress).
+
+    Under the default test launcher the ranks are forked from a process that imported vLLM already and
+    end by os._exit (spmdrl.testing.prefork): this sees the warnings of the engine's build and of the
+    run, not those of vLLM's import, and no leak check runs at a forked rank's exit. Under
+    SPMDRL_TEST_LAUNCHER=torchrun it sees all of a real run's output."""
+    lines = output.splitlines()
+    # vLLM's own format ("WARNING 12-03 23:41:26 [file.py:N]"), or the root's before vLLM configured its
+    # logger ("WARNING vllm.<module>:"), or a Python warning raised in vLLM's code.
+    vllm_warnings = [
+        line
+        for line in lines
+        if re.search(r"WARNING (\d\d-\d\d [\d:]+ \[|vllm\.)|/vllm/\S+: \w*Warning:", line)
+    ]
+    assert all("not found in LD_PRELOAD" in line for line in vllm_warnings), vllm_warnings
+    assert len(vllm_warnings) <= 2, vllm_warnings  # tcmalloc and libiomp, once each
+    assert not [line for line in lines if "nanobind: leaked" in line], output[-3000:]
+    steps = [line for line in lines if " INFO spmdrl: step " in line]
+    assert steps and all(len(line) <= 250 for line in steps), steps
 
 
 @pytest.mark.guarantee("recipe:grpo_tiny")
 def test_grpo_tiny_short_run(tmp_path: Path) -> None:
     (tmp_path / "my_reward.py").write_text(REWARD)
-    out = _train(
+    out, output = _train_with_output(
         tmp_path,
         "grpo_tiny",
         "warmstart.total_steps=8",
@@ -81,6 +110,7 @@ def test_grpo_tiny_short_run(tmp_path: Path) -> None:
         "logging.profile_steps=[2]",
     )
 
+    _assert_quiet(output)
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 2, 3]
     # logging.profile_steps: step 2 alone, traced on each rank (the whole step: generation, update, sync).
