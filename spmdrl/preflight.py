@@ -2,19 +2,22 @@
 
 The config itself is validated when it loads (spmdrl.config_loader: keys, types, choices, and the
 functions it names, reward.fn's signature among them). What the config points at is checked here, each
-check cheap (no torch, no model, no row of data read):
+check cheap (no model; of the data, its footers and the reward's columns alone):
 
 - the data entries (data.train_files, data.val_files): each exists, has rows and holds the prompt column
-  (data.prompt_key), a parquet file from its footer alone, a hub dataset from its metadata, a json
-  file or a dataset directory read as the run reads it (spmdrl.data.sources). The built-in tasks' names (``tiny:train``) are
-  generated files: their split names are checked. The other columns a recipe needs (RL's reward_model,
-  SFT's response) and every cell are checked when the recipe loads the data;
+  (data.prompt_key), a parquet file from its footer alone, a hub dataset from its metadata, a json file or
+  a dataset directory read as the run reads it (spmdrl.data.sources). The built-in tasks' names
+  (``tiny:train``) are generated files: their split names are checked. An RL recipe's reward columns are
+  checked below; SFT's response column and every cell are checked when the recipe loads the data;
 - model.compile: a C++ compiler on the PATH (inductor builds its kernels' wrappers with one, on CPU and
   GPU alike; without it the first forward failed deep in inductor, after the engine was built);
 - the model paths (model.path, critic.model_path): ``tiny``; a local directory with config.json and
   safetensors, of a supported family (spmdrl.models.families: an unsupported architecture is refused
-  here, with the list of supported ones, before any process group or model); or a hub id (org/name) that is in the local hub cache, or that the hub can serve now (one
-  TCP connection; none when the hub is set offline or a proxy is in use: the download then tells).
+  here, with the list of supported ones, before any process group or model); or a hub id (org/name) that is in the local hub cache, or that the hub has (one
+  model_info request, after a TCP connection without a proxy; an error when the hub is set offline or
+  unreachable, a note on the ok line when it did not answer);
+- an RL recipe's start (spmdrl.preflight_start): the reward's columns and data sources, reward.fn, the
+  engine's release, and the placement and batch arithmetic where the world size is known.
 
 Without these a missing file or an offline hub surfaced 30-50 seconds in, after the process group, the
 tiny model's build and the tokenizer, once per rank.
@@ -27,24 +30,37 @@ import shutil
 import socket
 import urllib.parse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from spmdrl.config import Config
 from spmdrl.data import tiny_task, tools_task
-from spmdrl.data.sources import check_sources, read_options
+from spmdrl.data.config import DataConfig
+from spmdrl.data.parquet import DataError
+from spmdrl.data.sources import check_sources, read_options, resolve_entry
 from spmdrl.errors import ConfigError
 from spmdrl.models.families import LINEAR_MODULES, check_architecture
 from spmdrl.models.load import check_model_path
+from spmdrl.preflight_start import check_rl_start, data_files
+
+if TYPE_CHECKING:
+    from spmdrl.rl.plan import Roles
 
 # A TCP connection to the hub takes milliseconds when it is reachable; a firewall that drops packets would
 # otherwise hold every rank for the system's connect timeout (minutes).
 _HUB_CONNECT_TIMEOUT_S = 3.0
+# One model_info request (a small JSON answer); a slow hub is reported as not checked, not waited for.
+_HUB_INFO_TIMEOUT_S = 10.0
 _PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
 
 
-def check_inputs(cfg: Config) -> list[str]:
-    """Checks the data files and model paths ``cfg`` names; returns what was checked, for ``--check``'s
-    line. Raises spmdrl.data.parquet.DataError (a data file) or ConfigError (a model path), each naming
-    the key, the file and the fix."""
+def check_inputs(
+    cfg: Config, *, roles: Roles | None = None, world: tuple[int, str] | None = None
+) -> list[str]:
+    """Checks the data files and model paths ``cfg`` names, and, for an RL recipe (``roles``: its module's
+    ROLES), what its start checks (spmdrl.preflight_start: the reward's columns and data sources, the
+    engine's release, the plan on ``world``, (ranks, where that came from)); returns what was checked, for
+    ``--check``'s line. Raises spmdrl.data.parquet.DataError (a data file) or ConfigError (the rest), each
+    naming the key, the file and the fix."""
     checked = [f"data ({', '.join(check_data_files(cfg))})"]
     checked.append(check_model(cfg.model.path, "model.path"))
     if cfg.critic.model_path:
@@ -60,6 +76,7 @@ def check_inputs(cfg: Config) -> list[str]:
 
         check_reward_model_dir(cfg.reward_model.path)
         checked.append(f"reward_model.path={cfg.reward_model.path}")
+    checked += check_rl_start(cfg, roles, world)
     return checked
 
 
@@ -158,16 +175,39 @@ def check_model(path: str, key: str, *, critic: bool = False) -> str:
             f"{key}={path} is a hub id that is not in the hub cache ({constants.HF_HUB_CACHE}), and the hub "
             f"is set offline (HF_HUB_OFFLINE); {fix.format(key=key)}"
         )
-    if any(os.environ.get(v) for v in _PROXY_VARIABLES):
-        return f"{key}={path} (a hub id, not cached: downloaded through the proxy at start)"
     endpoint = constants.ENDPOINT
-    problem = _unreachable(endpoint)
-    if problem:
+    # Through a proxy a direct connection proves nothing: the hub is asked through it (httpx reads the
+    # proxy variables), and a failure there is reported as not checked.
+    if not any(os.environ.get(v) for v in _PROXY_VARIABLES):
+        problem = _unreachable(endpoint)
+        if problem:
+            raise ConfigError(
+                f"{key}={path} is a hub id that is not in the hub cache ({constants.HF_HUB_CACHE}), and the "
+                f"hub ({endpoint}) is unreachable ({problem}); {fix.format(key=key)}"
+            )
+    return check_hub_repo(path, key, endpoint)
+
+
+def check_hub_repo(path: str, key: str, endpoint: str) -> str:
+    """The hub at ``endpoint`` has the model repository ``path`` (one model_info request, with a short
+    timeout): a misspelled id is refused here rather than by the download at start. Returns a few words for
+    ``--check``'s line, saying so when the hub could not be asked."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    try:
+        HfApi(endpoint=endpoint).model_info(path, timeout=_HUB_INFO_TIMEOUT_S)
+    except GatedRepoError:  # a subclass of RepositoryNotFoundError: it exists
+        return f"{key}={path} (a gated hub repository: the download at start needs access, HF_TOKEN)"
+    except RepositoryNotFoundError:
         raise ConfigError(
-            f"{key}={path} is a hub id that is not in the hub cache ({constants.HF_HUB_CACHE}), and the hub "
-            f"({endpoint}) is unreachable ({problem}); {fix.format(key=key)}"
-        )
-    return f"{key}={path} (a hub id, not cached: downloaded at start)"
+            f"{key}={path}: the hub ({endpoint}) has no model repository {path!r}, or it is private and no "
+            "token is set; check the id (org/name, as on the model's hub page), or log in (hf auth login, "
+            "or HF_TOKEN) for a private one"
+        ) from None
+    except Exception as e:  # noqa: BLE001 - a timeout, a server error, a proxy's refusal: not an answer
+        return f"{key}={path} (a hub id, not cached; not checked on the hub: {type(e).__name__}: {e})"
+    return f"{key}={path} (on the hub, not cached: downloaded at start)"
 
 
 def _unreachable(endpoint: str) -> str | None:
@@ -179,3 +219,32 @@ def _unreachable(endpoint: str) -> str | None:
     except OSError as e:
         return f"{type(e).__name__}: {e}"
     return None
+
+
+def _data_entry_exists(data: DataConfig, key: str, name: str) -> bool:
+    """Whether a data entry names something that is there: a local file or directory, or a hub dataset id
+    (its download is checked by --check); ``key`` is ``data.train_files[i]``."""
+    try:
+        resolve_entry(name, read_options(data, key.split("[", 1)[0]))
+    except DataError:
+        return False
+    return True
+
+
+def missing_inputs(cfg: Config) -> list[str]:
+    """What ``cfg`` points at that is not there (yet), one line each, for ``--cfg job``, which prints the
+    config anyway: the data files that do not exist, and the model paths :func:`check_model`
+    refuses (a directory not made yet, a hub id neither cached nor reachable)."""
+    missing = [
+        f"{key} {name}" for key, name in data_files(cfg.data) if not _data_entry_exists(cfg.data, key, name)
+    ]
+    prepare = cfg.data.prepare  # the command that makes the data, where a recipe names one
+    if missing and prepare:
+        missing = [f"{line} (make it with: {prepare})" for line in missing]
+    for key, path in (("model.path", cfg.model.path), ("critic.model_path", cfg.critic.model_path)):
+        if path:
+            try:
+                check_model(path, key)
+            except ConfigError as e:
+                missing.append(str(e))
+    return missing

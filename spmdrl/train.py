@@ -4,8 +4,10 @@ Every rank runs this same program. It composes the typed config (configs/config.
 recipe YAML, then the command-line overrides), imports the recipe the config's ``entry`` names (a shipped
 recipe, spmdrl.recipes.<entry>, or a Python file: spmdrl.config_loader.import_entry) and runs its
 ``main(cfg)``. Any rank's failure ends the whole job. ``--help`` lists the recipes; ``--cfg job`` prints
-the composed config and exits; ``--check`` checks the config and what it points at (spmdrl.preflight)
-without torchrun and exits 0 or 2 (spmdrl.config_exit says what each exit code means).
+the composed config and exits (marking the data files and model that are missing, which it does not
+need); ``--check`` checks the config and what it points at, and what an RL recipe's start checks
+(spmdrl.preflight, spmdrl.preflight_start), without torchrun and exits 0 or 2 (spmdrl.config_exit says
+what each exit code means). A launched rank runs the same checks first.
 
 Module-level imports stay light (no torch), so that --help answers at once.
 """
@@ -24,6 +26,7 @@ from spmdrl.gc_heap import freeze_startup_heap, pause_collection, skip_exit_coll
 
 if TYPE_CHECKING:
     from spmdrl.config import Config
+    from spmdrl.rl.plan import Roles
 
 __all__ = [
     "EXIT_CONFIG_ERROR",
@@ -62,12 +65,17 @@ Overrides (Hydra's grammar; each key, its type and default: the sections spmdrl/
   my_section.key=value  a recipe's own settings, checked against its dataclass like any other key
   --cfg job             print the composed, validated config (what the run saves as config.yaml) and exit
   --check               check the config (reward.fn's signature too), the data files (they exist, are
-                        parquet, have rows and the prompt column) and the model paths in this one process
-                        (no torchrun, no model), print one line and exit:
-                        0 fine, 2 a configuration or data error (run it before torchrun, which exits 1
-                        on any worker's failure and would retry a typo under --max-restarts)
+                        readable, have rows and the prompt column) and the model paths (a hub id: the hub
+                        has it) in this one process (no torchrun, no model); for an RL recipe also the
+                        reward's columns (reward_model.ground_truth), reward.fn for each data_source, the
+                        installed vLLM's release and the plan on WORLD_SIZE where set; print one line
+                        and exit: 0 fine, 2 a configuration or data error (run it before torchrun, which
+                        exits 1 on any worker's failure and would retry a typo under --max-restarts)
   --world-size N        with --check or --cfg job: also plan an RL recipe's job on N ranks (placement,
                         per-rank batches, steps) and print it; a job that does not fit N ranks exits 2
+                        (without it or WORLD_SIZE, --check's line says the plan was not checked)
+  --cfg job             (above) prints the config before its data files or model exist, with what is
+                        missing as "# missing: ..." comments after it
 
 A misspelled key or a wrong type fails at once, naming the valid keys. Exit codes: 0 done, 1 a failure while
 running, 2 a configuration or data error (torchrun turns any failure into 1). docs/configuration.md has the
@@ -91,7 +99,8 @@ def parse_config(argv: list[str], *, import_entry: bool = True) -> Config:
     recipe's plan on N ranks (spmdrl/rl/plan.py; under ``--cfg job`` as YAML comments)."""
     from spmdrl.config_loader import load_config, to_yaml
     from spmdrl.data.parquet import DataError
-    from spmdrl.preflight import check_inputs
+    from spmdrl.preflight import check_inputs, missing_inputs
+    from spmdrl.preflight_start import launched_world_size
 
     if "--help" in argv or "-h" in argv:
         print(usage())
@@ -102,23 +111,45 @@ def parse_config(argv: list[str], *, import_entry: bool = True) -> Config:
     argv, world_size = _pop_world_size(argv, check_only or print_cfg)
     try:
         cfg = load_config(argv, import_entry_module=import_entry)
-        checked = check_inputs(cfg)
     except (ConfigError, DataError) as e:
         exit_config_error(str(e), "data" if isinstance(e, DataError) else "config")
+    missing: list[str] = []
+    try:
+        # An RL recipe's start checks run here too, on the world size it runs on where known.
+        checked = check_inputs(
+            cfg, roles=_recipe_roles(cfg.entry, import_entry), world=launched_world_size(world_size)
+        )
+    except (ConfigError, DataError) as e:
+        # --cfg job prints the config before its data and model exist, marking what is missing.
+        missing = missing_inputs(cfg) if print_cfg and not check_only else []
+        if not missing:
+            exit_config_error(str(e), "data" if isinstance(e, DataError) else "config")
     if check_only:
         plan = _plan_lines(cfg, world_size) if world_size is not None else []  # exits 2 if it does not fit
-        print(
-            f"spmdrl: config ok: recipe {cfg.name} (entry {cfg.entry}); {'; '.join(checked)}; reward.fn={cfg.reward.fn}"
-        )
+        if not any(c.startswith("reward.fn=") for c in checked):  # an RL recipe's names its data sources
+            checked.append(f"reward.fn={cfg.reward.fn}")
+        print(f"spmdrl: config ok: recipe {cfg.name} (entry {cfg.entry}); {'; '.join(checked)}")
         print("\n".join(plan), end="\n" if plan else "")
         sys.exit(0)
     if print_cfg:
-        plan = _plan_lines(cfg, world_size) if world_size is not None else []
+        plan = _plan_lines(cfg, world_size) if world_size is not None and not missing else []
         if os.environ.get("RANK", "0") == "0":
             print(to_yaml(cfg), end="")
             print("".join(f"# {line.removeprefix('spmdrl: ')}\n" for line in plan), end="")
+            print("".join(f"# missing: {line}\n" for line in missing), end="")
         sys.exit(0)
     return cfg
+
+
+def _recipe_roles(entry: str, imported: bool) -> Roles | None:
+    """The RL roles the recipe's module declares (its ``ROLES``; None: not an RL recipe). ``imported``:
+    load_config imported the entry; otherwise the recipe is the running script (run_recipe)."""
+    from spmdrl.config_loader import import_entry
+    from spmdrl.rl.plan import Roles
+
+    module = import_entry(entry) if imported else sys.modules.get("__main__")
+    roles = getattr(module, "ROLES", None)
+    return roles if isinstance(roles, Roles) else None
 
 
 def _pop_option(argv: list[str], names: tuple[str, ...]) -> tuple[list[str], str | None]:

@@ -123,7 +123,7 @@ def resolve_entry(entry: str | os.PathLike[str], opts: ReadOptions) -> Entry:
         return _local(text, path, opts.config, opts.split)
     kind = FILE_KINDS.get(path.suffix.lower())
     if kind is not None:  # a data file that is not there
-        raise DataError(f"data file {path} does not exist; {_missing_fix(opts)}")
+        raise DataError(f"data file {text} does not exist; {_missing_fix(opts)}")
     base, *parts = text.split(":")
     if parts and len(parts) <= 2 and all(parts):
         config, split = (parts[0], parts[1]) if len(parts) == 2 else (opts.config, parts[0])

@@ -15,7 +15,9 @@ ALLOWED = {
     # Loading, validating and checking the config itself (cross-section checks).
     "config.py": {"validate", "_check_across_sections", "_check_async", "_check_reward_model_placement"},
     "config_loader.py": {"_to_config", "_with_warmstart_entry", "to_yaml"},
-    "preflight.py": {"check_inputs", "_check_actor_as_critic", "check_data_files"},
+    "preflight.py": {"check_inputs", "_check_actor_as_critic", "check_data_files", "missing_inputs"},
+    # What a recipe's start checks, by the kind of recipe, and its plan (plan_job's input).
+    "preflight_start.py": {"check_rl_start", "check_plan"},
     "train.py": {"_run", "run_entry", "_plan_lines"},
     "runtime.py": {"choose_output_dir", "start_run"},
     # Planning and building a job: they read many sections to decide, once, and hand each part its own.

@@ -12,6 +12,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+from spmdrl.rollout.vllm_version import installed_vllm
 from spmdrl.testing.prefork import run_train
 
 # python -m spmdrl.train, reporting on stderr at exit whether torch was imported.
@@ -47,9 +48,11 @@ def _lines(text: str) -> list[str]:
 def test_a_good_config_exits_0_with_one_line() -> None:
     res = _forked_check("recipe=grpo_tiny", "trainer.total_steps=2")
     assert res.returncode == 0, res.stderr
+    dist, version = installed_vllm() or ("?", "?")
     assert _lines(res.stdout) == [
         "spmdrl: config ok: recipe grpo_tiny (entry grpo); data (tiny:train, tiny:test); "
-        "model.path=tiny (built in); reward.fn=auto"
+        "model.path=tiny (built in); reward.fn=auto on data_source 'spmdrl/tiny_arith'; "
+        f"engine {dist} {version}; plan not checked: the world size is unknown (add --world-size N)"
     ]
     assert _lines(res.stderr) == []
 
