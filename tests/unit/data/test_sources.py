@@ -247,6 +247,7 @@ def test_an_offline_hub_says_so(tmp_path) -> None:
 
 
 def test_check_accepts_a_jsonl_train_file_and_names_the_prepare_command(tmp_path) -> None:
+    from spmdrl.data import tiny_task
     from spmdrl.data.tiny_task import TinyTaskConfig, write_splits
 
     train = pq.read_table(write_splits(tmp_path / "cache", TinyTaskConfig())["train"]).to_pylist()
@@ -254,6 +255,22 @@ def test_check_accepts_a_jsonl_train_file_and_names_the_prepare_command(tmp_path
     res = run_train(["--check", "recipe=grpo_tiny", f"data.train_files=[{path}]"])
     assert res.returncode == 0, res.stderr
     assert f"data ({path}, tiny:test)" in res.stdout
+    # The RL start's reward checks read through the mapping too: plain answers as reward_model.
+    rows = [{**r, "data_source": tiny_task.DATA_SOURCE} for r in ROWS]
+    mapped = _jsonl(tmp_path / "qa.jsonl", rows)
+    args = [
+        "--check",
+        "recipe=grpo_tiny",
+        f"data.train_files=[{mapped}]",
+        "data.val_files=[]",
+        "warmstart.enabled=false",
+    ]
+    res = run_train([*args, "data.columns={prompt: question, ground_truth: answer}"])
+    assert res.returncode == 0, res.stderr
+    assert f"on data_source '{tiny_task.DATA_SOURCE}'" in res.stdout
+    res = run_train([*args, "data.columns.prompt=question"])
+    assert res.returncode == 2
+    assert "has no column 'reward_model'" in res.stderr and "data.columns.ground_truth" in res.stderr
     # The GSM8K recipe's files are not there: the error says how to make them.
     res = run_train(["--check", "recipe=grpo_gsm8k", f"data.train_files=[{tmp_path}/gsm8k/train.parquet]"])
     assert res.returncode == 2
