@@ -163,14 +163,17 @@ def source_column(column: str, columns: Mapping[str, str]) -> str:
     return columns.get(column, column)
 
 
+def _renames(columns: Mapping[str, str]) -> dict[str, str]:
+    """The source's column -> the name spmdrl reads it as (ground_truth's is reward_model)."""
+    return {theirs: ("reward_model" if ours == "ground_truth" else ours) for ours, theirs in columns.items()}
+
+
 def mapped_names(have: Sequence[str], columns: Mapping[str, str]) -> list[str]:
-    """The source's column names as spmdrl sees them after data.columns (a mapped column's old name goes)."""
-    renamed = {
-        theirs: ("reward_model" if ours == "ground_truth" else ours) for ours, theirs in columns.items()
-    }
+    """The source's column names as spmdrl sees them after data.columns: a mapped column takes spmdrl's
+    name, and a source column of that name is shadowed."""
+    renamed = _renames(columns)
     targets = set(renamed.values())
-    out = [renamed.get(n, n) for n in have if n in renamed or n not in targets]
-    return list(dict.fromkeys(out))
+    return list(dict.fromkeys(renamed.get(n, n) for n in have if n in renamed or n not in targets))
 
 
 def _check_mapping(where: str, have: Sequence[str], columns: Mapping[str, str]) -> None:
@@ -185,16 +188,15 @@ def _check_mapping(where: str, have: Sequence[str], columns: Mapping[str, str]) 
 def _apply_mapping(table: pa.Table, columns: Mapping[str, str]) -> pa.Table:
     """``table`` (the source's names) with data.columns applied; ground_truth becomes a reward_model struct."""
     out: dict[str, pa.ChunkedArray] = {}
-    renamed = {theirs: ours for ours, theirs in columns.items()}
+    renamed = _renames(columns)
     targets = set(renamed.values())
     for name, col in zip(table.column_names, table.columns, strict=True):
-        ours = renamed.get(name, name)
         if name not in renamed and name in targets:
-            continue  # the mapped column replaces the source's own of that name
-        if ours == "ground_truth":
+            continue  # shadowed by a mapped column (as in mapped_names)
+        if name == columns.get("ground_truth"):
             chunks = [pa.StructArray.from_arrays([c], names=["ground_truth"]) for c in col.chunks]
-            ours, col = "reward_model", pa.chunked_array(chunks, type=pa.struct([("ground_truth", col.type)]))
-        out[ours] = col
+            col = pa.chunked_array(chunks, type=pa.struct([("ground_truth", col.type)]))
+        out[renamed.get(name, name)] = col
     return pa.table(out)
 
 

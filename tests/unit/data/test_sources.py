@@ -90,6 +90,15 @@ def test_json_files_read_with_the_column_mapping(tmp_path, write) -> None:
     assert source.where(2) == f"{path} row 2"
 
 
+def test_a_mapped_column_shadows_the_source_column_of_that_name(tmp_path) -> None:
+    rows = [{**r, "prompt": "not this one", "reward_model": {"ground_truth": "nor this"}} for r in ROWS]
+    path = _parquet_rows(tmp_path / "both.parquet", rows)
+    source = read_sources([path], **RL, options=MAPPED)
+    assert source.table.to_pylist() == _expected(ROWS)
+    (view,) = check_sources([path], ["prompt"], options=MAPPED)
+    assert view.columns == ["prompt", "reward_model", "data_source"]
+
+
 @pytest.mark.parametrize("kind", ["disk", "folder"])
 def test_dataset_directories_take_the_split_and_the_mapping(tmp_path, datasets_lib, kind) -> None:
     path = _saved(datasets_lib, tmp_path / "saved") if kind == "disk" else _folder(tmp_path / "folder")
@@ -105,7 +114,11 @@ def test_dataset_directories_take_the_split_and_the_mapping(tmp_path, datasets_l
 
 
 def _parquet(path: Path) -> Path:
-    pq.write_table(pa.Table.from_pylist(ROWS), path)
+    return _parquet_rows(path, ROWS)
+
+
+def _parquet_rows(path: Path, rows: list[dict]) -> Path:
+    pq.write_table(pa.Table.from_pylist(rows), path)
     return path
 
 
