@@ -3,8 +3,8 @@
     python -m spmdrl.recipes.gsm8k_prep --out ~/data/gsm8k                    # from the Hugging Face hub
     python -m spmdrl.recipes.gsm8k_prep --from-jsonl DIR --out ~/data/gsm8k   # from a local copy
 
-The hub path needs the ``datasets`` library (``pip install datasets``; it is not a dependency of
-spmdrl). The offline path reads ``DIR/train.jsonl`` and ``DIR/test.jsonl``, one
+The hub path needs the ``datasets`` library (the ``data`` extra: ``pip install 'spmdrl[data]'``). The
+offline path reads ``DIR/train.jsonl`` and ``DIR/test.jsonl``, one
 ``{"question": ..., "answer": ...}`` object per line: the files of the GSM8K GitHub release.
 
 Each row is what verl's GSM8K preprocessing writes, so runs on these files compare with verl's::
@@ -29,7 +29,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from spmdrl.data.parquet import write_parquet_atomic
+from spmdrl.data.parquet import DataError, write_parquet_atomic
+from spmdrl.data.sources import load_hub_dataset
 
 DATA_SOURCE = "openai/gsm8k"
 HUB_CONFIG = "main"
@@ -145,14 +146,15 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 def load_from_hub() -> dict[str, list[dict[str, Any]]]:
     """The train and test splits of ``openai/gsm8k`` (config ``main``), downloaded with ``datasets``."""
     try:
-        # Imported here: only this path needs it, and spmdrl does not depend on it.
-        import datasets
+        # Only this path needs it (an extra, data); tried here so that its error names the local copy.
+        import datasets  # noqa: F401
     except ImportError as e:
         raise MissingDependencyError(
-            "downloading GSM8K needs the `datasets` library, which spmdrl does not install: "
-            "pip install datasets  (or convert a local copy: --from-jsonl DIR)"
+            "downloading GSM8K needs the `datasets` library: pip install 'spmdrl[data]'  "
+            "(or convert a local copy: --from-jsonl DIR)"
         ) from e
-    dd = datasets.load_dataset(DATA_SOURCE, HUB_CONFIG)
+    # An unreachable hub says so at once.
+    dd = load_hub_dataset(DATA_SOURCE, HUB_CONFIG, instead="convert a local copy instead (--from-jsonl DIR)")
     return {split: list(dd[split]) for split in SPLITS}
 
 
@@ -198,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     from_jsonl = args.from_jsonl.expanduser() if args.from_jsonl is not None else None
     try:
         paths = prepare(args.out.expanduser(), from_jsonl)
-    except (GSM8KFormatError, MissingDependencyError) as e:
+    except (GSM8KFormatError, MissingDependencyError, DataError) as e:
         print(f"gsm8k_prep: error: {e}", file=sys.stderr)
         sys.exit(2)
     for split, path in paths.items():

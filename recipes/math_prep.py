@@ -4,7 +4,7 @@
     python -m spmdrl.recipes.math_prep --from-local DIR --out ~/data/math  # from a local copy
 
 The hub path downloads ``DigitalLearningGmbH/MATH-lighteval`` and needs the ``datasets`` library
-(``pip install datasets``; not a dependency of spmdrl). The local path reads either ``DIR/train.jsonl``
+(``pip install 'spmdrl[data]'``). The local path reads either ``DIR/train.jsonl``
 and ``DIR/test.jsonl`` (one ``{"problem": ..., "solution": ...}`` object per line, ``level`` and
 ``type`` optional) or the original release's layout, ``DIR/{train,test}/<subject>/<n>.json``.
 
@@ -30,7 +30,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from spmdrl.data.parquet import write_parquet_atomic
+from spmdrl.data.parquet import DataError, write_parquet_atomic
+from spmdrl.data.sources import load_hub_dataset
 
 DATA_SOURCE = "DigitalLearningGmbH/MATH-lighteval"
 HUB_CONFIG = "default"
@@ -159,13 +160,15 @@ def read_split(directory: Path, split: str) -> tuple[list[dict[str, Any]], str]:
 def load_from_hub() -> dict[str, list[dict[str, Any]]]:
     """The train and test splits of MATH-lighteval, downloaded with ``datasets``."""
     try:
-        import datasets  # only this path needs it, and spmdrl does not depend on it
+        # Only this path needs it (an extra, data); tried here so that its error names the local copy.
+        import datasets  # noqa: F401
     except ImportError as e:
         raise MissingDependencyError(
-            "downloading MATH needs the `datasets` library, which spmdrl does not install: "
-            "pip install datasets  (or convert a local copy: --from-local DIR)"
+            "downloading MATH needs the `datasets` library: pip install 'spmdrl[data]'  "
+            "(or convert a local copy: --from-local DIR)"
         ) from e
-    dd = datasets.load_dataset(DATA_SOURCE, HUB_CONFIG)
+    # An unreachable hub says so at once.
+    dd = load_hub_dataset(DATA_SOURCE, HUB_CONFIG, instead="convert a local copy instead (--from-local DIR)")
     return {split: list(dd[split]) for split in SPLITS}
 
 
@@ -199,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         paths = prepare(args.out.expanduser(), args.from_local.expanduser() if args.from_local else None)
-    except (MathFormatError, MissingDependencyError) as e:
+    except (MathFormatError, MissingDependencyError, DataError) as e:
         print(f"math_prep: error: {e}", file=sys.stderr)
         sys.exit(2)
     for split, path in paths.items():

@@ -4,10 +4,11 @@ The config itself is validated when it loads (spmdrl.config_loader: keys, types,
 functions it names, reward.fn's signature among them). What the config points at is checked here, each
 check cheap (no model; of the data, its footers and the reward's columns alone):
 
-- the data files (data.train_files, data.val_files): each exists, is parquet, has rows and holds the
-  prompt column (data.prompt_key), from its footer alone. The built-in tasks' names (``tiny:train``) are
-  generated files: their split names are checked. An RL recipe's reward columns are checked below; SFT's
-  response column and every cell are checked when the recipe loads the data;
+- the data entries (data.train_files, data.val_files): each exists, has rows and holds the prompt column
+  (data.prompt_key), a parquet file from its footer alone, a hub dataset from its metadata, a json file or
+  a dataset directory read as the run reads it (spmdrl.data.sources). The built-in tasks' names
+  (``tiny:train``) are generated files: their split names are checked. An RL recipe's reward columns are
+  checked below; SFT's response column and every cell are checked when the recipe loads the data;
 - model.compile: a C++ compiler on the PATH (inductor builds its kernels' wrappers with one, on CPU and
   GPU alike; without it the first forward failed deep in inductor, after the engine was built);
 - the model paths (model.path, critic.model_path): ``tiny``; a local directory with config.json and
@@ -33,7 +34,9 @@ from typing import TYPE_CHECKING
 
 from spmdrl.config import Config
 from spmdrl.data import tiny_task, tools_task
-from spmdrl.data.parquet import open_checked
+from spmdrl.data.config import DataConfig
+from spmdrl.data.parquet import DataError
+from spmdrl.data.sources import check_sources, read_options, resolve_entry
 from spmdrl.errors import ConfigError
 from spmdrl.models.families import LINEAR_MODULES, check_architecture
 from spmdrl.models.load import check_model_path
@@ -122,14 +125,14 @@ def _check_actor_as_critic(cfg: Config) -> None:
 
 
 def check_data_files(cfg: Config) -> list[str]:
-    """The data files' footers: they exist, are parquet, have rows and the prompt column. Returns the
-    files checked."""
+    """The data entries (spmdrl.data.sources), each as cheaply as its kind allows (a parquet file's footer,
+    a hub dataset's metadata): they exist, have rows and the prompt column. Returns the entries checked."""
     d = cfg.data
     names: list[str] = []
     for key, files in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
         on_disk = [f for f in files if not _builtin_task_file(f, key)]
         if on_disk:
-            open_checked(on_disk, [d.prompt_key], {d.prompt_key: "data.prompt_key"})
+            check_sources(on_disk, [d.prompt_key], {d.prompt_key: "data.prompt_key"}, read_options(d, key))
         names += files
     return names
 
@@ -218,12 +221,24 @@ def _unreachable(endpoint: str) -> str | None:
     return None
 
 
+def _data_entry_exists(data: DataConfig, key: str, name: str) -> bool:
+    """Whether a data entry names something that is there: a local file or directory, or a hub dataset id
+    (its download is checked by --check); ``key`` is ``data.train_files[i]``."""
+    try:
+        resolve_entry(name, read_options(data, key.split("[", 1)[0]))
+    except DataError:
+        return False
+    return True
+
+
 def missing_inputs(cfg: Config) -> list[str]:
     """What ``cfg`` points at that is not there (yet), one line each, for ``--cfg job``, which prints the
     config anyway: the data files that do not exist, and the model paths :func:`check_model`
     refuses (a directory not made yet, a hub id neither cached nor reachable)."""
-    missing = [f"{key} {name}" for key, name in data_files(cfg.data) if not Path(name).expanduser().exists()]
-    prepare = getattr(cfg.data, "prepare", "")  # the command that makes the data, where a recipe names one
+    missing = [
+        f"{key} {name}" for key, name in data_files(cfg.data) if not _data_entry_exists(cfg.data, key, name)
+    ]
+    prepare = cfg.data.prepare  # the command that makes the data, where a recipe names one
     if missing and prepare:
         missing = [f"{line} (make it with: {prepare})" for line in missing]
     for key, path in (("model.path", cfg.model.path), ("critic.model_path", cfg.critic.model_path)):

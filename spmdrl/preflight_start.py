@@ -33,7 +33,8 @@ import pyarrow.compute as pc
 from spmdrl.config import Config
 from spmdrl.data import tiny_task, tools_task
 from spmdrl.data.config import DataConfig
-from spmdrl.data.parquet import DataError, open_checked, to_ground_truth
+from spmdrl.data.parquet import DataError, to_ground_truth
+from spmdrl.data.sources import ReadOptions, check_sources, read_entry, read_options
 from spmdrl.derived import max_sequence_length
 from spmdrl.errors import ConfigError
 from spmdrl.models.config import ModelConfig
@@ -46,12 +47,20 @@ if TYPE_CHECKING:
 WORLD_SIZE_VARIABLE = "WORLD_SIZE"
 
 
-def read_data_columns(path: str, columns: list[str], optional: list[str]) -> pa.Table:
-    """``columns`` (each required: a missing one is the start's DataError, naming the file) and those of
-    ``optional`` the file has, read from the data file ``path`` alone (parquet column projection)."""
-    (f,) = open_checked([Path(path).expanduser()], columns)
-    have = set(f.schema_arrow.names)
-    return f.read(columns=[*columns, *(c for c in optional if c in have)])
+def read_data_columns(
+    path: str, columns: list[str], optional: list[str], options: ReadOptions | None = None
+) -> pa.Table:
+    """``columns`` (each required: a missing one is the start's DataError, naming the entry) and those of
+    ``optional`` the entry has, read from the data entry ``path`` alone (a parquet file: column projection;
+    spmdrl.data.sources, with ``options``' split and column mapping)."""
+    options = options or ReadOptions()
+    (view,) = check_sources([path], columns, options=options)
+    return read_entry(view, [*columns, *(c for c in optional if c in view.columns)], options.columns)
+
+
+def _options(data: DataConfig, key: str) -> ReadOptions:
+    """The read options of the list ``key`` (``data.train_files[i]``) names an entry of."""
+    return read_options(data, key.split("[", 1)[0])
 
 
 def data_files(data: DataConfig) -> list[tuple[str, str]]:
@@ -73,7 +82,7 @@ def check_reward_data(data: DataConfig, reward_fn: str) -> str:
     load_reward_fn(reward_fn)  # as the recipe resolves it (a user's function: where workers import it)
     sources: set[str] = set()
     for key, name in data_files(data):
-        table = read_data_columns(name, ["reward_model"], ["data_source"])
+        table = read_data_columns(name, ["reward_model"], ["data_source"], _options(data, key))
         _check_ground_truth(table.column("reward_model"), name)
         found = _data_sources(table)
         try:
@@ -153,9 +162,9 @@ def check_sft_columns(data: DataConfig, why: str = "") -> list[str]:
     """The SFT stage's response column (data.response_key) in every data file; ``why``: what trains on it,
     added to the error (an RL recipe's warm-start)."""
     column = data.response_key
-    for _, name in data_files(data):
+    for key, name in data_files(data):
         try:
-            open_checked([Path(name).expanduser()], [column], {column: "data.response_key"})
+            check_sources([name], [column], {column: "data.response_key"}, _options(data, key))
         except DataError as e:
             raise DataError(f"{e}{why}") from None
     return [f"data.response_key={column}"] if data_files(data) else []

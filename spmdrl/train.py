@@ -65,7 +65,7 @@ Overrides (Hydra's grammar; each key, its type and default: the sections spmdrl/
   my_section.key=value  a recipe's own settings, checked against its dataclass like any other key
   --cfg job             print the composed, validated config (what the run saves as config.yaml) and exit
   --check               check the config (reward.fn's signature too), the data files (they exist, are
-                        parquet, have rows and the prompt column) and the model paths (a hub id: the hub
+                        readable, have rows and the prompt column) and the model paths (a hub id: the hub
                         has it) in this one process (no torchrun, no model); for an RL recipe also the
                         reward's columns (reward_model.ground_truth), reward.fn for each data_source, the
                         installed vLLM's release and the plan on WORLD_SIZE where set; print one line

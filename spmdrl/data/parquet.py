@@ -1,8 +1,9 @@
-"""Reading parquet files in verl's schema, with errors that say which file, row and config key.
+"""verl's schema: its cells checked and converted, with errors that say which file, row and config key.
 
 verl's prompt files have the columns ``prompt`` (a list of ``{"role", "content"}`` messages),
 ``data_source``, ``reward_model`` (a struct with ``ground_truth``) and ``extra_info``. Files made by
-verl's preprocessing scripts load here unchanged.
+verl's preprocessing scripts load here unchanged. Which files and datasets are read, and how, is
+spmdrl.data.sources (parquet, jsonl, json, dataset directories, hub datasets).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ class ParquetSource:
     """Rows of several parquet files concatenated, remembering which file and row each came from."""
 
     table: pa.Table
-    paths: list[Path]
+    # The files (or, for datasets, their labels: spmdrl.data.sources.Entry.label).
+    paths: list[Path] | list[str]
     # row_offsets[k] is the first global row of paths[k]; used only to word error messages.
     row_offsets: list[int]
 
@@ -39,49 +41,19 @@ class ParquetSource:
         return f"{self.paths[k]} row {row - self.row_offsets[k]}"
 
 
-def _open(path: Path) -> pq.ParquetFile:
-    if not path.exists():
-        raise DataError(f"data file {path} does not exist; check data.train_files / data.val_files")
-    if path.is_dir():
-        raise DataError(f"data file {path} is a directory; list the .parquet files inside it instead")
-    try:
-        return pq.ParquetFile(path)
-    except (pa.ArrowException, OSError) as e:
-        raise DataError(
-            f"data file {path} is not a readable parquet file ({e}); "
-            "convert it to parquet (e.g. pandas.DataFrame.to_parquet) or fix the path"
-        ) from e
-
-
-def _missing_column(path: Path, column: str, have: list[str], column_keys: Mapping[str, str]) -> DataError:
+def missing_column(where: str, column: str, have: Sequence[str], column_keys: Mapping[str, str]) -> DataError:
+    """``where`` (``"data file <path>"``, or a dataset's label) lacks ``column``; the fix names the key
+    that selects it (``column_keys``), or data.columns."""
     if column in column_keys:
         fix = f"set {column_keys[column]} to the column that holds it"
+    elif column == "reward_model":
+        fix = (
+            "verl's schema needs this column, a struct {ground_truth: ...} (see spmdrl/data/parquet.py); "
+            "or set data.columns.ground_truth to a column of plain answers"
+        )
     else:
-        fix = "verl's schema needs this column (see spmdrl/data/parquet.py)"
-    return DataError(f"data file {path} has no column {column!r} (it has: {', '.join(have)}); {fix}")
-
-
-def open_checked(
-    paths: Sequence[str | os.PathLike[str]],
-    columns: Sequence[str],
-    column_keys: Mapping[str, str] | None = None,
-) -> list[pq.ParquetFile]:
-    """Each file opened (its footer only, no rows read) and checked to exist, be parquet, have rows and
-    hold ``columns``: what :func:`read_source` checks first, and what spmdrl.preflight checks before a run
-    starts. ``column_keys`` as in :func:`read_source`."""
-    column_keys = column_keys or {}
-    paths = [Path(p) for p in paths]
-    if not paths:
-        raise DataError("no data files given; set data.train_files / data.val_files to parquet files")
-    files = [_open(p) for p in paths]
-    for path, f in zip(paths, files, strict=True):
-        have = f.schema_arrow.names
-        for column in columns:
-            if column not in have:
-                raise _missing_column(path, column, have, column_keys)
-        if f.metadata.num_rows == 0:
-            raise DataError(f"data file {path} has no rows; remove it from the file list")
-    return files
+        fix = f"set data.columns.{column} to the column that holds it"
+    return DataError(f"{where} has no column {column!r} (it has: {', '.join(have)}); {fix}")
 
 
 def read_source(
@@ -94,44 +66,25 @@ def read_source(
     """Reads ``columns`` (and any ``optional_columns`` that every file has) from each file, concatenated.
 
     ``column_keys`` maps a column to the config key that selects it, so that a missing column's error
-    says which key to set (e.g. ``{"prompt": "data.prompt_key"}``).
+    says which key to set (e.g. ``{"prompt": "data.prompt_key"}``). Any entry spmdrl.data.sources reads
+    (jsonl, json, dataset directories, hub ids) is accepted too: :func:`spmdrl.data.sources.read_sources`.
     """
-    paths = [Path(p) for p in paths]
-    files = open_checked(paths, columns, column_keys)
-    names = [f.schema_arrow.names for f in files]
-    wanted = list(dict.fromkeys(columns))
-    for column in optional_columns:
-        if column in wanted:
-            continue
-        holders = [column in have for have in names]
-        if all(holders):
-            wanted.append(column)
-        elif any(holders):
-            lacking = paths[holders.index(False)]
-            raise DataError(
-                f"column {column!r} is in {paths[holders.index(True)]} but not in {lacking}; "
-                "give every file the same columns"
-            )
+    from spmdrl.data.sources import read_sources  # it builds on this module
 
-    tables: list[pa.Table] = []
-    for path, f in zip(paths, files, strict=True):
-        try:
-            table = f.read(columns=wanted)
-        except (pa.ArrowException, OSError) as e:
-            raise DataError(f"data file {path} could not be read ({e}); the file may be corrupt") from e
-        if table.num_rows == 0:
-            raise DataError(f"data file {path} has no rows; remove it from the file list")
-        tables.append(table)
-    _check_same_schema(paths, tables)
+    return read_sources(paths, columns, optional_columns=optional_columns, column_keys=column_keys)
+
+
+def combine_tables(labels: Sequence[str], tables: Sequence[pa.Table]) -> ParquetSource:
+    """The tables concatenated, remembering which entry each row came from (``labels``, for errors)."""
     try:
         # "permissive" unifies harmless differences (a struct that gained a field, an all-null column).
         table = pa.concat_tables(tables, promote_options="permissive")
     except (pa.ArrowException, TypeError) as e:
-        raise DataError(f"data files {', '.join(map(str, paths))} could not be combined: {e}") from e
+        raise DataError(f"data files {', '.join(labels)} could not be combined: {e}") from e
     offsets = [0]
     for t in tables[:-1]:
         offsets.append(offsets[-1] + t.num_rows)
-    return ParquetSource(table=table, paths=paths, row_offsets=offsets)
+    return ParquetSource(table=table, paths=list(labels), row_offsets=offsets)
 
 
 def _kind(t: pa.DataType) -> str:
@@ -149,7 +102,7 @@ def _kind(t: pa.DataType) -> str:
     return str(t)
 
 
-def _check_same_schema(paths: list[Path], tables: list[pa.Table]) -> None:
+def check_same_schema(paths: Sequence[str | Path], tables: Sequence[pa.Table]) -> None:
     first = tables[0].schema
     for path, table in zip(paths[1:], tables[1:], strict=True):
         for field in table.schema:

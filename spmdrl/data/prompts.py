@@ -21,11 +21,11 @@ import numpy as np
 from spmdrl.data.parquet import (
     DataError,
     ParquetSource,
-    read_source,
     to_extra_info,
     to_ground_truth,
     to_messages,
 )
+from spmdrl.data.sources import ReadOptions, read_sources
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -125,16 +125,18 @@ class PromptDataset:
         max_prompt_length: int,
         overlong: str,
         tools: list[dict[str, Any]] | None = None,
+        options: ReadOptions | None = None,
     ) -> None:
         check_overlong(overlong)
         self.tokenizer = tokenizer
         self.tools = tools
         self.prompt_key = prompt_key
-        self.source = read_source(
+        self.source = read_sources(
             paths,
             [prompt_key, "reward_model"],
             optional_columns=["data_source", "extra_info"],
             column_keys={prompt_key: "data.prompt_key"},
+            options=options,
         )
         kept: list[int] = []
         for start, rows in iter_row_chunks(self.source):

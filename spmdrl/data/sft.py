@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from spmdrl.data.parquet import DataError, read_source, to_messages
+from spmdrl.data.parquet import DataError, to_messages
 from spmdrl.data.prompts import (
     check_overlong,
     encode,
@@ -35,6 +35,7 @@ from spmdrl.data.prompts import (
     render_prompt,
     token_lengths,
 )
+from spmdrl.data.sources import ReadOptions, read_sources
 from spmdrl.data.turns import TemplateError, TurnCodec, end_of_turn_ids
 
 if TYPE_CHECKING:
@@ -94,6 +95,7 @@ class SFTDataset:
         max_response_length: int,
         overlong: str,
         tools: list[dict[str, Any]] | None = None,
+        options: ReadOptions | None = None,
     ) -> None:
         check_overlong(overlong)
         # The tool schemas RL prompts are rendered with (rollout.multi_turn), so a warm-start sees the
@@ -110,10 +112,11 @@ class SFTDataset:
         # the eos (a warm-start that taught the eos would teach a token the template never writes there).
         self.response_end_id = (end_of_turn_ids(tokenizer) or [self.eos_id])[0]
         self._codec: TurnCodec | None = None  # built on the first multi-turn row
-        self.source = read_source(
+        self.source = read_sources(
             paths,
             [prompt_key, response_key],
             column_keys={prompt_key: "data.prompt_key", response_key: "data.response_key"},
+            options=options,
         )
         kept: list[int] = []
         for start, rows in iter_row_chunks(self.source):

@@ -39,6 +39,7 @@ from spmdrl.checkpoint.export import write_hf_metadata
 from spmdrl.config import Config
 from spmdrl.data.prompts import PromptDataset
 from spmdrl.data.sampler import DistributedSampler
+from spmdrl.data.sources import read_options
 from spmdrl.data.tiny_task import TinyTaskConfig, resolve_data_files
 from spmdrl.data.tools_task import ToolsTaskConfig
 from spmdrl.derived import Derived, RLDerived
@@ -234,7 +235,11 @@ def build_job(cfg: Config, roles: Roles = NO_EXTRA_ROLES) -> RLJob:
     tools = load_multi_turn_tools(cfg) if cfg.rollout.multi_turn.enable else None
     schemas = tool_schemas(tools) if tools else None
     train_ds = load_prompts(run, tokenizer, cfg.data.train_files, schemas)
-    val_ds = load_prompts(run, tokenizer, cfg.data.val_files, schemas) if cfg.data.val_files else None
+    val_ds = (
+        load_prompts(run, tokenizer, cfg.data.val_files, schemas, key="data.val_files")
+        if cfg.data.val_files
+        else None
+    )
     plan = plan_job(cfg, env.world_size, len(train_ds), roles, device_type=env.device.type)
     # CUDA: the token budgets left at auto, from the free memory before any model or engine is allocated.
     if wants_memory_budgets(cfg, env.device):
@@ -614,8 +619,14 @@ def finish(job: RLJob) -> None:
 
 # ------------------------------------------------------------------------------------- the set-up
 def load_prompts(
-    run: Run, tokenizer: object, files: list[str], tools: list[dict[str, Any]] | None = None
+    run: Run,
+    tokenizer: object,
+    files: list[str],
+    tools: list[dict[str, Any]] | None = None,
+    *,
+    key: str = "data.train_files",
 ) -> PromptDataset:
+    """The prompts of ``files``, the config's ``key`` (its split: data.train_split or data.val_split)."""
     d = run.cfg.data
     return PromptDataset(
         resolve_data_files(
@@ -626,6 +637,7 @@ def load_prompts(
         max_prompt_length=d.max_prompt_length,
         overlong=d.overlong,
         tools=tools,
+        options=read_options(d, key),
     )
 
 

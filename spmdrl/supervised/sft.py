@@ -69,7 +69,11 @@ def train_sft(run: Run, cfg: Config, stage: str = "") -> Path:
 
     # Data, and every value derived from its size: checked before the model is built.
     train_ds = load_sft_dataset(run, tokenizer, cfg.data.train_files)
-    val_ds = load_sft_dataset(run, tokenizer, cfg.data.val_files) if cfg.data.val_files else None
+    val_ds = (
+        load_sft_dataset(run, tokenizer, cfg.data.val_files, key="data.val_files")
+        if cfg.data.val_files
+        else None
+    )
     derived = derive(cfg, env.world_size, len(train_ds))
     total = derived.total_steps
     if not stage:  # a warm-start's profile_steps are its job's steps, checked there

@@ -7,6 +7,7 @@ import torch
 
 from spmdrl.algos.losses import masked_cross_entropy
 from spmdrl.data.sft import SFTBatch, SFTDataset, collate_sft
+from spmdrl.data.sources import read_options
 from spmdrl.data.tiny_task import TinyTaskConfig, resolve_data_files
 from spmdrl.data.tools_task import ToolsTaskConfig
 from spmdrl.rollout.rollout import load_multi_turn_tools
@@ -14,7 +15,10 @@ from spmdrl.runtime import Run
 from spmdrl.tools import tool_schemas
 
 
-def load_sft_dataset(run: Run, tokenizer: object, files: list[str]) -> SFTDataset:
+def load_sft_dataset(
+    run: Run, tokenizer: object, files: list[str], *, key: str = "data.train_files"
+) -> SFTDataset:
+    """The pairs of ``files``, the config's ``key`` (its split: data.train_split or data.val_split)."""
     d = run.cfg.data
     return SFTDataset(
         resolve_data_files(
@@ -26,6 +30,7 @@ def load_sft_dataset(run: Run, tokenizer: object, files: list[str]) -> SFTDatase
         max_prompt_length=d.max_prompt_length,
         max_response_length=d.max_response_length,
         overlong=d.overlong,
+        options=read_options(d, key),
         tools=tool_schemas(load_multi_turn_tools(run.cfg)) if run.cfg.rollout.multi_turn.enable else None,
     )
 

@@ -50,7 +50,7 @@ def test_missing_data_file_is_reported_once_and_last(tmp_path: Path) -> None:
         launcher="torchrun",  # what torchrun's closing summary shows is the point
     )
     assert res.returncode == 1
-    message = "data file nowhere.parquet does not exist; check data.train_files / data.val_files"
+    message = "data file nowhere.parquet does not exist; check data.train_files"
     assert res.output.count(message) == 1, res.output
     assert message in _last_lines(res.output, 2)
     assert "exitcode  : 2" in _last_lines(res.output, 4)

@@ -245,16 +245,22 @@ def test_cfg_job_prints_the_config_before_its_inputs_exist(
     out = capsys.readouterr().out
     assert yaml.safe_load(out)["data"]["train_files"] == ["~/data/gsm8k/train.parquet"]
     comments = [line for line in out.splitlines() if line.startswith("# missing: ")]
+    make = (
+        "(make it with: python -m spmdrl.recipes.gsm8k_prep --out ~/data/gsm8k)"  # the recipe's data.prepare
+    )
     assert comments[:2] == [
-        "# missing: data.train_files[0] ~/data/gsm8k/train.parquet",
-        "# missing: data.val_files[0] ~/data/gsm8k/test.parquet",
+        f"# missing: data.train_files[0] ~/data/gsm8k/train.parquet {make}",
+        f"# missing: data.val_files[0] ~/data/gsm8k/test.parquet {make}",
     ]
     assert comments[2].startswith("# missing: model.path=./not-downloaded-yet: no such directory")
     assert out.rstrip().splitlines()[-1] == comments[-1]  # at the end, after the config
     with pytest.raises(SystemExit) as exit_info:
         parse_config(["recipe=grpo_gsm8k", "model.path=./not-downloaded-yet", "--check"])
     assert exit_info.value.code == 2
-    assert "data file ~/data/gsm8k/train.parquet does not exist" in capsys.readouterr().err
+    assert (
+        "data file ~/data/gsm8k/train.parquet does not exist; "
+        "make it with: python -m spmdrl.recipes.gsm8k_prep --out ~/data/gsm8k"
+    ) in capsys.readouterr().err
 
 
 def test_sft_data_without_a_response_column_fails_at_check(

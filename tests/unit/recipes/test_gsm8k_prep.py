@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -158,8 +159,27 @@ def test_missing_jsonl_and_missing_datasets_errors(tmp_path: Path, monkeypatch: 
     # Without the optional `datasets` library the hub path says what to install (None in sys.modules
     # makes the import fail, whether or not it is installed here).
     monkeypatch.setitem(sys.modules, "datasets", None)
-    with pytest.raises(gsm8k_prep.MissingDependencyError, match="pip install datasets"):
+    with pytest.raises(gsm8k_prep.MissingDependencyError, match=r"pip install 'spmdrl\[data\]'"):
         gsm8k_prep.prepare(tmp_path / "out")
+
+
+def test_an_unreachable_hub_fails_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("datasets")
+    from huggingface_hub import constants
+
+    from spmdrl.data.parquet import DataError
+    from spmdrl.testing.spawn import free_port
+
+    for proxy in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(proxy, raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{free_port()}")  # nothing listens
+    start = time.monotonic()
+    with pytest.raises(DataError, match=r"hub dataset openai/gsm8k \(config main\) .* is unreachable") as e:
+        gsm8k_prep.prepare(tmp_path / "out")
+    assert time.monotonic() - start < 5  # not datasets' ~25 s of retries
+    assert not (tmp_path / "out").exists()
+    assert "convert a local copy instead (--from-jsonl DIR)" in str(e.value)
 
 
 def test_recipe_config_loads_and_reads_the_prepared_files() -> None:
@@ -171,6 +191,9 @@ def test_recipe_config_loads_and_reads_the_prepared_files() -> None:
     assert [Path(f) for f in cfg.data.val_files] == [out / "test.parquet"]
     assert cfg.reward.fn == "auto"
     assert load_config(["recipe=grpo_gsm8k", "model.path=some/model"]).model.path == "some/model"
+    # A missing file's error names the command that writes them where the recipes read (ppo_gsm8k too).
+    command = f"python -m spmdrl.recipes.gsm8k_prep --out {gsm8k_prep.DEFAULT_OUT}"
+    assert cfg.data.prepare == load_config(["recipe=ppo_gsm8k"]).data.prepare == command
 
 
 def test_recipe_config_batch_arithmetic_on_8_gpus() -> None:
