@@ -78,7 +78,7 @@ from spmdrl.rollout.weight_sync import Fanout, SyncCheck, SyncStats, sync_weight
 from spmdrl.runtime import Run, start_run
 from spmdrl.supervised.warmstart import val_only_model, warm_start
 from spmdrl.tools import tool_schemas
-from spmdrl.trainer_config import VAL_ONLY_STAGE
+from spmdrl.trainer_config import VAL_ONLY_STAGE, TrainerConfig
 
 log = logging.getLogger("spmdrl")
 
@@ -202,7 +202,7 @@ class RLJob:
     def log_dir(self) -> Path:
         """Where metrics and samples go: the output directory, or trainer.val_only's own sub-directory of
         it (beside the training run whose checkpoint it evaluates, not mixed with its logs)."""
-        return self.run.output_dir / val_only_stage(self.cfg)
+        return self.run.output_dir / val_only_stage(self.cfg.trainer)
 
 
 def build_job(cfg: Config, roles: Roles = NO_EXTRA_ROLES) -> RLJob:
@@ -277,7 +277,7 @@ def build_job(cfg: Config, roles: Roles = NO_EXTRA_ROLES) -> RLJob:
 
     run.log_derived(
         derived,
-        stage=val_only_stage(cfg),
+        stage=val_only_stage(cfg.trainer),
         **plan.describe(cfg),
         **(memory.as_dict() if memory else {}),
         train_prompts=len(train_ds),
@@ -423,7 +423,13 @@ def _resume_or_start(job: RLJob, roles: list[RoleState], plan: loop.StartPlan) -
     # trainer.val_only trains nothing: the rows its checkpoint's run logged after it are kept.
     val_only = job.cfg.trainer.val_only
     start = loop.resume_or_start(
-        job.run, plan, roles, job.sampler, job.total_steps, val_only_stage(job.cfg), rewind=not val_only
+        job.run,
+        plan,
+        roles,
+        job.sampler,
+        job.total_steps,
+        val_only_stage(job.cfg.trainer),
+        rewind=not val_only,
     )
     job.start_step, job.logger = start.step, start.logger
     if plan.resume_from is not None:
@@ -680,9 +686,9 @@ def async_sampler(run: Run, placement: Placement, num_samples: int, per_rank: in
     )
 
 
-def val_only_stage(cfg: Config) -> str:
+def val_only_stage(trainer: TrainerConfig) -> str:
     """The sub-directory of the output that metrics and samples go to: trainer.val_only's, else none."""
-    return VAL_ONLY_STAGE if cfg.trainer.val_only else ""
+    return VAL_ONLY_STAGE if trainer.val_only else ""
 
 
 def _hf_writer(model: torch.nn.Module, tokenizer: object) -> Callable[[Path], None]:
