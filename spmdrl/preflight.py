@@ -27,11 +27,10 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
-import urllib.parse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from spmdrl import hub_probe
 from spmdrl.config import Config
 from spmdrl.data import tiny_task, tools_task
 from spmdrl.data.config import DataConfig
@@ -45,12 +44,8 @@ from spmdrl.preflight_start import check_rl_start, data_files
 if TYPE_CHECKING:
     from spmdrl.rl.plan import Roles
 
-# A TCP connection to the hub takes milliseconds when it is reachable; a firewall that drops packets would
-# otherwise hold every rank for the system's connect timeout (minutes).
-_HUB_CONNECT_TIMEOUT_S = 3.0
 # One model_info request (a small JSON answer); a slow hub is reported as not checked, not waited for.
 _HUB_INFO_TIMEOUT_S = 10.0
-_PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
 
 
 def check_inputs(
@@ -178,8 +173,8 @@ def check_model(path: str, key: str, *, critic: bool = False) -> str:
     endpoint = constants.ENDPOINT
     # Through a proxy a direct connection proves nothing: the hub is asked through it (httpx reads the
     # proxy variables), and a failure there is reported as not checked.
-    if not any(os.environ.get(v) for v in _PROXY_VARIABLES):
-        problem = _unreachable(endpoint)
+    if not hub_probe.behind_proxy():
+        problem = hub_probe.unreachable(endpoint)
         if problem:
             raise ConfigError(
                 f"{key}={path} is a hub id that is not in the hub cache ({constants.HF_HUB_CACHE}), and the "
@@ -208,17 +203,6 @@ def check_hub_repo(path: str, key: str, endpoint: str) -> str:
     except Exception as e:  # noqa: BLE001 - a timeout, a server error, a proxy's refusal: not an answer
         return f"{key}={path} (a hub id, not cached; not checked on the hub: {type(e).__name__}: {e})"
     return f"{key}={path} (on the hub, not cached: downloaded at start)"
-
-
-def _unreachable(endpoint: str) -> str | None:
-    """Why a TCP connection to ``endpoint``'s host fails (None: it opens)."""
-    url = urllib.parse.urlparse(endpoint)
-    host, port = url.hostname or "", url.port or (443 if url.scheme == "https" else 80)
-    try:
-        socket.create_connection((host, port), timeout=_HUB_CONNECT_TIMEOUT_S).close()
-    except OSError as e:
-        return f"{type(e).__name__}: {e}"
-    return None
 
 
 def _data_entry_exists(data: DataConfig, key: str, name: str) -> bool:

@@ -26,8 +26,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
-import urllib.parse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from spmdrl import hub_probe
 from spmdrl.data.parquet import DataError, ParquetSource, check_same_schema, combine_tables, missing_column
 
 if TYPE_CHECKING:
@@ -44,10 +43,6 @@ if TYPE_CHECKING:
 FILE_KINDS = {".parquet": "parquet", ".jsonl": "json", ".ndjson": "json", ".json": "json"}
 # A hub dataset id: org/name (letters, digits, - _ .), as the hub spells them.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-# A TCP connect to the hub takes milliseconds when it is reachable; without this probe, datasets retries an
-# unreachable hub for about 25 s per load (per rank) before it says so.
-_HUB_CONNECT_TIMEOUT_S = 3.0
-_PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
 INSTALL_HINT = "pip install 'spmdrl[data]'"
 
 
@@ -324,20 +319,13 @@ def _hub_unreachable(entry: Entry, why: str | ConnectionError) -> str:
 def _check_hub_reachable(entry: Entry) -> None:
     """Offline (HF_HUB_OFFLINE) datasets reads its cache, and says when the dataset is not there. Online, a
     hub that does not answer fails here in seconds, not after datasets' retries."""
-    if _hub_offline() or any(os.environ.get(v) for v in _PROXY_VARIABLES):
+    if _hub_offline() or hub_probe.behind_proxy():
         return
     from huggingface_hub import constants
 
-    url = urllib.parse.urlparse(constants.ENDPOINT)
-    host, port = url.hostname or "", url.port or (443 if url.scheme == "https" else 80)
-    try:
-        socket.create_connection((host, port), timeout=_HUB_CONNECT_TIMEOUT_S).close()
-    except OSError as e:
-        raise DataError(
-            _hub_unreachable(
-                entry, f"the hub ({constants.ENDPOINT}) is unreachable ({type(e).__name__}: {e})"
-            )
-        ) from None
+    problem = hub_probe.unreachable(constants.ENDPOINT)
+    if problem:
+        raise DataError(_hub_unreachable(entry, f"the hub ({constants.ENDPOINT}) is unreachable ({problem})"))
 
 
 def _dataset_table(ds: Any) -> pa.Table:
