@@ -12,9 +12,8 @@ import sys
 from pathlib import Path
 
 from spmdrl.checkpoint.checkpointer import resolve_resume
-from spmdrl.checkpoint.export import export_checkpoint
+from spmdrl.checkpoint.export import EXPORT_DTYPES, export_checkpoint
 from spmdrl.errors import ConfigError
-from spmdrl.models.build import DTYPES
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,7 +29,11 @@ def main(argv: list[str] | None = None) -> int:
         help="a LoRA run: write its adapter alone, in PEFT's format (default: merged into the base model)",
     )
     ap.add_argument(
-        "--dtype", default="", choices=("", *DTYPES), help="cast the weights (default: as saved, fp32)"
+        "--dtype",
+        default="auto",
+        choices=EXPORT_DTYPES,
+        help="the weights' dtype (default auto: the run's model.param_dtype, bf16 on CUDA and float32 on "
+        "CPU; a merged LoRA model float32)",
     )
     args = ap.parse_args(argv)
     try:
@@ -44,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
             path,
             args.out_dir,
             role=args.role,
-            dtype=DTYPES[args.dtype] if args.dtype else None,
+            dtype=args.dtype,
             adapter_only=args.adapter,
         )
     except (ValueError, FileNotFoundError) as e:

@@ -103,6 +103,10 @@ class TrainerConfig:
     # Minutes a collective may wait before it fails (a dead peer normally ends the job much sooner).
     collective_timeout_min: float = 10.0
     save_hf: bool = True
+    # The dtype of the HF export's weights (output_dir/hf_model): "auto" is the training dtype
+    # (model.param_dtype: bfloat16 on CUDA, float32 on CPU; a merged LoRA model float32), "float32" the
+    # full-precision master weights. config.json's dtype says which.
+    export_dtype: str = choice("auto", ("auto", "float32", "bfloat16", "float16"))
     # Save a checkpoint (output_dir/checkpoints/step-<N>) every save_every steps and after the last one;
     # 0: only after the last. keep_checkpoints: how many complete ones to keep (the newest).
     save_every: int = 0

@@ -11,6 +11,12 @@ The weights are written by ``huggingface_hub.save_torch_state_dict``, the Hub's 
 ``model-0000k-of-0000n.safetensors`` with a ``model.safetensors.index.json`` that maps each tensor to
 its shard, which transformers and vLLM both read.
 
+The weights are written in the training dtype by default (``trainer.export_dtype=auto``; ``--dtype auto``
+of ``python -m spmdrl.export``): ``model.param_dtype``, bf16 on CUDA and float32 on CPU, rather than the
+float32 master copy the trainer keeps; float32 (or another dtype) on request. A LoRA model is merged in
+float32 and written so under ``auto`` (bf16 would round most of a small adapter delta away). config.json's
+``dtype`` says what was written.
+
 Written into a temporary sibling directory and renamed into place, so a crash mid-export never
 leaves a half-written model where a user (or vLLM) would load it. The weight files get the mode any
 other new file gets under the process's umask (0644 under the usual 022), so other accounts can load
@@ -20,6 +26,7 @@ the export: safetensors 0.8 writes through a private temporary file and leaves t
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -33,10 +40,51 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from spmdrl.checkpoint import adapter
 from spmdrl.distributed.env import wait_for
-from spmdrl.models.build import read_safetensors
+from spmdrl.models.build import DTYPES, read_safetensors
 from spmdrl.models.lora import is_adapter_param, lora_scale, merge_state_dict
 
 log = logging.getLogger(__name__)
+
+# trainer.export_dtype / --dtype: "auto" is the training dtype (resolve_export_dtype).
+EXPORT_DTYPES = ("auto", *DTYPES)
+# In a checkpoint's hf/<role>/: the dtype the model was trained in, for the converter's "auto".
+TRAIN_DTYPE_FILE = "train_dtype.json"
+# Set on a model by spmdrl.models.build: its resolved model.param_dtype.
+TRAIN_DTYPE_ATTR = "spmdrl_param_dtype"
+
+
+def train_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype ``model`` computes in (``model.param_dtype`` as its build resolved it); float32 for a model
+    spmdrl did not build."""
+    return getattr(model, TRAIN_DTYPE_ATTR, torch.float32)
+
+
+def resolve_export_dtype(name: str, trained_in: torch.dtype, *, lora: bool) -> torch.dtype:
+    """The dtype an export writes: ``name`` itself, or for "auto" the training dtype, except a LoRA model's
+    (merged in float32 and written so: rounding W + scale * B A to bf16 would wipe out most of a small
+    adapter delta)."""
+    if name != "auto":
+        if name not in DTYPES:
+            raise ValueError(f"export dtype must be one of {EXPORT_DTYPES}, got {name!r}")
+        return DTYPES[name]
+    return torch.float32 if lora else trained_in
+
+
+def _write_train_dtype(dtype: torch.dtype, out_dir: Path) -> None:
+    name = str(dtype).removeprefix("torch.")
+    (out_dir / TRAIN_DTYPE_FILE).write_text(json.dumps({"param_dtype": name}) + "\n")
+
+
+def read_train_dtype(meta_dir: Path) -> torch.dtype:
+    """The training dtype a checkpoint's ``hf/<role>/`` records; float32 for one written before it was
+    recorded (whose export was float32 then)."""
+    f = meta_dir / TRAIN_DTYPE_FILE
+    if not f.is_file():
+        return torch.float32
+    name = json.loads(f.read_text())["param_dtype"]
+    if name not in DTYPES:
+        raise ValueError(f"{f}: param_dtype {name!r} is not one of {tuple(DTYPES)}")
+    return DTYPES[name]
 
 
 def write_hf_dir(
@@ -52,14 +100,18 @@ def write_hf_dir(
     """An HF model directory from full tensors, atomically (temporary sibling, then one rename).
 
     ``max_shard_size`` (bytes, or a string such as ``"500MB"``) splits the weights into shards with an
-    index when they are larger; a tensor larger than it gets a shard of its own."""
+    index when they are larger; a tensor larger than it gets a shard of its own. ``dtype`` casts the floating
+    tensors (None: as given); config.json's ``dtype`` is set to what is written."""
     if getattr(config, "tie_word_embeddings", False):
         tensors = {
             k: v for k, v in tensors.items() if k != "lm_head.weight"
         }  # stored once, as transformers does
     tensors = {
-        k: _own_storage((v.to(dtype) if dtype is not None else v).detach().cpu()) for k, v in tensors.items()
+        k: _own_storage((v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().cpu())
+        for k, v in tensors.items()
     }
+    if dtype is None:
+        dtype = next((v.dtype for v in tensors.values() if v.is_floating_point()), None)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -92,9 +144,11 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
 def write_hf_metadata(model: nn.Module, tokenizer: object, out_dir: Path) -> None:
     """Config, generation config and tokenizer, without weights: what a checkpoint keeps for export. A LoRA
     model's also gets its adapter_config.json, which names the base model its adapters apply to, and the
-    dtype its base is stored in."""
+    dtype its base is stored in. Every model's gets its training dtype (TRAIN_DTYPE_FILE), which the
+    converter's ``--dtype auto`` writes."""
     out_dir.mkdir(parents=True, exist_ok=True)
     model.config.save_pretrained(out_dir)  # type: ignore[attr-defined]
+    _write_train_dtype(train_dtype(model), out_dir)
     lora = adapter.model_adapter_config(model)
     if lora is not None:
         adapter.write_config(lora, out_dir)
@@ -110,13 +164,14 @@ def export_hf(
     tokenizer: object,
     out_dir: Path,
     *,
-    dtype: torch.dtype | None = None,
+    dtype: str = "auto",
     group: dist.ProcessGroup | None = None,
 ) -> None:
     """Gathers the full weights to the group's first rank (CPU) and writes an HF model directory.
 
     Every rank of ``group`` (the ranks the model is sharded over; None: the world) must call it. A LoRA
-    model is written merged (W + alpha/r B A): the base model's architecture and names.
+    model is written merged (W + alpha/r B A): the base model's architecture and names. ``dtype``: one of
+    EXPORT_DTYPES (trainer.export_dtype; resolve_export_dtype).
     """
     # Collective: every rank takes part in gathering the shards. With cpu_offload only *global* rank 0
     # receives them (torch's rule); a group without it (the critic's ranks under a split placement)
@@ -125,6 +180,7 @@ def export_hf(
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=offload))
     writer = dist.get_rank(group) == 0
     scale = lora_scale(model)
+    written = resolve_export_dtype(dtype, train_dtype(model), lora=scale is not None)
     if writer:
         if scale is not None:
             # LoRA: the frozen base is stored in param_dtype (bf16 on CUDA); merged in float32 and written
@@ -138,8 +194,9 @@ def export_hf(
             out_dir,
             tokenizer=tokenizer,
             generation_config=getattr(model, "generation_config", None),
-            dtype=dtype,
+            dtype=written,
         )
+        log.info("HF export in %s (trainer.export_dtype=%s)", str(written).removeprefix("torch."), dtype)
     # Writing a large model to slow storage must not count against the collective timeout.
     wait_for(f"export:{out_dir}", writer=writer)
 
@@ -149,13 +206,14 @@ def export_checkpoint(
     out_dir: Path,
     *,
     role: str = "actor",
-    dtype: torch.dtype | None = None,
+    dtype: str = "auto",
     adapter_only: bool = False,
 ) -> None:
     """A sharded checkpoint's ``role`` model as an HF directory, on one process (no process group).
 
     A LoRA run's checkpoint holds the adapters only: they are merged into the base model its
-    ``adapter_config.json`` names, or with ``adapter_only`` written alone in PEFT's format."""
+    ``adapter_config.json`` names, or with ``adapter_only`` written alone in PEFT's format. ``dtype``: as
+    export_hf's, "auto" being the training dtype the checkpoint records."""
     import torch.distributed.checkpoint as dcp
     from transformers import (
         AutoConfig,
@@ -218,7 +276,7 @@ def export_checkpoint(
         out_dir,
         tokenizer=AutoTokenizer.from_pretrained(meta_dir),
         generation_config=gen,
-        dtype=dtype,
+        dtype=resolve_export_dtype(dtype, read_train_dtype(meta_dir), lora=lora is not None),
     )
 
 

@@ -1,4 +1,8 @@
-"""Learning-curve PNGs from metrics.jsonl (matplotlib, headless)."""
+"""Learning-curve PNGs from metrics.jsonl (matplotlib, headless).
+
+matplotlib is optional (the ``plot`` extra): without it no PNG is drawn, and the first call says so in
+one line, with how to install it; the metrics themselves (metrics.jsonl, the backends) do not need it.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +14,27 @@ from spmdrl.logging.metrics import read_metrics
 log = logging.getLogger(__name__)
 
 
+# Whether the missing-matplotlib note was logged: once per process, not at every validation.
+_noted_missing = False
+
+
 def plot_curves(metrics_path: Path, out_png: Path, keys: list[str], title: str = "") -> bool:
     """One line per key (those present) against step, on one axis; values such as reward and accuracy share
     [0, 1]. Best effort: a plot is a convenience, so any failure is logged and training goes on.
     Returns whether the PNG was written."""
+    global _noted_missing
+    try:
+        import matplotlib  # noqa: F401 - the optional dependency, imported where it is used
+    except ImportError:
+        if not _noted_missing:
+            _noted_missing = True
+            log.info(
+                "no %s: matplotlib is not installed (pip install 'spmdrl[plot]', or pip install matplotlib); "
+                "the metrics are in %s",
+                out_png.name,
+                metrics_path,
+            )
+        return False
     try:
         _plot(metrics_path, out_png, keys, title)
         return True

@@ -206,6 +206,8 @@ def build_fsdp_model(spec: ModelSpec, mesh: DeviceMesh, device: torch.device) ->
     # The class actually built, for the config that checkpoints and exports write: a critic built from a
     # causal LM's config would otherwise be exported as that causal LM (and misread by vLLM or AutoModel).
     model.config.architectures = [type(model).__name__]
+    # What the HF export writes under trainer.export_dtype=auto (spmdrl.checkpoint.export.train_dtype).
+    model.spmdrl_param_dtype = spec.param_dtype
     # 1b. LoRA: adapters around the target linears, everything else frozen, before FSDP2 reads requires_grad.
     if spec.lora is not None:
         adapted = apply_lora(model, spec.lora)

@@ -606,11 +606,19 @@ def finish(job: RLJob) -> None:
         if job.cfg.trainer.save_hf:
             from spmdrl.checkpoint.export import export_hf
 
-            out = job.run.output_dir
+            out, dtype = job.run.output_dir, job.cfg.trainer.export_dtype
             if job.actor is not None:
-                export_hf(job.actor.model, job.tokenizer, out / "hf_model", group=job.actor_group)
+                export_hf(
+                    job.actor.model, job.tokenizer, out / "hf_model", dtype=dtype, group=job.actor_group
+                )
             if job.critic is not None:
-                export_hf(job.critic.model, job.tokenizer, out / "critic_hf_model", group=job.critic_group)
+                export_hf(
+                    job.critic.model,
+                    job.tokenizer,
+                    out / "critic_hf_model",
+                    dtype=dtype,
+                    group=job.critic_group,
+                )
         if job.engine is not None:  # async: a trainer rank may hold none
             job.engine.close()
 

@@ -133,7 +133,11 @@ def train_sft(run: Run, cfg: Config, stage: str = "") -> Path:
 
     def export() -> None:
         if cfg.trainer.save_hf or stage:
-            export_hf(trained.model, tokenizer, export_dir)
+            # A warm-start stage's export is the RL run's starting point, read into its float32 master
+            # weights: written in float32, so the handoff rounds nothing.
+            export_hf(
+                trained.model, tokenizer, export_dir, dtype="float32" if stage else cfg.trainer.export_dtype
+            )
 
     def curves() -> None:
         plot_curves(out_dir / "metrics.jsonl", out_dir / "curves.png", CURVE_KEYS, title=cfg.name)

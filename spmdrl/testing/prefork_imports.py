@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import importlib
+import importlib.util
 import json
 import os
 
@@ -35,9 +36,11 @@ for _name in (
     "torch.distributed.checkpoint",
     "torch.utils.tensorboard",
     "transformers",
-    "matplotlib",
 ):
     importlib.import_module(_name)
+# The curves' plotting library, where installed (the optional `plot` extra).
+if importlib.util.find_spec("matplotlib") is not None:
+    importlib.import_module("matplotlib")
 
 import torch  # noqa: E402
 
