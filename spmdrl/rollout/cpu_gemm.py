@@ -142,8 +142,8 @@ def unavailable_reason(path: str, dtype: torch.dtype | None = None) -> str | Non
         except ImportError as e:
             return (
                 f"rollout.cpu_gemm=zentorch needs the zentorch package ({e}); install the build that "
-                f"matches torch {torch.__version__.split('+')[0]} (pip install 'zentorch=={_zentorch_pin()}') "
-                "or use auto, onednn or torch"
+                f"matches torch {torch.__version__.split('+')[0]} (pip install 'zentorch=={_zentorch_pin()}', "
+                "or spmdrl's cpu-amd extra) or use auto, onednn or torch"
             )
         if not hasattr(torch.ops.zentorch, "zentorch_linear_unary"):
             return "rollout.cpu_gemm=zentorch: zentorch is installed but has no linear op"

@@ -3,6 +3,7 @@ library and makes that kind's choices, and a test's torchrun job runs every rank
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -58,7 +59,8 @@ def test_a_process_started_as_a_kind_runs_that_kinds_libraries(kind: str) -> Non
     if kind != cpu_kind.host_kind():
         # vLLM's Zen platform (zentorch GEMMs) is for AMD CPUs with AVX-512 and bf16: never these kinds.
         assert got["zen"] is False, got
-    if dtype == "torch.float32":
+    if dtype == "torch.float32" and importlib.util.find_spec("zentorch") is not None:
+        # (Without zentorch, the cpu-amd extra, the reason given is its absence: tests/unit/rollout.)
         assert "needs a CPU with AVX512-BF16" in (got["zentorch_bf16"] or ""), got
 
 

@@ -9,6 +9,7 @@ metrics, samples, curves and export.
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import json
 import math
 import os
@@ -169,7 +170,8 @@ def test_grpo_tiny_short_run(tmp_path: Path) -> None:
         (r["actor/ppo_kl"], r["actor/grad_norm"]) for r in train
     ]
 
-    assert (out / "curves.png").stat().st_size > 1000
+    if importlib.util.find_spec("matplotlib") is not None:  # the plot extra (CI installs it)
+        assert (out / "curves.png").stat().st_size > 1000
     assert (out / "samples.jsonl").read_text().count("\n") >= 3
     assert (out / "sft" / "metrics.jsonl").exists()
     before = load_file(out / "sft" / "hf_model" / "model.safetensors")

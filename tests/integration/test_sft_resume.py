@@ -8,6 +8,7 @@ ends with the same metrics and weights, bit for bit (CPU: the same kernels on th
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -61,7 +62,8 @@ def test_sft_checkpoints_resume_exactly_and_refuse_a_second_run(tmp_path: Path) 
     )
     assert res.returncode == 0, res.output[-4000:]
     assert sorted(p.name for p in (straight / "checkpoints").iterdir()) == ["step-6", "step-8"]
-    assert (straight / "curves.png").is_file()
+    if importlib.util.find_spec("matplotlib") is not None:  # the plot extra (CI installs it)
+        assert (straight / "curves.png").is_file()
     samples = [json.loads(line) for line in (straight / "samples.jsonl").read_text().splitlines()]
     assert [s["step"] for s in samples] == [4, 4, 4, 8, 8, 8]
     assert all(s["split"] == "val" and s["prompt"] and s["ground_truth"] for s in samples)
