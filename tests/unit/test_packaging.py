@@ -34,8 +34,6 @@ NOT_DECLARED = {
     # The CUDA varlen kernel used when it imports (spmdrl.models.varlen); it is built for the user's own
     # torch and CUDA, which no pin here could match.
     "flash-attn",
-    # The data-prep scripts' download path (recipes/*_prep.py), which says how to install it.
-    "datasets",
 }
 
 
