@@ -5,6 +5,7 @@ every package directory is listed for the wheel."""
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.metadata as metadata
 import sys
 import tomllib
@@ -61,6 +62,7 @@ def _python_files() -> list[Path]:
     return files
 
 
+@functools.cache
 def _third_party_imports() -> dict[str, set[str]]:
     """Top-level import name -> the files importing it, absolute imports outside the standard library and
     spmdrl (wherever they are: module level, in a function, under try)."""
@@ -80,8 +82,14 @@ def _third_party_imports() -> dict[str, set[str]]:
     return found
 
 
+@functools.cache
+def _installed_distributions() -> dict[str, list[str]]:
+    """Import name -> distributions: one scan of every installed distribution's files (seconds), so once."""
+    return dict(metadata.packages_distributions())
+
+
 def _distribution(import_name: str) -> str:
-    installed = metadata.packages_distributions().get(import_name)
+    installed = _installed_distributions().get(import_name)
     if installed:
         return installed[0]
     return DIST_OF_IMPORT.get(import_name, import_name)
