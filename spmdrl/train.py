@@ -63,7 +63,9 @@ Overrides (Hydra's grammar; each key, its type and default: the sections spmdrl/
                             my_section:                # settings the recipe registered
                               my_coef: 0.1             # (@register_config_section("my_section"))
   my_section.key=value  a recipe's own settings, checked against its dataclass like any other key
-  --cfg job             print the composed, validated config (what the run saves as config.yaml) and exit
+  --cfg job             print the composed, validated config (what the run saves as config.yaml) and exit;
+                        it prints before the data files or model exist, with what is missing as
+                        "# missing: ..." comments after it
   --check               check the config (reward.fn's signature too), the data files (they exist, are
                         readable, have rows and the prompt column) and the model paths (a hub id: the hub
                         has it) in this one process (no torchrun, no model); for an RL recipe also the
@@ -74,8 +76,6 @@ Overrides (Hydra's grammar; each key, its type and default: the sections spmdrl/
   --world-size N        with --check or --cfg job: also plan an RL recipe's job on N ranks (placement,
                         per-rank batches, steps) and print it; a job that does not fit N ranks exits 2
                         (without it or WORLD_SIZE, --check's line says the plan was not checked)
-  --cfg job             (above) prints the config before its data files or model exist, with what is
-                        missing as "# missing: ..." comments after it
 
 A misspelled key or a wrong type fails at once, naming the valid keys. Exit codes: 0 done, 1 a failure while
 running, 2 a configuration or data error (torchrun turns any failure into 1). docs/configuration.md has the
@@ -114,25 +114,25 @@ def parse_config(argv: list[str], *, import_entry: bool = True) -> Config:
     except (ConfigError, DataError) as e:
         exit_config_error(str(e), "data" if isinstance(e, DataError) else "config")
     missing: list[str] = []
+    roles = _recipe_roles(cfg.entry, import_entry)
     try:
         # An RL recipe's start checks run here too, on the world size it runs on where known.
-        checked = check_inputs(
-            cfg, roles=_recipe_roles(cfg.entry, import_entry), world=launched_world_size(world_size)
-        )
+        checked = check_inputs(cfg, roles=roles, world=launched_world_size(world_size))
     except (ConfigError, DataError) as e:
         # --cfg job prints the config before its data and model exist, marking what is missing.
         missing = missing_inputs(cfg) if print_cfg and not check_only else []
         if not missing:
             exit_config_error(str(e), "data" if isinstance(e, DataError) else "config")
     if check_only:
-        plan = _plan_lines(cfg, world_size) if world_size is not None else []  # exits 2 if it does not fit
+        # Exits 2 if the job does not fit the ranks.
+        plan = _plan_lines(cfg, roles, world_size) if world_size is not None else []
         if not any(c.startswith("reward.fn=") for c in checked):  # an RL recipe's names its data sources
             checked.append(f"reward.fn={cfg.reward.fn}")
         print(f"spmdrl: config ok: recipe {cfg.name} (entry {cfg.entry}); {'; '.join(checked)}")
         print("\n".join(plan), end="\n" if plan else "")
         sys.exit(0)
     if print_cfg:
-        plan = _plan_lines(cfg, world_size) if world_size is not None and not missing else []
+        plan = _plan_lines(cfg, roles, world_size) if world_size is not None and not missing else []
         if os.environ.get("RANK", "0") == "0":
             print(to_yaml(cfg), end="")
             print("".join(f"# {line.removeprefix('spmdrl: ')}\n" for line in plan), end="")
@@ -183,15 +183,13 @@ def _pop_world_size(argv: list[str], planned: bool) -> tuple[list[str], int | No
     return rest, int(value)
 
 
-def _plan_lines(cfg: Config, world_size: int) -> list[str]:
-    """The RL recipe's plan on ``world_size`` ranks (its module's ROLES), or why there is none; a clean exit
-    2 when the job does not fit them."""
-    from spmdrl.config_loader import import_entry
+def _plan_lines(cfg: Config, roles: Roles | None, world_size: int) -> list[str]:
+    """The RL recipe's plan on ``world_size`` ranks (``roles``: its module's ROLES), or why there is none; a
+    clean exit 2 when the job does not fit them."""
     from spmdrl.models.tiny import default_cache_dir
-    from spmdrl.rl.plan import Roles, describe_plan
+    from spmdrl.rl.plan import describe_plan
 
-    roles = getattr(import_entry(cfg.entry), "ROLES", None)
-    if not isinstance(roles, Roles):
+    if roles is None:
         return [
             f"spmdrl: no RL plan: entry {cfg.entry} declares no ROLES (an RL recipe's roles, spmdrl.rl.plan)"
         ]
