@@ -50,6 +50,7 @@ from spmdrl.config import CONFIG_SECTIONS, Config, validate
 # The built-in tasks' sections (tiny_task, tools_task) are registered by the modules that own them; imported
 # here so that every config (any recipe, import_entry_module=False too) has them. Both are light (pyarrow).
 from spmdrl.data import tiny_task, tools_task  # noqa: F401
+from spmdrl.envs import config as _env_config  # noqa: F401  (the env section; light: no verifiers import)
 from spmdrl.errors import ConfigError
 from spmdrl.imports import import_file
 from spmdrl.verl_keys import log_applied, translate, unknown_key_hint

@@ -99,6 +99,18 @@ def check_reward_data(data: DataConfig, reward_fn: str) -> str:
     return f"reward.fn={reward_fn} on data_source {', '.join(map(repr, sorted(sources)))}"
 
 
+def check_env_or_reward_data(cfg: Config) -> str:
+    """env.source: the environment loads and gives rows its rubric can score (spmdrl.envs.setup); else
+    the data files and reward.fn (check_reward_data)."""
+    from spmdrl.envs.config import EnvConfig
+
+    if cfg.section(EnvConfig).enabled:
+        from spmdrl.envs.setup import check_env
+
+        return check_env(cfg.section(EnvConfig))
+    return check_reward_data(cfg.data, cfg.reward.fn)
+
+
 def _check_ground_truth(column: pa.ChunkedArray, name: str) -> None:
     """Every row's reward_model has a ground_truth, without turning the column into Python objects: the
     first row that lacks one gets the start's message (spmdrl.data.parquet.to_ground_truth)."""
@@ -195,7 +207,7 @@ def check_rl_start(cfg: Config, roles: Roles | None, world: tuple[int, str] | No
     ROLES), and the SFT stage's columns (the sft entry's, an RL warm-start's)."""
     if roles is None:
         return check_sft_columns(cfg.data) if cfg.entry == "sft" else []
-    checked = [check_reward_data(cfg.data, cfg.reward.fn)]
+    checked = [check_env_or_reward_data(cfg)]
     if cfg.warmstart.enabled and cfg.warmstart.entry == "sft":  # SFT on the same files before RL starts
         why = " (the warm-start, warmstart.enabled=true, trains on it; or set warmstart.enabled=false)"
         checked += check_sft_columns(cfg.data, why)

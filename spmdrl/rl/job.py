@@ -46,6 +46,8 @@ from spmdrl.derived import Derived, RLDerived
 from spmdrl.distributed.env import DistEnv, broadcast_object
 from spmdrl.distributed.placement import Meshes, Placement, plan_placement
 from spmdrl.distributed.topology import check_tp_within_nodes, node_layout_from_env, ranks_on_node
+from spmdrl.envs.config import EnvConfig
+from spmdrl.envs.setup import EnvJob, build_env_job
 from spmdrl.errors import ConfigError
 from spmdrl.logging.metrics import NullLogger
 from spmdrl.logging.plot import plot_curves
@@ -234,12 +236,11 @@ def build_job(cfg: Config, roles: Roles = NO_EXTRA_ROLES) -> RLJob:
     # Multi-turn tools load first: the prompts describe them to the model (the chat template's tools).
     tools = load_multi_turn_tools(cfg) if cfg.rollout.multi_turn.enable else None
     schemas = tool_schemas(tools) if tools else None
-    train_ds = load_prompts(run, tokenizer, cfg.data.train_files, schemas)
-    val_ds = (
-        load_prompts(run, tokenizer, cfg.data.val_files, schemas, key="data.val_files")
-        if cfg.data.val_files
-        else None
-    )
+    # env.source: the environment's tasks are the prompts and its rubric the reward (spmdrl/envs/).
+    env_job = build_env_job(cfg.section(EnvConfig), run.cache_dir) if cfg.section(EnvConfig).enabled else None
+    train_files, val_files = _prompt_files(cfg, env_job)
+    train_ds = load_prompts(run, tokenizer, train_files, schemas)
+    val_ds = load_prompts(run, tokenizer, val_files, schemas, key="data.val_files") if val_files else None
     plan = plan_job(cfg, env.world_size, len(train_ds), roles, device_type=env.device.type)
     # CUDA: the token budgets left at auto, from the free memory before any model or engine is allocated.
     if wants_memory_budgets(cfg, env.device):
@@ -264,9 +265,10 @@ def build_job(cfg: Config, roles: Roles = NO_EXTRA_ROLES) -> RLJob:
     )
     # Multi-turn: the chat template must render tool turns, the parser must load (before the warm-start).
     agent = build_agent_loop(cfg, tokenizer, tools, max_model_len=rl.max_model_len)
-    reward_fn = load_reward_fn(cfg.reward.fn)
+    reward_fn = env_job.reward_fn if env_job else load_reward_fn(cfg.reward.fn)
     check_model_rewards(cfg.reward_model)  # reward_model.path's files, before the warm-start
-    check_data_sources(cfg.reward.fn, _data_sources(train_ds, val_ds))
+    if env_job is None:
+        check_data_sources(cfg.reward.fn, _data_sources(train_ds, val_ds))
 
     # trainer.val_only trains nothing, the warm-start neither: its export beside the checkpoint, if any.
     val_only = cfg.trainer.val_only
@@ -653,6 +655,13 @@ def load_prompts(
         tools=tools,
         options=read_options(d, key),
     )
+
+
+def _prompt_files(cfg: Config, env_job: EnvJob | None) -> tuple[list[str], list[str]]:
+    """data.train_files and data.val_files, or the environment's rows in their place (env.source)."""
+    if env_job is None:
+        return cfg.data.train_files, cfg.data.val_files
+    return [str(env_job.train_file)], [str(env_job.val_file)] if env_job.val_file else []
 
 
 def check_model_fits(model_dir: Path, max_model_len: int, tp: int, trust_remote_code: bool) -> None:

@@ -132,7 +132,12 @@ def train_rows(cfg: Config, cache_dir: Path) -> int:
     from spmdrl.data.sources import check_sources, read_options
     from spmdrl.data.tiny_task import TinyTaskConfig, resolve_data_files
     from spmdrl.data.tools_task import ToolsTaskConfig
+    from spmdrl.envs.config import EnvConfig
 
+    if cfg.section(EnvConfig).enabled:  # env.source: the environment's training tasks
+        from spmdrl.envs.setup import env_train_rows
+
+        return env_train_rows(cfg.section(EnvConfig))
     files = resolve_data_files(
         cfg.data.train_files, cache_dir, cfg.section(TinyTaskConfig), cfg.section(ToolsTaskConfig)
     )
