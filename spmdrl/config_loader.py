@@ -125,6 +125,23 @@ def check_key(dotted: str, schema: type = Config) -> None:
         cls = fields[part]
 
 
+def _assign_mapping(override: str, schema: type) -> str:
+    """``env.args={a: 1}`` as Hydra's ``++env.args={a: 1}``: a free-form mapping field (config_section.mapping)
+    takes the value whole; Hydra would refuse its keys as new ones otherwise."""
+    key = _override_key(override)
+    cls: Any = schema
+    for part in (key or "").split("."):
+        if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+            return override
+        found = {f.name: f for f in dataclasses.fields(cls)}.get(part)
+        if found is None:
+            return override
+        if found.metadata.get("mapping"):
+            return "++" + override.lstrip("+")
+        cls = _field_types(cls)[part]
+    return override
+
+
 def _override_key(override: str) -> str | None:
     """The config key an override sets; None for group selections (recipe=...) and hydra.* keys."""
     body = override.lstrip("+~")
@@ -442,6 +459,7 @@ def load_config(overrides: list[str], *, import_entry_module: bool = True) -> Co
             key = _override_key(ov)
             if key is not None:
                 check_key(key, schema)
+        rest = [_assign_mapping(ov, schema) for ov in rest]
         try:
             composed = _compose([*select, *rest, f"entry={_quoted(entry)}"], schema)
             obj = OmegaConf.to_object(composed)

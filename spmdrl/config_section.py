@@ -47,6 +47,13 @@ def registered(default: str, module: str, registry: str) -> Any:
     return field(default=default, metadata={"registry": (module, registry)})
 
 
+def mapping() -> Any:
+    """A free-form mapping field (env.args: an environment's own arguments), whose keys no schema knows.
+    Typed Any with default None (read as {} by its section): OmegaConf refuses new keys in a typed dict
+    field of a struct config. The loader assigns ``key={a: 1}`` on the command line whole (Hydra's ``++``)."""
+    return field(default=None, metadata={"mapping": True})
+
+
 # The values of an auto / true / false setting (model.use_fused_kernels, trainer.defer_grad_sync).
 SWITCH_MODES = ("auto", "true", "false")
 

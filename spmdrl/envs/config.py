@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from spmdrl.config_section import register_config_section
+from spmdrl.config_section import mapping, register_config_section
 from spmdrl.errors import ConfigError
 
 # The kinds of env.source: "<kind>:<name>".
@@ -21,8 +21,9 @@ class EnvConfig:
     # "" (none: data.* and reward.fn as usual) or "verifiers:<name>" (an installed environment package).
     source: str = ""
     # Keyword arguments of a 0.3.x environment's load_environment(**args), or the fields of a 0.4 taskset's
-    # config (verifiers.v1 TasksetConfig): env.args={num_examples: 100}.
-    args: dict[str, Any] = field(default_factory=dict)
+    # config (verifiers.v1 TasksetConfig), as one mapping: env.args={num_examples: 100} (free-form: the
+    # environment checks its arguments when it loads).
+    args: Any = mapping()
     # Training prompts: the first num_train of the environment's dataset (0: all of them).
     num_train: int = 0
     # Validation prompts: the first num_val of its eval dataset (0: all); an environment without one gives
@@ -30,6 +31,13 @@ class EnvConfig:
     num_val: int = 64
 
     def __post_init__(self) -> None:
+        if self.args is None:
+            self.args = {}
+        if not isinstance(self.args, dict):
+            raise ConfigError(
+                f"env.args must be a mapping of the environment's arguments, e.g. env.args={{num_examples: "
+                f"100}}; got {self.args!r}"
+            )
         if self.num_train < 0 or self.num_val < 0:
             raise ConfigError(
                 f"env.num_train and env.num_val must be >= 0 (0: all), got {self.num_train}, {self.num_val}"

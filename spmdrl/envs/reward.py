@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from spmdrl.envs.load import LEGACY, LoadedEnv, load_verifiers_env
@@ -28,12 +28,13 @@ COMPLETION_KEY = "env_completion"
 class EnvReward:
     source: str  # env.source
     name: str
-    args: dict[str, Any] = field(default_factory=dict)
+    # env.args as sorted JSON: hashable (the sandbox groups samples by their function) and the cache key.
+    args_json: str = "{}"
 
     def __call__(
         self, response: str, ground_truth: str, *, data_source: str, extra_info: dict[str, Any]
     ) -> dict[str, float]:
-        loaded = cached_env(self.source, self.name, json.dumps(self.args, sort_keys=True))
+        loaded = cached_env(self.source, self.name, self.args_json)
         payload = json.loads(extra_info[TASK_KEY])
         completion = extra_info.get(COMPLETION_KEY) or [{"role": "assistant", "content": response}]
         if loaded.generation == LEGACY:
@@ -44,14 +45,14 @@ class EnvReward:
 
         return v1.score(loaded.env, payload, completion)
 
-    def __reduce__(self) -> tuple[Any, tuple[str, str, dict[str, Any]]]:
-        return (_arrive, (self.source, self.name, self.args))
+    def __reduce__(self) -> tuple[Any, tuple[str, str, str]]:
+        return (_arrive, (self.source, self.name, self.args_json))
 
 
-def _arrive(source: str, name: str, args: dict[str, Any]) -> EnvReward:
+def _arrive(source: str, name: str, args_json: str) -> EnvReward:
     """An EnvReward unpickled in a worker: its environment loaded now, before the first sample's clock."""
-    cached_env(source, name, json.dumps(args, sort_keys=True))
-    return EnvReward(source, name, args)
+    cached_env(source, name, args_json)
+    return EnvReward(source, name, args_json)
 
 
 @functools.lru_cache(maxsize=4)

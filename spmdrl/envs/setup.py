@@ -8,6 +8,7 @@ each rank writes them to the same content-named files (spmdrl.envs.rows.write_ro
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,14 +34,15 @@ class EnvJob:
 
 def load_env(cfg: EnvConfig) -> LoadedEnv:
     """The environment env.source names, loaded once per process (ConfigError for every failure)."""
-    import json
+    return cached_env(cfg.source, cfg.kind_and_name()[1], _args_json(cfg))
 
-    _, name = cfg.kind_and_name()
-    return cached_env(cfg.source, name, json.dumps(cfg.args, sort_keys=True))
+
+def _args_json(cfg: EnvConfig) -> str:
+    return json.dumps(dict(cfg.args), sort_keys=True)
 
 
 def env_reward(cfg: EnvConfig) -> EnvReward:
-    return EnvReward(cfg.source, cfg.kind_and_name()[1], dict(cfg.args))
+    return EnvReward(cfg.source, cfg.kind_and_name()[1], _args_json(cfg))
 
 
 def build_env_job(cfg: EnvConfig, cache_dir: Path, *, distributed: bool = True) -> EnvJob:

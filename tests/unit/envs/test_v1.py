@@ -1,0 +1,107 @@
+"""A verifiers 0.4 (verifiers.v1) taskset as prompts and reward: tests/envs/vf_tiny_v1, imported in this
+process (verifiers 0.4 is the installed one), scored in-process and in the real reward workers."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from spmdrl.envs.config import EnvConfig
+from spmdrl.envs.load import V1
+from spmdrl.envs.reward import cached_env
+from spmdrl.envs.rows import TASK_KEY, env_rows
+from spmdrl.envs.setup import env_reward, load_env
+from spmdrl.errors import ConfigError
+from spmdrl.rewards.registry import RewardInput
+from spmdrl.rewards.sandbox import score_batch
+from tests.vf_envs import ENVS_DIR, V1_ENV
+
+pytest.importorskip("verifiers.v1", reason="verifiers 0.4 is not installed (the envs extra)")
+SOURCE = f"verifiers:{V1_ENV}"
+
+
+@pytest.fixture(autouse=True)
+def v1_env_on_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    # The workers get this process's sys.path (spmdrl.rewards.sandbox_worker), so they import it too.
+    monkeypatch.syspath_prepend(str(ENVS_DIR / V1_ENV))
+    yield
+    cached_env.cache_clear()
+
+
+def _reply(answer: str) -> str:
+    return f"1 + 1 = {answer}\n#### {answer}"
+
+
+def test_taskset_loads_as_single_turn_v1_with_a_held_out_split() -> None:
+    cfg = EnvConfig(source=SOURCE, args={"num_tasks": 50}, num_train=30, num_val=10)
+    loaded = load_env(cfg)
+    assert (loaded.generation, loaded.multi_turn, loaded.name) == (V1, False, V1_ENV)
+    assert type(loaded.env).__name__ == "TinyTaskset"
+    rows = env_rows(loaded, cfg)
+    assert (len(rows.train), len(rows.val), rows.val_from) == (30, 10, "held out of the dataset")
+    # The last 10 tasks validate, none of them trains.
+    train_idx = {json.loads(r["extra_info"][TASK_KEY])["idx"] for r in rows.train}
+    val_idx = {json.loads(r["extra_info"][TASK_KEY])["idx"] for r in rows.val}
+    assert val_idx == set(range(40, 50)) and train_idx == set(range(30))
+    row = rows.train[0]
+    assert row["data_source"] == SOURCE and row["prompt"][0]["role"] == "user"
+    assert row["reward_model"]["ground_truth"] == json.loads(row["extra_info"][TASK_KEY])["answer"]
+
+
+def test_reward_is_the_weighted_rewards_with_each_in_the_breakdown() -> None:
+    cfg = EnvConfig(source=SOURCE, args={"num_tasks": 12}, num_val=2)
+    row = env_rows(load_env(cfg), cfg).train[3]
+    answer, extra = row["reward_model"]["ground_truth"], row["extra_info"]
+    fn = env_reward(cfg)
+    right = fn(_reply(answer), answer, data_source=SOURCE, extra_info=extra)
+    wrong = fn(_reply(str(int(answer) + 1)), answer, data_source=SOURCE, extra_info=extra)
+    none = fn("no idea", answer, data_source=SOURCE, extra_info=extra)
+    assert right == {"score": 1.0, "correct_answer": 1.0, "has_answer": 1.0}
+    assert wrong == {"score": 0.0, "correct_answer": 0.0, "has_answer": 1.0}
+    assert none == {"score": 0.0, "correct_answer": 0.0, "has_answer": 0.0}
+
+
+def test_a_raising_or_hanging_reward_method_is_a_counted_failed_sample() -> None:
+    # fail_every=2: even answers raise; hang_every=5 (checked after): 5, 15 sleep past timeout_s.
+    cfg = EnvConfig(
+        source=SOURCE, args={"num_tasks": 60, "task": {"fail_every": 2, "hang_every": 5}}, num_val=0
+    )
+    by_kind: dict[str, list] = {"ok": [], "raises": [], "hangs": []}
+    for r in env_rows(load_env(cfg), cfg).train:
+        a = int(r["reward_model"]["ground_truth"])
+        by_kind["raises" if a % 2 == 0 else "hangs" if a % 5 == 0 else "ok"].append(r)
+    rows = by_kind["ok"][:3] + by_kind["raises"][:2] + by_kind["hangs"][:1]
+    inputs = [
+        RewardInput(
+            _reply(r["reward_model"]["ground_truth"]),
+            r["reward_model"]["ground_truth"],
+            SOURCE,
+            r["extra_info"],
+        )
+        for r in rows
+    ]
+    answers = [int(r["reward_model"]["ground_truth"]) for r in rows]
+    result = score_batch(env_reward(cfg), inputs, timeout_s=3.0, error_score=-1.0, num_workers=2)
+    assert (result.num_errors, result.num_timeouts) == (2, 1), answers
+    scores = result.scores_B.tolist()
+    for a, s, c in zip(answers, scores, result.extra["correct_answer"], strict=True):
+        ok = a % 2 == 1 and a % 5 != 0
+        assert s == (1.0 if ok else -1.0) and (c == 1.0 if ok else c != c)  # NaN: no breakdown
+
+
+def test_bad_args_and_a_missing_package_are_config_errors() -> None:
+    with pytest.raises(ConfigError, match=r"(?s)env.args do not fit TinyTasksetConfig.*num_taskz"):
+        load_env(EnvConfig(source=SOURCE, args={"num_taskz": 3}))
+    with pytest.raises(ConfigError, match=r"no environment package 'no-such-env' is installed.*pip install"):
+        load_env(EnvConfig(source="verifiers:no-such-env"))
+    with pytest.raises(ConfigError, match=r"<kind>:<name>"):
+        EnvConfig(source="no_such_kind:x")
+
+
+def test_verifiers_not_installed_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "verifiers", None)  # import verifiers raises ImportError
+    with pytest.raises(ConfigError, match=r'needs the verifiers package.*pip install -e "\.\[envs\]"'):
+        load_env(EnvConfig(source=SOURCE))
