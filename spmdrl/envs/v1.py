@@ -18,14 +18,13 @@ from spmdrl.errors import ConfigError
 
 def build_taskset(source: str, cls: type, args: dict[str, Any]) -> Any:
     """``cls`` configured by its TasksetConfig with the fields ``args`` (env.args)."""
-    from pydantic import ValidationError
     from verifiers.v1 import Taskset, TasksetConfig
     from verifiers.v1.utils.generic import concrete_type
 
     config_type = concrete_type(cls, TasksetConfig, origin=Taskset) or TasksetConfig
     try:
         config = config_type.model_validate({**args, "id": cls.__module__.split(".")[0]})
-    except ValidationError as e:
+    except ValueError as e:  # pydantic's ValidationError
         raise ConfigError(
             f"env.source={source}: env.args do not fit {config_type.__name__} (the fields of "
             f"{cls.__name__}'s config): {e}"
@@ -79,21 +78,25 @@ def task_row(task: Any) -> tuple[list[dict[str, Any]], str, dict[str, Any]]:
 def score(taskset: Any, payload: dict[str, Any], completion: list[dict[str, Any]]) -> dict[str, float]:
     """``{"score": total, <reward>: score, <metric>: value}`` of the task ``payload`` answered by
     ``completion`` (the reply's messages). Raises what a reward method raised."""
-    from pydantic import TypeAdapter
-    from verifiers.v1 import AgentConfig, Trace
+    from verifiers.v1 import AgentConfig, AssistantMessage, SystemMessage, ToolMessage, Trace, UserMessage
     from verifiers.v1.graph import MessageNode
     from verifiers.v1.trace import AgentInfo, TraceTask
-    from verifiers.v1.types import Message
+
+    by_role = {
+        "system": SystemMessage,
+        "user": UserMessage,
+        "assistant": AssistantMessage,
+        "tool": ToolMessage,
+    }
 
     task_cls = taskset.task_type()
     data = task_cls.data_type().model_validate(payload)
     task = task_cls(data, taskset.config.task)
-    adapter = TypeAdapter(Message)
     messages = [*prompt_messages(data), *completion]
     nodes = [
         MessageNode(
             parent=i - 1 if i else None,
-            message=adapter.validate_python(m),
+            message=by_role[m["role"]].model_validate(m),
             sampled=i >= len(messages) - len(completion) and m["role"] == "assistant",
         )
         for i, m in enumerate(messages)

