@@ -107,7 +107,7 @@ def check_env_or_reward_data(cfg: Config) -> str:
     if cfg.section(EnvConfig).enabled:
         from spmdrl.envs.setup import check_env
 
-        return check_env(cfg.section(EnvConfig))
+        return check_env(cfg.section(EnvConfig), cfg.reward.fn)
     return check_reward_data(cfg.data, cfg.reward.fn)
 
 

@@ -14,6 +14,13 @@ def _rows(rows: list[dict]) -> Dataset:
     )
 
 
+class RetryEnv(vf.MultiTurnEnv):
+    """A multi-turn variant: after each reply the user asks for the answer again (at most max_turns)."""
+
+    async def env_response(self, messages: vf.Messages, state: vf.State, **kwargs) -> vf.Messages:
+        return [vf.UserMessage(content="Check it and give the answer again after ####.")]
+
+
 def load_environment(
     num_train: int = 400,
     num_eval: int = 40,
@@ -22,6 +29,7 @@ def load_environment(
     fail_every: int = 0,
     hang_every: int = 0,
     raise_on_load: bool = False,
+    multi_turn: bool = False,
 ) -> vf.Environment:
     if raise_on_load:
         raise RuntimeError("the task server is unreachable")
@@ -41,6 +49,7 @@ def load_environment(
         return 1.0 if parser.parse_answer(completion) else 0.0
 
     rubric = vf.Rubric(funcs=[correct_answer, has_answer], weights=[1.0, 0.1], parser=parser)
-    return vf.SingleTurnEnv(
-        dataset=_rows(train), eval_dataset=_rows(test) if eval_split else None, parser=parser, rubric=rubric
-    )
+    datasets = {"dataset": _rows(train), "eval_dataset": _rows(test) if eval_split else None}
+    if multi_turn:
+        return RetryEnv(max_turns=2, **datasets, parser=parser, rubric=rubric)
+    return vf.SingleTurnEnv(**datasets, parser=parser, rubric=rubric)

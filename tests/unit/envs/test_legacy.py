@@ -20,7 +20,7 @@ PROBE = textwrap.dedent(
     import json, sys
     from spmdrl.envs.config import EnvConfig
     from spmdrl.envs.rows import env_rows
-    from spmdrl.envs.setup import env_reward, load_env
+    from spmdrl.envs.setup import check_env, env_reward, load_env
     from spmdrl.errors import ConfigError
 
     out = {}
@@ -38,6 +38,12 @@ PROBE = textwrap.dedent(
     held = EnvConfig(source=sys.argv[1], args={"num_train": 30, "eval_split": False}, num_val=5)
     held_rows = env_rows(load_env(held), held)
     out["held_out"] = [len(held_rows.train), len(held_rows.val), held_rows.val_from]
+    multi = EnvConfig(source=sys.argv[1], args={"num_train": 30, "multi_turn": True})
+    out["multi_turn"] = [load_env(multi).multi_turn, type(load_env(multi).env).__name__]
+    try:
+        check_env(multi)
+    except ConfigError as e:
+        out["multi_turn"].append(str(e))
     for args in ({"raise_on_load": True}, {"no_such_arg": 1}):
         try:
             load_env(EnvConfig(source=sys.argv[1], args=args))
@@ -80,6 +86,14 @@ def test_rubric_functions_weighted_and_each_in_the_breakdown(probe: dict[str, An
     assert right == {"score": pytest.approx(1.1), "correct_answer": 1.0, "has_answer": 1.0, "num_turns": 1.0}
     assert wrong == {"score": pytest.approx(0.1), "correct_answer": 0.0, "has_answer": 1.0, "num_turns": 1.0}
     assert none == {"score": 0.0, "correct_answer": 0.0, "has_answer": 0.0, "num_turns": 1.0}
+
+
+def test_a_multi_turn_env_is_told_apart_and_refused_until_the_agent_loop_serves_it(
+    probe: dict[str, Any],
+) -> None:
+    multi_turn, kind, error = probe["multi_turn"]
+    assert (multi_turn, kind) == (True, "RetryEnv")
+    assert "is multi-turn" in error and "single-turn environments only" in error
 
 
 def test_load_environment_raising_names_the_env_and_the_cause(probe: dict[str, Any]) -> None:

@@ -13,7 +13,7 @@ from spmdrl.envs.config import EnvConfig
 from spmdrl.envs.load import V1
 from spmdrl.envs.reward import cached_env
 from spmdrl.envs.rows import TASK_KEY, env_rows
-from spmdrl.envs.setup import env_reward, load_env
+from spmdrl.envs.setup import check_env, env_reward, load_env
 from spmdrl.errors import ConfigError
 from tests.vf_envs import ENVS_DIR, V1_ENV
 
@@ -75,3 +75,10 @@ def test_verifiers_not_installed_names_the_extra(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setitem(sys.modules, "verifiers", None)  # import verifiers raises ImportError
     with pytest.raises(ConfigError, match=r'needs the verifiers package.*pip install -e "\.\[envs\]"'):
         load_env(EnvConfig(source=SOURCE))
+
+
+def test_check_refuses_a_reward_fn_beside_the_environment() -> None:
+    cfg = EnvConfig(source=SOURCE, args={"num_tasks": 12}, num_val=2)
+    assert check_env(cfg).endswith("10 training prompts, 2 validation prompts (held out of the dataset)")
+    with pytest.raises(ConfigError, match=r"reward.fn=gsm8k would be ignored"):
+        check_env(cfg, reward_fn="gsm8k")
