@@ -8,6 +8,7 @@ each rank writes them to the same content-named files (spmdrl.envs.rows.write_ro
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from dataclasses import dataclass
@@ -56,9 +57,9 @@ def build_env_job(cfg: EnvConfig, cache_dir: Path, *, distributed: bool = True) 
 
         from spmdrl.distributed.env import broadcast_object
 
-        rows = broadcast_object(env_rows(loaded, cfg) if dist.get_rank() == 0 else None)
+        rows = broadcast_object(rows_of(cfg) if dist.get_rank() == 0 else None)
     else:
-        rows = env_rows(loaded, cfg)
+        rows = rows_of(cfg)
     train, val = write_rows(rows, cache_dir, loaded.name)
     log.info("environment %s: %s", loaded.describe(), rows.describe())
     return EnvJob(loaded, train, val, env_reward(cfg), rows)
@@ -74,7 +75,7 @@ def check_env(cfg: EnvConfig, reward_fn: str = "auto") -> str:
         )
     loaded = load_env(cfg)
     require_single_turn(loaded)
-    return f"{loaded.describe()}: {env_rows(loaded, cfg).describe()}"
+    return f"{loaded.describe()}: {rows_of(cfg).describe()}"
 
 
 def require_single_turn(loaded: LoadedEnv) -> None:
@@ -89,4 +90,21 @@ def require_single_turn(loaded: LoadedEnv) -> None:
 
 def env_train_rows(cfg: EnvConfig) -> int:
     """The training prompts the environment gives (the plan's rows for ``--check --world-size N``)."""
-    return len(env_rows(load_env(cfg), cfg).train)
+    return len(rows_of(cfg).train)
+
+
+def rows_of(cfg: EnvConfig) -> EnvRows:
+    """The environment's rows, made once per process (the start checks, the plan and the job all ask)."""
+    return _rows(cfg.source, _args_json(cfg), cfg.num_train, cfg.num_val)
+
+
+@functools.lru_cache(maxsize=4)
+def _rows(source: str, args_json: str, num_train: int, num_val: int) -> EnvRows:
+    cfg = EnvConfig(source=source, args=json.loads(args_json), num_train=num_train, num_val=num_val)
+    return env_rows(load_env(cfg), cfg)
+
+
+def forget_loaded() -> None:
+    """Drops this process's loaded environments and rows (tests that change the import path)."""
+    cached_env.cache_clear()
+    _rows.cache_clear()

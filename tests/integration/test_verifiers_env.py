@@ -15,9 +15,8 @@ from pathlib import Path
 import pytest
 
 from spmdrl.envs.config import EnvConfig
-from spmdrl.envs.reward import cached_env
 from spmdrl.envs.rows import env_rows
-from spmdrl.envs.setup import env_reward, load_env
+from spmdrl.envs.setup import env_reward, forget_loaded, load_env
 from spmdrl.logging.metrics import read_metrics
 from spmdrl.rewards.registry import RewardInput
 from spmdrl.rewards.sandbox import score_batch
@@ -82,7 +81,7 @@ def test_a_raising_or_hanging_reward_method_is_a_counted_failed_sample(
     pytest.importorskip("verifiers.v1", reason="verifiers 0.4 is not installed (the envs extra)")
     # The workers get this process's sys.path (spmdrl.rewards.sandbox_worker), so they import it too.
     monkeypatch.syspath_prepend(str(ENVS_DIR / V1_ENV))
-    cached_env.cache_clear()
+    forget_loaded()
     # fail_every=2: even answers raise; hang_every=5 (checked after): 5, 15 sleep past timeout_s.
     cfg = EnvConfig(
         source=f"verifiers:{V1_ENV}",

@@ -11,9 +11,8 @@ import pytest
 
 from spmdrl.envs.config import EnvConfig
 from spmdrl.envs.load import V1
-from spmdrl.envs.reward import cached_env
 from spmdrl.envs.rows import TASK_KEY, env_rows
-from spmdrl.envs.setup import check_env, env_reward, load_env
+from spmdrl.envs.setup import check_env, env_reward, forget_loaded, load_env
 from spmdrl.errors import ConfigError
 from tests.vf_envs import ENVS_DIR, V1_ENV
 
@@ -26,7 +25,7 @@ def v1_env_on_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     # The workers get this process's sys.path (spmdrl.rewards.sandbox_worker), so they import it too.
     monkeypatch.syspath_prepend(str(ENVS_DIR / V1_ENV))
     yield
-    cached_env.cache_clear()
+    forget_loaded()
 
 
 def _reply(answer: str) -> str:
