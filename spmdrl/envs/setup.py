@@ -51,7 +51,6 @@ def build_env_job(cfg: EnvConfig, cache_dir: Path, *, distributed: bool = True) 
     """The environment loaded on this rank and its rows (rank 0's, when ``distributed``) written under
     ``cache_dir``. Every rank calls it."""
     loaded = load_env(cfg)
-    require_single_turn(loaded)
     if distributed:
         import torch.distributed as dist
 
@@ -66,26 +65,15 @@ def build_env_job(cfg: EnvConfig, cache_dir: Path, *, distributed: bool = True) 
 
 
 def check_env(cfg: EnvConfig, reward_fn: str = "auto") -> str:
-    """``--check``'s line (and every rank's start check): reward.fn left alone, the environment loads, is
-    one this build serves, its rubric can be scored sample by sample, it has rows."""
+    """``--check``'s line (and every rank's start check): reward.fn left alone, the environment loads, its
+    rubric can be scored sample by sample, it has rows."""
     if reward_fn.strip() != "auto":
         raise ConfigError(
             f"env.source={cfg.source} scores with the environment's rubric, and reward.fn={reward_fn} would be "
             "ignored; leave reward.fn unset (auto), or drop env.source to train on data.train_files with it"
         )
     loaded = load_env(cfg)
-    require_single_turn(loaded)
     return f"{loaded.describe()}: {rows_of(cfg).describe()}"
-
-
-def require_single_turn(loaded: LoadedEnv) -> None:
-    """A multi-turn environment's turns need the agent loop that drives them (spmdrl/rollout/agent_loop.py);
-    until it serves them, one is refused rather than trained as if it had one turn."""
-    if loaded.multi_turn:
-        raise ConfigError(
-            f"env.source={loaded.source}: {loaded.describe()} is multi-turn, and this build serves single-turn "
-            "environments only (a verifiers SingleTurnEnv, or a v1 taskset without toolsets or Env)"
-        )
 
 
 def env_train_rows(cfg: EnvConfig) -> int:

@@ -20,7 +20,7 @@ PROBE = textwrap.dedent(
     import json, sys
     from spmdrl.envs.config import EnvConfig
     from spmdrl.envs.rows import env_rows
-    from spmdrl.envs.setup import check_env, env_reward, load_env
+    from spmdrl.envs.setup import env_reward, load_env
     from spmdrl.errors import ConfigError
 
     out = {}
@@ -40,10 +40,6 @@ PROBE = textwrap.dedent(
     out["held_out"] = [len(held_rows.train), len(held_rows.val), held_rows.val_from]
     multi = EnvConfig(source=sys.argv[1], args={"num_train": 30, "multi_turn": True})
     out["multi_turn"] = [load_env(multi).multi_turn, type(load_env(multi).env).__name__]
-    try:
-        check_env(multi)
-    except ConfigError as e:
-        out["multi_turn"].append(str(e))
     for args in ({"raise_on_load": True}, {"no_such_arg": 1}):
         try:
             load_env(EnvConfig(source=sys.argv[1], args=args))
