@@ -24,6 +24,7 @@ no model, tokenizer or engine is loaded.
 from __future__ import annotations
 
 import os
+from collections.abc import Collection
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,7 +32,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from spmdrl.config import Config
-from spmdrl.data import tiny_task, tools_task
+from spmdrl.data import reasoning_gym_task, tiny_task, tools_task
 from spmdrl.data.config import DataConfig
 from spmdrl.data.parquet import DataError, to_ground_truth
 from spmdrl.data.sources import ReadOptions, check_sources, read_entry, read_options
@@ -65,7 +66,7 @@ def _options(data: DataConfig, key: str) -> ReadOptions:
 
 def data_files(data: DataConfig) -> list[tuple[str, str]]:
     """(key, file) of every data file the run reads from disk (a built-in task's split is generated)."""
-    prefixes = ("tiny:", tools_task.PREFIX)
+    prefixes = ("tiny:", tools_task.PREFIX, reasoning_gym_task.PREFIX)
     return [
         (f"{key}[{i}]", name)
         for key, names in (("data.train_files", data.train_files), ("data.val_files", data.val_files))
@@ -74,9 +75,10 @@ def data_files(data: DataConfig) -> list[tuple[str, str]]:
     ]
 
 
-def check_reward_data(data: DataConfig, reward_fn: str) -> str:
-    """Every data file holds the reward's columns, and reward.fn scores each of its data sources; returns
-    a few words for ``--check``'s line. Raises DataError / ConfigError as the recipe's start would."""
+def check_reward_data(data: DataConfig, reward_fn: str, generated: Collection[str] = ()) -> str:
+    """Every data file holds the reward's columns, and reward.fn scores each of its data sources and the
+    ``generated`` ones (a reasoning-gym task's); returns a few words for ``--check``'s line. Raises
+    DataError / ConfigError as the recipe's start would."""
     from spmdrl.rewards.registry import check_data_sources, load_reward_fn
 
     load_reward_fn(reward_fn)  # as the recipe resolves it (a user's function: where workers import it)
@@ -91,6 +93,9 @@ def check_reward_data(data: DataConfig, reward_fn: str) -> str:
             column = "" if "data_source" in table.column_names else " (it has no data_source column)"
             raise type(e)(f"{key}={name}{column}: {e}") from None
         sources |= found
+    if generated:
+        check_data_sources(reward_fn, set(generated))
+        sources |= generated
     names = [*data.train_files, *data.val_files]
     if any(name.startswith("tiny:") for name in names):
         sources.add(tiny_task.DATA_SOURCE)
@@ -195,7 +200,9 @@ def check_rl_start(cfg: Config, roles: Roles | None, world: tuple[int, str] | No
     ROLES), and the SFT stage's columns (the sft entry's, an RL warm-start's)."""
     if roles is None:
         return check_sft_columns(cfg.data) if cfg.entry == "sft" else []
-    checked = [check_reward_data(cfg.data, cfg.reward.fn)]
+    lists = {"data.train_files": cfg.data.train_files, "data.val_files": cfg.data.val_files}
+    generated = reasoning_gym_task.check_entries(lists, cfg.section(reasoning_gym_task.ReasoningGymConfig))
+    checked = [check_reward_data(cfg.data, cfg.reward.fn, generated)]
     if cfg.warmstart.enabled and cfg.warmstart.entry == "sft":  # SFT on the same files before RL starts
         why = " (the warm-start, warmstart.enabled=true, trains on it; or set warmstart.enabled=false)"
         checked += check_sft_columns(cfg.data, why)
