@@ -47,11 +47,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from spmdrl.config import CONFIG_SECTIONS, Config, validate
 
-# The built-in tasks' sections (tiny_task, tools_task, and the reasoning-gym source's reasoning_gym) are
-# registered by the modules that own them; imported here so that every config (any recipe,
-# import_entry_module=False too) has them. All are light (pyarrow; reasoning-gym itself is imported only when
-# a task is named).
-from spmdrl.data import reasoning_gym_task, tiny_task, tools_task  # noqa: F401
+# The built-in tasks' sections (tiny_task, tools_task) are registered by the modules that own them; imported
+# here so that every config (any recipe, import_entry_module=False too) has them. Both are light (pyarrow).
+from spmdrl.data import tiny_task, tools_task  # noqa: F401
 from spmdrl.errors import ConfigError
 from spmdrl.imports import import_file
 from spmdrl.verl_keys import log_applied, translate, unknown_key_hint

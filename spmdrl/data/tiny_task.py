@@ -32,6 +32,9 @@ from pathlib import Path
 import pyarrow as pa
 
 from spmdrl.config_section import choice, register_config_section
+
+# reasoning_gym_task's import registers its section (reasoning_gym) wherever this module is imported, as
+# config_loader does for every config; it is light (reasoning-gym itself is imported only for a task).
 from spmdrl.data import reasoning_gym_task, tools_task
 from spmdrl.data.parquet import write_parquet_atomic
 from spmdrl.data.reasoning_gym_task import ReasoningGymConfig
