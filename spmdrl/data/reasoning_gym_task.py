@@ -162,8 +162,13 @@ def check_task(task: str, cfg: ReasoningGymConfig, key: str = "data.train_files"
     from reasoning_gym.factory import DATASETS
     from reasoning_gym.utils import SYSTEM_PROMPTS
 
-    if task not in DATASETS or task == "composite":
-        names = sorted(n for n in DATASETS if n != "composite")
+    if task == "composite":
+        raise ConfigError(
+            f"{key}: reasoning-gym's composite mixes tasks; list one entry per task instead "
+            "(data.train_files=[reasoning_gym:<a>:train,reasoning_gym:<b>:train], each its own data source)"
+        )
+    if task not in DATASETS:
+        names = task_names()
         close = difflib.get_close_matches(task, names, n=5, cutoff=0.5)
         hint = f" Close names: {', '.join(close)}." if close else ""
         raise ConfigError(

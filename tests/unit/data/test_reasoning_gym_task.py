@@ -135,6 +135,7 @@ def test_data_source_sets_both_splits_and_task_settings_load() -> None:
     ("files", "config", "message"),
     [
         (["reasoning_gym:leg_countin:train"], {}, r"no task 'leg_countin'\. Close names: leg_counting"),
+        (["reasoning_gym:composite:train"], {}, r"composite mixes tasks; list one entry per task"),
         (["reasoning_gym:leg_counting"], {}, r"names no split; use reasoning_gym:leg_counting:train"),
         (["reasoning_gym:leg_counting:val"], {}, r"has no split 'val'"),
         (
