@@ -24,7 +24,6 @@ no model, tokenizer or engine is loaded.
 from __future__ import annotations
 
 import os
-from collections.abc import Collection
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -75,10 +74,10 @@ def data_files(data: DataConfig) -> list[tuple[str, str]]:
     ]
 
 
-def check_reward_data(data: DataConfig, reward_fn: str, generated: Collection[str] = ()) -> str:
-    """Every data file holds the reward's columns, and reward.fn scores each of its data sources and the
-    ``generated`` ones (a reasoning-gym task's); returns a few words for ``--check``'s line. Raises
-    DataError / ConfigError as the recipe's start would."""
+def check_reward_data(data: DataConfig, reward_fn: str) -> str:
+    """Every data file holds the reward's columns, and reward.fn scores each of its data sources (a
+    reasoning-gym task's entry: its ``reasoning_gym/<task>``); returns a few words for ``--check``'s line.
+    Raises DataError / ConfigError as the recipe's start would."""
     from spmdrl.rewards.registry import check_data_sources, load_reward_fn
 
     load_reward_fn(reward_fn)  # as the recipe resolves it (a user's function: where workers import it)
@@ -93,10 +92,12 @@ def check_reward_data(data: DataConfig, reward_fn: str, generated: Collection[st
             column = "" if "data_source" in table.column_names else " (it has no data_source column)"
             raise type(e)(f"{key}={name}{column}: {e}") from None
         sources |= found
-    if generated:
-        check_data_sources(reward_fn, set(generated))
-        sources |= generated
     names = [*data.train_files, *data.val_files]
+    # A reasoning-gym task's rows are generated (the task and its settings: spmdrl.preflight's data check).
+    generated = {reasoning_gym_task.data_source(n) for n in names if reasoning_gym_task.is_entry(n)}
+    if generated:
+        check_data_sources(reward_fn, generated)
+        sources |= generated
     if any(name.startswith("tiny:") for name in names):
         sources.add(tiny_task.DATA_SOURCE)
     if any(name.startswith(tools_task.PREFIX) for name in names):
@@ -200,9 +201,7 @@ def check_rl_start(cfg: Config, roles: Roles | None, world: tuple[int, str] | No
     ROLES), and the SFT stage's columns (the sft entry's, an RL warm-start's)."""
     if roles is None:
         return check_sft_columns(cfg.data) if cfg.entry == "sft" else []
-    lists = {"data.train_files": cfg.data.train_files, "data.val_files": cfg.data.val_files}
-    generated = reasoning_gym_task.check_entries(lists, cfg.section(reasoning_gym_task.ReasoningGymConfig))
-    checked = [check_reward_data(cfg.data, cfg.reward.fn, generated)]
+    checked = [check_reward_data(cfg.data, cfg.reward.fn)]
     if cfg.warmstart.enabled and cfg.warmstart.entry == "sft":  # SFT on the same files before RL starts
         why = " (the warm-start, warmstart.enabled=true, trains on it; or set warmstart.enabled=false)"
         checked += check_sft_columns(cfg.data, why)

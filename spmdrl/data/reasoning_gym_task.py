@@ -140,6 +140,11 @@ def parse_entry(name: str, key: str = "data.train_files / data.val_files") -> Ta
     return TaskEntry(task, split)
 
 
+def data_source(name: str) -> str:
+    """The data source of a ``reasoning_gym:<task>:<split>`` entry's rows: ``reasoning_gym/<task>``."""
+    return reasoning_gym_score.PREFIX + parse_entry(name).task
+
+
 def source_files(source: str) -> tuple[list[str], list[str]]:
     """data.source's (train_files, val_files): ``reasoning_gym:<task>`` -> its train and test splits."""
     if not is_entry(source) or not source.removeprefix(PREFIX) or ":" in source.removeprefix(PREFIX):
