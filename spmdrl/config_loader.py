@@ -101,6 +101,8 @@ def check_key(dotted: str, schema: type = Config) -> None:
     cls: Any = schema
     walked: list[str] = []
     for part in dotted.split("."):
+        if typing.get_origin(cls) is dict:
+            return  # a mapping's keys are its values' names (reasoning_gym.config.<task>), not the schema's
         if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
             raise ConfigError(f"unknown config key '{dotted}': '{'.'.join(walked)}' has no sub-keys")
         fields = _field_types(cls)
@@ -330,6 +332,11 @@ def _composition_error(e: Exception, schema: type, recipe_path: Path | None) -> 
         except ConfigError as unknown:
             where = f" (in {recipe_path} or a YAML it starts from)" if recipe_path is not None else ""
             return ConfigError(f"{unknown}{where}")
+        if "not in struct" in str(cause):  # a new key of a mapping (reasoning_gym.config.<task>): Hydra's +
+            return ConfigError(
+                f"{full_key} is a new key of a mapping: on the command line add it with a leading +, "
+                f"+{full_key}=<value> (a whole entry: +{full_key}={{key: value}}), or set it in the recipe YAML"
+            )
     missing = re.search(r"Could not load 'recipe/([^']+)'", str(e))
     if missing and recipe_path is not None:
         name, recipes = missing.group(1), available_recipes()

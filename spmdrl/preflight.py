@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 from spmdrl import hub_probe
 from spmdrl.config import Config
-from spmdrl.data import tiny_task, tools_task
+from spmdrl.data import reasoning_gym_task, tiny_task, tools_task
 from spmdrl.data.config import DataConfig
 from spmdrl.data.parquet import DataError
 from spmdrl.data.sources import check_sources, read_options, resolve_entry
@@ -124,7 +124,9 @@ def check_data_files(cfg: Config) -> list[str]:
     a hub dataset's metadata): they exist, have rows and the prompt column. Returns the entries checked."""
     d = cfg.data
     names: list[str] = []
-    for key, files in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
+    lists = {"data.train_files": d.train_files, "data.val_files": d.val_files}
+    reasoning_gym_task.check_entries(lists, cfg.section(reasoning_gym_task.ReasoningGymConfig))
+    for key, files in lists.items():
         on_disk = [f for f in files if not _builtin_task_file(f, key)]
         if on_disk:
             check_sources(on_disk, [d.prompt_key], {d.prompt_key: "data.prompt_key"}, read_options(d, key))
@@ -133,7 +135,10 @@ def check_data_files(cfg: Config) -> list[str]:
 
 
 def _builtin_task_file(name: str, key: str) -> bool:
-    """Whether ``name`` is a built-in task's generated split (``tiny:train``); an unknown split is an error."""
+    """Whether ``name`` is a built-in task's generated split (``tiny:train``); an unknown split is an error.
+    A reasoning-gym task's entry is generated too (checked by reasoning_gym_task.check_entries)."""
+    if reasoning_gym_task.is_entry(name):
+        return True
     for prefix, splits in (("tiny:", tiny_task.SPLITS), (tools_task.PREFIX, tools_task.SPLITS)):
         if name.startswith(prefix):
             split = name.removeprefix(prefix)

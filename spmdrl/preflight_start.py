@@ -31,7 +31,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from spmdrl.config import Config
-from spmdrl.data import tiny_task, tools_task
+from spmdrl.data import reasoning_gym_task, tiny_task, tools_task
 from spmdrl.data.config import DataConfig
 from spmdrl.data.parquet import DataError, to_ground_truth
 from spmdrl.data.sources import ReadOptions, check_sources, read_entry, read_options
@@ -65,7 +65,7 @@ def _options(data: DataConfig, key: str) -> ReadOptions:
 
 def data_files(data: DataConfig) -> list[tuple[str, str]]:
     """(key, file) of every data file the run reads from disk (a built-in task's split is generated)."""
-    prefixes = ("tiny:", tools_task.PREFIX)
+    prefixes = ("tiny:", tools_task.PREFIX, reasoning_gym_task.PREFIX)
     return [
         (f"{key}[{i}]", name)
         for key, names in (("data.train_files", data.train_files), ("data.val_files", data.val_files))
@@ -75,8 +75,9 @@ def data_files(data: DataConfig) -> list[tuple[str, str]]:
 
 
 def check_reward_data(data: DataConfig, reward_fn: str) -> str:
-    """Every data file holds the reward's columns, and reward.fn scores each of its data sources; returns
-    a few words for ``--check``'s line. Raises DataError / ConfigError as the recipe's start would."""
+    """Every data file holds the reward's columns, and reward.fn scores each of its data sources (a
+    reasoning-gym task's entry: its ``reasoning_gym/<task>``); returns a few words for ``--check``'s line.
+    Raises DataError / ConfigError as the recipe's start would."""
     from spmdrl.rewards.registry import check_data_sources, load_reward_fn
 
     load_reward_fn(reward_fn)  # as the recipe resolves it (a user's function: where workers import it)
@@ -92,6 +93,11 @@ def check_reward_data(data: DataConfig, reward_fn: str) -> str:
             raise type(e)(f"{key}={name}{column}: {e}") from None
         sources |= found
     names = [*data.train_files, *data.val_files]
+    # A reasoning-gym task's rows are generated (the task and its settings: spmdrl.preflight's data check).
+    generated = {reasoning_gym_task.data_source(n) for n in names if reasoning_gym_task.is_entry(n)}
+    if generated:
+        check_data_sources(reward_fn, generated)
+        sources |= generated
     if any(name.startswith("tiny:") for name in names):
         sources.add(tiny_task.DATA_SOURCE)
     if any(name.startswith(tools_task.PREFIX) for name in names):

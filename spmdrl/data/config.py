@@ -34,8 +34,13 @@ class DataConfig:
     # spmdrl.data.sources. "tiny:train" / "tiny:test" name the built-in task's generated splits,
     # "tiny_tools:train" / "tiny_tools:test" those of the built-in tool task (their settings: the
     # tiny_task / tools_task sections, spmdrl.data.tiny_task / spmdrl.data.tools_task).
+    # "reasoning_gym:<task>:train" / ":test" those of a reasoning-gym task (spmdrl.data.reasoning_gym_task,
+    # its settings: the reasoning_gym section).
     train_files: list[str] = field(default_factory=lambda: ["tiny:train"])
     val_files: list[str] = field(default_factory=lambda: ["tiny:test"])
+    # A generated source as one setting: "reasoning_gym:<task>" sets train_files to its train split and
+    # val_files to its test split (replacing theirs). "": train_files and val_files as given.
+    source: str = ""
     # Directories and hub ids: the split of train_files and of val_files, and the dataset's config (TRL's
     # dataset_train_split, dataset_test_split, dataset_config). An entry's own ":split" wins.
     train_split: str = "train"
@@ -56,6 +61,12 @@ class DataConfig:
     overlong: str = choice("filter", ("filter", "error"))
     shuffle: bool = True
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.source:
+            from spmdrl.data.reasoning_gym_task import source_files
+
+            self.train_files, self.val_files = source_files(self.source)
 
     def check(self) -> None:
         for key, value in {

@@ -32,8 +32,12 @@ from pathlib import Path
 import pyarrow as pa
 
 from spmdrl.config_section import choice, register_config_section
-from spmdrl.data import tools_task
+
+# reasoning_gym_task's import registers its section (reasoning_gym) wherever this module is imported, as
+# config_loader does for every config; it is light (reasoning-gym itself is imported only for a task).
+from spmdrl.data import reasoning_gym_task, tools_task
 from spmdrl.data.parquet import write_parquet_atomic
+from spmdrl.data.reasoning_gym_task import ReasoningGymConfig
 from spmdrl.data.tools_task import ToolsTaskConfig
 from spmdrl.errors import ConfigError
 
@@ -269,14 +273,21 @@ def write_splits(out_dir: Path, cfg: TinyTaskConfig) -> dict[str, Path]:
 
 
 def resolve_data_files(
-    files: list[str], cache_dir: Path, cfg: TinyTaskConfig, tools_cfg: ToolsTaskConfig | None = None
+    files: list[str],
+    cache_dir: Path,
+    cfg: TinyTaskConfig,
+    tools_cfg: ToolsTaskConfig | None = None,
+    rgym_cfg: ReasoningGymConfig | None = None,
 ) -> list[Path]:
     """Maps ``"tiny:train"`` / ``"tiny:test"`` (and the tool task's ``"tiny_tools:train"`` /
-    ``"tiny_tools:test"``, generated with ``tools_cfg``, default ``ToolsTaskConfig()``) to generated
-    files under ``cache_dir``; other paths pass through."""
+    ``"tiny_tools:test"``, generated with ``tools_cfg``, default ``ToolsTaskConfig()``; a reasoning-gym
+    task's ``"reasoning_gym:<task>:<split>"``, with ``rgym_cfg``) to generated files under ``cache_dir``;
+    other paths pass through."""
     out: list[Path] = []
     for f in files:
-        if f.startswith(tools_task.PREFIX):
+        if reasoning_gym_task.is_entry(f):
+            out.append(reasoning_gym_task.resolve(f, cache_dir, rgym_cfg or ReasoningGymConfig()))
+        elif f.startswith(tools_task.PREFIX):
             out.append(tools_task.resolve(f, cache_dir, tools_cfg or ToolsTaskConfig()))
         elif f.startswith("tiny:"):
             split = f.removeprefix("tiny:")

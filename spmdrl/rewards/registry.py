@@ -33,7 +33,7 @@ from typing import Any
 from spmdrl.errors import ConfigError
 from spmdrl.imports import import_spec_of, is_import_path
 from spmdrl.registry import Registered, Registry
-from spmdrl.rewards import gsm8k, math_answers, tiny, tiny_tools
+from spmdrl.rewards import gsm8k, math_answers, reasoning_gym_score, tiny, tiny_tools
 from spmdrl.rewards.signature import CallStyle, call, call_style
 
 
@@ -138,6 +138,15 @@ def math_score(response: str, ground_truth: str, *, data_source: str, extra_info
     return math_answers.compute_score(response, ground_truth)
 
 
+# Not trusted: some tasks' scorers call sympy, and a few raise on answers they cannot parse; reasoning-gym's
+# import (about 2 s) is paid once per worker (spmdrl.rewards.reasoning_gym_score).
+@register_reward_fn("reasoning_gym")
+def reasoning_gym_rule(
+    response: str, ground_truth: str, *, data_source: str, extra_info: dict[str, Any]
+) -> dict[str, float]:
+    return reasoning_gym_score.compute_score(response, data_source, extra_info)
+
+
 # data_source column value -> the built-in rule that ``reward.fn=auto`` uses for it.
 DATA_SOURCE_FNS: dict[str, Callable[..., float]] = {
     "openai/gsm8k": gsm8k_score,
@@ -145,15 +154,29 @@ DATA_SOURCE_FNS: dict[str, Callable[..., float]] = {
     tiny_tools.DATA_SOURCE: tiny_tools_score,
     **dict.fromkeys(math_answers.DATA_SOURCES, math_score),
 }
+# data_source prefix -> the rule for every source that starts with it (``reasoning_gym/<task>``).
+DATA_SOURCE_PREFIX_FNS: dict[str, Callable[..., Any]] = {reasoning_gym_score.PREFIX: reasoning_gym_rule}
+
+
+def rule_for(data_source: str) -> Callable[..., Any] | None:
+    """The built-in rule ``reward.fn=auto`` uses for ``data_source``: by its name, else by its prefix."""
+    fn = DATA_SOURCE_FNS.get(data_source)
+    if fn is None:
+        fn = next((f for p, f in DATA_SOURCE_PREFIX_FNS.items() if data_source.startswith(p)), None)
+    return fn
+
+
+def _known_sources() -> str:
+    return ", ".join([*sorted(DATA_SOURCE_FNS), *(f"{p}<task>" for p in DATA_SOURCE_PREFIX_FNS)])
 
 
 @register_reward_fn("auto", trusted=True)
-def auto_score(response: str, ground_truth: str, *, data_source: str, extra_info: dict[str, Any]) -> float:
-    fn = DATA_SOURCE_FNS.get(data_source)
+def auto_score(response: str, ground_truth: str, *, data_source: str, extra_info: dict[str, Any]) -> Any:
+    fn = rule_for(data_source)
     if fn is None:
         raise UnknownDataSourceError(
             f"reward.fn=auto has no built-in reward for data_source {data_source!r} "
-            f"(known: {', '.join(sorted(DATA_SOURCE_FNS))}); set reward.fn to a registered one "
+            f"(known: {_known_sources()}); set reward.fn to a registered one "
             f"({', '.join(REWARD_FNS)}) or to your own function, e.g. reward.fn=my_pkg.my_mod:score"
         )
     return fn(response, ground_truth, data_source=data_source, extra_info=extra_info)
@@ -163,15 +186,24 @@ def check_data_sources(spec: str, data_sources: set[str]) -> None:
     """``reward.fn=auto`` must know every data_source in the data: checked at start, not at the first
     sample (after a warm-start and an engine build)."""
     math_answers.check_available(spec, data_sources)
+    _check_reasoning_gym(spec.strip(), data_sources)
     if spec.strip() != "auto":
         return
-    unknown = sorted(data_sources - set(DATA_SOURCE_FNS))
+    unknown = sorted(s for s in data_sources if rule_for(s) is None)
     if unknown:
         raise UnknownDataSourceError(
             f"reward.fn=auto has no built-in reward for data_source {', '.join(map(repr, unknown))} in the data "
-            f"(known: {', '.join(sorted(DATA_SOURCE_FNS))}); set reward.fn to a registered one "
+            f"(known: {_known_sources()}); set reward.fn to a registered one "
             f"({', '.join(REWARD_FNS)}) or to your own function, e.g. reward.fn=my_pkg.my_mod:score"
         )
+
+
+def _check_reasoning_gym(spec: str, data_sources: set[str]) -> None:
+    """reward.fn=reasoning_gym, or auto on a reasoning_gym/<task> source, needs the package (its extra)."""
+    rg_sources = sorted(s for s in data_sources if reasoning_gym_score.is_source(s))
+    if spec == "reasoning_gym" or (spec == "auto" and rg_sources):
+        on = f" on data_source {', '.join(map(repr, rg_sources))}" if rg_sources else ""
+        reasoning_gym_score.require(f"reward.fn={spec}{on}")
 
 
 def load_reward_fn(spec: str) -> RewardFn:

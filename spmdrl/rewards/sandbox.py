@@ -62,12 +62,12 @@ from typing import TYPE_CHECKING, Any
 
 from spmdrl.errors import ConfigError
 from spmdrl.rewards.registry import (
-    DATA_SOURCE_FNS,
     REWARD_FNS,
     RewardFn,
     RewardInput,
     auto_score,
     load_reward_fn,
+    rule_for,
 )
 from spmdrl.rewards.sandbox_pool import POOL_LOCK, Job, shared_pool
 from spmdrl.rewards.sandbox_worker import EXPECTED, Limits, Outcome, call_one, describe
@@ -172,7 +172,7 @@ def _untrusted_rule(fn: Callable[..., Any], data_source: str) -> RewardFn | None
     worker, not inline with auto), else None."""
     if not (isinstance(fn, RewardFn) and fn.fn is auto_score):
         return None
-    rule = DATA_SOURCE_FNS.get(data_source)
+    rule = rule_for(data_source)
     for name in REWARD_FNS:
         if REWARD_FNS[name] is rule and not REWARD_FNS.get(name).trusted:
             return load_reward_fn(name)

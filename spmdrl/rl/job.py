@@ -38,6 +38,7 @@ from spmdrl.checkpoint.checkpointer import Checkpointer, RoleState, checkpoint_r
 from spmdrl.checkpoint.export import write_hf_metadata
 from spmdrl.config import Config
 from spmdrl.data.prompts import PromptDataset
+from spmdrl.data.reasoning_gym_task import ReasoningGymConfig
 from spmdrl.data.sampler import DistributedSampler
 from spmdrl.data.sources import read_options
 from spmdrl.data.tiny_task import TinyTaskConfig, resolve_data_files
@@ -646,7 +647,11 @@ def load_prompts(
     d = run.cfg.data
     return PromptDataset(
         resolve_data_files(
-            files, run.cache_dir, run.cfg.section(TinyTaskConfig), run.cfg.section(ToolsTaskConfig)
+            files,
+            run.cache_dir,
+            run.cfg.section(TinyTaskConfig),
+            run.cfg.section(ToolsTaskConfig),
+            run.cfg.section(ReasoningGymConfig),
         ),
         tokenizer,
         prompt_key=d.prompt_key,

@@ -129,6 +129,7 @@ def check_val_only(cfg: Config) -> None:
 def train_rows(cfg: Config, cache_dir: Path) -> int:
     """The training prompts before any is dropped as overlong: the rows of data.train_files (a parquet
     file's footer; a built-in task's split is generated into ``cache_dir`` first, as the run would)."""
+    from spmdrl.data.reasoning_gym_task import ReasoningGymConfig
     from spmdrl.data.sources import check_sources, read_options
     from spmdrl.data.tiny_task import TinyTaskConfig, resolve_data_files
     from spmdrl.data.tools_task import ToolsTaskConfig
@@ -139,7 +140,11 @@ def train_rows(cfg: Config, cache_dir: Path) -> int:
 
         return env_train_rows(cfg.section(EnvConfig))
     files = resolve_data_files(
-        cfg.data.train_files, cache_dir, cfg.section(TinyTaskConfig), cfg.section(ToolsTaskConfig)
+        cfg.data.train_files,
+        cache_dir,
+        cfg.section(TinyTaskConfig),
+        cfg.section(ToolsTaskConfig),
+        cfg.section(ReasoningGymConfig),
     )
     views = check_sources(files, [cfg.data.prompt_key], options=read_options(cfg.data, "data.train_files"))
     return sum(v.num_rows for v in views)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from spmdrl.algos.losses import masked_cross_entropy
+from spmdrl.data.reasoning_gym_task import ReasoningGymConfig
 from spmdrl.data.sft import SFTBatch, SFTDataset, collate_sft
 from spmdrl.data.sources import read_options
 from spmdrl.data.tiny_task import TinyTaskConfig, resolve_data_files
@@ -22,7 +23,11 @@ def load_sft_dataset(
     d = run.cfg.data
     return SFTDataset(
         resolve_data_files(
-            files, run.cache_dir, run.cfg.section(TinyTaskConfig), run.cfg.section(ToolsTaskConfig)
+            files,
+            run.cache_dir,
+            run.cfg.section(TinyTaskConfig),
+            run.cfg.section(ToolsTaskConfig),
+            run.cfg.section(ReasoningGymConfig),
         ),
         tokenizer,
         prompt_key=d.prompt_key,

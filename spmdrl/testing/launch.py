@@ -93,3 +93,15 @@ def torchrun(
 def _kill_session(proc: subprocess.Popen) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
+
+
+def offline_trackers_env() -> dict[str, str]:
+    """The environment of a job that logs to wandb and MLflow without a server: wandb offline (its run
+    under output_dir/wandb/), MLflow's file store under output_dir (no tracking URI), and the shared
+    model cache, so the job does not rebuild the tiny model."""
+    return {
+        "SPMDRL_CACHE": os.environ.get("SPMDRL_CACHE", str(Path.home() / ".cache" / "spmdrl")),
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+        "MLFLOW_TRACKING_URI": "",
+    }

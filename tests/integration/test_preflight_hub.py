@@ -7,13 +7,12 @@ files, in-process, stay there in tests/unit/test_preflight.py.)"""
 
 from __future__ import annotations
 
-import http.server
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
+from spmdrl.testing.fake_hub import fake_hub
 from spmdrl.testing.spawn import free_port
 
 
@@ -55,30 +54,11 @@ def test_hub_id_in_the_cache_passes_offline(tmp_path: Path) -> None:
     assert "model.path=my-org/my-model (in the hub cache" in res.stdout
 
 
-class _MissingRepoHub(http.server.BaseHTTPRequestHandler):
-    """The hub's answer to model_info for a repository it does not have."""
-
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
-        self.send_response(404)
-        self.send_header("X-Error-Code", "RepoNotFound")
-        self.send_header("Content-Type", "application/json")
-        self.end_headers()
-        self.wfile.write(b'{"error": "Repository not found"}')
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
 def test_a_hub_id_the_hub_does_not_have(tmp_path: Path) -> None:
     # HF_ENDPOINT as a user sets it, read by huggingface_hub at import (the unit tier points its constant
     # at such a server in-process: tests/unit/test_preflight_start.py).
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _MissingRepoHub)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        res = _check_hub_id(tmp_path, HF_ENDPOINT=f"http://127.0.0.1:{server.server_address[1]}")
-    finally:
-        server.shutdown()
-        server.server_close()
+    with fake_hub(404) as (url, _):
+        res = _check_hub_id(tmp_path, HF_ENDPOINT=url)
     assert res.returncode == 2, res.stderr
     assert res.stderr.count("\n") == 1, res.stderr
     assert "model.path=my-org/my-model: the hub (http://127.0.0.1:" in res.stderr

@@ -6,14 +6,13 @@ samples as a table."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
 from spmdrl.logging.metrics import read_metrics
 from spmdrl.logging.samples import COLUMNS
-from spmdrl.testing.launch import torchrun
+from spmdrl.testing.launch import offline_trackers_env, torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -44,12 +43,7 @@ def test_sft_tiny_logs_to_tensorboard_wandb_and_mlflow(
         nproc=2,
         cwd=tmp_path,
         timeout_s=600,
-        env={
-            "SPMDRL_CACHE": os.environ.get("SPMDRL_CACHE", str(Path.home() / ".cache" / "spmdrl")),
-            "WANDB_MODE": "offline",
-            "WANDB_SILENT": "true",
-            "MLFLOW_TRACKING_URI": "",
-        },
+        env=offline_trackers_env(),
     )
     assert res.returncode == 0, res.output[-4000:]
     steps = [r["step"] for r in read_metrics(out / "metrics.jsonl")]

@@ -16,7 +16,7 @@ import pytest
 
 from spmdrl.logging.metrics import read_metrics
 from spmdrl.logging.samples import COLUMNS
-from spmdrl.testing.launch import torchrun
+from spmdrl.testing.launch import offline_trackers_env, torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -48,12 +48,7 @@ def _job(tmp_path: Path, out: Path, *overrides: str) -> str:
         nproc=2,
         cwd=tmp_path,
         timeout_s=900,
-        env={
-            "SPMDRL_CACHE": os.environ.get("SPMDRL_CACHE", str(Path.home() / ".cache" / "spmdrl")),
-            "WANDB_MODE": "offline",
-            "WANDB_SILENT": "true",
-            "MLFLOW_TRACKING_URI": "",
-        },
+        env=offline_trackers_env(),
     )
     assert res.returncode == 0, res.output[-5000:]
     return res.output

@@ -19,10 +19,8 @@ Not tested here, and why:
 
 from __future__ import annotations
 
-import http.server
 import json
 import re
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -31,6 +29,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from spmdrl.testing.fake_hub import HubHandler, fake_hub
 from spmdrl.train import parse_config
 
 _PROMPT = [{"role": "user", "content": "1+1?"}]
@@ -65,38 +64,17 @@ def _fake_vllm(d: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return []
 
 
-class _Hub(http.server.BaseHTTPRequestHandler):
-    """The hub's model_info endpoint, answering ``status`` (404: the hub's answer for a missing repo)."""
-
-    status = 404
-
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
-        self.send_response(self.status)
-        if self.status == 404:
-            self.send_header("X-Error-Code", "RepoNotFound")
-        self.send_header("Content-Type", "application/json")
-        self.end_headers()
-        self.wfile.write(b'{"error": "Repository not found"}')
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
 @pytest.fixture
-def hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[type[_Hub]]:
+def hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[type[HubHandler]]:
     from huggingface_hub import constants
 
-    handler = type("Hub", (_Hub,), {})
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    for name in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{server.server_address[1]}")
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    yield handler
-    server.shutdown()
-    server.server_close()
+    with fake_hub() as (url, handler):
+        for name in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+            monkeypatch.delenv(name, raising=False)
+        monkeypatch.setattr(constants, "ENDPOINT", url)
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+        monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+        yield handler
 
 
 def _model_dir(d: Path, **config: object) -> list[str]:
@@ -200,7 +178,7 @@ def test_what_the_start_would_refuse_fails_at_check(
 
 
 def test_a_misspelled_hub_model_id_fails_at_check(
-    hub: type[_Hub], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    hub: type[HubHandler], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     code, out, err = _check(capsys, "model.path=Qwen/Qwen2.5-0.5B-Instrukt")
@@ -210,7 +188,7 @@ def test_a_misspelled_hub_model_id_fails_at_check(
 
 
 def test_a_hub_that_does_not_answer_is_said_on_the_ok_line(
-    hub: type[_Hub], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    hub: type[HubHandler], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     hub.status = 500
