@@ -36,6 +36,7 @@ from spmdrl.data.config import DataConfig
 from spmdrl.data.parquet import DataError, to_ground_truth
 from spmdrl.data.sources import ReadOptions, check_sources, read_entry, read_options
 from spmdrl.derived import max_sequence_length
+from spmdrl.envs.config import EnvConfig
 from spmdrl.errors import ConfigError
 from spmdrl.models.config import ModelConfig
 from spmdrl.rollout.config import RolloutConfig
@@ -105,16 +106,14 @@ def check_reward_data(data: DataConfig, reward_fn: str) -> str:
     return f"reward.fn={reward_fn} on data_source {', '.join(map(repr, sorted(sources)))}"
 
 
-def check_env_or_reward_data(cfg: Config) -> str:
+def check_env_or_reward_data(env: EnvConfig, data: DataConfig, reward_fn: str) -> str:
     """env.source: the environment loads and gives rows its rubric can score (spmdrl.envs.setup); else
     the data files and reward.fn (check_reward_data)."""
-    from spmdrl.envs.config import EnvConfig
-
-    if cfg.section(EnvConfig).enabled:
+    if env.enabled:
         from spmdrl.envs.setup import check_env
 
-        return check_env(cfg.section(EnvConfig), cfg.reward.fn)
-    return check_reward_data(cfg.data, cfg.reward.fn)
+        return check_env(env, reward_fn)
+    return check_reward_data(data, reward_fn)
 
 
 def _check_ground_truth(column: pa.ChunkedArray, name: str) -> None:
@@ -213,7 +212,7 @@ def check_rl_start(cfg: Config, roles: Roles | None, world: tuple[int, str] | No
     ROLES), and the SFT stage's columns (the sft entry's, an RL warm-start's)."""
     if roles is None:
         return check_sft_columns(cfg.data) if cfg.entry == "sft" else []
-    checked = [check_env_or_reward_data(cfg)]
+    checked = [check_env_or_reward_data(cfg.section(EnvConfig), cfg.data, cfg.reward.fn)]
     if cfg.warmstart.enabled and cfg.warmstart.entry == "sft":  # SFT on the same files before RL starts
         why = " (the warm-start, warmstart.enabled=true, trains on it; or set warmstart.enabled=false)"
         checked += check_sft_columns(cfg.data, why)

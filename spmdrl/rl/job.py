@@ -37,6 +37,7 @@ from spmdrl.algos.kl_control import AdaptiveKLController, FixedKLController, bui
 from spmdrl.checkpoint.checkpointer import Checkpointer, RoleState, checkpoint_root
 from spmdrl.checkpoint.export import write_hf_metadata
 from spmdrl.config import Config
+from spmdrl.data.config import DataConfig
 from spmdrl.data.prompts import PromptDataset
 from spmdrl.data.reasoning_gym_task import ReasoningGymConfig
 from spmdrl.data.sampler import DistributedSampler
@@ -239,7 +240,7 @@ def build_job(cfg: Config, roles: Roles = NO_EXTRA_ROLES) -> RLJob:
     schemas = tool_schemas(tools) if tools else None
     # env.source: the environment's tasks are the prompts and its rubric the reward (spmdrl/envs/).
     env_job = build_env_job(cfg.section(EnvConfig), run.cache_dir) if cfg.section(EnvConfig).enabled else None
-    train_files, val_files = _prompt_files(cfg, env_job)
+    train_files, val_files = _prompt_files(cfg.data, env_job)
     train_ds = load_prompts(run, tokenizer, train_files, schemas)
     val_ds = load_prompts(run, tokenizer, val_files, schemas, key="data.val_files") if val_files else None
     plan = plan_job(cfg, env.world_size, len(train_ds), roles, device_type=env.device.type)
@@ -662,10 +663,10 @@ def load_prompts(
     )
 
 
-def _prompt_files(cfg: Config, env_job: EnvJob | None) -> tuple[list[str], list[str]]:
+def _prompt_files(data: DataConfig, env_job: EnvJob | None) -> tuple[list[str], list[str]]:
     """data.train_files and data.val_files, or the environment's rows in their place (env.source)."""
     if env_job is None:
-        return cfg.data.train_files, cfg.data.val_files
+        return data.train_files, data.val_files
     return [str(env_job.train_file)], [str(env_job.val_file)] if env_job.val_file else []
 
 
