@@ -3,7 +3,7 @@
 verifiers 0.4 is the installed one (the ``envs`` extra); the 0.3.x API the legacy environment needs comes
 from verifiers 0.3.1 installed beside it (torchrun_scripts/setup_cpu.sh: ``.venv/verifiers-legacy``), first
 on the subprocess's PYTHONPATH. The environments are imported from their directories (their pyproject.toml
-installs them the same way; tests/unit/envs/test_load.py installs one with pip, offline).
+installs them the same way, ``pip install -e tests/envs/<name>``).
 """
 
 from __future__ import annotations
