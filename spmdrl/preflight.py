@@ -36,6 +36,7 @@ from spmdrl.data import reasoning_gym_task, tiny_task, tools_task
 from spmdrl.data.config import DataConfig
 from spmdrl.data.parquet import DataError
 from spmdrl.data.sources import check_sources, read_options, resolve_entry
+from spmdrl.envs.config import EnvConfig
 from spmdrl.errors import ConfigError
 from spmdrl.models.families import LINEAR_MODULES, check_architecture
 from spmdrl.models.load import check_model_path
@@ -56,7 +57,10 @@ def check_inputs(
     engine's release, the plan on ``world``, (ranks, where that came from)); returns what was checked, for
     ``--check``'s line. Raises spmdrl.data.parquet.DataError (a data file) or ConfigError (the rest), each
     naming the key, the file and the fix."""
-    checked = [f"data ({', '.join(check_data_files(cfg))})"]
+    checked = []
+    # env.source replaces the data files as the prompts; an SFT warm-start still reads them.
+    if not cfg.section(EnvConfig).enabled or (cfg.warmstart.enabled and cfg.warmstart.entry == "sft"):
+        checked.append(f"data ({', '.join(check_data_files(cfg))})")
     checked.append(check_model(cfg.model.path, "model.path"))
     if cfg.critic.model_path:
         checked.append(check_model(cfg.critic.model_path, "critic.model_path", critic=True))

@@ -126,7 +126,8 @@ def parse_config(argv: list[str], *, import_entry: bool = True) -> Config:
     if check_only:
         # Exits 2 if the job does not fit the ranks.
         plan = _plan_lines(cfg, roles, world_size) if world_size is not None else []
-        if not any(c.startswith("reward.fn=") for c in checked):  # an RL recipe's names its data sources
+        # An RL recipe's names its data sources; an environment's rubric is the reward (env.source).
+        if not any(c.startswith(("reward.fn=", "verifiers:")) for c in checked):
             checked.append(f"reward.fn={cfg.reward.fn}")
         print(f"spmdrl: config ok: recipe {cfg.name} (entry {cfg.entry}); {'; '.join(checked)}")
         print("\n".join(plan), end="\n" if plan else "")

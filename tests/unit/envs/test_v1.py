@@ -14,6 +14,7 @@ from spmdrl.envs.load import V1
 from spmdrl.envs.rows import TASK_KEY, env_rows
 from spmdrl.envs.setup import check_env, env_reward, forget_loaded, load_env
 from spmdrl.errors import ConfigError
+from spmdrl.train import parse_config  # at import: it enables faulthandler on the real stderr
 from tests.vf_envs import ENVS_DIR, V1_ENV
 
 pytest.importorskip("verifiers.v1", reason="verifiers 0.4 is not installed (the envs extra)")
@@ -81,3 +82,14 @@ def test_check_refuses_a_reward_fn_beside_the_environment() -> None:
     assert check_env(cfg).endswith("10 training prompts, 2 validation prompts (held out of the dataset)")
     with pytest.raises(ConfigError, match=r"reward.fn=gsm8k would be ignored"):
         check_env(cfg, reward_fn="gsm8k")
+
+
+def test_check_line_names_the_environment_not_the_data_files(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--check`` with env.source: the environment's line; the data files (unread without an SFT warm-start)
+    and reward.fn (the rubric is the reward) are not reported as what the run uses."""
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(["recipe=grpo_tiny", f"env.source={SOURCE}", "warmstart.enabled=false", "--check"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code in (0, None), out
+    assert f"{SOURCE} (TinyTaskset, single-turn" in out
+    assert "data (" not in out and "reward.fn=" not in out
