@@ -67,14 +67,23 @@ def task_row(row: dict[str, Any]) -> tuple[list[dict[str, Any]], str, dict[str, 
     return messages, "" if answer is None else str(answer), row
 
 
-def score(env: Any, payload: dict[str, Any], completion: list[dict[str, Any]]) -> dict[str, float]:
+def score(
+    env: Any,
+    payload: dict[str, Any],
+    completion: list[dict[str, Any]],
+    env_state: dict[str, Any] | None = None,
+) -> dict[str, float]:
     """``{"score": weighted sum, <function>: its score, ...}`` of ``completion`` (the reply's messages)
-    answering ``payload`` (a dataset row). Raises what a reward function raised."""
-    return asyncio.run(_score(env, payload, completion))
+    answering ``payload`` (a dataset row). ``env_state``: what a multi-turn environment kept in its state
+    (spmdrl.rollout.vf_turns), which its reward functions may read. Raises what a reward function raised."""
+    return asyncio.run(_score(env, payload, completion, env_state or {}))
 
 
-async def _score(env: Any, payload: dict[str, Any], completion: list[dict[str, Any]]) -> dict[str, float]:
+async def _score(
+    env: Any, payload: dict[str, Any], completion: list[dict[str, Any]], env_state: dict[str, Any]
+) -> dict[str, float]:
     state = _state(payload, completion)
+    state.update({k: v for k, v in env_state.items() if k not in state})
     out: dict[str, float] = {}
     total = 0.0
     for rubric, func, weight in reward_funcs(env.rubric):

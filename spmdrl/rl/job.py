@@ -266,7 +266,9 @@ def build_job(cfg: Config, roles: Roles = NO_EXTRA_ROLES) -> RLJob:
         engines_on_node=ranks_on_node(rollout_ranks, env.rank, local_world_size),
     )
     # Multi-turn: the chat template must render tool turns, the parser must load (before the warm-start).
-    agent = build_agent_loop(cfg, tokenizer, tools, max_model_len=rl.max_model_len)
+    agent = build_agent_loop(
+        cfg, tokenizer, tools, max_model_len=rl.max_model_len, env=env_job.loaded if env_job else None
+    )
     reward_fn = env_job.reward_fn if env_job else load_reward_fn(cfg.reward.fn)
     check_model_rewards(cfg.reward_model)  # reward_model.path's files, before the warm-start
     if env_job is None:

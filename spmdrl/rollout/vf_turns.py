@@ -1,0 +1,229 @@
+"""A verifiers 0.3.x ``MultiTurnEnv`` driven turn by turn in spmdrl's agent loop (a TurnEnv).
+
+verifiers runs a multi-turn rollout itself (``MultiTurnEnv.rollout``: ask a client for the model's reply,
+ask the env for the next messages, until a stop condition fires). Here spmdrl's engine samples the replies
+(token ids and logprobs kept as sampled), so the env's own steps are called in rollout's order instead, on
+a state made as rollout makes it: ``init_state`` (with an in-process client object that never serves a
+request: the engine answers) and ``setup_state`` when a trajectory opens; after each assistant turn
+``add_trajectory_step``, ``is_completed`` (its stop conditions) and ``get_prompt_messages`` (which calls
+``env_response``); ``cleanup`` at the end. No HTTP server and no model client are involved.
+
+What ends a trajectory here (the loop's other ends, length, max_turns and the deadline, stay as they are):
+
+- a stop condition: ``stop`` (``max_turns`` for the env's own max_turns; ``env_error`` for its has_error);
+- ``env_error``: a call raised (its cause logged once per env);
+- ``env_timeout``: a call did not return within ``call_timeout_s`` (it is abandoned in its thread);
+- ``env_rewrite``: the env's next prompt does not continue the conversation so far (it rewrote or dropped
+  earlier messages), so the trajectory's ids could not be a prefix of the next turn's prompt.
+
+The conversation after the prompt (as the model saw it) and the JSON-safe part of the state go to the
+reward's extra_info (``env_completion``, ``env_state``: spmdrl.envs.reward scores them with the rubric).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import logging
+import threading
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from spmdrl.envs.load import LoadedEnv
+from spmdrl.envs.reward import COMPLETION_KEY, STATE_KEY
+from spmdrl.envs.rows import TASK_KEY
+from spmdrl.rollout.turn_env import TurnReply
+
+log = logging.getLogger(__name__)
+
+# verifiers' own state entries, rebuilt by the reward from the task and the completion (or not JSON).
+_STATE_OWN = {
+    "input", "task", "prompt", "completion", "trajectory", "client", "model", "sampling_args", "timing",
+    "tool_defs", "usage", "usage_tracker", "trajectory_id", "reward", "metrics", "error", "is_completed",
+    "is_truncated", "final_env_response",
+}  # fmt: skip
+# The model verifiers' state records (the engine is not a named model).
+MODEL = "spmdrl-engine"
+
+
+class EnvCallTimeout(Exception):
+    pass
+
+
+@dataclass
+class _Session:
+    state: Any = None
+    sent: list[Any] | None = None  # the conversation the last turn was sampled after (verifiers messages)
+    end: str = ""  # set when the session could not open: the first reply ends the trajectory with it
+
+
+class VfTurnEnv:
+    """The turns of a loaded 0.3.x multi-turn environment (``LoadedEnv.multi_turn``)."""
+
+    def __init__(self, loaded: LoadedEnv, *, call_timeout_s: float) -> None:
+        self.env = loaded.env
+        self.source = loaded.source
+        self.call_timeout_s = call_timeout_s
+        self._vf = importlib.import_module("verifiers.legacy")
+        self._client = _engine_client(self._vf)
+        self._logged = False
+
+    def open(self, context: Mapping[str, Any]) -> _Session:
+        row = json.loads(context[TASK_KEY])
+
+        async def start() -> Any:
+            state = await self.env.init_state(row, self._client, MODEL)
+            return (await self.env.setup_state(state)) or state
+
+        session = _Session()
+        session.end = self._guard(lambda: self._start(session, start))
+        return session
+
+    def _start(self, session: _Session, start: Callable[[], Coroutine[Any, Any, Any]]) -> str:
+        session.state = self._call(start)
+        session.sent = list(session.state["prompt"])
+        return ""
+
+    def reply(self, session: _Session, text: str) -> TurnReply:
+        if session.end:
+            return TurnReply(end=session.end)
+        outcome: list[TurnReply] = []
+        failed = self._guard(lambda: outcome.append(self._turn(session, text)) or "")
+        answer = TurnReply(end=failed) if failed else outcome[0]
+        session.end = answer.end  # an ended conversation stays ended (the loop asks no more)
+        return answer
+
+    def _turn(self, session: _Session, text: str) -> TurnReply:
+        vf, env, state = self._vf, self.env, session.state
+        assert session.sent is not None
+        said = vf.AssistantMessage(content=text)
+        step = {
+            "prompt": session.sent,
+            "completion": [said],
+            "response": None,  # no client response: the engine sampled the turn
+            "tokens": None,
+            "reward": None,
+            "advantage": None,
+            "is_truncated": False,
+            "trajectory_id": state["trajectory_id"],
+            "extras": {},
+        }
+
+        async def turn() -> Any:
+            await env.add_trajectory_step(state, step)
+            if await env.is_completed(state):
+                return None
+            return await env.get_prompt_messages(state)
+
+        prompt = self._call(turn)
+        if prompt is None:
+            return TurnReply(end=_stop_reason(state.get("stop_condition")))
+        so_far = [*session.sent, said]
+        if [_plain(m) for m in prompt[: len(so_far)]] != [_plain(m) for m in so_far]:
+            self._log_once("its next prompt does not continue the conversation (ended env_rewrite)")
+            return TurnReply(end="env_rewrite")
+        session.sent = list(prompt)
+        new = [_plain(m) for m in prompt[len(so_far) :]]
+        # env_response's final_env_response: its last words, after which no turn is sampled.
+        return TurnReply(new, end="stop" if state.get("final_env_response") is not None else "")
+
+    def finish(self, session: _Session, messages: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        """The conversation for the rubric, and the env's state; never raises (cleanup's errors are logged)."""
+        if session.state is None:
+            return {}
+        state = session.state
+        self._guard(lambda: self._cleanup(state))
+        return {COMPLETION_KEY: [dict(m) for m in messages], STATE_KEY: _json_safe(state)}
+
+    def _cleanup(self, state: Any) -> str:
+        self._call(lambda: self.env.cleanup(state))
+        return ""
+
+    def _guard(self, fn: Callable[[], str]) -> str:
+        """``fn()``'s end reason, or env_timeout / env_error when it hung or raised."""
+        try:
+            return fn()
+        except EnvCallTimeout:
+            self._log_once(f"a call took over {self.call_timeout_s:g} s (rollout.multi_turn.tool_timeout_s)")
+            return "env_timeout"
+        except Exception as e:
+            self._log_once(f"a call raised {type(e).__name__}: {e}", exc=e)
+            return "env_error"
+
+    def _call(self, make: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
+        """``make()``'s coroutine run to its end on an event loop of its own, in a thread of its own, so a
+        call that blocks or hangs is abandoned after call_timeout_s without holding up the other
+        trajectories (verifiers' env methods are async; nothing else runs an event loop here)."""
+        box: dict[str, Any] = {}
+
+        def target() -> None:
+            try:
+                box["value"] = asyncio.run(make())
+            except BaseException as e:  # handed to the caller
+                box["error"] = e
+
+        thread = threading.Thread(target=target, name="vf-env", daemon=True)
+        thread.start()
+        thread.join(self.call_timeout_s)
+        if thread.is_alive():
+            raise EnvCallTimeout
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
+
+    def _log_once(self, what: str, exc: BaseException | None = None) -> None:
+        if not self._logged:
+            self._logged = True
+            log.warning("env.source=%s: %s; the trajectory's reward counts as failed (reward/errors)",
+                        self.source, what, exc_info=exc)  # fmt: skip
+
+
+def _stop_reason(condition: Any) -> str:
+    return {"has_error": "env_error", "max_turns_reached": "max_turns"}.get(str(condition), "stop")
+
+
+def _plain(message: Any) -> dict[str, Any]:
+    """A verifiers message as the chat template renders it: role and text."""
+    from spmdrl.envs.legacy import _text
+
+    role = message["role"] if isinstance(message, dict) else message.role
+    content = message.get("content") if isinstance(message, dict) else message.content
+    return {"role": str(role), "content": _text(content)}
+
+
+def _json_safe(state: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in dict(state).items():
+        if key in _STATE_OWN:
+            continue
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError):
+            continue
+        out[key] = value
+    return out
+
+
+def _engine_client(vf: Any) -> Any:
+    """A verifiers Client that the state holds (init_state needs one) and that serves nothing: spmdrl's
+    engine samples every assistant turn, so a call to it is a bug of this module."""
+    from verifiers.legacy.clients import Client
+
+    class EngineClient(Client):  # type: ignore[misc]
+        def setup_client(self, config: Any) -> Any:
+            return None
+
+        async def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError(
+                "spmdrl's engine samples the replies; the environment asked its client for one"
+            )
+
+        to_native_tool = to_native_prompt = get_native_response = _refuse
+        raise_from_native_response = from_native_response = _refuse
+
+        async def close(self) -> None:
+            return None
+
+    return EngineClient(None)
