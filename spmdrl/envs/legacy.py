@@ -101,7 +101,7 @@ async def _score(
 
 
 def _state(payload: dict[str, Any], completion: list[dict[str, Any]]) -> Any:
-    """The rollout State a rubric reads (as Environment.init_state makes it), after one reply."""
+    """The rollout State a rubric reads (as Environment.init_state makes it), after the completion's turns."""
     vf = importlib.import_module("verifiers.legacy")
     types = importlib.import_module("verifiers.legacy.types")
     messages = importlib.import_module("verifiers.legacy.utils.message_utils")
@@ -113,7 +113,12 @@ def _state(payload: dict[str, Any], completion: list[dict[str, Any]]) -> Any:
     state["task"] = task
     state["prompt"] = messages.normalize_messages(row.get("prompt") or [], field_name="input.prompt")
     state["completion"] = messages.normalize_messages(completion, field_name="completion")
-    state["trajectory"] = [{"prompt": state["prompt"], "completion": state["completion"]}]
+    # One step per assistant turn, as a rollout records them (a MultiTurnEnv's num_turns metric counts them).
+    said = [i for i, m in enumerate(state["completion"]) if m.role == "assistant"] or [len(completion) - 1]
+    state["trajectory"] = [
+        {"prompt": state["prompt"] + state["completion"][:i], "completion": state["completion"][i : i + 1]}
+        for i in said
+    ]
     state.update(is_completed=True, is_truncated=False, stop_condition=None, error=None, reward=None)
     return state
 

@@ -317,10 +317,10 @@ class AgentLoop:
         messages = [
             {**m, "content": self._cut(m["content"])} if m["role"] == "tool" else m for m in reply.messages
         ]
-        t.messages += messages
         obs = self.codec.observation_ids(messages)
         if len(obs) >= self._room(t):  # not even one sampled token would fit after it
             return (t.index, None, "tool_overflow", counts)
+        t.messages += messages
         return (t.index, obs, "", counts)
 
     def _cut(self, text: str) -> str:

@@ -2,8 +2,9 @@
 
 The game ends when a guess is right (a stop condition) or after max_turns guesses; the rubric rewards the
 last guess being right and reads the guesses the environment kept in its state. Arguments that make it
-fail on purpose, for the tests: ``raise_on_turn=k`` (env_response raises at the k-th answer),
-``hang_on_turn=k`` (it sleeps there), ``rewrite_on_turn=k`` (it rewrites the first user message there).
+fail on purpose, for the tests: ``raise_on_turn=k`` (env_response raises at the k-th answer; with
+``raise_secrets``, only in the games of those secrets), ``hang_on_turn=k`` (it sleeps there),
+``rewrite_on_turn=k`` (it rewrites the first user message there).
 """
 
 import asyncio
@@ -44,7 +45,9 @@ class GuessEnv(vf.MultiTurnEnv):
 
     async def env_response(self, messages: vf.Messages, state: vf.State, **kwargs) -> vf.Messages:
         turn = len(state["trajectory"])
-        if turn == self.raise_on_turn:
+        if turn == self.raise_on_turn and (
+            not self.raise_secrets or int(state["answer"]) in self.raise_secrets
+        ):
             raise RuntimeError("the game server went away")
         if turn == self.hang_on_turn:
             await asyncio.sleep(3600)
@@ -62,6 +65,7 @@ def load_environment(
     high: int = 9,
     max_turns: int = 3,
     raise_on_turn: int = 0,
+    raise_secrets: tuple[int, ...] = (),
     hang_on_turn: int = 0,
     rewrite_on_turn: int = 0,
 ) -> vf.Environment:
@@ -84,6 +88,7 @@ def load_environment(
     rubric = vf.Rubric(funcs=[won, guesses_made], weights=[1.0, 0.0])
     return GuessEnv(
         raise_on_turn=raise_on_turn,
+        raise_secrets=raise_secrets,
         hang_on_turn=hang_on_turn,
         rewrite_on_turn=rewrite_on_turn,
         max_turns=max_turns,
