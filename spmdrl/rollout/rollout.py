@@ -226,7 +226,10 @@ def build_agent_loop(
         from spmdrl.rollout.vf_turns import VfTurnEnv
 
         assert env is not None
-        turn_env, what, schemas = VfTurnEnv(env, call_timeout_s=mt.tool_timeout_s), env.source, None
+        from spmdrl.rollout.vf_turns import tool_schemas as env_tool_schemas
+
+        turn_env, what = VfTurnEnv(env, call_timeout_s=mt.tool_timeout_s), env.source
+        schemas = env_tool_schemas(env)
     else:
         assert tools is not None
         executor = ToolExecutor(

@@ -18,6 +18,10 @@ What ends a trajectory here (the loop's other ends, length, max_turns and the de
 
 The conversation after the prompt (as the model saw it) and the JSON-safe part of the state go to the
 reward's extra_info (``env_completion``, ``env_state``: spmdrl.envs.reward scores them with the rubric).
+
+A ``ToolEnv`` (an env with ``tool_defs``): the prompts describe its tools to the model through the chat
+template (:func:`tool_schemas`), and an assistant turn's ``<tool_call>`` blocks (hermes format) become the
+message's ``tool_calls``, which its ``env_response`` runs and its ``no_tools_called`` stop reads.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from spmdrl.envs.load import LoadedEnv
 from spmdrl.envs.reward import COMPLETION_KEY, STATE_KEY
 from spmdrl.envs.rows import TASK_KEY
 from spmdrl.rollout.turn_env import TurnReply
+from spmdrl.tools.parser import get_parser
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +74,8 @@ class VfTurnEnv:
         self._vf = importlib.import_module("verifiers.legacy")
         self._client = _engine_client(self._vf)
         self._logged = False
+        # An env with tools reads the turn's calls from the message (ToolEnv's env_response).
+        self._parse = get_parser("hermes") if tool_schemas(loaded) else None
 
     def open(self, context: Mapping[str, Any]) -> _Session:
         row = json.loads(context[TASK_KEY])
@@ -96,9 +103,9 @@ class VfTurnEnv:
         return answer
 
     def _turn(self, session: _Session, text: str) -> TurnReply:
-        vf, env, state = self._vf, self.env, session.state
+        env, state = self.env, session.state
         assert session.sent is not None
-        said = vf.AssistantMessage(content=text)
+        said = self._assistant(text)
         step = {
             "prompt": session.sent,
             "completion": [said],
@@ -125,7 +132,7 @@ class VfTurnEnv:
             self._log_once("its next prompt does not continue the conversation (ended env_rewrite)")
             return TurnReply(end="env_rewrite")
         session.sent = list(prompt)
-        new = [_plain(m) for m in prompt[len(so_far) :]]
+        new = [_message(m) for m in prompt[len(so_far) :]]
         # env_response's final_env_response: its last words, after which no turn is sampled.
         return TurnReply(new, end="stop" if state.get("final_env_response") is not None else "")
 
@@ -135,7 +142,22 @@ class VfTurnEnv:
             return {}
         state = session.state
         self._guard(lambda: self._cleanup(state))
-        return {COMPLETION_KEY: [dict(m) for m in messages], STATE_KEY: _json_safe(state)}
+        completion = [
+            self._assistant(m["content"]).model_dump(exclude_none=True)
+            if m["role"] == "assistant"
+            else dict(m)
+            for m in messages
+        ]
+        return {COMPLETION_KEY: completion, STATE_KEY: _json_safe(state)}
+
+    def _assistant(self, text: str) -> Any:
+        """The turn as verifiers' message: its text, and the tool calls written in it (an env with tools)."""
+        calls = self._parse(text).calls if self._parse is not None else []
+        tool_calls = [
+            self._vf.ToolCall(id=f"call_{i}", name=c.name, arguments=json.dumps(c.arguments))
+            for i, c in enumerate(calls)
+        ]
+        return self._vf.AssistantMessage(content=text, tool_calls=tool_calls or None)
 
     def _cleanup(self, state: Any) -> str:
         self._call(lambda: self.env.cleanup(state))
@@ -191,6 +213,28 @@ def _plain(message: Any) -> dict[str, Any]:
     role = message["role"] if isinstance(message, dict) else message.role
     content = message.get("content") if isinstance(message, dict) else message.content
     return {"role": str(role), "content": _text(content)}
+
+
+def _message(message: Any) -> dict[str, Any]:
+    """An env message for the chat template and the rubric: role, text, and a tool message's call id."""
+    out = _plain(message)
+    call_id = message.get("tool_call_id")
+    if call_id is not None:
+        out["tool_call_id"] = str(call_id)
+    return out
+
+
+def tool_schemas(loaded: LoadedEnv) -> list[dict[str, Any]] | None:
+    """The environment's tools (a ToolEnv's ``tool_defs``) as the chat template's function schemas; None
+    when it has none."""
+    defs = getattr(loaded.env, "tool_defs", None) or []
+    return [
+        {
+            "type": "function",
+            "function": {"name": d.name, "description": d.description, "parameters": d.parameters},
+        }
+        for d in defs
+    ] or None
 
 
 def _json_safe(state: Any) -> dict[str, Any]:

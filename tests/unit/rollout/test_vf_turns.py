@@ -1,7 +1,8 @@
 """A verifiers 0.3.x MultiTurnEnv's turns (spmdrl.rollout.vf_turns) on the real verifiers objects:
 tests/envs/vf_guess_legacy (a number-guessing game) driven turn by turn as the agent loop drives it, in a
 subprocess whose PYTHONPATH puts verifiers 0.3.1 (its legacy API) first; the env's failures (raise, hang,
-rewrite) as end reasons; its conversation and state scored by the rubric in the reward's signature."""
+rewrite) as end reasons; its conversation and state scored by the rubric in the reward's signature; and
+an env with tools (a ToolEnv's way): the turn's <tool_call> blocks as its tool_calls, its tools' schemas."""
 
 from __future__ import annotations
 
@@ -74,10 +75,13 @@ PROBE = textwrap.dedent(
 @pytest.fixture(scope="module")
 def probe() -> dict[str, Any]:
     env = {"PYTHONPATH": pythonpath(ENV, legacy=True), "PATH": "/usr/bin:/bin"}
-    res = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, timeout=300)
-    lines = [line for line in res.stdout.splitlines() if line.startswith("RESULT ")]
-    assert res.returncode == 0 and lines, res.stderr[-3000:]
-    return json.loads(lines[0].removeprefix("RESULT "))
+    script = PROBE + TOOL_PROBE  # one interpreter: importing verifiers and datasets is most of the time
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    lines = [line for line in res.stdout.splitlines() if line.startswith(("RESULT ", "TOOLS "))]
+    assert res.returncode == 0 and len(lines) == 2, res.stderr[-3000:]
+    out = json.loads(lines[0].removeprefix("RESULT "))
+    out["tools"] = json.loads(lines[1].removeprefix("TOOLS "))
+    return out
 
 
 def test_the_game_is_driven_turn_by_turn_until_its_stop_condition(probe: dict[str, Any]) -> None:
@@ -118,3 +122,69 @@ def test_the_turns_must_fit_rollout_multi_turn(probe: dict[str, Any]) -> None:
     ok, refused = probe["turns"]
     assert ok.startswith("multi-turn: up to 4 assistant turns")
     assert "rollout.multi_turn.enable=false" in refused
+
+
+TOOL_PROBE = textwrap.dedent(
+    """
+    import json
+    import verifiers as vf
+    from datasets import Dataset
+    from spmdrl.envs.legacy import score
+    from spmdrl.envs.load import LEGACY, LoadedEnv
+    from spmdrl.envs.rows import TASK_KEY
+    from spmdrl.rollout.vf_turns import VfTurnEnv, tool_schemas
+
+    # A ToolEnv's way (its import needs verifiers' `all` extra): tool_defs, env_response running the last
+    # message's tool_calls, and a stop when a turn calls none.
+    class CalcEnv(vf.MultiTurnEnv):
+        @vf.stop
+        async def no_tools_called(self, state) -> bool:
+            return bool(state["trajectory"]) and not state["trajectory"][-1]["completion"][-1].tool_calls
+
+        async def env_response(self, messages, state, **kwargs):
+            return [vf.ToolMessage(content=str(sum(json.loads(c.arguments).values())), tool_call_id=c.id)
+                    for c in messages[-1].tool_calls]
+
+    add = vf.Tool(name="add", description="Adds two numbers.", parameters={
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}})
+    row = {"prompt": [{"role": "user", "content": "What is 2 + 3?"}], "answer": "5", "example_id": 0}
+    def right(completion, answer) -> float:
+        return 1.0 if answer in (completion[-1]["content"] or "") else 0.0
+    def calls(completion) -> float:
+        return float(sum(len(m.get("tool_calls") or []) for m in completion if m["role"] == "assistant"))
+    env = CalcEnv(tool_defs=[add], max_turns=4, dataset=Dataset.from_list([row]),
+                  rubric=vf.Rubric(funcs=[right, calls], weights=[1.0, 0.0]))
+    loaded = LoadedEnv("verifiers:calc", "calc", LEGACY, env, True, "0.3.1")
+    turns = VfTurnEnv(loaded, call_timeout_s=5.0)
+    s = turns.open({TASK_KEY: json.dumps(row)})
+    said = ['<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>', "It is 5."]
+    replies = [turns.reply(s, t) for t in said]
+    messages = [{"role": "assistant", "content": said[0]}, *replies[0].messages,
+                {"role": "assistant", "content": said[1]}]
+    extra = turns.finish(s, messages)
+    out = {
+        "schemas": tool_schemas(loaded),
+        "replies": [[r.messages, r.end] for r in replies],
+        "completion": extra["env_completion"],
+        "score": score(env, row, extra["env_completion"]),
+    }
+    print("TOOLS " + json.dumps(out))
+    """
+)
+
+
+def test_a_tool_env_sees_the_turns_tool_calls_and_its_tools_reach_the_prompt(probe: dict[str, Any]) -> None:
+    out = probe["tools"]
+    (schema,) = out["schemas"]
+    assert schema["function"]["name"] == "add" and set(schema["function"]["parameters"]["properties"]) == {
+        "a",
+        "b",
+    }
+    (calls, end1), (_, end2) = out["replies"]
+    assert calls == [{"role": "tool", "content": "5", "tool_call_id": "call_0"}] and end1 == ""
+    assert end2 == "stop"  # no call in the turn: the env's no_tools_called
+    assert out["completion"][0]["tool_calls"] == [
+        {"id": "call_0", "name": "add", "arguments": '{"a": 2, "b": 3}'}
+    ]
+    # The rubric reads the conversation's calls (as ToolEnv's tool-call metrics do).
+    assert out["score"]["right"] == 1.0 and out["score"]["calls"] == 1.0
