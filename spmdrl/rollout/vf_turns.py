@@ -33,7 +33,7 @@ import logging
 import threading
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from spmdrl.envs.load import LoadedEnv
 from spmdrl.envs.reward import COMPLETION_KEY, STATE_KEY
@@ -42,6 +42,7 @@ from spmdrl.rollout.turn_env import TurnReply
 from spmdrl.tools.parser import get_parser
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # verifiers' own state entries, rebuilt by the reward from the task and the completion (or not JSON).
 _STATE_OWN = {
@@ -61,7 +62,7 @@ class EnvCallTimeout(Exception):
 class _Session:
     state: Any = None
     sent: list[Any] | None = None  # the conversation the last turn was sampled after (verifiers messages)
-    end: str = ""  # set when the session could not open: the first reply ends the trajectory with it
+    end: str = ""  # why the conversation ended (it could not open, or a reply ended it); "" while it goes on
 
 
 class VfTurnEnv:
@@ -79,26 +80,22 @@ class VfTurnEnv:
 
     def open(self, context: Mapping[str, Any]) -> _Session:
         row = json.loads(context[TASK_KEY])
-
-        async def start() -> Any:
-            state = await self.env.init_state(row, self._client, MODEL)
-            return (await self.env.setup_state(state)) or state
-
         session = _Session()
-        session.end = self._guard(lambda: self._start(session, start))
-        return session
 
-    def _start(self, session: _Session, start: Callable[[], Coroutine[Any, Any, Any]]) -> str:
-        session.state = self._call(start)
-        session.sent = list(session.state["prompt"])
-        return ""
+        async def start() -> None:
+            state = await self.env.init_state(row, self._client, MODEL)
+            session.state = (await self.env.setup_state(state)) or state
+            session.sent = list(session.state["prompt"])
+
+        _, session.end = self._guarded(lambda: self._call(start))  # a failure ends it at the first reply
+        return session
 
     def reply(self, session: _Session, text: str) -> TurnReply:
         if session.end:
             return TurnReply(end=session.end)
-        outcome: list[TurnReply] = []
-        failed = self._guard(lambda: outcome.append(self._turn(session, text)) or "")
-        answer = TurnReply(end=failed) if failed else outcome[0]
+        answer, failed = self._guarded(lambda: self._turn(session, text))
+        if answer is None:
+            answer = TurnReply(end=failed)
         session.end = answer.end  # an ended conversation stays ended (the loop asks no more)
         return answer
 
@@ -141,7 +138,7 @@ class VfTurnEnv:
         if session.state is None:
             return {}
         state = session.state
-        self._guard(lambda: self._cleanup(state))
+        self._guarded(lambda: self._call(lambda: self.env.cleanup(state)))
         completion = [
             self._assistant(m["content"]).model_dump(exclude_none=True)
             if m["role"] == "assistant"
@@ -159,20 +156,16 @@ class VfTurnEnv:
         ]
         return self._vf.AssistantMessage(content=text, tool_calls=tool_calls or None)
 
-    def _cleanup(self, state: Any) -> str:
-        self._call(lambda: self.env.cleanup(state))
-        return ""
-
-    def _guard(self, fn: Callable[[], str]) -> str:
-        """``fn()``'s end reason, or env_timeout / env_error when it hung or raised."""
+    def _guarded(self, fn: Callable[[], T]) -> tuple[T | None, str]:
+        """(``fn()``, "") or, when it hung or raised, (None, "env_timeout" / "env_error")."""
         try:
-            return fn()
+            return fn(), ""
         except EnvCallTimeout:
             self._log_once(f"a call took over {self.call_timeout_s:g} s (rollout.multi_turn.tool_timeout_s)")
-            return "env_timeout"
+            return None, "env_timeout"
         except Exception as e:
             self._log_once(f"a call raised {type(e).__name__}: {e}", exc=e)
-            return "env_error"
+            return None, "env_error"
 
     def _call(self, make: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
         """``make()``'s coroutine run to its end on an event loop of its own, in a thread of its own, so a
@@ -198,8 +191,8 @@ class VfTurnEnv:
     def _log_once(self, what: str, exc: BaseException | None = None) -> None:
         if not self._logged:
             self._logged = True
-            log.warning("env.source=%s: %s; the trajectory's reward counts as failed (reward/errors)",
-                        self.source, what, exc_info=exc)  # fmt: skip
+            log.warning("env.source=%s: %s (the first failure only; multi_turn/terminate_reason/env_* count "
+                        "the trajectories ended so)", self.source, what, exc_info=exc)  # fmt: skip
 
 
 def _stop_reason(condition: Any) -> str:
