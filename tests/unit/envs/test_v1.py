@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -82,22 +81,3 @@ def test_check_refuses_a_reward_fn_beside_the_environment() -> None:
     assert check_env(cfg).endswith("10 training prompts, 2 validation prompts (held out of the dataset)")
     with pytest.raises(ConfigError, match=r"reward.fn=gsm8k would be ignored"):
         check_env(cfg, reward_fn="gsm8k")
-
-
-def test_a_multi_turn_v1_env_is_refused_with_the_reason_and_what_to_use(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # The tiny taskset with an Env beside it: a multi-turn 0.4 environment (its agents run in Env.run).
-    (tmp_path / "vf_tiny_v1_agents.py").write_text(
-        "import verifiers.v1 as vf\n"
-        "from vf_tiny_v1 import TinyTaskset\n\n\n"
-        "class GameEnv(vf.Env):\n"
-        "    pass\n\n\n"
-        '__all__ = ["TinyTaskset", "GameEnv"]\n'
-    )
-    monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(ConfigError) as e:
-        load_env(EnvConfig(source="verifiers:vf_tiny_v1_agents"))
-    message = str(e.value)
-    assert "multi-turn verifiers 0.4 environment (it exports the Env GameEnv)" in message
-    assert "HTTP" in message and "0.3.x MultiTurnEnv" in message and "rollout.multi_turn.tools" in message
