@@ -5,6 +5,8 @@ An RL recipe (its module declares ``ROLES``, spmdrl.rl.plan.Roles) at start read
 reward.fn, plans the job on the world size and starts the engine; each of these could fail there after
 ``--check`` had said ok. Checked here, each as the start does it (the same functions, the same messages):
 
+- env.source: the environment loads, its rubric can score a sample, it has rows, and a multi-turn one's
+  turns fit rollout.multi_turn (spmdrl.envs.setup);
 - the reward's columns: every data file has ``reward_model`` with a ``ground_truth`` in every row (what
   spmdrl.data.prompts reads for every reward function, verl's signature or spmdrl's);
 - reward.fn per ``data_source``: the values in the data (a file without the column: the empty source)
@@ -212,7 +214,12 @@ def check_rl_start(cfg: Config, roles: Roles | None, world: tuple[int, str] | No
     ROLES), and the SFT stage's columns (the sft entry's, an RL warm-start's)."""
     if roles is None:
         return check_sft_columns(cfg.data) if cfg.entry == "sft" else []
-    checked = [check_env_or_reward_data(cfg.section(EnvConfig), cfg.data, cfg.reward.fn)]
+    env = cfg.section(EnvConfig)
+    checked = [check_env_or_reward_data(env, cfg.data, cfg.reward.fn)]
+    if env.enabled:  # a multi-turn environment's turns, within rollout.multi_turn's limits
+        from spmdrl.envs.setup import check_env_turns
+
+        checked.append(check_env_turns(env, cfg.rollout.multi_turn))
     if cfg.warmstart.enabled and cfg.warmstart.entry == "sft":  # SFT on the same files before RL starts
         why = " (the warm-start, warmstart.enabled=true, trains on it; or set warmstart.enabled=false)"
         checked += check_sft_columns(cfg.data, why)

@@ -67,14 +67,23 @@ def task_row(row: dict[str, Any]) -> tuple[list[dict[str, Any]], str, dict[str, 
     return messages, "" if answer is None else str(answer), row
 
 
-def score(env: Any, payload: dict[str, Any], completion: list[dict[str, Any]]) -> dict[str, float]:
+def score(
+    env: Any,
+    payload: dict[str, Any],
+    completion: list[dict[str, Any]],
+    env_state: dict[str, Any] | None = None,
+) -> dict[str, float]:
     """``{"score": weighted sum, <function>: its score, ...}`` of ``completion`` (the reply's messages)
-    answering ``payload`` (a dataset row). Raises what a reward function raised."""
-    return asyncio.run(_score(env, payload, completion))
+    answering ``payload`` (a dataset row). ``env_state``: what a multi-turn environment kept in its state
+    (spmdrl.rollout.vf_turns), which its reward functions may read. Raises what a reward function raised."""
+    return asyncio.run(_score(env, payload, completion, env_state or {}))
 
 
-async def _score(env: Any, payload: dict[str, Any], completion: list[dict[str, Any]]) -> dict[str, float]:
+async def _score(
+    env: Any, payload: dict[str, Any], completion: list[dict[str, Any]], env_state: dict[str, Any]
+) -> dict[str, float]:
     state = _state(payload, completion)
+    state.update({k: v for k, v in env_state.items() if k not in state})
     out: dict[str, float] = {}
     total = 0.0
     for rubric, func, weight in reward_funcs(env.rubric):
@@ -92,7 +101,7 @@ async def _score(env: Any, payload: dict[str, Any], completion: list[dict[str, A
 
 
 def _state(payload: dict[str, Any], completion: list[dict[str, Any]]) -> Any:
-    """The rollout State a rubric reads (as Environment.init_state makes it), after one reply."""
+    """The rollout State a rubric reads (as Environment.init_state makes it), after the completion's turns."""
     vf = importlib.import_module("verifiers.legacy")
     types = importlib.import_module("verifiers.legacy.types")
     messages = importlib.import_module("verifiers.legacy.utils.message_utils")
@@ -104,7 +113,12 @@ def _state(payload: dict[str, Any], completion: list[dict[str, Any]]) -> Any:
     state["task"] = task
     state["prompt"] = messages.normalize_messages(row.get("prompt") or [], field_name="input.prompt")
     state["completion"] = messages.normalize_messages(completion, field_name="completion")
-    state["trajectory"] = [{"prompt": state["prompt"], "completion": state["completion"]}]
+    # One step per assistant turn, as a rollout records them (a MultiTurnEnv's num_turns metric counts them).
+    said = [i for i, m in enumerate(state["completion"]) if m.role == "assistant"] or [len(completion) - 1]
+    state["trajectory"] = [
+        {"prompt": state["prompt"] + state["completion"][:i], "completion": state["completion"][i : i + 1]}
+        for i in said
+    ]
     state.update(is_completed=True, is_truncated=False, stop_condition=None, error=None, reward=None)
     return state
 

@@ -4,11 +4,14 @@ verifiers' two generations package an environment differently, and a module tell
 
 - 0.3.x ("legacy", ``import verifiers as vf`` with ``vf.Environment``): the package's module has
   ``load_environment(**kwargs)`` returning an Environment (its dataset, eval_dataset, parser and Rubric;
-  a ``SingleTurnEnv``, or a ``MultiTurnEnv`` / ``ToolEnv`` whose turns spmdrl's agent loop drives).
+  a ``SingleTurnEnv``, or a ``MultiTurnEnv`` whose turns spmdrl's agent loop drives turn by turn:
+  spmdrl.rollout.vf_turns).
   verifiers 0.3.1 ships this API as ``verifiers.legacy``; 0.4.0 has none of it.
 - 0.4 (``verifiers.v1``): the module exports (``__all__``) a ``Taskset`` subclass, configured by its
   ``TasksetConfig`` (env.args are its fields), whose tasks carry ``@vf.reward`` methods; a module that also
-  exports an ``Env`` subclass, or whose tasks have toolsets, is multi-turn.
+  exports an ``Env`` subclass, or whose tasks have toolsets, is multi-turn, and refused: a v1 ``Env`` runs
+  its agents itself (its async ``run`` drives a harness that sends the model's calls over HTTP), which
+  spmdrl's in-process engine could serve only through an HTTP server or a fork of verifiers.
 
 Every failure here is a ConfigError naming env.source and the fix: verifiers not installed (the ``envs``
 extra), the environment package not installed, a 0.3.x environment under a verifiers without the legacy
@@ -45,7 +48,7 @@ class LoadedEnv:
     generation: str  # LEGACY (0.3.x load_environment) or V1 (0.4 verifiers.v1 Taskset)
     # LEGACY: the vf.Environment load_environment returned. V1: the Taskset (its tasks are the prompts).
     env: Any
-    multi_turn: bool  # turns after the first reply: a MultiTurnEnv / ToolEnv, or a v1 Env or toolsets
+    multi_turn: bool  # turns after the first reply: a 0.3.x MultiTurnEnv (a v1 one is refused at load)
     verifiers_version: str
     args: dict[str, Any] = field(default_factory=dict)
     # V1 only: the Env subclass the module exports (None: a plain taskset, single-agent).
@@ -76,6 +79,8 @@ def load_verifiers_env(source: str, name: str, args: dict[str, Any]) -> LoadedEn
         from spmdrl.envs import v1
 
         taskset = v1.build_taskset(source, taskset_cls, args)
+        if v1.is_multi_turn(taskset, env_cls):
+            raise ConfigError(_v1_multi_turn(source, module.__name__, env_cls))
         return LoadedEnv(
             source, module.__name__, V1, taskset, v1.is_multi_turn(taskset, env_cls), version, args, env_cls
         )
@@ -89,6 +94,18 @@ def load_verifiers_env(source: str, name: str, args: dict[str, Any]) -> LoadedEn
         raise ConfigError(_needs_legacy(source, module.__name__, version, "it has load_environment"))
     env = _call_load_environment(source, module, load, args)
     return _legacy_loaded(source, module.__name__, env, version, args)
+
+
+def _v1_multi_turn(source: str, module: str, env_cls: type | None) -> str:
+    what = f"it exports the Env {env_cls.__name__}" if env_cls is not None else "its tasks have toolsets"
+    return (
+        f"env.source={source}: {module} is a multi-turn verifiers 0.4 environment ({what}). A verifiers.v1 "
+        "Env runs its agents itself, through a harness that takes the model's calls over HTTP, and spmdrl "
+        "samples with its in-process engine and serves no HTTP endpoint, so it cannot drive those turns. "
+        "Package the environment as a verifiers 0.3.x MultiTurnEnv (load_environment; spmdrl drives its "
+        "turns), or use spmdrl's own tools (rollout.multi_turn.tools) with its single-turn taskset "
+        "(docs/environments.md)"
+    )
 
 
 def legacy_available() -> bool:

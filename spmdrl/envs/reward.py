@@ -22,6 +22,8 @@ from spmdrl.envs.rows import TASK_KEY
 # extra_info key a multi-turn rollout sets: the messages after the prompt (the replies, tool results and
 # environment turns), scored instead of the single reply.
 COMPLETION_KEY = "env_completion"
+# extra_info key of a multi-turn 0.3.x environment's state after its turns (its JSON-safe entries).
+STATE_KEY = "env_state"
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,7 @@ class EnvReward:
         if loaded.generation == LEGACY:
             from spmdrl.envs import legacy
 
-            return legacy.score(loaded.env, payload, completion)
+            return legacy.score(loaded.env, payload, completion, extra_info.get(STATE_KEY))
         from spmdrl.envs import v1
 
         return v1.score(loaded.env, payload, completion)

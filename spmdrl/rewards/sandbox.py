@@ -105,6 +105,9 @@ class RewardResult:
     # Of those, the ones on samples that reward.fn scored and the judge did not fail: the part of
     # num_errors the reward model alone caused.
     num_rm_only: int = 0
+    # Of num_errors, the samples whose multi-turn environment failed (raised, hung or rewrote the
+    # conversation: spmdrl.rl.samples.charge_env_failures), scored error_score whatever the rubric said.
+    num_env_errors: int = 0
 
     @property
     def num_fn_failed(self) -> int:

@@ -240,6 +240,10 @@ def build_job(cfg: Config, roles: Roles = NO_EXTRA_ROLES) -> RLJob:
     schemas = tool_schemas(tools) if tools else None
     # env.source: the environment's tasks are the prompts and its rubric the reward (spmdrl/envs/).
     env_job = build_env_job(cfg.section(EnvConfig), run.cache_dir) if cfg.section(EnvConfig).enabled else None
+    if env_job is not None and env_job.loaded.multi_turn:  # a verifiers ToolEnv's tools, in the prompts
+        from spmdrl.rollout.vf_turns import tool_schemas as env_tool_schemas
+
+        schemas = env_tool_schemas(env_job.loaded)
     train_files, val_files = _prompt_files(cfg.data, env_job)
     train_ds = load_prompts(run, tokenizer, train_files, schemas)
     val_ds = load_prompts(run, tokenizer, val_files, schemas, key="data.val_files") if val_files else None
@@ -266,7 +270,9 @@ def build_job(cfg: Config, roles: Roles = NO_EXTRA_ROLES) -> RLJob:
         engines_on_node=ranks_on_node(rollout_ranks, env.rank, local_world_size),
     )
     # Multi-turn: the chat template must render tool turns, the parser must load (before the warm-start).
-    agent = build_agent_loop(cfg, tokenizer, tools, max_model_len=rl.max_model_len)
+    agent = build_agent_loop(
+        cfg, tokenizer, tools, max_model_len=rl.max_model_len, env=env_job.loaded if env_job else None
+    )
     reward_fn = env_job.reward_fn if env_job else load_reward_fn(cfg.reward.fn)
     check_model_rewards(cfg.reward_model)  # reward_model.path's files, before the warm-start
     if env_job is None:

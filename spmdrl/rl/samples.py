@@ -31,6 +31,7 @@ from spmdrl.logging.samples import Sample
 from spmdrl.rewards.config import JudgeConfig, OverlongBufferConfig, RewardConfig, RewardModelConfig
 from spmdrl.rewards.registry import RewardInput
 from spmdrl.rewards.sandbox import RewardResult, score_batch
+from spmdrl.rollout.agent_loop import ENV_FAILURES
 from spmdrl.rollout.config import RolloutConfig
 from spmdrl.rollout.engine import Generation, SamplingSpec
 from spmdrl.rollout.rollout import Rollout
@@ -102,7 +103,29 @@ def score(
         memory_mb=rc.worker_memory_mb,
         file_size_mb=rc.worker_file_size_mb,
     )
+    result = charge_env_failures(result, gens, rc.error_score)
     return ScoredSamples(prompts, gens, result, responses, result.scores_B)
+
+
+def charge_env_failures(rewards: RewardResult, gens: list[Generation], error_score: float) -> RewardResult:
+    """Samples whose multi-turn environment raised, hung or rewrote the conversation (terminate reasons
+    ENV_FAILURES) as failed rewards: error_score, counted in num_errors (reward/errors, bounded by
+    reward.max_error_frac, the stop naming the environment), not trained on as if the env had answered."""
+    bad = [g.trajectory is not None and g.trajectory.terminate_reason in ENV_FAILURES for g in gens]
+    if not any(bad):
+        return rewards
+    bad_B = torch.tensor(bad)
+    failed_B = rewards.failed_B if rewards.failed_B is not None else torch.zeros(len(gens), dtype=torch.bool)
+    newly = int((bad_B & ~failed_B).sum())  # a sample the rubric failed on too counts once
+    return dataclasses.replace(
+        rewards,
+        scores_B=torch.where(
+            bad_B, torch.tensor(error_score, dtype=rewards.scores_B.dtype), rewards.scores_B
+        ),
+        num_errors=rewards.num_errors + newly,
+        failed_B=failed_B | bad_B,
+        num_env_errors=rewards.num_env_errors + sum(bad),
+    )
 
 
 class OverlongShaping:
@@ -182,7 +205,7 @@ class DynamicSampling:
         self.step, self.device, self.group = step, device, group
         self.target = 0  # this rank's prompts per step
         self.batches = self.generated = self.dropped = self.errors = self.timeouts = 0
-        self.judge_errors = self.judge_only = self.rm_nonfinite = self.rm_only = 0
+        self.judge_errors = self.judge_only = self.rm_nonfinite = self.rm_only = self.env_errors = 0
         self._kept: list[_Group] = []
 
     def add(self, samples: ScoredSamples) -> None:
@@ -197,6 +220,7 @@ class DynamicSampling:
         self.judge_only += samples.rewards.num_judge_only
         self.rm_nonfinite += samples.rewards.num_rm_nonfinite
         self.rm_only += samples.rewards.num_rm_only
+        self.env_errors += samples.rewards.num_env_errors
         raw_B, scores_B = samples.rewards.scores_B, samples.scores_B
         metric_B = {
             "reward": scores_B,
@@ -249,6 +273,7 @@ class DynamicSampling:
             num_judge_only=self.judge_only,
             num_rm_nonfinite=self.rm_nonfinite,
             num_rm_only=self.rm_only,
+            num_env_errors=self.env_errors,
         )
         responses = [r for k in kept for r in k.responses]
         scores_B = torch.tensor([s for k in kept for s in k.scores])
@@ -382,6 +407,7 @@ def check_reward_errors(
             "judge_only": rewards.num_judge_only,
             "rm": rewards.num_rm_nonfinite,
             "rm_only": rewards.num_rm_only,
+            "env": rewards.num_env_errors,
             # Every source's failures score error_score, so this is 0 unless something slipped through.
             "nonfinite": int((~torch.isfinite(rewards.scores_B)).sum()),
             "n": len(rewards.scores_B),
@@ -408,6 +434,13 @@ def reward_errors_message(
         f"reward.fn={settings.reward.fn} ({timeouts} timed out, the rest raised or returned something that is not "
         "a finite number)"
     )
+    env = t.get("env", 0)
+    if env:  # env.source's multi-turn environment failed on some (multi_turn/env_errors)
+        fn_what = (
+            f"the environment (env.source): {env} trajectories ended when it raised, hung past "
+            "rollout.multi_turn.tool_timeout_s or rewrote the conversation (multi_turn/terminate_reason/env_*), "
+            f"and {timeouts} rubric calls timed out, the rest raised or returned no finite number"
+        )
     if judge == 0 and rm == 0:  # reward.fn alone
         return (
             f"{head} from {fn_what}, {limit}. The first error of each rank is logged above with its traceback; "

@@ -1,8 +1,9 @@
 """Multi-turn, tool-calling rollouts inside the SPMD program: the engine's own loop, driven directly.
 
 One call of :meth:`AgentLoop.run` turns a rank's prompts into ``n`` trajectories each. A trajectory
-alternates assistant turns (sampled by the engine) and tool turns (the model's ``<tool_call>`` blocks,
-run by :class:`~spmdrl.tools.ToolExecutor`, their results appended as observation tokens). The engine
+alternates assistant turns (sampled by the engine) and the turns of a :class:`~spmdrl.rollout.turn_env.TurnEnv`
+(spmdrl's tools running the model's ``<tool_call>`` blocks, or a verifiers environment's user and tool
+messages), whose messages are appended as observation tokens. The engine
 is driven through :class:`~spmdrl.rollout.engine.EngineStepper` (vLLM's ``add_request`` / ``step`` /
 ``abort_request``), so a trajectory whose tools returned is re-admitted at the next engine step while
 the others keep decoding (``scheduler=continuous``); a step then costs about its slowest trajectory,
@@ -12,18 +13,19 @@ for every sample and tool, as ``LLM.generate`` once per turn does (the reference
 SPMD safety:
 - The ranks of one engine (a TP group) run the same scheduler and must make the same calls: the group's
   first rank decides (which turns end, what each tool returned, when to re-admit, the deadline's aborts)
-  and broadcasts each engine step's decisions over the group's gloo subgroup; tools run once per
-  group, on that rank. Different engines never talk during the rollout, and nothing here touches NCCL.
+  and broadcasts each engine step's decisions over the group's gloo subgroup; tools and environments run
+  once per group, on that rank. Different engines never talk during the rollout, and nothing here touches NCCL.
 - ``rollout_deadline_s`` bounds the whole rollout: at the deadline every request still running is
   aborted and every tool still running abandoned; those trajectories end ``deadline`` (truncated,
   counted), so no rank reaches the next collective minutes after the others.
 
 Token exactness: sampled ids are kept as the engine returned them (decoded only to find tool calls);
-tool results and turn boundaries come from :class:`~spmdrl.data.turns.TurnCodec` as ids with loss
+env messages and turn boundaries come from :class:`~spmdrl.data.turns.TurnCodec` as ids with loss
 mask 0. Each turn's prompt is the trajectory so far, so it is a prefix of the final ids. Per-turn
 ``max_tokens`` is what is left of the response budget (``data.max_response_length``) and of the
-context; a tool response that would not leave room for one more sampled token ends the trajectory
-(``tool_overflow``) instead of being cut after the fact.
+context; an env answer that would not leave room for one more sampled token ends the trajectory
+(``tool_overflow``) instead of being cut after the fact. The env's messages are kept beside the ids: a
+verifiers environment's rubric scores the whole conversation (``TurnEnv.finish``).
 
 Reproducibility: every request carries its own seed, mixed from (call seed, engine, prompt, sample,
 turn), so how long tools take changes when a turn is admitted, never what it samples (up to the
@@ -35,7 +37,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -53,12 +55,15 @@ from spmdrl.rollout.engine import (
     check_prompt_lengths,
     request_seed,
 )
-from spmdrl.tools.executor import ToolCallOutcome, ToolExecutor, ToolSession, truncate_tokens
-from spmdrl.tools.parser import ParseResult
+from spmdrl.rollout.turn_env import TurnEnv, TurnReply
+from spmdrl.tools.executor import truncate_tokens
 
 log = logging.getLogger(__name__)
 
-TERMINATE_REASONS = ("stop", "length", "max_turns", "tool_overflow", "deadline")
+# An environment that raised, hung past its call's timeout, or rewrote the conversation's earlier
+# messages (spmdrl.rollout.vf_turns): the trajectory's reward is charged as failed (rl/samples.py).
+ENV_FAILURES = ("env_error", "env_timeout", "env_rewrite")
+TERMINATE_REASONS = ("stop", "length", "max_turns", "tool_overflow", "deadline", *ENV_FAILURES)
 _TRUNCATED_MARK = "...(truncated)..."
 
 
@@ -77,21 +82,22 @@ class _Trajectory:
     prompt: int
     sample: int
     prompt_ids: list[int]
-    tools_kwargs: Mapping[str, Any] | None
+    context: Mapping[str, Any]  # the prompt's extra_info (TurnEnv.open)
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     info: TrajectoryInfo = field(default_factory=TrajectoryInfo)
     user_turns: int = 0
     finished: bool = False
-    session: ToolSession | None = None
+    session: Any = None  # the TurnEnv's, opened at the first answer (deciding rank only)
+    messages: list[dict[str, Any]] = field(default_factory=list)  # after the prompt (deciding rank only)
 
     def request_id(self) -> str:
         return f"t{self.index}-{self.info.num_turns}"
 
 
 # A decision the deciding rank broadcasts: (trajectory index, observation ids to append and admit,
-# or None to end it, the terminate reason, and the counts the tool turn adds).
+# or None to end it, the terminate reason, and the counts the env's turn adds).
 _Event = tuple[int, list[int] | None, str, dict[str, Any]]
 
 
@@ -102,17 +108,15 @@ class AgentLoop:
         self,
         cfg: MultiTurnConfig,
         *,
-        executor: ToolExecutor,
+        env: TurnEnv,
         codec: TurnCodec,
-        parser: Callable[[str], ParseResult],
         tokenizer: Any,
         max_response_tokens: int,
         max_model_len: int,
     ) -> None:
         self.cfg = cfg
-        self.executor = executor
+        self.env = env
         self.codec = codec
-        self.parser = parser
         self.tokenizer = tokenizer
         self.max_response_tokens = max_response_tokens
         self.max_model_len = max_model_len
@@ -125,19 +129,20 @@ class AgentLoop:
         engine: RolloutEngine,
         prompts: Sequence[list[int]],
         spec: SamplingSpec,
-        tools_kwargs: Sequence[Mapping[str, Any] | None] | None = None,
+        contexts: Sequence[Mapping[str, Any]] | None = None,
     ) -> tuple[list[Generation], LoopStats]:
         """``spec.n`` trajectories per prompt of this rank, grouped by prompt in order, as
-        :meth:`RolloutEngine.generate` returns them. Every rank of the engine calls it together."""
+        :meth:`RolloutEngine.generate` returns them; ``contexts``: each prompt's extra_info (what the env
+        opens a trajectory with). Every rank of the engine calls it together."""
         groups = engine.groups
-        kwargs = list(tools_kwargs) if tools_kwargs is not None else [None] * len(prompts)
+        kwargs = list(contexts) if contexts is not None else [{}] * len(prompts)
         if len(kwargs) != len(prompts):
-            raise ValueError(f"{len(kwargs)} tools_kwargs for {len(prompts)} prompts")
+            raise ValueError(f"{len(kwargs)} contexts for {len(prompts)} prompts")
         gathered = groups.gather_for_tp([(list(p), k) for p, k in zip(prompts, kwargs, strict=True)])
         items = gathered.prompts
         check_prompt_lengths([p for p, _ in items], self.max_model_len)
         n = spec.n
-        trajs = [_Trajectory(i * n + s, i, s, p, k) for i, (p, k) in enumerate(items) for s in range(n)]
+        trajs = [_Trajectory(i * n + s, i, s, p, k or {}) for i, (p, k) in enumerate(items) for s in range(n)]
         leader = groups.tp_rank == 0
         base = spec.seed if spec.seed is not None else 0
         stats = LoopStats()
@@ -149,11 +154,12 @@ class AgentLoop:
                 for t in trajs:
                     self._admit(stepper, t, spec, base, groups.dp_index)
                 self._drive(stepper, trajs, spec, base, groups, leader, pool, deadline, stats)
+            self._finish_sessions(trajs, groups, leader)
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
             for t in trajs:
                 if t.session is not None:
-                    self.executor.close_session(t.session)
+                    self.env.finish(t.session, t.messages)
         stats.wall_s = time.monotonic() - t0
         mine = groups.scatter_from_tp([self._generation(t) for t in trajs], gathered, per_prompt=n)
         return [replace(g, prompt_index=g.prompt_index - gathered.start) for g in mine], stats
@@ -173,8 +179,7 @@ class AgentLoop:
         by_request: dict[str, _Trajectory] = {}
         for t in trajs:
             by_request[t.request_id()] = t
-        in_tools: dict[int, cf.Future[list[ToolCallOutcome]]] = {}
-        turn_calls: dict[int, int] = {}  # trajectory -> calls in its pending tool turn
+        in_tools: dict[int, cf.Future[TurnReply]] = {}
         barrier = self.cfg.scheduler == "turn_barrier"
         while True:
             finished: list[TurnOutput] = []
@@ -186,21 +191,17 @@ class AgentLoop:
                 t = by_request.pop(out.request_id)
                 self._append_turn(t, out)
                 if leader:
+                    text = self._decode(out.token_ids)
+                    t.messages.append({"role": "assistant", "content": text})
                     ended = self._end_reason_after_turn(t, out)
                     if ended is not None:
                         events.append((t.index, None, ended, {}))
                     else:
-                        result = self.parser(self._decode(out.token_ids))
-                        if not result.calls and not result.errors:
-                            events.append((t.index, None, "stop", {}))
-                        else:
-                            turn_calls[t.index] = len(result.calls) + len(result.errors)
-                            in_tools[t.index] = pool.submit(self._run_tools, t, result)
+                        in_tools[t.index] = pool.submit(self._reply, t, text)
             if leader:
                 ready = self._ready(in_tools, stepper, barrier, deadline, stats)
                 for i in ready:
-                    outcomes = in_tools.pop(i).result()
-                    events.append(self._tool_event(trajs[i], outcomes, turn_calls.pop(i)))
+                    events.append(self._reply_event(trajs[i], in_tools.pop(i).result()))
                 if deadline is not None and time.monotonic() >= deadline:
                     pending = {e[0] for e in events}
                     for t in trajs:
@@ -235,7 +236,7 @@ class AgentLoop:
 
     def _ready(
         self,
-        in_tools: dict[int, cf.Future[list[ToolCallOutcome]]],
+        in_tools: dict[int, cf.Future[TurnReply]],
         stepper: Any,
         barrier: bool,
         deadline: float | None,
@@ -300,28 +301,26 @@ class AgentLoop:
     def _decode(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
-    def _run_tools(self, t: _Trajectory, parsed: ParseResult) -> list[ToolCallOutcome]:
-        """A tool turn (in a pool thread): the well-formed calls run; parse errors go back as text."""
+    def _reply(self, t: _Trajectory, text: str) -> TurnReply:
+        """The env's answer to the turn ``text`` (in a pool thread)."""
         if t.session is None:
-            t.session = self.executor.open_session(t.tools_kwargs)
-        outcomes = self.executor.run(parsed.calls, session=t.session) if parsed.calls else []
-        return outcomes + [ToolCallOutcome.parse_error(e) for e in parsed.errors]
+            t.session = self.env.open(t.context)
+        return self.env.reply(t.session, text)
 
-    def _tool_event(self, t: _Trajectory, outcomes: list[ToolCallOutcome], calls: int) -> _Event:
-        counts = {
-            "tool_calls": calls,
-            "tool_errors": sum(o.status in ("error", "invalid") for o in outcomes),
-            "parse_errors": sum(o.status == "parse_error" for o in outcomes),
-            "timeouts": sum(o.status == "timeout" for o in outcomes),
-            "tool_reward": sum(o.reward for o in outcomes),
-            "latencies": [o.latency_s for o in outcomes if o.status in ("ok", "error", "timeout")],
-        }
+    def _reply_event(self, t: _Trajectory, reply: TurnReply) -> _Event:
+        counts = reply.counts
+        if reply.end:
+            t.messages += reply.messages  # the env's last words: for the reward, never sampled after
+            return (t.index, None, reply.end, counts)
         if t.user_turns >= self.cfg.max_user_turns:
             return (t.index, None, "max_turns", counts)
-        messages = [{"role": "tool", "content": self._cut(o.text)} for o in outcomes]
+        messages = [
+            {**m, "content": self._cut(m["content"])} if m["role"] == "tool" else m for m in reply.messages
+        ]
         obs = self.codec.observation_ids(messages)
         if len(obs) >= self._room(t):  # not even one sampled token would fit after it
             return (t.index, None, "tool_overflow", counts)
+        t.messages += messages
         return (t.index, obs, "", counts)
 
     def _cut(self, text: str) -> str:
@@ -340,6 +339,21 @@ class AgentLoop:
         info.timeouts += int(counts.get("timeouts", 0))
         info.tool_reward += float(counts.get("tool_reward", 0.0))
         info.tool_latencies_s += list(counts.get("latencies", []))
+
+    def _finish_sessions(self, trajs: list[_Trajectory], groups: Any, leader: bool) -> None:
+        """Ends every env session (deciding rank) and gives each trajectory, on every rank of the engine,
+        what its env adds to the reward's extra_info (a verifiers conversation and state)."""
+        extras: list[dict[str, Any]] = []
+        if leader:
+            for t in trajs:
+                session, t.session = t.session, None
+                extras.append(self.env.finish(session, t.messages) if session is not None else {})
+        if groups.group is not None:
+            box = [extras if leader else None]
+            dist.broadcast_object_list(box, group_src=0, group=groups.group)
+            extras = box[0]  # type: ignore[assignment]
+        for t, extra in zip(trajs, extras, strict=True):
+            t.info.env_extra = extra
 
     def _finish(self, t: _Trajectory, reason: str) -> None:
         t.finished = True
@@ -369,6 +383,7 @@ def multi_turn_metrics(gens: Sequence[Generation], stats: LoopStats) -> dict[str
         "tool_parse_errors": float(sum(i.parse_errors for i in infos)),
         "tool_timeouts": float(sum(i.timeouts for i in infos)),
         "tool_errors": float(sum(i.tool_errors for i in infos)),
+        "env_errors": float(sum(i.terminate_reason in ENV_FAILURES for i in infos)),
         "observation_tokens": float(sum(i.observation_tokens for i in infos)),
         "wall_s": stats.wall_s,
         "engine_idle_s": stats.engine_idle_s,

@@ -35,6 +35,7 @@ class MultiTurnConfig:
     # The tool-call format the model writes: "hermes", or a parser's import path.
     format: str = "hermes"
     # Seconds one tool call may take (create + execute + release); then the model reads a timeout error.
+    # With a multi-turn env.source: one call of the environment's (its trajectory then ends env_timeout).
     tool_timeout_s: float = 30.0
     # Seconds a rank's whole rollout may take; unfinished trajectories are then aborted and marked
     # truncated (terminate_reason/deadline). 0: no deadline. Keep it well under collective_timeout_min.

@@ -13,7 +13,7 @@ import contextlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, overload, runtime_checkable
+from typing import Any, Protocol, overload, runtime_checkable
 
 import numpy as np
 import torch
@@ -89,15 +89,21 @@ class TrajectoryInfo:
     parse_errors: int = 0
     timeouts: int = 0
     observation_tokens: int = 0  # mask-0 tokens between the turns
-    # stop (the model answered without a call), length (the response budget or the context ran out),
-    # max_turns (max_assistant_turns / max_user_turns reached), tool_overflow (a tool response did not
-    # fit the remaining budget), deadline (aborted at rollout_deadline_s).
+    # stop (the model answered without a call, or the environment ended the conversation), length (the
+    # response budget or the context ran out), max_turns (max_assistant_turns / max_user_turns reached),
+    # tool_overflow (an env answer did not fit the remaining budget), deadline (aborted at
+    # rollout_deadline_s), env_error / env_timeout / env_rewrite (the environment raised, hung, or
+    # rewrote earlier messages: spmdrl.rollout.vf_turns).
     terminate_reason: str = "stop"
     tool_reward: float = 0.0  # the sum of the tools' step rewards
     tool_latencies_s: list[float] = field(default_factory=list)
+    # What the turns' env adds to the reward's extra_info (a verifiers environment: env_completion, the
+    # conversation after the prompt, and env_state; spmdrl.rollout.turn_env.TurnEnv.finish).
+    env_extra: dict[str, Any] = field(default_factory=dict)
 
-    def as_extra_info(self) -> dict[str, float | int | str]:
-        """The counts a reward function sees in ``extra_info`` (verl: num_turns; here also tool use)."""
+    def as_extra_info(self) -> dict[str, Any]:
+        """What a reward function sees in ``extra_info``: the counts (verl: num_turns; here also tool use)
+        and the env's additions."""
         return {
             "num_turns": self.num_turns,
             "tool_calls": self.tool_calls,
@@ -105,6 +111,7 @@ class TrajectoryInfo:
             "tool_parse_errors": self.parse_errors,
             "tool_timeouts": self.timeouts,
             "terminate_reason": self.terminate_reason,
+            **self.env_extra,
         }
 
 

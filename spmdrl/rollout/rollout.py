@@ -22,6 +22,7 @@ import torch.distributed as dist
 from spmdrl.data.config import DataConfig
 from spmdrl.data.prompts import PromptExample
 from spmdrl.distributed.reduce import all_reduce_max, all_reduce_min, all_reduce_sum
+from spmdrl.envs.load import LoadedEnv
 from spmdrl.errors import ConfigError
 from spmdrl.rollout.agent_loop import (
     TERMINATE_REASONS,
@@ -43,6 +44,7 @@ MULTI_TURN_KEYS = (
     "multi_turn/tool_parse_error_rate",
     "multi_turn/tool_timeout_rate",
     "multi_turn/tool_error_rate",
+    "multi_turn/env_errors",
     "multi_turn/tool_latency_p99_s",
     "multi_turn/observation_tokens",
     "multi_turn/engine_idle_frac",
@@ -100,8 +102,8 @@ class Rollout:
         ids = [p.prompt_ids for p in prompts]
         if self.agent is None:
             return self.engine.generate(ids, spec)
-        kwargs = [_tools_kwargs(p) for p in prompts]
-        gens, stats = self.agent.run(self.engine, ids, spec, kwargs)
+        contexts = [p.extra_info if isinstance(p.extra_info, dict) else {} for p in prompts]
+        gens, stats = self.agent.run(self.engine, ids, spec, contexts)
         self._gens += gens
         self._stats.append(stats)
         return gens
@@ -162,6 +164,9 @@ class Rollout:
             "multi_turn/tool_parse_error_rate": sums["tool_parse_errors"] / calls,
             "multi_turn/tool_timeout_rate": sums["tool_timeouts"] / calls,
             "multi_turn/tool_error_rate": sums["tool_errors"] / calls,
+            # Trajectories whose environment raised, hung or rewrote the conversation (charged as failed
+            # rewards), per trajectory.
+            "multi_turn/env_errors": sums["env_errors"] / n,
             "multi_turn/tool_latency_p99_s": hi["p99"],
             "multi_turn/observation_tokens": sums["observation_tokens"] / n,
             "multi_turn/engine_idle_frac": sums["engine_idle_s"] / max(sums["wall_s"], 1e-9),
@@ -196,38 +201,53 @@ def build_rollout(
     return rollout
 
 
-def _tools_kwargs(p: PromptExample) -> dict[str, Any] | None:
-    """verl's ``extra_info.tools_kwargs`` (``{tool: {"create_kwargs": {...}}}``), if the row has one."""
-    kwargs = p.extra_info.get("tools_kwargs") if isinstance(p.extra_info, dict) else None
-    return kwargs if isinstance(kwargs, dict) else None
-
-
 def build_agent_loop(
-    cfg: RolloutSections, tokenizer: Any, tools: dict[str, Any] | None, *, max_model_len: int
+    cfg: RolloutSections,
+    tokenizer: Any,
+    tools: dict[str, Any] | None,
+    *,
+    max_model_len: int,
+    env: LoadedEnv | None = None,
 ) -> AgentLoop | None:
-    """The agent loop over ``tools`` (None for single-turn rollouts). Needs no engine: recipes build it
-    at start, so a chat template that cannot render tool turns or an unknown parser fails before any
-    model is trained or built; ``Rollout(engine, agent)`` joins them later."""
+    """The agent loop over ``tools``, or over the multi-turn environment ``env`` (env.source), or None for
+    single-turn rollouts. Needs no engine: recipes build it at start, so a chat template that cannot
+    render tool turns or an unknown parser fails before any model is trained or built;
+    ``Rollout(engine, agent)`` joins them later."""
     mt = cfg.rollout.multi_turn
-    if not mt.enable:
+    turns_env = env is not None and env.multi_turn
+    if not mt.enable and not turns_env:
         return None
     from spmdrl.data.turns import TurnCodec
+    from spmdrl.rollout.turn_env import ToolTurnEnv, TurnEnv
     from spmdrl.tools import ToolExecutor, get_parser, tool_schemas
 
-    assert tools is not None
-    executor = ToolExecutor(tools, max_parallel_calls=mt.max_parallel_calls, tool_timeout_s=mt.tool_timeout_s)
+    turn_env: TurnEnv
+    if turns_env:
+        from spmdrl.rollout.vf_turns import VfTurnEnv
+
+        assert env is not None
+        from spmdrl.rollout.vf_turns import tool_schemas as env_tool_schemas
+
+        turn_env, what = VfTurnEnv(env, call_timeout_s=mt.tool_timeout_s), env.source
+        schemas = env_tool_schemas(env)
+    else:
+        assert tools is not None
+        executor = ToolExecutor(
+            tools, max_parallel_calls=mt.max_parallel_calls, tool_timeout_s=mt.tool_timeout_s
+        )
+        turn_env, what = ToolTurnEnv(executor, get_parser(mt.format)), "tools " + ", ".join(tools)
+        schemas = tool_schemas(tools)
     agent = AgentLoop(
         mt,
-        executor=executor,
-        codec=TurnCodec(tokenizer, tools=tool_schemas(tools)),
-        parser=get_parser(mt.format),
+        env=turn_env,
+        codec=TurnCodec(tokenizer, tools=schemas),
         tokenizer=tokenizer,
         max_response_tokens=cfg.data.max_response_length,
         max_model_len=max_model_len,
     )
     log.info(
-        "multi-turn rollouts: tools %s, scheduler %s, up to %d assistant turns, deadline %s",
-        ", ".join(tools),
+        "multi-turn rollouts: %s, scheduler %s, up to %d assistant turns, deadline %s",
+        what,
         mt.scheduler,
         mt.max_assistant_turns,
         f"{mt.rollout_deadline_s:g} s" if mt.rollout_deadline_s > 0 else "none",

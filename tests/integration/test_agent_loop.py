@@ -99,6 +99,7 @@ def _parser(always: bool):  # noqa: ANN202
 
 def _agent(tokenizer: Any, tools: list[Any], always: bool, **mt: Any):  # noqa: ANN202
     from spmdrl.rollout.agent_loop import AgentLoop
+    from spmdrl.rollout.turn_env import ToolTurnEnv
     from spmdrl.tools import ToolExecutor
 
     cfg = MultiTurnConfig(enable=True, tools=["lookup"], **mt)
@@ -107,9 +108,8 @@ def _agent(tokenizer: Any, tools: list[Any], always: bool, **mt: Any):  # noqa: 
     )
     return AgentLoop(
         cfg,
-        executor=executor,
+        env=ToolTurnEnv(executor, _parser(always)),
         codec=TurnCodec(tokenizer),
-        parser=_parser(always),
         tokenizer=tokenizer,
         max_response_tokens=160,
         max_model_len=MAX_LEN,
@@ -154,7 +154,9 @@ def _tp1_worker(rank: int, world: int, model_dir: str) -> dict:
 
     # One rank done in 1 turn, the other needing 8, random tool delays, one trajectory whose tool hangs
     # (tool_timeout_s=1): the rollout still ends, the timeout is counted and the model reads an error.
-    kwargs = [{"lookup": {"create_kwargs": {"hang": rank == 1 and i == 0}}} for i in range(3)]
+    kwargs = [
+        {"tools_kwargs": {"lookup": {"create_kwargs": {"hang": rank == 1 and i == 0}}}} for i in range(3)
+    ]
     agent = _agent(
         tok, _tools(rank + 10), always=rank == 1, max_assistant_turns=8, max_user_turns=8, tool_timeout_s=1.0
     )

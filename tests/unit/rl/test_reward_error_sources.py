@@ -122,3 +122,28 @@ def test_dynamic_sampling_keeps_the_judge_counts_of_every_batch() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- real judge
+
+
+def test_an_environments_failed_trajectories_are_charged_once_and_named() -> None:
+    from spmdrl.rl.samples import charge_env_failures
+    from spmdrl.rollout.engine import TrajectoryInfo
+
+    ends = ["stop", "env_error", "env_timeout", "env_rewrite", None]
+    gens = [
+        Generation(
+            0, [1], [0.0], "length", trajectory=None if e is None else TrajectoryInfo(terminate_reason=e)
+        )
+        for e in ends
+    ]
+    # The rubric had failed on the env_timeout sample already: it counts once.
+    failed_B = torch.tensor([False, False, True, False, False])
+    rewards = RewardResult(torch.tensor([1.0, 1.0, -1.0, 0.5, 1.0]), 1, 0, failed_B=failed_B)
+    charged = charge_env_failures(rewards, gens, error_score=-1.0)
+    assert charged.scores_B.tolist() == [1.0, -1.0, -1.0, -1.0, 1.0]
+    assert (charged.num_errors, charged.num_env_errors) == (3, 3)
+    assert charged.failed_B.tolist() == [False, True, True, True, False]
+    msg = _stop(Config(reward=RewardConfig(max_error_frac=0.25)), charged)
+    assert msg.startswith("step 3: 3 of 5 samples (60%) got no score from the environment (env.source): 3 ")
+    assert "rollout.multi_turn.tool_timeout_s" in msg
+    # Nothing to charge: the same result back.
+    assert charge_env_failures(rewards, [gens[0], gens[4]] * 2 + [gens[0]], -1.0) is rewards
