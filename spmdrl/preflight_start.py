@@ -219,7 +219,7 @@ def check_rl_start(cfg: Config, roles: Roles | None, world: tuple[int, str] | No
     if env.enabled:  # a multi-turn environment's turns, within rollout.multi_turn's limits
         from spmdrl.envs.setup import check_env_turns
 
-        checked.append(check_env_turns(env, cfg.rollout.multi_turn))
+        checked.append(check_env_turns(env, cfg.rollout.multi_turn, cfg.trainer.collective_timeout_min))
     if cfg.warmstart.enabled and cfg.warmstart.entry == "sft":  # SFT on the same files before RL starts
         why = " (the warm-start, warmstart.enabled=true, trains on it; or set warmstart.enabled=false)"
         checked += check_sft_columns(cfg.data, why)

@@ -48,11 +48,12 @@ PROBE = textwrap.dedent(
     out["extra"] = extra
     fn = env_reward(cfg)
     out["score"] = fn("ignored", str(secret), data_source="", extra_info={**row["extra_info"], **extra})
-    out["turns"] = [check_env_turns(cfg, MultiTurnConfig(max_assistant_turns=4))]
-    try:
-        check_env_turns(cfg, MultiTurnConfig(enable=True, tools=["calculator"]))
-    except ConfigError as e:
-        out["turns"].append(str(e))
+    out["turns"] = [check_env_turns(cfg, MultiTurnConfig(max_assistant_turns=4), 30)]
+    for mt in (MultiTurnConfig(enable=True, tools=["calculator"]), MultiTurnConfig(tool_timeout_s=1800)):
+        try:
+            check_env_turns(cfg, mt, 30)
+        except ConfigError as e:
+            out["turns"].append(str(e))
 
     # The env's own max_turns, and each failure.
     for name, args, timeout in (
@@ -119,9 +120,10 @@ def test_max_turns_and_each_failure_end_the_trajectory_with_its_reason(probe: di
 
 
 def test_the_turns_must_fit_rollout_multi_turn(probe: dict[str, Any]) -> None:
-    ok, refused = probe["turns"]
+    ok, refused, too_long = probe["turns"]
     assert ok.startswith("multi-turn: up to 4 assistant turns")
     assert "rollout.multi_turn.enable=false" in refused
+    assert "tool_timeout_s=1800" in too_long and "trainer.collective_timeout_min=30 minutes" in too_long
 
 
 TOOL_PROBE = textwrap.dedent(
