@@ -70,6 +70,7 @@ COLUMNS: dict[str, torch.dtype] = {
     "judge_only": torch.long,  # ... of them, on samples reward.fn scored (the judge alone failed them)
     "rm_nonfinite": torch.long,  # reward_model: NaN/inf scores, on its first row
     "rm_only": torch.long,  # ... of them, on samples reward.fn and the judge scored
+    "env_errors": torch.long,  # env.source: trajectories its environment failed (of errors), on its first row
     "rollout_s": torch.float64,  # the rollout rank's seconds, on every row
     "reward_s": torch.float64,
     "rollout_wait_s": torch.float64,  # of rollout_s: what its Rollout waited (Rollout.take_wait_seconds)
@@ -200,6 +201,7 @@ def pack_samples(
         "judge_only": column([samples.rewards.num_judge_only * f for f in first], torch.long),
         "rm_nonfinite": column([samples.rewards.num_rm_nonfinite * f for f in first], torch.long),
         "rm_only": column([samples.rewards.num_rm_only * f for f in first], torch.long),
+        "env_errors": column([samples.rewards.num_env_errors * f for f in first], torch.long),
         "rollout_s": column([seconds.get("rollout_s", 0.0)] * B, torch.float64),
         "reward_s": column([seconds.get("reward_s", 0.0)] * B, torch.float64),
         "rollout_wait_s": column([seconds.get("rollout_wait_s", 0.0)] * B, torch.float64),
@@ -389,6 +391,7 @@ def unpack(
         num_judge_only=int(col["judge_only"].sum()),
         num_rm_nonfinite=int(col["rm_nonfinite"].sum()),
         num_rm_only=int(col["rm_only"].sum()),
+        num_env_errors=int(col["env_errors"].sum()),
     )
     responses = tokenizer.batch_decode([g.token_ids for g in gens], skip_special_tokens=True)  # type: ignore[attr-defined]
     # Every row carries the same reduced values (the rollout ranks' group-wide metrics): the first row's.

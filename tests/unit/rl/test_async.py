@@ -223,7 +223,14 @@ def test_rows_rebuild_the_colocated_views() -> None:
     ]
     scores_B = torch.tensor([1.0, 0.0, -0.5, 1.0])
     rewards = RewardResult(
-        scores_B, 2 + 1, 1, num_judge_errors=3, num_judge_only=1, num_rm_nonfinite=2, num_rm_only=1
+        scores_B,
+        2 + 1,
+        1,
+        num_judge_errors=3,
+        num_judge_only=1,
+        num_rm_nonfinite=2,
+        num_rm_only=1,
+        num_env_errors=1,
     )
     samples = ScoredSamples(prompts, gens, rewards, ["x"] * 4, scores_B)
     rows = pack_samples(samples, 3, {"rollout_s": 1.5, "reward_s": 0.25}, pad, torch.device("cpu"))
@@ -242,11 +249,11 @@ def test_rows_rebuild_the_colocated_views() -> None:
     assert [p.index for p in got.samples.prompts] == [11, 5]
     assert torch.equal(got.samples.scores_B, scores_B)
     assert (got.samples.rewards.num_errors, got.samples.rewards.num_timeouts) == (3, 1)
-    # The judge's and the reward model's shares travel too, so the trainer's stop names them
-    # (spmdrl/rl/samples.py).
+    # The judge's, the reward model's and the environment's shares travel too, so the trainer's stop names
+    # them (spmdrl/rl/samples.py).
     got_r = got.samples.rewards
     counts = (got_r.num_judge_errors, got_r.num_judge_only, got_r.num_rm_nonfinite, got_r.num_rm_only)
-    assert counts == (3, 1, 2, 1) and got_r.num_fn_failed == 2
+    assert counts == (3, 1, 2, 1) and got_r.num_fn_failed == 2 and got_r.num_env_errors == 1
     assert got.versions_B.tolist() == [3, 3, 3, 3]
     assert got.seconds == {"rollout_s": 1.5, "reward_s": 0.25} and got.memory_gb > 0
     assert got.samples.responses == ["20 21", "22 23 24 25", "26", "27 28 29"]
