@@ -217,7 +217,7 @@ def check_rl_start(cfg: Config, roles: Roles | None, world: tuple[int, str] | No
     env = cfg.section(EnvConfig)
     checked = [check_env_or_reward_data(env, cfg.data, cfg.reward.fn)]
     if env.enabled:  # a multi-turn environment's turns, within rollout.multi_turn's limits
-        from spmdrl.envs.setup import check_env_turns
+        from spmdrl.rollout.vf_turns import check_env_turns
 
         checked.append(check_env_turns(env, cfg.rollout.multi_turn, cfg.trainer.collective_timeout_min))
     if cfg.warmstart.enabled and cfg.warmstart.entry == "sft":  # SFT on the same files before RL starts

@@ -35,9 +35,13 @@ from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from spmdrl.envs.config import EnvConfig
 from spmdrl.envs.load import LoadedEnv
 from spmdrl.envs.reward import COMPLETION_KEY, STATE_KEY
 from spmdrl.envs.rows import TASK_KEY
+from spmdrl.envs.setup import load_env
+from spmdrl.errors import ConfigError
+from spmdrl.rollout.config import MultiTurnConfig
 from spmdrl.rollout.turn_env import TurnReply
 from spmdrl.tools.parser import get_parser
 
@@ -264,3 +268,33 @@ def _engine_client(vf: Any) -> Any:
             return None
 
     return EngineClient(None)
+
+
+def check_env_turns(cfg: EnvConfig, mt: MultiTurnConfig, collective_timeout_min: float) -> str:
+    """A multi-turn environment's turns fit the rollout.multi_turn settings that bound them (the agent loop
+    drives them: spmdrl.rollout.vf_turns); returns a few words for ``--check``'s line."""
+    if not load_env(cfg).multi_turn:
+        return "single-turn"
+    if mt.enable:
+        raise ConfigError(
+            f"env.source={cfg.source} is a multi-turn environment that gives its own turns, and "
+            "rollout.multi_turn.enable=true would add spmdrl's tools beside them; set "
+            "rollout.multi_turn.enable=false (the rollout.multi_turn limits still bound the environment's turns)"
+        )
+    if mt.max_assistant_turns <= 0 or mt.max_user_turns < 0 or mt.tool_timeout_s <= 0:
+        raise ConfigError(
+            "env.source's turns are bounded by rollout.multi_turn.max_assistant_turns (> 0), max_user_turns "
+            f"(>= 0) and tool_timeout_s (> 0, each environment call); got {mt.max_assistant_turns}, "
+            f"{mt.max_user_turns}, {mt.tool_timeout_s}"
+        )
+    limit_s = collective_timeout_min * 60
+    if mt.rollout_deadline_s >= limit_s or mt.tool_timeout_s >= limit_s:
+        # As for spmdrl's tools (spmdrl.config): a rank still driving an environment must not be what ends
+        # the others' wait in the next collective, unnamed.
+        raise ConfigError(
+            f"rollout.multi_turn.rollout_deadline_s={mt.rollout_deadline_s} and tool_timeout_s={mt.tool_timeout_s} "
+            f"bound env.source={cfg.source}'s turns and must stay below trainer.collective_timeout_min="
+            f"{collective_timeout_min:g} minutes: the other ranks wait in the next collective while a rank "
+            "finishes its rollout"
+        )
+    return f"multi-turn: up to {mt.max_assistant_turns} assistant turns, {mt.tool_timeout_s:g} s per environment call"

@@ -22,10 +22,10 @@ PROBE = textwrap.dedent(
     import json, sys, time
     from spmdrl.envs.config import EnvConfig
     from spmdrl.envs.rows import env_rows
-    from spmdrl.envs.setup import check_env_turns, env_reward, load_env
+    from spmdrl.envs.setup import env_reward, load_env
     from spmdrl.errors import ConfigError
     from spmdrl.rollout.config import MultiTurnConfig
-    from spmdrl.rollout.vf_turns import VfTurnEnv
+    from spmdrl.rollout.vf_turns import VfTurnEnv, check_env_turns
 
     out = {}
     def game(**args):
@@ -134,7 +134,7 @@ TOOL_PROBE = textwrap.dedent(
     from spmdrl.envs.legacy import score
     from spmdrl.envs.load import LEGACY, LoadedEnv
     from spmdrl.envs.rows import TASK_KEY
-    from spmdrl.rollout.vf_turns import VfTurnEnv, tool_schemas
+    from spmdrl.rollout.vf_turns import VfTurnEnv, check_env_turns, tool_schemas
 
     # A ToolEnv's way (its import needs verifiers' `all` extra): tool_defs, env_response running the last
     # message's tool_calls, and a stop when a turn calls none.
