@@ -177,7 +177,9 @@ def main(argv: list[str] | None = None) -> None:
         description="Converts a packaged model ahead of a run and prints its directory.",
     )
     p.add_argument("name", choices=sorted(PACKAGED_MODELS))
-    p.add_argument("--cache-dir", default="", help="model.cache_dir (default: $SPMDRL_CACHE or ~/.cache/spmdrl)")
+    p.add_argument(
+        "--cache-dir", default="", help="model.cache_dir (default: $SPMDRL_CACHE or ~/.cache/spmdrl)"
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
