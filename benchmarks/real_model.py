@@ -13,7 +13,7 @@ run's output directory (``--run``), and reports from its metrics.jsonl and sampl
 The baseline of the accuracy figure is the accuracy before training (ratio: after / before). Exits 1 when the
 rise is smaller than ``--min-rise-se`` standard errors (default 4): the run did not learn beyond the noise.
 
-    python benchmarks/real_model.py --json real_model.json          # the recipe, about 35 minutes on 2 cores
+    python benchmarks/real_model.py --json real_model.json          # the recipe, 20-30 minutes on 2 cores
     python benchmarks/real_model.py --run outputs/grpo_real_cpu/RUN  # a finished run (or --run-dir)
     python benchmarks/real_model.py -- trainer.seed=1                # overrides after --, passed to the recipe
 """
