@@ -11,7 +11,8 @@ run's output directory (``--run``), and reports from its metrics.jsonl and sampl
 - the training reward per step, the wall time, and the validation samples before and after.
 
 The baseline of the accuracy figure is the accuracy before training (ratio: after / before). Exits 1 when the
-rise is smaller than ``--min-rise-se`` standard errors (default 4): the run did not learn beyond the noise.
+rise is smaller than ``--min-rise-se`` standard errors (default 3; three seeds of the recipe
+measured 4.1, 6.7 and 7.2): the run did not learn beyond the noise of its measurement.
 
     python benchmarks/real_model.py --json real_model.json          # the recipe, 20-30 minutes on 2 cores
     python benchmarks/real_model.py --run outputs/grpo_real_cpu/RUN  # a finished run (or --run-dir)
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument(
-        "--min-rise-se", type=float, default=4.0, help="exit 1 below this rise, in standard errors"
+        "--min-rise-se", type=float, default=3.0, help="exit 1 below this rise, in standard errors"
     )
     p.add_argument("--json", default="", help="also write the figures to this JSON file")
     p.add_argument("overrides", nargs="*", help="config overrides for the recipe (after --)")
