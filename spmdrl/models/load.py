@@ -1,4 +1,5 @@
-"""Where a model's files come from: the built-in tiny model, a local directory, or a hub id."""
+"""Where a model's files come from: the built-in tiny model, a packaged model (spmdrl.models.packaged), a
+local directory, or a hub id."""
 
 from __future__ import annotations
 
@@ -41,14 +42,22 @@ def check_model_path(path: str, *, key: str = "model.path", critic: bool = False
 def resolve_model_path(path: str, cache_dir: Path, *, critic: bool = False) -> Path:
     """A local directory holding config.json + *.safetensors (and the tokenizer).
 
-    ``"tiny"`` builds (once, cached) the deterministic tiny Qwen2; an existing directory is used
-    as is; anything else is taken as a Hugging Face hub id and downloaded (safetensors only).
+    ``"tiny"`` builds (once, cached) the deterministic tiny Qwen2; a packaged model's name
+    (``smollm2-135m``) converts (once, cached) the checkpoint its installed package ships; an existing
+    directory is used as is; anything else is taken as a Hugging Face hub id and downloaded (safetensors
+    only).
     """
     if path == "tiny":
         from spmdrl.models.tiny import ensure_tiny_model
 
         return ensure_tiny_model(cache_dir)
     key = "critic.model_path" if critic else "model.path"
+    from spmdrl.models import packaged
+
+    if packaged.is_packaged(path):
+        local = packaged.ensure_packaged_model(path, cache_dir, key=key)
+        check_architecture(local, key=key, critic=critic)
+        return local
     local = check_model_path(path, key=key, critic=critic)
     if local is not None:
         return local
@@ -67,7 +76,7 @@ def resolve_model_path(path: str, cache_dir: Path, *, critic: bool = False) -> P
 
 
 def resolve_model_path_all_ranks(path: str, cache_dir: Path, *, critic: bool = False) -> Path:
-    """resolve_model_path with rank 0 going first (one download / one build), the others after it (waiting
+    """resolve_model_path with rank 0 going first (one download / one build or conversion), the others after it (waiting
     outside any collective, so a long download does not count against the collective timeout)."""
     import torch.distributed as dist
 

@@ -31,7 +31,7 @@ class OverlongBufferConfig:
 
 @dataclass
 class RewardConfig:
-    # "auto" (by data_source), "gsm8k", "tiny", "tiny_tools", a user function "pkg.module:fn" /
+    # "auto" (by data_source), "gsm8k", "tiny", "tiny_tools", "last_number", a user function "pkg.module:fn" /
     # "path/file.py:fn", or one registered with @register_reward_fn (docs/rewards.md).
     fn: str = registered("auto", "spmdrl.rewards.registry", "REWARD_FNS")
     # Seconds a user function may run per sample; past that it scores error_score (counted in reward/errors).

@@ -11,8 +11,9 @@ with a float ``"score"`` key plus extra keys, whose numeric ones are logged as `
 (say ``{"score": 1.0, "format_ok": 1.0}``). :func:`load_reward_fn` turns the ``reward.fn`` config
 string into such a function:
 
-- a registered name: the built-in rules ``"gsm8k"``, ``"tiny"``, ``"tiny_tools"``
-  (:mod:`spmdrl.rewards.gsm8k`, :mod:`spmdrl.rewards.tiny`, :mod:`spmdrl.rewards.tiny_tools`), ``"auto"``
+- a registered name: the built-in rules ``"gsm8k"``, ``"tiny"``, ``"tiny_tools"``, ``"last_number"``
+  (:mod:`spmdrl.rewards.gsm8k`, :mod:`spmdrl.rewards.tiny`, :mod:`spmdrl.rewards.tiny_tools`,
+  :mod:`spmdrl.rewards.last_number`), ``"auto"``
   (the built-in rule for each sample's ``data_source``, see :data:`DATA_SOURCE_FNS`), or a user's
   function registered with ``@register_reward_fn("my_score")`` in a module imported before the config
   is validated (the recipe's entry file);
@@ -33,7 +34,7 @@ from typing import Any
 from spmdrl.errors import ConfigError
 from spmdrl.imports import import_spec_of, is_import_path
 from spmdrl.registry import Registered, Registry
-from spmdrl.rewards import gsm8k, math_answers, reasoning_gym_score, tiny, tiny_tools
+from spmdrl.rewards import gsm8k, last_number, math_answers, reasoning_gym_score, tiny, tiny_tools
 from spmdrl.rewards.signature import CallStyle, call, call_style
 
 
@@ -122,6 +123,14 @@ def gsm8k_score(response: str, ground_truth: str, *, data_source: str, extra_inf
 @register_reward_fn("tiny", trusted=True)
 def tiny_score(response: str, ground_truth: str, *, data_source: str, extra_info: dict[str, Any]) -> float:
     return tiny.compute_score(response, ground_truth)
+
+
+# The last number in the reply against the ground truth: for models that answer in prose (docs/real_model.md).
+@register_reward_fn("last_number", trusted=True)
+def last_number_score(
+    response: str, ground_truth: str, *, data_source: str, extra_info: dict[str, Any]
+) -> float:
+    return last_number.compute_score(response, ground_truth)
 
 
 @register_reward_fn("tiny_tools", trusted=True)
