@@ -39,6 +39,7 @@ from spmdrl.derived import max_sequence_length
 from spmdrl.envs.config import EnvConfig
 from spmdrl.errors import ConfigError
 from spmdrl.models.config import ModelConfig
+from spmdrl.models.tiny import BUILT_IN_MODELS
 from spmdrl.rollout.config import RolloutConfig
 
 if TYPE_CHECKING:
@@ -195,7 +196,7 @@ def check_model_shape(model: ModelConfig, rollout: RolloutConfig, max_model_len:
 
     path = model.path
     local = Path(path).expanduser()
-    if path == "tiny":
+    if path in BUILT_IN_MODELS:
         return  # built at start, from the config's lengths
     if not (local / "config.json").is_file():
         cached = try_to_load_from_cache(path, "config.json") if path.count("/") == 1 else None

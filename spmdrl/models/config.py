@@ -72,7 +72,8 @@ class LoraConfig:
 @dataclass
 class ModelConfig:
     # A local directory with an HF causal LM (config.json + safetensors), a hub id, or "tiny": the
-    # built-in deterministic tiny Qwen2 model, built on first use and cached (no network needed).
+    # built-in deterministic tiny Qwen2 model, built on first use and cached (no network needed);
+    # "tiny-moe": its mixture-of-experts sibling (a Qwen3-MoE, the same tokenizer).
     path: str = "tiny"
     # Training dtypes (FSDP2 mixed precision). "auto": bfloat16 params on CUDA, float32 on CPU.
     param_dtype: str = choice("auto", ("auto", "float32", "bfloat16", "float16"))

@@ -69,9 +69,19 @@ def gemm_path(layer: nn.Module) -> str:
     return "torch" if code is not None and "linear" in code.co_names else "unknown"
 
 
+# The "path" of a fused mixture-of-experts layer on CPU: vLLM's CPU experts prepack w13 / w2 into their
+# grouped-GEMM layout when the weights are processed (rollout.cpu_gemm does not choose it).
+MOE_PREPACKED = "moe_prepacked"
+
+
 def gemm_paths(model: nn.Module) -> dict[str, int]:
-    """How many layers use each path (the engine logs it once; tests assert a forced path was taken)."""
-    return dict(Counter(gemm_path(m) for m in model.modules() if hasattr(m, "cpu_linear")))
+    """How many layers use each path (the engine logs it once; tests assert a forced path was taken), and
+    how many fused-MoE layers (:data:`MOE_PREPACKED`)."""
+    paths = Counter(gemm_path(m) for m in model.modules() if hasattr(m, "cpu_linear"))
+    experts = sum(1 for m in model.modules() if "w13_weight" in m._parameters)
+    if experts:
+        paths[MOE_PREPACKED] = experts
+    return dict(paths)
 
 
 def _sgl_shape_ok(n: int, k: int, dtype: torch.dtype) -> bool:

@@ -153,6 +153,9 @@ def resolve_weight_load(
     if quantized:
         reads_params = False
         why = "this checkpoint is quantized: its kernels compute from the processed weights"
+    elif device_type == "cpu" and cpu_gemm.MOE_PREPACKED in gemm_paths:
+        reads_params = False
+        why = "this model's CPU fused-MoE layers compute from prepacked expert weights: set"
     else:
         reads_params = device_type != "cpu" or (bool(gemm_paths) and set(gemm_paths) <= {"torch", "none"})
         why = f"this engine's CPU GEMM paths {gemm_paths} compute from packed copies: set rollout.cpu_gemm=torch,"

@@ -17,7 +17,7 @@ from torch import nn
 
 from spmdrl.rollout import cpu_gemm
 from spmdrl.rollout.copy_plan import CopyPlan
-from spmdrl.rollout.fingerprint import Fingerprint, matrix_key, vector_key
+from spmdrl.rollout.fingerprint import Fingerprint, expert_key, matrix_key, vector_key, whole_sums
 
 log = logging.getLogger(__name__)
 
@@ -116,12 +116,22 @@ class _Read:
 
 
 @dataclass(frozen=True)
+class _Experts:
+    """A fused-MoE layer, whose experts the check sums whole (spmdrl.rollout.fingerprint): its w13 (each
+    expert's gate and up rows, this rank's TP slice of them) and w2 (down, this rank's slice)."""
+
+    name: str
+    module: nn.Module
+
+
+@dataclass(frozen=True)
 class _ProbePlan:
     """What :func:`fingerprint` probes and reads, found once per model: walking the modules and
     parameters and classifying each cost more host time per sync than the probes' own launches."""
 
     layers: list[_Probed]
     tensors: list[_Read]
+    experts: list[_Experts]
     device: torch.device
 
     @classmethod
@@ -152,7 +162,10 @@ class _ProbePlan:
             if isinstance(m, (ParallelLMHead, LinearBase)):
                 probed.add(id(m))  # (a head-less model's embedding is also read directly, as the lookup)
         tensors: list[_Read] = []
+        experts: list[_Experts] = []
         for name, m in model.named_modules():
+            if "w13_weight" in m._parameters:
+                experts.append(_Experts(name, m))
             for pname, p in m.named_parameters(recurse=False):
                 if pname == "weight" and id(m) in probed:
                     continue
@@ -165,7 +178,7 @@ class _ProbePlan:
                     tensors.append(
                         _Read(full, m, pname, False, _output_sliced(m) and hasattr(p, "output_dim"))
                     )
-        return cls(layers, tensors, next(model.parameters()).device)
+        return cls(layers, tensors, experts, next(model.parameters()).device)
 
 
 def _times(sliced: bool, tp_rank: int) -> int:
@@ -184,7 +197,9 @@ def fingerprint(worker: Any, seed: int, tp_rank: int, dtype: torch.dtype) -> Fin
     Linear layers and LM heads are probed through their kernels (``quant_method.apply``) with one-hot
     rows; other tensors are read directly. A tensor replicated over the TP group counts on TP rank 0
     only (with zero weight elsewhere, so every rank has the same keys), a split one on every rank: the
-    sum over the group is then the whole model's, whatever the split.
+    sum over the group is then the whole model's, whatever the split. Fused-MoE experts are summed whole,
+    per expert, from the parameters their kernel reads (every rank holds a TP slice of every expert; zero
+    padding adds nothing).
     """
     model = _model(worker)
     plan = getattr(model, _PROBE_PLAN, None)
@@ -206,4 +221,9 @@ def fingerprint(worker: Any, seed: int, tp_rank: int, dtype: torch.dtype) -> Fin
             fp.add_matrix(t.name, p, seed, times)
         else:
             fp.add_vector(t.name, p, times)
+    for layer in plan.experts:
+        for pname, part in (("w13_weight", "gate_up"), ("w2_weight", "down")):
+            sums_E3 = whole_sums(layer.module._parameters[pname], dims=(1, 2))
+            for e in range(sums_E3.shape[0]):
+                fp.add_sums(expert_key(layer.name, e, part), f"{layer.name}.{pname}[{e}]", sums_E3[e])
     return fp
