@@ -27,7 +27,9 @@ SMALL_MOE = dict(
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def saved(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(the model's state dict, the checkpoint transformers saved from it)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -58,7 +60,9 @@ def test_the_checkpoint_stacks_into_the_models_fused_parameters(saved: tuple[dic
     assert to_model_layout(dense) is not dense and to_checkpoint_layout(dense) is dense
 
 
-def test_the_sync_stream_sends_each_experts_matrices_under_the_checkpoint_names(saved: tuple[dict, dict]) -> None:
+def test_the_sync_stream_sends_each_experts_matrices_under_the_checkpoint_names(
+    saved: tuple[dict, dict],
+) -> None:
     model_state, checkpoint = saved
     streamed = list(split_all(model_state.items()))
     assert dict(streamed).keys() == checkpoint.keys()
