@@ -203,6 +203,32 @@ def redispatch(layer: nn.Module) -> None:
     utils.dispatch_cpu_unquantized_gemm(layer, False)
 
 
+def forget_moe_kernels(model: nn.Module) -> int:
+    """Make the next reload process every CPU fused-MoE layer as a first load; returns how many.
+
+    vLLM 0.32's unquantized fused-MoE method treats a reload as a weight update once its kernel exists
+    (``moe_kernel`` set: ``UnquantizedFusedMoEMethod._setup_kernel``) and then skips the CPU experts'
+    ``process_weights_after_loading``, their prepacking: the reloaded experts would be copied unpacked into
+    the tensors the kernel reads packed, and generation would run on scrambled experts. Without its kernel
+    the layer is processed as at the engine's build: padded, prepacked, a new kernel, and the reload copies
+    the packed result into the kernel's tensors. (The weight-sync check's per-expert sums cannot see a
+    layout error within an expert; tests/integration/test_moe.py's parity after a sync does.)"""
+    n = 0
+    for m in model.modules():
+        method = getattr(m, "quant_method", None)
+        kernel = getattr(method, "moe_kernel", None)
+        if "w13_weight" in m._parameters and kernel is not None and _cpu_experts(kernel):
+            method.moe_kernel = None  # type: ignore[union-attr]
+            n += 1
+    return n
+
+
+def _cpu_experts(kernel: Any) -> bool:
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    return isinstance(getattr(kernel, "fused_experts", None), CPUUnquantizedExperts)
+
+
 def snapshot(model: nn.Module) -> dict[int, Any]:
     """Each layer's current ``cpu_linear`` (by module id): compared after a reload to find layers it skipped."""
     return {id(m): m.cpu_linear for m in model.modules() if hasattr(m, "cpu_linear")}

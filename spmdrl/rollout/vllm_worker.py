@@ -27,7 +27,8 @@ def _model(worker: Any) -> nn.Module:
 
 
 def reload_weights(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
-    """vLLM's in-place checkpoint-format reload, then the packed CPU GEMM copies it did not rebuild.
+    """vLLM's in-place checkpoint-format reload, then the packed CPU GEMM copies it did not rebuild (and,
+    before it, the CPU fused-MoE kernels forgotten, so that it prepacks their experts again).
 
     Returns the names of the layers re-dispatched (on CPU, a tied LM head; on CUDA, none: nothing has
     a ``cpu_linear``).
@@ -37,6 +38,7 @@ def reload_weights(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> 
     # The reload may replace parameters: a copy plan recorded before it would write into the old ones.
     if hasattr(model, _PLAN):
         delattr(model, _PLAN)
+    cpu_gemm.forget_moe_kernels(model)
     worker.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
     return cpu_gemm.refresh_unprocessed(model, before)
 
