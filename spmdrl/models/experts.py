@@ -35,6 +35,13 @@ def expert_of(name: str) -> tuple[int, str] | None:
     return int(m.group(2)), "down" if m.group(3) == "down_proj" else "gate_up"
 
 
+def matrix_of(name: str) -> tuple[str, int, str] | None:
+    """(prefix up to "mlp.experts.", expert index, "gate_proj" / "up_proj" / "down_proj") of a per-expert
+    checkpoint name, None for any other name."""
+    m = _PER_EXPERT.match(name)
+    return None if m is None else (m.group(1), int(m.group(2)), m.group(3))
+
+
 def split_fused(name: str, t: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
     """A fused expert tensor as the checkpoint's per-expert matrices (views, in expert order); any other
     tensor unchanged."""

