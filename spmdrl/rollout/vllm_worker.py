@@ -188,6 +188,9 @@ def _times(sliced: bool, tp_rank: int) -> int:
     return 1 if sliced or tp_rank == 0 else 0
 
 
+# Elements of expert weights summed per float64 copy (8 MB each).
+_SUM_CHUNK_ELEMENTS = 1 << 20
+
 # The model's _ProbePlan, found at its first fingerprint (an attribute of the engine's model, like _PLAN).
 _PROBE_PLAN = "_spmdrl_probe_plan"
 
@@ -226,9 +229,14 @@ def fingerprint(worker: Any, seed: int, tp_rank: int, dtype: torch.dtype) -> Fin
     for layer in plan.experts:
         m = layer.module
         for pname, part in (("w13_weight", "gate_up"), ("w2_weight", "down")):
-            sums_E3 = whole_sums(m._parameters[pname], dims=(1, 2))
-            for e in range(sums_E3.shape[0]):
-                fp.add_sums(expert_key(layer.name, e, part), f"{layer.name}.{pname}[{e}]", sums_E3[e])
+            w = m._parameters[pname]
+            # A few experts at a time: the float64 copy of a large model's whole layer would be gigabytes.
+            step = max(1, _SUM_CHUNK_ELEMENTS // max(1, w[0].numel()))
+            for first in range(0, w.shape[0], step):
+                sums_E3 = whole_sums(w[first : first + step], dims=(1, 2))
+                for i in range(sums_E3.shape[0]):
+                    e = first + i
+                    fp.add_sums(expert_key(layer.name, e, part), f"{layer.name}.{pname}[{e}]", sums_E3[i])
         # Through the kernel too (spmdrl.rollout.expert_probe): its outputs for one-hot rows, one expert each.
         experts, hidden = m._parameters["w2_weight"].shape[:2]
         x, weights, ids, k = expert_probe.engine_rows(hidden, experts, seed, dtype, plan.device)
