@@ -204,7 +204,8 @@ def fingerprint(worker: Any, seed: int, tp_rank: int, dtype: torch.dtype) -> Fin
     only (with zero weight elsewhere, so every rank has the same keys), a split one on every rank: the
     sum over the group is then the whole model's, whatever the split. Fused-MoE experts are summed whole,
     per expert, from the parameters their kernel reads (every rank holds a TP slice of every expert; zero
-    padding adds nothing).
+    padding adds nothing), and probed through that kernel (spmdrl.rollout.expert_probe: each rank's
+    outputs are partial sums over its slice, which add up over the group).
     """
     model = _model(worker)
     plan = getattr(model, _PROBE_PLAN, None)
