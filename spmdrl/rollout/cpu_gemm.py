@@ -203,6 +203,21 @@ def redispatch(layer: nn.Module) -> None:
     utils.dispatch_cpu_unquantized_gemm(layer, False)
 
 
+def avoid_zentorch_moe() -> None:
+    """Keep vLLM's CPU experts off zentorch's fused MoE, in this process; call before the engine is built.
+
+    Where zentorch is installed on an AMD Zen CPU, vLLM 0.32 runs the experts with ``zentorch_fused_moe``
+    on the unpacked weights. Measured here (zentorch 2.13.0.2): after an in-place reload of new expert
+    weights its outputs stay those of the old ones, though the parameters hold the new weights (the
+    weight-sync check's probe through the kernel failed for every expert, the whole sums agreed), so a
+    synced engine would generate from stale experts. The experts take vLLM's own CPU grouped-GEMM path
+    instead (prepacked; :func:`forget_moe_kernels` makes each reload prepack them again)."""
+    from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+
+    cpu_moe.is_zentorch_moe_supported = lambda layer: False
+    cpu_moe.is_zentorch_moe_config_supported = lambda moe_config: False
+
+
 def forget_moe_kernels(model: nn.Module) -> int:
     """Make the next reload process every CPU fused-MoE layer as a first load; returns how many.
 

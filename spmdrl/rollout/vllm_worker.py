@@ -151,7 +151,9 @@ class _ProbePlan:
         head_less = not any(isinstance(m, ParallelLMHead) for m in model.modules())
         for name, m in model.named_modules():
             if isinstance(m, LinearBase):
-                k_global, k_local = int(m.input_size), int(m.input_size_per_partition)
+                # (A replicated layer, such as an MoE router, may have no per-partition size: all of it.)
+                k_global = int(m.input_size)
+                k_local = int(getattr(m, "input_size_per_partition", k_global))
                 start = int(getattr(m, "tp_rank", 0)) * k_local if k_local < k_global else 0
             elif isinstance(m, ParallelLMHead) or (
                 head_less and isinstance(m, VocabParallelEmbedding) and vector_key(name).startswith("top")

@@ -52,24 +52,24 @@ def _corrupted_sync(model, engine, rank: int, name: str, seed: int, change=_doub
         engine.load_weights = load
 
 
-def _moe_worker(rank: int, world: int, cache: str) -> dict:
+def _moe_worker(rank: int, world: int, model_dir: str) -> dict:
     from spmdrl.distributed.placement import Placement
     from spmdrl.models.build import ModelSpec, build_fsdp_model
-    from spmdrl.models.tiny import TINY_MOE, ensure_tiny_model
     from spmdrl.rollout.engine import build_engine
     from spmdrl.rollout.weight_sync import SyncCheck, sync_weights
     from tests.integration.test_weight_sync import _mismatch, _perturb, _prompts
 
-    model_dir = ensure_tiny_model(Path(cache), TINY_MOE)
     mesh = Placement.colocated(world).build_meshes("cpu").fsdp("actor")
     model = build_fsdp_model(
-        ModelSpec(model_dir, torch.float32, torch.float32, train=False), mesh, torch.device("cpu")
+        ModelSpec(Path(model_dir), torch.float32, torch.float32, train=False), mesh, torch.device("cpu")
     )
     originals = [p.to_local().clone() for p in model.parameters()]
     prompts = _prompts(rank)
     engine = build_engine(
-        model_dir,
-        RolloutConfig(cpu_kvcache_gib=0.25, max_num_seqs=16, seed=0),
+        Path(model_dir),
+        # float32: the engine's routing and experts against the trainer's at float32 rounding (a bf16
+        # engine's rounding flips near-tied top-k choices now and then: docs/models.md).
+        RolloutConfig(cpu_kvcache_gib=0.25, max_num_seqs=16, seed=0, dtype="float32"),
         max_model_len=MAX_LEN,
         device_type="cpu",
     )
@@ -92,17 +92,20 @@ def _moe_worker(rank: int, world: int, cache: str) -> dict:
 
 @pytest.mark.guarantee("model:moe")
 def test_moe_engine_serves_the_trainers_experts_and_the_check_covers_them(tmp_path: Path) -> None:
-    r0, r1 = run_distributed(_moe_worker, 2, str(tmp_path), timeout_s=900, env=VLLM_ENV)
+    from spmdrl.models.tiny import TINY_MOE, ensure_tiny_model
+
+    model_dir = str(ensure_tiny_model(tmp_path, TINY_MOE))
+    r0, r1 = run_distributed(_moe_worker, 2, model_dir, timeout_s=900, env=VLLM_ENV)
     where = f"({r0['dtype']} engine, CPU paths {r0['paths']})"
     # 4 experts sharded on dim 0 over 2 ranks: each holds 2 experts' gate/up rows.
     assert r0["expert_shards"] == (2, 256, 128), r0["expert_shards"]
     # The CPU fused-MoE kernel computes from prepacked experts: the sync reloads, never loads directly.
     assert r0["paths"].get("moe_prepacked") == 4 and r0["load"] == "reload", where
-    tol = 0.02 if "bfloat16" in r0["dtype"] else 2e-3
+    tol = 1e-4
     for r in (r0, r1):
-        assert r["fresh"]["logprob_abs_diff_mean"] < tol, (where, r["fresh"])
-        assert r["stale"]["logprob_abs_diff_mean"] > 10 * tol, (where, r["stale"])
-        assert r["synced"]["logprob_abs_diff_mean"] < tol, (where, r["synced"])
+        assert r["fresh"]["logprob_abs_diff_mean"] < tol, (where, "fresh", r["fresh"])
+        assert r["stale"]["logprob_abs_diff_mean"] > 100 * tol, (where, "stale", r["stale"])
+        assert r["synced"]["logprob_abs_diff_mean"] < tol, (where, "synced", r["synced"])
         # Per layer: 4 experts x (gate/up, down, through the kernel), the matrices (attention and router:
         # one input size, 128) and the vectors; the top's matrices and vectors.
         assert r["checked"] == 4 * (4 * 3 + 2) + 2, r["checked"]
