@@ -138,7 +138,7 @@ class _ProbePlan:
 
     @classmethod
     def of(cls, model: nn.Module) -> _ProbePlan:
-        from vllm.model_executor.layers.linear import LinearBase
+        from vllm.model_executor.layers.linear import LinearBase, ReplicatedLinear
         from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
         layers: list[_Probed] = []
@@ -162,7 +162,9 @@ class _ProbePlan:
                 start = 0
             else:
                 continue
-            layers.append(_Probed(name, m, k_global, k_local, start, _is_sliced(m)))
+            # (A ReplicatedLinear, such as an MoE router, carries the TP size but every rank holds all of it.)
+            sliced = _is_sliced(m) and not isinstance(m, ReplicatedLinear)
+            layers.append(_Probed(name, m, k_global, k_local, start, sliced))
             if isinstance(m, (ParallelLMHead, LinearBase)):
                 probed.add(id(m))  # (a head-less model's embedding is also read directly, as the lookup)
         tensors: list[_Read] = []

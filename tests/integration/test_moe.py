@@ -52,7 +52,7 @@ def _corrupted_sync(model, engine, rank: int, name: str, seed: int, change=_doub
         engine.load_weights = load
 
 
-def _moe_worker(rank: int, world: int, model_dir: str) -> dict:
+def _moe_worker(rank: int, world: int, model_dir: str, tp: int) -> dict:
     from spmdrl.distributed.placement import Placement
     from spmdrl.models.build import ModelSpec, build_fsdp_model
     from spmdrl.rollout.engine import build_engine
@@ -69,7 +69,7 @@ def _moe_worker(rank: int, world: int, model_dir: str) -> dict:
         Path(model_dir),
         # float32: the engine's routing and experts against the trainer's at float32 rounding (a bf16
         # engine's rounding flips near-tied top-k choices now and then: docs/models.md).
-        RolloutConfig(cpu_kvcache_gib=0.25, max_num_seqs=16, seed=0, dtype="float32"),
+        RolloutConfig(tp=tp, cpu_kvcache_gib=0.25, max_num_seqs=16, seed=0, dtype="float32"),
         max_model_len=MAX_LEN,
         device_type="cpu",
     )
@@ -90,12 +90,17 @@ def _moe_worker(rank: int, world: int, model_dir: str) -> dict:
         engine.close()
 
 
-@pytest.mark.guarantee("model:moe")
-def test_moe_engine_serves_the_trainers_experts_and_the_check_covers_them(tmp_path: Path) -> None:
+def _run(tmp_path: Path, tp: int) -> tuple[dict, dict]:
     from spmdrl.models.tiny import TINY_MOE, ensure_tiny_model
 
     model_dir = str(ensure_tiny_model(tmp_path, TINY_MOE))
-    r0, r1 = run_distributed(_moe_worker, 2, model_dir, timeout_s=900, env=VLLM_ENV)
+    r0, r1 = run_distributed(_moe_worker, 2, model_dir, tp, timeout_s=900, env=VLLM_ENV)
+    return r0, r1
+
+
+@pytest.mark.guarantee("model:moe")
+def test_moe_engine_serves_the_trainers_experts_and_the_check_covers_them(tmp_path: Path) -> None:
+    r0, r1 = _run(tmp_path, tp=1)
     where = f"({r0['dtype']} engine, CPU paths {r0['paths']})"
     # 4 experts sharded on dim 0 over 2 ranks: each holds 2 experts' gate/up rows.
     assert r0["expert_shards"] == (2, 256, 128), r0["expert_shards"]
@@ -120,3 +125,19 @@ def test_moe_engine_serves_the_trainers_experts_and_the_check_covers_them(tmp_pa
     assert "layer 1: expert 2 through its kernel" in reordered and "expert 2 down" not in reordered, reordered
     for broken in ("expert_broken", "router_broken", "expert_reordered"):
         assert "failed on another rank's engine" in r0[broken], r0[broken]
+
+
+def test_moe_engine_at_tp2_splits_the_experts_and_the_check_adds_the_slices(tmp_path: Path) -> None:
+    """One engine over both ranks (rollout.tp=2): each holds half of every expert's width and a full copy
+    of the router. Parity and the per-expert checks hold with the slices summed over the TP group; a
+    corrupted expert slice on one rank is caught. (The router is replicated: the check counts TP rank 0's
+    copy, as for every replicated tensor, so rank 1's copy corrupted alone goes unseen; the ranks load the
+    same tensors.)"""
+    r0, r1 = _run(tmp_path, tp=2)
+    for r in (r0, r1):
+        assert r["fresh"]["logprob_abs_diff_mean"] < 1e-4, r["fresh"]
+        assert r["synced"]["logprob_abs_diff_mean"] < 1e-4, r["synced"]
+        assert r["checked"] == 4 * (4 * 3 + 2) + 2, r["checked"]
+        # The TP group's verdict: both ranks see the divergence of the group's summed fingerprint.
+        assert "layer 1: expert 2 down" in r["expert_broken"], r["expert_broken"]
+        assert "layer 1: expert 2 through its kernel" in r["expert_reordered"], r["expert_reordered"]
