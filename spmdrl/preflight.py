@@ -38,8 +38,9 @@ from spmdrl.data.parquet import DataError
 from spmdrl.data.sources import check_sources, read_options, resolve_entry
 from spmdrl.envs.config import EnvConfig
 from spmdrl.errors import ConfigError
-from spmdrl.models.families import LINEAR_MODULES, check_architecture
+from spmdrl.models.families import LINEAR_MODULES, check_architecture, family_of, lora_on_moe_message
 from spmdrl.models.load import check_model_path
+from spmdrl.models.tiny import BUILT_IN_MODELS, TINY, TINY_MOE, TINY_MOE_FAMILY_CONFIG
 from spmdrl.preflight_start import check_rl_start, data_files
 
 if TYPE_CHECKING:
@@ -64,10 +65,11 @@ def check_inputs(
     checked.append(check_model(cfg.model.path, "model.path"))
     if cfg.critic.model_path:
         checked.append(check_model(cfg.critic.model_path, "critic.model_path", critic=True))
-    elif cfg.model.path != "tiny":
+    elif cfg.model.path != TINY:
         _check_actor_as_critic(cfg)
     if cfg.model.lora.enabled:
         checked.append(check_lora_targets(list(cfg.model.lora.target_modules)))
+        check_no_lora_on_experts(cfg.model.path)
     if cfg.model.compile:
         checked.append(check_cxx_compiler())
     if cfg.reward_model.enable:
@@ -88,6 +90,21 @@ def check_lora_targets(names: list[str]) -> str:
             f"linear modules are {list(LINEAR_MODULES)} (or use [all-linear]; the LM head is never adapted)"
         )
     return f"model.lora.target_modules={','.join(names)}"
+
+
+def check_no_lora_on_experts(path: str) -> None:
+    """LoRA wraps linear layers; a mixture of experts keeps its experts in 3-D tensors (spmdrl.models.experts),
+    which it cannot adapt, and adapters on the attention alone are untested: refused for an MoE model
+    (the built-in tiny-moe or a local directory; a hub id is refused when the model is built)."""
+    local = Path(path).expanduser()
+    if path == TINY_MOE:
+        family = family_of(TINY_MOE_FAMILY_CONFIG, where=f"the built-in {TINY_MOE}")
+    elif (local / "config.json").is_file():
+        family = check_architecture(local)
+    else:
+        return
+    if family is not None and family.moe:
+        raise ConfigError(lora_on_moe_message(f"model.path={path}"))
 
 
 # What inductor looks for, in its order: $CXX, then g++ (torch._inductor.cpp_builder); clang++ and c++ too.
@@ -115,12 +132,17 @@ def _check_actor_as_critic(cfg: Config) -> None:
     """Without critic.model_path a critic starts from the actor's checkpoint: its family needs a
     token-classification class (Gemma 3 has none), checked when the advantage estimator needs a critic."""
     local = Path(cfg.model.path).expanduser()
-    if not (local / "config.json").is_file():
+    builtin = cfg.model.path == TINY_MOE
+    if not builtin and not (local / "config.json").is_file():
         return  # a hub id: checked after the download
     from spmdrl.algos.advantages import adv_estimator
 
     if adv_estimator(cfg.algorithm.adv_estimator).needs_critic:
-        check_architecture(local, key="model.path (the critic's start, critic.model_path unset)", critic=True)
+        key = "model.path (the critic's start, critic.model_path unset)"
+        if builtin:
+            family_of(TINY_MOE_FAMILY_CONFIG, where=f"the built-in {TINY_MOE}", key=key, critic=True)
+        else:
+            check_architecture(local, key=key, critic=True)
 
 
 def check_data_files(cfg: Config) -> list[str]:
@@ -159,8 +181,8 @@ def check_model(path: str, key: str, *, critic: bool = False) -> str:
     """``path`` is ``tiny``, a packaged model whose package is installed, a local model directory of a supported family (spmdrl.models.families;
     ``critic``: one a critic can be built on), or a hub id the run can get; returns a few words on which,
     for ``--check``'s line. Raises ConfigError with one line saying what to do."""
-    if path == "tiny":
-        return f"{key}=tiny (built in)"
+    if path in BUILT_IN_MODELS:
+        return f"{key}={path} (built in)"
     from spmdrl.models import packaged
 
     if packaged.is_packaged(path):

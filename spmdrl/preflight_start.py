@@ -41,6 +41,7 @@ from spmdrl.derived import max_sequence_length
 from spmdrl.envs.config import EnvConfig
 from spmdrl.errors import ConfigError
 from spmdrl.models.config import ModelConfig
+from spmdrl.models.tiny import BUILT_IN_MODELS
 from spmdrl.rollout.config import RolloutConfig
 
 if TYPE_CHECKING:
@@ -197,7 +198,7 @@ def check_model_shape(model: ModelConfig, rollout: RolloutConfig, max_model_len:
 
     path = model.path
     local = Path(path).expanduser()
-    if path == "tiny":
+    if path in BUILT_IN_MODELS:
         return  # built at start, from the config's lengths
     from spmdrl.models import packaged
 

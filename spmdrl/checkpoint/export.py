@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from spmdrl.checkpoint import adapter
 from spmdrl.distributed.env import wait_for
 from spmdrl.models.build import DTYPES, read_safetensors
+from spmdrl.models.experts import to_checkpoint_layout
 from spmdrl.models.lora import is_adapter_param, lora_scale, merge_state_dict
 
 log = logging.getLogger(__name__)
@@ -101,7 +102,10 @@ def write_hf_dir(
 
     ``max_shard_size`` (bytes, or a string such as ``"500MB"``) splits the weights into shards with an
     index when they are larger; a tensor larger than it gets a shard of its own. ``dtype`` casts the floating
-    tensors (None: as given); config.json's ``dtype`` is set to what is written."""
+    tensors (None: as given); config.json's ``dtype`` is set to what is written. A mixture-of-experts
+    model's fused experts are written as the checkpoint layout's per-expert matrices (spmdrl.models.experts),
+    which transformers and vLLM load."""
+    tensors = to_checkpoint_layout(tensors)
     if getattr(config, "tie_word_embeddings", False):
         tensors = {
             k: v for k, v in tensors.items() if k != "lm_head.weight"

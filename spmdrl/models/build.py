@@ -24,7 +24,10 @@ from transformers import (
     AutoModelForTokenClassification,
 )
 
+from spmdrl.errors import ConfigError
 from spmdrl.models.config import LoraConfig, ModelConfig, ac_mode
+from spmdrl.models.experts import is_fused, to_model_layout
+from spmdrl.models.families import lora_on_moe_message
 from spmdrl.models.lora import apply_lora, initial_adapter_weights
 from spmdrl.models.memory_model import whole_model_unit
 from spmdrl.models.parallelize import apply_ac, apply_autocast, apply_compile, apply_fsdp
@@ -210,6 +213,8 @@ def build_fsdp_model(spec: ModelSpec, mesh: DeviceMesh, device: torch.device) ->
     model.spmdrl_param_dtype = spec.param_dtype
     # 1b. LoRA: adapters around the target linears, everything else frozen, before FSDP2 reads requires_grad.
     if spec.lora is not None:
+        if any(is_fused(n) for n, _ in model.named_parameters()):
+            raise ConfigError(lora_on_moe_message(f"{spec.path} ({type(model).__name__})"))
         adapted = apply_lora(model, spec.lora)
         log.info("LoRA rank %d, alpha %g on %d linear modules", spec.lora.rank, spec.lora.alpha, len(adapted))
     # A trained model's sharded params are the fp32 master copy; FSDP2 casts to param_dtype for compute.
@@ -248,6 +253,8 @@ def build_fsdp_model(spec: ModelSpec, mesh: DeviceMesh, device: torch.device) ->
         state.update({k: torch.zeros_like(_full_shape_tensor(model, k)) for k in new_head})
     if spec.lora is not None:  # the adapters are not in the base checkpoint: B = 0 starts at the base model
         state.update(initial_adapter_weights(model, seed=0))
+    # A mixture-of-experts checkpoint stores each expert's matrices; transformers' model fuses them.
+    state = to_model_layout(state)
     _check_keys(model, state, spec.path)
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
     if new_head:

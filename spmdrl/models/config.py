@@ -72,9 +72,10 @@ class LoraConfig:
 @dataclass
 class ModelConfig:
     # A local directory with an HF causal LM (config.json + safetensors), a hub id, "tiny": the
-    # built-in deterministic tiny Qwen2 model, built on first use and cached (no network needed), or a
-    # packaged model ("smollm2-135m": a checkpoint an installed package ships, converted on first use and
-    # cached; spmdrl/models/packaged.py).
+    # built-in deterministic tiny Qwen2 model, built on first use and cached (no network needed);
+    # "tiny-moe": its mixture-of-experts sibling (a Qwen3-MoE, the same tokenizer); or a packaged model
+    # ("smollm2-135m": a checkpoint an installed package ships, converted on first use and cached;
+    # spmdrl/models/packaged.py).
     path: str = "tiny"
     # Training dtypes (FSDP2 mixed precision). "auto": bfloat16 params on CUDA, float32 on CPU.
     param_dtype: str = choice("auto", ("auto", "float32", "bfloat16", "float16"))

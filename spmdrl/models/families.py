@@ -31,6 +31,10 @@ class Family:
     # Whether an untied LM head (tie_word_embeddings=false) is served correctly by vLLM.
     untied_ok: bool = True
     why_not_untied: str = ""
+    # A mixture of experts (spmdrl.models.experts; docs/models.md: what is and is not supported for them).
+    moe: bool = False
+    # Why the family has no critic, where critic_architecture is None.
+    why_no_critic: str = "has no token-classification class in transformers"
 
 
 FAMILIES = (
@@ -49,6 +53,15 @@ FAMILIES = (
     ),
     # Text-only Gemma 3 (model_type gemma3_text). transformers has no Gemma3ForTokenClassification.
     Family("Gemma 3 (text)", "gemma3_text", "Gemma3ForCausalLM", None),
+    # transformers has Qwen3MoeForTokenClassification, but a critic of this family is untested here.
+    Family(
+        "Qwen3 MoE",
+        "qwen3_moe",
+        "Qwen3MoeForCausalLM",
+        None,
+        moe=True,
+        why_no_critic="is a mixture of experts, and spmdrl does not build a critic (PPO's value model) on one yet",
+    ),
 )
 
 SUPPORTED_ARCHITECTURES = tuple(f.architecture for f in FAMILIES)
@@ -58,6 +71,15 @@ LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"
 _BY_ARCHITECTURE = {f.architecture: f for f in FAMILIES}
 _BY_MODEL_TYPE = {f.model_type: f for f in FAMILIES}
 _BY_CRITIC_ARCHITECTURE = {f.critic_architecture: f for f in FAMILIES if f.critic_architecture}
+
+
+def lora_on_moe_message(what: str) -> str:
+    """Why a LoRA run on a mixture of experts is refused (at start, and where the model is built)."""
+    return (
+        f"model.lora: {what} is a mixture of experts, and LoRA on one is not supported yet (its experts are "
+        "3-D tensors, not linear layers an adapter can wrap); train every weight (model.lora.rank=0) "
+        "(docs/models.md, Mixture of experts)"
+    )
 
 
 def supported_list() -> str:
@@ -100,8 +122,8 @@ def family_of(config: dict, *, where: str, key: str = "model.path", critic: bool
         )
     if critic and family.critic_architecture is None:
         raise ConfigError(
-            f"{key}: {where} is a {family.architecture}, which has no token-classification class in "
-            "transformers, so no critic (PPO's value model) can be built on it; families with one: "
+            f"{key}: {where} is a {family.architecture}, which {family.why_no_critic}, so no critic (PPO's "
+            "value model) can be built on it; families with one: "
             f"{', '.join(f.name for f in FAMILIES if f.critic_architecture)}"
         )
     if not config.get("tie_word_embeddings", True) and not family.untied_ok:

@@ -42,15 +42,15 @@ def check_model_path(path: str, *, key: str = "model.path", critic: bool = False
 def resolve_model_path(path: str, cache_dir: Path, *, critic: bool = False) -> Path:
     """A local directory holding config.json + *.safetensors (and the tokenizer).
 
-    ``"tiny"`` builds (once, cached) the deterministic tiny Qwen2; a packaged model's name
-    (``smollm2-135m``) converts (once, cached) the checkpoint its installed package ships; an existing
-    directory is used as is; anything else is taken as a Hugging Face hub id and downloaded (safetensors
-    only).
+    ``"tiny"`` builds (once, cached) the deterministic tiny Qwen2, ``"tiny-moe"`` its mixture-of-experts
+    sibling (spmdrl.models.tiny); a packaged model's name (``smollm2-135m``) converts (once, cached) the
+    checkpoint its installed package ships; an existing directory is used as is; anything else is taken as
+    a Hugging Face hub id and downloaded (safetensors only).
     """
-    if path == "tiny":
-        from spmdrl.models.tiny import ensure_tiny_model
+    from spmdrl.models.tiny import BUILT_IN_MODELS, ensure_tiny_model
 
-        return ensure_tiny_model(cache_dir)
+    if path in BUILT_IN_MODELS:
+        return ensure_tiny_model(cache_dir, path)
     key = "critic.model_path" if critic else "model.path"
     from spmdrl.models import packaged
 

@@ -100,14 +100,22 @@ class DecoderShape:
     head_dim: int = 0  # 0: hidden // heads
     tied_embeddings: bool = False
     qkv_bias: bool = True  # Qwen2's attention projections have biases
+    # A mixture of experts (Qwen3-MoE): ``intermediate`` is one expert's width, each layer holds ``experts``
+    # of them and a router, and a token runs through ``experts_per_token``. 1 and 1: a dense MLP.
+    experts: int = 1
+    experts_per_token: int = 1
 
     @classmethod
     def from_hf(cls, config: Any) -> DecoderShape:
-        """From a transformers config (Llama, Qwen2/3, Mistral, Gemma and their kin)."""
+        """From a transformers config (Llama, Qwen2/3, Mistral, Gemma and their kin, Qwen3-MoE)."""
         heads = int(config.num_attention_heads)
+        experts = int(getattr(config, "num_experts", None) or 1)
+        moe = experts > 1
         return cls(
             hidden=int(config.hidden_size),
-            intermediate=int(config.intermediate_size),
+            intermediate=int(config.moe_intermediate_size if moe else config.intermediate_size),
+            experts=experts,
+            experts_per_token=int(config.num_experts_per_tok) if moe else 1,
             layers=int(config.num_hidden_layers),
             heads=heads,
             kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
@@ -135,7 +143,9 @@ class DecoderShape:
     def layer_params(self) -> int:
         h, q, kv = self.hidden, self.q_width, self.kv_width
         attention = h * (q + 2 * kv) + q * h + (q + 2 * kv if self.qkv_bias else 0)
-        return attention + 3 * h * self.intermediate + 2 * h  # + the MLP and the two norms
+        router = self.experts * h if self.experts > 1 else 0
+        # + the MLP (every expert's) and the two norms
+        return attention + 3 * h * self.intermediate * self.experts + router + 2 * h
 
     @property
     def root_params(self) -> int:
@@ -261,9 +271,10 @@ def attention_bytes_per_token(m: MemoryInputs) -> int:
 
 
 def mlp_bytes_per_token(m: MemoryInputs) -> int:
-    """The RMSNorm; gate, up, silu(gate) and their product (down_proj's input)."""
+    """The RMSNorm; gate, up, silu(gate) and their product (down_proj's input), in each expert a token runs
+    through (a mixture of experts' routing state is left out: a few numbers per token)."""
     s, b = m.shape, m.compute_bytes
-    return norm_bytes_per_token(m) + 4 * b * s.intermediate
+    return norm_bytes_per_token(m) + 4 * b * s.intermediate * s.experts_per_token
 
 
 def layer_bytes_per_token(m: MemoryInputs) -> int:

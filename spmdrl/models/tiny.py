@@ -1,11 +1,12 @@
-"""The built-in tiny model: a deterministic, randomly initialised Qwen2 with a locally trained tokenizer.
+"""The built-in tiny models: a deterministic, randomly initialised Qwen2 with a locally trained tokenizer,
+and a mixture-of-experts sibling (a Qwen3-MoE with the same tokenizer).
 
-``model.path: tiny`` selects it. It needs no network: the tokenizer is trained here with the
+``model.path: tiny`` selects the Qwen2, ``model.path: tiny-moe`` the Qwen3-MoE. It needs no network: the tokenizer is trained here with the
 ``tokenizers`` library and the weights come from a fixed seed, so every machine builds the same bytes.
 It is small enough to train on two CPU cores, yet large enough to learn the tiny arithmetic task
 (:mod:`spmdrl.data.tiny_task`), and it loads in transformers and in vLLM like any HF checkpoint.
 
-Built once per cache directory into ``<cache>/tiny-qwen2-v<VERSION>/``; concurrent callers (every
+Built once per cache directory into ``<cache>/tiny-qwen2-v<VERSION>/`` (``tiny-qwen3-moe-v<VERSION>``); concurrent callers (every
 torchrun rank) serialize on a file lock and the finished directory appears by an atomic rename.
 """
 
@@ -31,6 +32,14 @@ logger = logging.getLogger(__name__)
 # old model are not mistaken for the new one.
 TINY_MODEL_VERSION = 1
 TINY_MODEL_DIRNAME = f"tiny-qwen2-v{TINY_MODEL_VERSION}"
+TINY_MOE_DIRNAME = f"tiny-qwen3-moe-v{TINY_MODEL_VERSION}"
+# What model.path names them by.
+TINY = "tiny"
+TINY_MOE = "tiny-moe"
+BUILT_IN_MODELS = (TINY, TINY_MOE)
+# What the built-in MoE's config.json says of its family (spmdrl.models.families), for checks made before
+# it is built.
+TINY_MOE_FAMILY_CONFIG = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}
 TINY_MODEL_FILES = (
     "config.json",
     "generation_config.json",
@@ -66,6 +75,23 @@ MODEL_SHAPE = dict(
     num_attention_heads=4,
     num_key_value_heads=2,
     intermediate_size=352,
+    max_position_embeddings=512,
+)
+
+# The mixture of experts: the same attention and width as the Qwen2's, each layer's MLP 4 experts of
+# which every token uses 2 (renormalized, as Qwen3-MoE's releases do), untied like them. An expert's width,
+# 128, is a multiple of 32, which vLLM's CPU fused-MoE kernel needs (it pads to it otherwise).
+MOE_SHAPE = dict(
+    hidden_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    intermediate_size=352,  # unused: every layer is sparse (mlp_only_layers is empty)
+    moe_intermediate_size=128,
+    num_experts=4,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
     max_position_embeddings=512,
 )
 
@@ -144,28 +170,33 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def build_tiny_model(out_dir: Path) -> None:
-    """Writes the tiny model and tokenizer to ``out_dir`` (uncached; use :func:`ensure_tiny_model`)."""
+def build_tiny_model(out_dir: Path, *, moe: bool = False) -> None:
+    """Writes the tiny model (``moe``: the Qwen3-MoE) and tokenizer to ``out_dir`` (uncached; use
+    :func:`ensure_tiny_model`)."""
     import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        GenerationConfig,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     tokenizer = build_tokenizer()
     pad_id, eos_id = tokenizer.convert_tokens_to_ids([PAD_TOKEN, EOS_TOKEN])
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        **MODEL_SHAPE,
+    ids = dict(bos_token_id=pad_id, eos_token_id=eos_id, pad_token_id=pad_id, dtype="float32")
+    if moe:
+        config = Qwen3MoeConfig(vocab_size=len(tokenizer), **MOE_SHAPE, tie_word_embeddings=False, **ids)
+        model_class: type = Qwen3MoeForCausalLM
+    else:
         # Tied like Qwen2.5-0.5B, so the tied-embedding path of weight sync and export is exercised.
-        tie_word_embeddings=True,
-        bos_token_id=pad_id,
-        eos_token_id=eos_id,
-        pad_token_id=pad_id,
-        dtype="float32",
-    )
-    config.architectures = ["Qwen2ForCausalLM"]
+        config = Qwen2Config(vocab_size=len(tokenizer), **MODEL_SHAPE, tie_word_embeddings=True, **ids)
+        model_class = Qwen2ForCausalLM
+    config.architectures = [model_class.__name__]
     # A private RNG stream: the same weights every build, and the caller's torch RNG is left untouched.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(INIT_SEED)
-        model = Qwen2ForCausalLM(config).to(torch.float32)
+        model = model_class(config).to(torch.float32)
     model.generation_config = GenerationConfig(bos_token_id=pad_id, eos_token_id=eos_id, pad_token_id=pad_id)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
@@ -176,14 +207,19 @@ def _missing_files(model_dir: Path) -> list[str]:
     return [f for f in TINY_MODEL_FILES if not (model_dir / f).is_file()]
 
 
-def ensure_tiny_model(cache_dir: Path) -> Path:
-    """The tiny model's directory under ``cache_dir``, built on first use. Safe to call from every rank."""
+def ensure_tiny_model(cache_dir: Path, name: str = TINY) -> Path:
+    """The directory of the built-in model ``name`` (one of BUILT_IN_MODELS) under ``cache_dir``, built on
+    first use. Safe to call from every rank."""
+    if name not in BUILT_IN_MODELS:
+        raise ValueError(f"no built-in model {name!r}; there are {', '.join(BUILT_IN_MODELS)}")
+    moe = name == TINY_MOE
+    dirname = TINY_MOE_DIRNAME if moe else TINY_MODEL_DIRNAME
     cache_dir = Path(cache_dir).expanduser()
-    target = cache_dir / TINY_MODEL_DIRNAME
+    target = cache_dir / dirname
     if target.is_dir() and not _missing_files(target):
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
-    with open(cache_dir / f".{TINY_MODEL_DIRNAME}.lock", "w") as lock:
+    with open(cache_dir / f".{dirname}.lock", "w") as lock:
         # One builder at a time; the others wait here, then find the finished directory.
         fcntl.flock(lock, fcntl.LOCK_EX)
         if target.exists():
@@ -194,11 +230,11 @@ def ensure_tiny_model(cache_dir: Path) -> Path:
                     "delete it and it will be rebuilt"
                 )
             return target
-        tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=f".{TINY_MODEL_DIRNAME}.tmp-"))
+        tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=f".{dirname}.tmp-"))
         tmp.chmod(0o755)  # mkdtemp makes it private; the renamed model directory should be readable
         try:
             logger.info("building the tiny model into %s", target)
-            build_tiny_model(tmp)
+            build_tiny_model(tmp, moe=moe)
             # Some writers create their files private (safetensors' 0600): a shared cache must be readable.
             for f in tmp.iterdir():
                 if f.is_file():

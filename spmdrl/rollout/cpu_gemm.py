@@ -69,9 +69,19 @@ def gemm_path(layer: nn.Module) -> str:
     return "torch" if code is not None and "linear" in code.co_names else "unknown"
 
 
+# The "path" of a fused mixture-of-experts layer on CPU: vLLM's CPU experts prepack w13 / w2 into their
+# grouped-GEMM layout when the weights are processed (rollout.cpu_gemm does not choose it).
+MOE_PREPACKED = "moe_prepacked"
+
+
 def gemm_paths(model: nn.Module) -> dict[str, int]:
-    """How many layers use each path (the engine logs it once; tests assert a forced path was taken)."""
-    return dict(Counter(gemm_path(m) for m in model.modules() if hasattr(m, "cpu_linear")))
+    """How many layers use each path (the engine logs it once; tests assert a forced path was taken), and
+    how many fused-MoE layers (:data:`MOE_PREPACKED`)."""
+    paths = Counter(gemm_path(m) for m in model.modules() if hasattr(m, "cpu_linear"))
+    experts = sum(1 for m in model.modules() if "w13_weight" in m._parameters)
+    if experts:
+        paths[MOE_PREPACKED] = experts
+    return dict(paths)
 
 
 def _sgl_shape_ok(n: int, k: int, dtype: torch.dtype) -> bool:
@@ -191,6 +201,47 @@ def redispatch(layer: nn.Module) -> None:
     from vllm.model_executor.layers import utils
 
     utils.dispatch_cpu_unquantized_gemm(layer, False)
+
+
+def avoid_zentorch_moe() -> None:
+    """Keep vLLM's CPU experts off zentorch's fused MoE, in this process; call before the engine is built.
+
+    Where zentorch is installed on an AMD Zen CPU, vLLM 0.32 runs the experts with ``zentorch_fused_moe``
+    on the unpacked weights. Measured here (zentorch 2.13.0.2): after an in-place reload of new expert
+    weights its outputs stay those of the old ones, though the parameters hold the new weights (the
+    weight-sync check's probe through the kernel failed for every expert, the whole sums agreed), so a
+    synced engine would generate from stale experts. The experts take vLLM's own CPU grouped-GEMM path
+    instead (prepacked; :func:`forget_moe_kernels` makes each reload prepack them again)."""
+    from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+
+    cpu_moe.is_zentorch_moe_supported = lambda layer: False
+    cpu_moe.is_zentorch_moe_config_supported = lambda moe_config: False
+
+
+def forget_moe_kernels(model: nn.Module) -> int:
+    """Make the next reload process every CPU fused-MoE layer as a first load; returns how many.
+
+    vLLM 0.32's unquantized fused-MoE method treats a reload as a weight update once its kernel exists
+    (``moe_kernel`` set: ``UnquantizedFusedMoEMethod._setup_kernel``) and then skips the CPU experts'
+    ``process_weights_after_loading``, their prepacking: the reloaded experts would be copied unpacked into
+    the tensors the kernel reads packed, and generation would run on scrambled experts. Without its kernel
+    the layer is processed as at the engine's build: padded, prepacked, a new kernel, and the reload copies
+    the packed result into the kernel's tensors. (The weight-sync check's per-expert sums cannot see a
+    layout error within an expert; tests/integration/test_moe.py's parity after a sync does.)"""
+    n = 0
+    for m in model.modules():
+        method = getattr(m, "quant_method", None)
+        kernel = getattr(method, "moe_kernel", None)
+        if "w13_weight" in m._parameters and kernel is not None and _cpu_experts(kernel):
+            method.moe_kernel = None  # type: ignore[union-attr]
+            n += 1
+    return n
+
+
+def _cpu_experts(kernel: Any) -> bool:
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    return isinstance(getattr(kernel, "fused_experts", None), CPUUnquantizedExperts)
 
 
 def snapshot(model: nn.Module) -> dict[int, Any]:

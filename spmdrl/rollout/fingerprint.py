@@ -23,6 +23,17 @@ had run everything queued before it, hundreds of times per sync (three per tenso
 1,400 for a 0.5B model), and on the trainer side, where the sums are taken while the weights stream
 into the engine, it would also keep the host from queueing the next gather ahead of the load.
 
+Mixture-of-experts layers are the exception to probing through kernels: vLLM's fused-MoE kernel applies
+the experts' activation between their two matrices, so no probe returns a weight exactly, and on CPU it
+computes from a prepacked copy of w13 / w2 (the parameter the kernel is handed, in a blocked layout). The
+prepacking permutes each expert's elements (measured on vLLM 0.32's CPU kernels, fp32 and bf16), so the
+check reads the parameter the kernel reads and compares sums that do not depend on the order: per layer
+and expert, the sum, sum of squares and sum of magnitudes of its gate/up matrix and of its down matrix,
+against the same sums of the per-expert tensors the trainer sent (:func:`expert_key`). A stale expert, one
+that never arrived, or two experts swapped differ; a permutation *within* an expert's matrix (a layout the
+kernel does not read) would not, so each expert is also probed through the kernel itself, with a relative
+tolerance (:data:`KERNEL_TOL`; spmdrl.rollout.expert_probe).
+
 The check's cost is host work per tensor, not arithmetic (a few thousand probed numbers per tensor), so
 each tensor costs one operation: its probed columns, taken with one ``index_select`` whose index (one per
 input size per sync) is built once; every sum is taken at the read, by one ``index_add_`` over all the
@@ -40,6 +51,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from spmdrl.models.experts import expert_of
 from spmdrl.transfer import to_device
 
 # Probe columns per input size per sync: enough that a stale layer cannot hide in an unchanged column.
@@ -65,6 +77,38 @@ def matrix_key(name: str, input_size: int) -> str:
 def vector_key(name: str) -> str:
     m = _LAYER.search(name)
     return f"{'layer ' + m.group(1) if m else 'top'}: vectors"
+
+
+def layer_of(name: str) -> str:
+    m = _LAYER.search(name)
+    return f"layer {m.group(1)}" if m else "top"
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def expert_key(name: str, expert: int, part: str) -> str:
+    """One expert's key: ``part`` "gate_up" (its gate and up matrices together, vLLM's w13) or "down"."""
+    return f"{layer_of(name)}: expert {expert} {part}"
+
+
+# An expert's outputs through the fused-MoE kernel (spmdrl.rollout.expert_probe): not exact, so compared
+# relative to the key's largest number (fp32 kernels agree to ~1e-6 of it, bf16 ones to ~1e-3; a layout the
+# kernel misreads differs by the outputs' own size).
+KERNEL_TOL = 2e-2
+_KERNEL_PART = "through its kernel"
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def kernel_key(name: str, expert: int) -> str:
+    return f"{layer_of(name)}: expert {expert} {_KERNEL_PART}"
+
+
+def whole_sums(x: torch.Tensor, dims: tuple[int, ...] | None = None) -> torch.Tensor:
+    """[sum, sum of squares, sum of |x|] of ``x`` in float64 (over ``dims``: one row per remaining index),
+    kept on its device."""
+    x = x.detach().to(torch.float64)
+    if dims is None:
+        return torch.stack([x.sum(), (x * x).sum(), x.abs().sum()])
+    return torch.stack([x.sum(dims), (x * x).sum(dims), x.abs().sum(dims)], dim=-1)
 
 
 class ProbeRows:
@@ -114,6 +158,8 @@ class Fingerprint:
         self._totals: dict[str, list[float]] = {}
         # Added since the last read, not yet reduced: (key, how many times it counts, the probed values).
         self._pending: list[tuple[str, int, torch.Tensor]] = []
+        # Sums already taken (whole experts): (key, times, [sum, sum sq, sum |x|] in float64).
+        self._pending_sums: list[tuple[str, int, torch.Tensor]] = []
         self._probes: ProbeRows | None = None
 
     def probes(self, seed: int) -> ProbeRows:
@@ -135,11 +181,23 @@ class Fingerprint:
                     acc = self._totals.setdefault(key, [0.0, 0.0, 0.0])
                     for i in range(3):
                         acc[i] += times * sums[i]
+        if self._pending_sums:
+            entries, self._pending_sums = self._pending_sums, []
+            by_device_sums: dict[torch.device, list[tuple[str, int, torch.Tensor]]] = {}
+            for entry in entries:
+                by_device_sums.setdefault(entry[2].device, []).append(entry)
+            for group in by_device_sums.values():
+                rows = torch.stack([s for _, _, s in group]).tolist()  # one read per device
+                for (key, times, _), sums in zip(group, rows, strict=True):
+                    acc = self._totals.setdefault(key, [0.0, 0.0, 0.0])
+                    for i in range(3):
+                        acc[i] += times * sums[i]
         return self._totals
 
     @values.setter
     def values(self, totals: dict[str, list[float]]) -> None:
         self._pending = []
+        self._pending_sums = []
         self._totals = totals
 
     def add(self, key: str, name: str, probed: torch.Tensor, times: int = 1) -> None:
@@ -152,6 +210,14 @@ class Fingerprint:
             # (detach only what has autograd history: each call is host time the check pays per tensor)
             probed = probed.detach() if probed.requires_grad else probed
             self._pending.append((key, times, probed.reshape(-1)))
+
+    def add_sums(self, key: str, name: str, sums: torch.Tensor, times: int = 1) -> None:
+        """Sums already taken (:func:`whole_sums`) for ``key``: an expert's, whose order the engine permutes."""
+        self.names.setdefault(key, []).append(name)
+        if times == 0:
+            self._totals.setdefault(key, [0.0, 0.0, 0.0])
+        else:
+            self._pending_sums.append((key, times, sums))
 
     def add_matrix(self, name: str, full: torch.Tensor, seed: int, times: int = 1) -> None:
         """A trainer tensor (out x in): its probed columns, as a one-hot probe through a kernel returns them."""
@@ -197,7 +263,10 @@ def observe(
     embedding lookup and the LM head: 2).
     """
     for name, t in weights:
-        if t.dim() == 2:
+        expert = expert_of(name)
+        if expert is not None:
+            fp.add_sums(expert_key(name, *expert), name, whole_sums(t), times.get(name, 1))
+        elif t.dim() == 2:
             fp.add_matrix(name, t, seed, times.get(name, 1))
         elif t.dim() == 1:
             fp.add_vector(name, t, times.get(name, 1))
@@ -231,9 +300,14 @@ def compare(engine: Fingerprint, trainer: Fingerprint, tol: float) -> list[Diver
     for key in sorted(engine.values.keys() | trainer.values.keys()):
         e = engine.values.get(key, [0.0, 0.0, 0.0])
         t = trainer.values.get(key, [0.0, 0.0, 0.0])
-        scale = max(e[2], t[2], 1e-30)
-        sq_scale = max(e[1], t[1], 1e-30)
-        if abs(e[0] - t[0]) > tol * scale or abs(e[1] - t[1]) > tol * sq_scale:
+        if key.endswith(_KERNEL_PART):
+            largest = max(max(abs(x) for x in e), max(abs(x) for x in t), 1e-30)
+            differs = any(abs(a - b) > max(tol, KERNEL_TOL) * largest for a, b in zip(e, t, strict=True))
+        else:
+            scale = max(e[2], t[2], 1e-30)
+            sq_scale = max(e[1], t[1], 1e-30)
+            differs = abs(e[0] - t[0]) > tol * scale or abs(e[1] - t[1]) > tol * sq_scale
+        if differs:
             out.append(
                 Divergence(
                     key,

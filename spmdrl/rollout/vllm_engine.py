@@ -164,6 +164,7 @@ class VLLMEngine:
 
         if device_type == "cpu":
             cpu_gemm.force_cpu_gemm(cfg.cpu_gemm, self.dtype)
+            cpu_gemm.avoid_zentorch_moe()
         kwargs: dict[str, Any] = dict(
             model=str(model_dir),
             tokenizer=str(model_dir),

@@ -149,10 +149,14 @@ def resolve_weight_load(
 ) -> str:
     """rollout.weight_load for a built engine: "direct" where every linear layer computes from its live
     parameter (CUDA's unquantized layers; on CPU, the layers on the torch GEMM path), else "reload". A
-    quantized checkpoint's layers compute from what vLLM's processing made of the weights: reload."""
+    quantized checkpoint's layers compute from what vLLM's processing made of the weights, and on CPU a
+    mixture of experts' fused-MoE layers from prepacked experts (cpu_gemm.MOE_PREPACKED): reload."""
     if quantized:
         reads_params = False
         why = "this checkpoint is quantized: its kernels compute from the processed weights"
+    elif device_type == "cpu" and cpu_gemm.MOE_PREPACKED in gemm_paths:
+        reads_params = False
+        why = "this model's CPU fused-MoE layers compute from prepacked expert weights: set"
     else:
         reads_params = device_type != "cpu" or (bool(gemm_paths) and set(gemm_paths) <= {"torch", "none"})
         why = f"this engine's CPU GEMM paths {gemm_paths} compute from packed copies: set rollout.cpu_gemm=torch,"

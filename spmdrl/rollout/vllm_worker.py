@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from spmdrl.rollout import cpu_gemm
+from spmdrl.rollout import cpu_gemm, expert_probe
 from spmdrl.rollout.copy_plan import CopyPlan
-from spmdrl.rollout.fingerprint import Fingerprint, matrix_key, vector_key
+from spmdrl.rollout.fingerprint import Fingerprint, expert_key, kernel_key, matrix_key, vector_key, whole_sums
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,8 @@ def _model(worker: Any) -> nn.Module:
 
 
 def reload_weights(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
-    """vLLM's in-place checkpoint-format reload, then the packed CPU GEMM copies it did not rebuild.
+    """vLLM's in-place checkpoint-format reload, then the packed CPU GEMM copies it did not rebuild (and,
+    before it, the CPU fused-MoE kernels forgotten, so that it prepacks their experts again).
 
     Returns the names of the layers re-dispatched (on CPU, a tied LM head; on CUDA, none: nothing has
     a ``cpu_linear``).
@@ -37,6 +38,7 @@ def reload_weights(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> 
     # The reload may replace parameters: a copy plan recorded before it would write into the old ones.
     if hasattr(model, _PLAN):
         delattr(model, _PLAN)
+    cpu_gemm.forget_moe_kernels(model)
     worker.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
     return cpu_gemm.refresh_unprocessed(model, before)
 
@@ -116,17 +118,27 @@ class _Read:
 
 
 @dataclass(frozen=True)
+class _Experts:
+    """A fused-MoE layer, whose experts the check sums whole (spmdrl.rollout.fingerprint): its w13 (each
+    expert's gate and up rows, this rank's TP slice of them) and w2 (down, this rank's slice)."""
+
+    name: str
+    module: nn.Module
+
+
+@dataclass(frozen=True)
 class _ProbePlan:
     """What :func:`fingerprint` probes and reads, found once per model: walking the modules and
     parameters and classifying each cost more host time per sync than the probes' own launches."""
 
     layers: list[_Probed]
     tensors: list[_Read]
+    experts: list[_Experts]
     device: torch.device
 
     @classmethod
     def of(cls, model: nn.Module) -> _ProbePlan:
-        from vllm.model_executor.layers.linear import LinearBase
+        from vllm.model_executor.layers.linear import LinearBase, ReplicatedLinear
         from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
         layers: list[_Probed] = []
@@ -139,7 +151,9 @@ class _ProbePlan:
         head_less = not any(isinstance(m, ParallelLMHead) for m in model.modules())
         for name, m in model.named_modules():
             if isinstance(m, LinearBase):
-                k_global, k_local = int(m.input_size), int(m.input_size_per_partition)
+                # (A replicated layer, such as an MoE router, may have no per-partition size: all of it.)
+                k_global = int(m.input_size)
+                k_local = int(getattr(m, "input_size_per_partition", k_global))
                 start = int(getattr(m, "tp_rank", 0)) * k_local if k_local < k_global else 0
             elif isinstance(m, ParallelLMHead) or (
                 head_less and isinstance(m, VocabParallelEmbedding) and vector_key(name).startswith("top")
@@ -148,11 +162,16 @@ class _ProbePlan:
                 start = 0
             else:
                 continue
-            layers.append(_Probed(name, m, k_global, k_local, start, _is_sliced(m)))
+            # (A ReplicatedLinear, such as an MoE router, carries the TP size but every rank holds all of it.)
+            sliced = _is_sliced(m) and not isinstance(m, ReplicatedLinear)
+            layers.append(_Probed(name, m, k_global, k_local, start, sliced))
             if isinstance(m, (ParallelLMHead, LinearBase)):
                 probed.add(id(m))  # (a head-less model's embedding is also read directly, as the lookup)
         tensors: list[_Read] = []
+        experts: list[_Experts] = []
         for name, m in model.named_modules():
+            if "w13_weight" in m._parameters:
+                experts.append(_Experts(name, m))
             for pname, p in m.named_parameters(recurse=False):
                 if pname == "weight" and id(m) in probed:
                     continue
@@ -165,13 +184,16 @@ class _ProbePlan:
                     tensors.append(
                         _Read(full, m, pname, False, _output_sliced(m) and hasattr(p, "output_dim"))
                     )
-        return cls(layers, tensors, next(model.parameters()).device)
+        return cls(layers, tensors, experts, next(model.parameters()).device)
 
 
 def _times(sliced: bool, tp_rank: int) -> int:
     """How often this rank counts a tensor: a TP-split one on every rank, a replicated one on rank 0 only."""
     return 1 if sliced or tp_rank == 0 else 0
 
+
+# Elements of expert weights summed per float64 copy (8 MB each).
+_SUM_CHUNK_ELEMENTS = 1 << 20
 
 # The model's _ProbePlan, found at its first fingerprint (an attribute of the engine's model, like _PLAN).
 _PROBE_PLAN = "_spmdrl_probe_plan"
@@ -184,7 +206,10 @@ def fingerprint(worker: Any, seed: int, tp_rank: int, dtype: torch.dtype) -> Fin
     Linear layers and LM heads are probed through their kernels (``quant_method.apply``) with one-hot
     rows; other tensors are read directly. A tensor replicated over the TP group counts on TP rank 0
     only (with zero weight elsewhere, so every rank has the same keys), a split one on every rank: the
-    sum over the group is then the whole model's, whatever the split.
+    sum over the group is then the whole model's, whatever the split. Fused-MoE experts are summed whole,
+    per expert, from the parameters their kernel reads (every rank holds a TP slice of every expert; zero
+    padding adds nothing), and probed through that kernel (spmdrl.rollout.expert_probe: each rank's
+    outputs are partial sums over its slice, which add up over the group).
     """
     model = _model(worker)
     plan = getattr(model, _PROBE_PLAN, None)
@@ -206,4 +231,24 @@ def fingerprint(worker: Any, seed: int, tp_rank: int, dtype: torch.dtype) -> Fin
             fp.add_matrix(t.name, p, seed, times)
         else:
             fp.add_vector(t.name, p, times)
+    for layer in plan.experts:
+        m = layer.module
+        for pname, part in (("w13_weight", "gate_up"), ("w2_weight", "down")):
+            w = m._parameters[pname]
+            # A few experts at a time: the float64 copy of a large model's whole layer would be gigabytes.
+            step = max(1, _SUM_CHUNK_ELEMENTS // max(1, w[0].numel()))
+            for first in range(0, w.shape[0], step):
+                sums_E3 = whole_sums(w[first : first + step], dims=(1, 2))
+                for i in range(sums_E3.shape[0]):
+                    e = first + i
+                    fp.add_sums(expert_key(layer.name, e, part), f"{layer.name}.{pname}[{e}]", sums_E3[i])
+        # Through the kernel too (spmdrl.rollout.expert_probe): its outputs for one-hot rows, one expert each.
+        experts, hidden = m._parameters["w2_weight"].shape[:2]
+        x, weights, ids, k = expert_probe.engine_rows(hidden, experts, seed, dtype, plan.device)
+        y = m.quant_method.apply(m, x, weights, ids, None, None)
+        s = expert_probe.signs(hidden, seed, y.device)
+        for e in range(experts):
+            fp.add_sums(
+                kernel_key(layer.name, e), layer.name, expert_probe.reduce_outputs(y[e * k : (e + 1) * k], s)
+            )
     return fp

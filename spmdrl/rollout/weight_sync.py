@@ -39,8 +39,10 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from spmdrl.distributed.reduce import all_reduce_max
+from spmdrl.models.experts import split_all
 from spmdrl.models.lora import adapted_weight_names, lora_scale, merge_weights
 from spmdrl.rollout.engine import LoadSeconds, RolloutEngine
+from spmdrl.rollout.expert_probe import ExpertOutputs, observe_experts
 from spmdrl.rollout.fingerprint import Fingerprint, WeightSyncError, compare, observe, sync_error
 
 log = logging.getLogger(__name__)
@@ -258,11 +260,12 @@ def engine_weights(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The engine's tensors from the full tensors of :func:`trainer_weights`: a LoRA model's adapters merged
     into their weights (W + alpha/r B A, spmdrl.models.lora), so the engine serves the base model's names and
-    needs no LoRA support of its own. Without adapters, ``full`` itself."""
+    needs no LoRA support of its own; a mixture-of-experts model's fused experts as the checkpoint's
+    per-expert matrices (views; spmdrl.models.experts), the names the engine's loader and the check know."""
     scale = lora_scale(model)
-    if scale is None:
-        return full
-    return merge_weights(full, adapted_weight_names(n for n, _ in trainer_weights(model)), scale)
+    if scale is not None:
+        full = merge_weights(full, adapted_weight_names(n for n, _ in trainer_weights(model)), scale)
+    return split_all(full)
 
 
 def engine_shapes(model: nn.Module) -> list[tuple[str, torch.Size]]:
@@ -391,6 +394,7 @@ def sync_weights(
         else:
             if check is not None:
                 weights = observe(weights, sent, check.seed, tied_uses(model))
+                weights = observe_experts(weights, ExpertOutputs(sent, check.seed))
             load = engine.load_weights(weights)
     t_check = time.perf_counter()
     groups = 0

@@ -293,6 +293,28 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
             end_of_turn="<end_of_turn>",
             end_of_turn_in_generation_config=True,
         ),
+        FamilySpec(
+            "qwen3_moe",
+            "Qwen3MoeConfig",
+            "Qwen3MoeForCausalLM",
+            dict(
+                rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+                rms_norm_eps=1e-6,
+                # 4 experts of width 64 (vLLM's CPU fused-MoE kernel wants multiples of 32), 2 per token,
+                # renormalized as the released Qwen3-MoE models do.
+                moe_intermediate_size=64,
+                num_experts=4,
+                num_experts_per_tok=2,
+                norm_topk_prob=True,
+            ),
+            vocab_size=37984,
+            pad="<|endoftext|>",
+            bos="<|im_start|>",
+            eos="<|im_end|>",
+            extra_special=("<think>", "</think>"),
+            chat_template=_CHATML_TEMPLATE,
+            tied_default=False,  # Qwen3-30B-A3B, 235B-A22B
+        ),
     )
 }
 

@@ -6,7 +6,8 @@ critic for Llama).
 
 What each family brings that Qwen2 does not: Llama 3's rope scaling and ``<|eot_id|>`` turn end beside
 ``<|end_of_text|>``; Qwen3's q_norm / k_norm; Mistral's sliding window (narrower than the prompts);
-Gemma's (1 + w) norms, scaled embeddings, soft-capping, alternating sliding layers and ``<end_of_turn>``.
+Gemma's (1 + w) norms, scaled embeddings, soft-capping, alternating sliding layers and ``<end_of_turn>``;
+Qwen3-MoE's router and fused experts (synced per expert, checked per expert, exported per expert).
 """
 
 from __future__ import annotations
@@ -242,12 +243,14 @@ def _check_export(export: Path, checkpoint: Path, tmp_path: Path) -> None:
 
     from spmdrl.checkpoint.export import export_checkpoint
     from spmdrl.models.build import attention_kwargs, read_safetensors
+    from spmdrl.models.experts import to_model_layout
 
     config = AutoConfig.from_pretrained(export)
     loaded = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32, **attention_kwargs(config))
     # The trainer's model: the same class from the config, the checkpoint's tensors as spmdrl loads them.
     trainer = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **attention_kwargs(config))
-    missing, unexpected = trainer.load_state_dict(read_safetensors(export), strict=False)
+    # (A mixture of experts' export holds each expert's matrices; the model's experts are fused.)
+    missing, unexpected = trainer.load_state_dict(to_model_layout(read_safetensors(export)), strict=False)
     assert not unexpected and set(missing) <= ({"lm_head.weight"} if config.tie_word_embeddings else set())
     if config.tie_word_embeddings:
         trainer.tie_weights()

@@ -331,10 +331,15 @@ def test_a_policy_loss_registered_in_the_entry_is_accepted(tmp_path: Path) -> No
 
 @pytest.mark.parametrize(
     ("recipe", "differs"),
-    [("dapo_tiny", {"name", "reward", "algorithm"}), ("ppo_tiny", {"name", "entry", "critic", "algorithm"})],
+    [
+        ("dapo_tiny", {"name", "reward", "algorithm"}),
+        ("ppo_tiny", {"name", "entry", "critic", "algorithm"}),
+        ("grpo_moe_tiny", {"name", "model"}),
+    ],
 )
 def test_shipped_recipes_start_from_grpo_tiny(recipe: str, differs: set[str]) -> None:
-    """dapo_tiny.yaml and ppo_tiny.yaml hold only their differences (defaults: [grpo_tiny, _self_])."""
+    """dapo_tiny.yaml, ppo_tiny.yaml and grpo_moe_tiny.yaml hold only their differences (defaults:
+    [grpo_tiny, _self_])."""
     import dataclasses
 
     text = (REPO / "configs" / "recipe" / f"{recipe}.yaml").read_text()

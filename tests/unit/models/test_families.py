@@ -31,6 +31,7 @@ RELEASED = [
     ("MistralForCausalLM", "mistral"),
     ("Gemma2ForCausalLM", "gemma2"),
     ("Gemma3ForCausalLM", "gemma3_text"),
+    ("Qwen3MoeForCausalLM", "qwen3_moe"),
 ]
 
 
@@ -115,3 +116,21 @@ def test_the_preflight_refuses_before_anything_is_built(tmp_path: Path) -> None:
 
 def test_a_config_without_model_type_or_architectures_is_left_to_transformers(tmp_path: Path) -> None:
     assert check_architecture(_model_dir(tmp_path / "m")) is None
+
+
+def test_a_mixture_of_experts_has_no_critic_and_no_lora_yet(tmp_path: Path) -> None:
+    """Qwen3-MoE trains with every weight (GRPO); PPO's critic on it and LoRA are refused at start, saying
+    why, for the built-in tiny-moe (before it is built) and for a local checkpoint alike."""
+    moe = _model_dir(tmp_path / "moe", architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe")
+    cfg = Config()
+    for path in ("tiny-moe", str(moe)):
+        grpo = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=path))
+        check_inputs(grpo)
+        ppo = dataclasses.replace(grpo, algorithm=dataclasses.replace(grpo.algorithm, adv_estimator="gae"))
+        with pytest.raises(ConfigError, match="critic.model_path unset.*is a mixture of experts.*no critic"):
+            check_inputs(ppo)
+        lora = dataclasses.replace(
+            grpo, model=dataclasses.replace(grpo.model, lora=dataclasses.replace(grpo.model.lora, rank=8))
+        )
+        with pytest.raises(ConfigError, match="model.lora: .* mixture of experts.*model.lora.rank=0"):
+            check_inputs(lora)

@@ -6,6 +6,8 @@ torch.cuda.mem_get_info's on a GPU."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -16,6 +18,7 @@ from spmdrl.models.memory_model import (
     check_bare_module,
     gathered_param_bytes,
     layer_bytes_per_token,
+    mlp_bytes_per_token,
     model_state_bytes,
     no_grad_bytes_per_token,
     token_budget,
@@ -263,3 +266,21 @@ def test_whole_model_unit_gathers_every_parameter() -> None:
     b_layer = token_budgets(per_layer, free_bytes=free, state_bytes=0, reserve_bytes=0, max_len=1024)
     b_whole = token_budgets(whole, free_bytes=free, state_bytes=0, reserve_bytes=0, max_len=1024)
     assert b_whole.train < b_layer.train and b_whole.no_grad <= b_layer.no_grad
+
+
+def test_a_mixture_of_experts_counts_every_experts_weights(tmp_path) -> None:  # noqa: ANN001
+    """tiny-moe's config: the weights are every expert's and the routers' (what FSDP2 shards and the sync
+    sends), counted as the built model counts them; activations are those of the experts a token uses."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from spmdrl.models.tiny import TINY_MOE, ensure_tiny_model
+
+    config = AutoConfig.from_pretrained(ensure_tiny_model(tmp_path, TINY_MOE))
+    shape = DecoderShape.from_hf(config)
+    assert (shape.intermediate, shape.experts, shape.experts_per_token) == (128, 4, 2)
+    built = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    # (Qwen3's q_norm and k_norm, head_dim each per layer, are left out, as for the dense Qwen3.)
+    assert shape.params + shape.layers * 2 * shape.head_dim == built
+    dense = dataclasses.replace(shape, experts=1, experts_per_token=1)
+    grow = mlp_bytes_per_token(MemoryInputs(shape)) - mlp_bytes_per_token(MemoryInputs(dense))
+    assert grow == 4 * 2 * 128 * (2 - 1)  # bf16: the second expert's gate, up, silu and product

@@ -17,6 +17,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from spmdrl.models.tiny import (
     TINY_MODEL_DIRNAME,
     TINY_MODEL_FILES,
+    TINY_MOE,
+    TINY_MOE_DIRNAME,
     build_tiny_model,
     default_cache_dir,
     ensure_tiny_model,
@@ -157,3 +159,20 @@ def test_default_cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     monkeypatch.delenv("SPMDRL_CACHE")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert default_cache_dir() == tmp_path / "home" / ".cache" / "spmdrl"
+
+
+def test_the_moe_sibling_shares_the_tokenizer_and_is_reproducible(model_dir: Path, tmp_path: Path):
+    """model.path=tiny-moe: a Qwen3-MoE (4 experts, 2 per token, renormalized, untied) in a directory of its
+    own, with the Qwen2's tokenizer files byte for byte; built the same every time."""
+    moe = ensure_tiny_model(tmp_path, TINY_MOE)
+    assert moe == tmp_path / TINY_MOE_DIRNAME != tmp_path / TINY_MODEL_DIRNAME
+    cfg = AutoConfig.from_pretrained(moe)
+    assert (cfg.model_type, cfg.architectures) == ("qwen3_moe", ["Qwen3MoeForCausalLM"])
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob) == (4, 2, True)
+    assert not cfg.tie_word_embeddings and cfg.head_dim == 32 and cfg.moe_intermediate_size % 32 == 0
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        assert (moe / f).read_bytes() == (model_dir / f).read_bytes()
+    build_tiny_model(tmp_path / "again", moe=True)
+    assert file_hashes(tmp_path / "again") == file_hashes(moe)
+    with pytest.raises(ValueError, match="no built-in model 'tiny-mo'; there are tiny, tiny-moe"):
+        ensure_tiny_model(tmp_path, "tiny-mo")

@@ -10,11 +10,13 @@ from spmdrl.rollout.fingerprint import (
     Fingerprint,
     WeightSyncError,
     compare,
+    expert_key,
     matrix_key,
     observe,
     probe_columns,
     sync_error,
     vector_key,
+    whole_sums,
 )
 from spmdrl.rollout.weight_sync import SyncCheck
 
@@ -115,3 +117,57 @@ def test_missing_group_and_error_message() -> None:
     assert isinstance(err, WeightSyncError)
     msg = str(err)
     assert "at step 7" in msg and "model.norm.weight" in msg and "rollout.cpu_gemm=torch" in msg
+
+
+def _engine_experts(w13: torch.Tensor, w2: torch.Tensor, tp: int, g: torch.Generator) -> Fingerprint:
+    """The engine's expert sums as vllm_worker.fingerprint takes them: w13 / w2 split over ``tp`` ranks by
+    the intermediate dimension, each rank's slice zero-padded and its elements permuted within each expert
+    (as vLLM's CPU prepack does), summed whole per expert, then over the ranks."""
+    total = Fingerprint()
+    inter = w2.shape[2]
+    for r in range(tp):
+        rows = slice(r * inter // tp, (r + 1) * inter // tp)
+        mine13 = torch.cat([w13[:, :inter][:, rows], w13[:, inter:][:, rows]], dim=1)
+        mine2 = w2[:, :, rows]
+        part = Fingerprint()
+        for name, w, kind in (("w13_weight", mine13, "gate_up"), ("w2_weight", mine2, "down")):
+            padded = torch.cat([w.flatten(1), torch.zeros(w.shape[0], 7, dtype=w.dtype)], dim=1)
+            packed = torch.stack([e[torch.randperm(e.numel(), generator=g)] for e in padded])
+            sums = whole_sums(packed, dims=(1,))
+            for e in range(w.shape[0]):
+                part.add_sums(expert_key("model.layers.0.mlp.experts", e, kind), name, sums[e])
+        for key, vals in part.values.items():
+            acc = total.values.setdefault(key, [0.0, 0.0, 0.0])
+            for i in range(3):
+                acc[i] += vals[i]
+    return total
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_experts_are_checked_whole_whatever_order_the_engine_keeps_them_in(tp: int) -> None:
+    """The trainer sends each expert's gate, up and down matrices; the engine holds them fused (w13 = gate
+    above up), TP-sliced, padded and permuted: the per-expert sums agree. A corrupted element of one
+    expert, or two experts swapped, is caught, naming that expert."""
+    from spmdrl.models.experts import split_fused
+
+    g = torch.Generator().manual_seed(0)
+    E, inter, hidden = 3, 8, 16
+    gate_up = torch.randn(E, 2 * inter, hidden, generator=g)
+    down = torch.randn(E, hidden, inter, generator=g)
+    sent = Fingerprint()
+    stream = [
+        *split_fused("model.layers.0.mlp.experts.gate_up_proj", gate_up),
+        *split_fused("model.layers.0.mlp.experts.down_proj", down),
+    ]
+    list(observe(iter(stream), sent, seed=0, times={}))
+    assert sorted(sent.values) == sorted(
+        f"layer 0: expert {e} {kind}" for e in range(E) for kind in ("gate_up", "down")
+    )
+    assert compare(_engine_experts(gate_up, down, tp, g), sent, tol=1e-9) == []
+    corrupted = gate_up.clone()
+    corrupted[1, inter + 3, 5] += 1e-3  # one element of expert 1's up matrix
+    bad = compare(_engine_experts(corrupted, down, tp, g), sent, tol=1e-9)
+    assert [d.key for d in bad] == ["layer 0: expert 1 gate_up"]
+    swapped = down[[1, 0, 2]]
+    bad = compare(_engine_experts(gate_up, swapped, tp, g), sent, tol=1e-9)
+    assert [d.key for d in bad] == ["layer 0: expert 0 down", "layer 0: expert 1 down"]

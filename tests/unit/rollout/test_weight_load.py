@@ -41,3 +41,12 @@ def test_an_unknown_setting_is_a_config_error() -> None:
 
     with pytest.raises(ConfigError, match="weight_load"):
         load_config(["recipe=grpo_tiny", "rollout.weight_load=fast"])
+
+
+def test_a_mixture_of_experts_on_cpu_reloads_its_prepacked_experts() -> None:
+    """vLLM's CPU fused-MoE kernel computes from prepacked experts (cpu_gemm.gemm_paths counts its layers
+    as moe_prepacked), even where every linear layer is on the torch path: reload, and direct is refused."""
+    paths = {"torch": 20, "moe_prepacked": 4}
+    assert resolve_weight_load("auto", "cpu", paths) == "reload"
+    with pytest.raises(ConfigError, match="fused-MoE layers compute from prepacked expert weights"):
+        resolve_weight_load("direct", "cpu", paths)

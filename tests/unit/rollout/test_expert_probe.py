@@ -1,0 +1,76 @@
+"""The weight-sync check's probe through a mixture of experts' kernel (spmdrl/rollout/expert_probe.py),
+against a float32 stand-in for vLLM's fused-MoE kernel (tests/integration/test_moe.py runs the real one):
+the trainer's float64 outputs from the matrices it streams agree within the kernel tolerance, also summed
+over TP slices of the experts' width, and an expert whose matrix the engine holds in another element order
+(a layout the kernel misreads) fails that key while its whole sums agree."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spmdrl.models.experts import split_fused
+from spmdrl.rollout.expert_probe import ExpertOutputs, engine_rows, observe_experts, reduce_outputs, signs
+from spmdrl.rollout.fingerprint import Fingerprint, compare, kernel_key, observe
+
+LAYER = "model.layers.0.mlp.experts"
+E, INTER, HIDDEN = 3, 32, 64
+
+
+def _kernel(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """What the fused-MoE kernel computes for rows routed to one expert each with weight 1 (float32)."""
+    inter = w13.shape[1] // 2
+    out = torch.zeros(x.shape[0], w2.shape[1])
+    for r in range(x.shape[0]):
+        e = int(ids[r, 0])
+        h = torch.nn.functional.silu(w13[e, :inter] @ x[r]) * (w13[e, inter:] @ x[r])
+        out[r] = w2[e] @ h
+    return out
+
+
+def _engine(gate_up: torch.Tensor, down: torch.Tensor, seed: int, tp: int) -> Fingerprint:
+    """The engine side: each TP rank's kernel on its slice of every expert's width, reduced, summed."""
+    fp = Fingerprint()
+    x, _, ids, k = engine_rows(HIDDEN, E, seed, torch.float32, torch.device("cpu"))
+    y = torch.zeros(E * k, HIDDEN)
+    for r in range(tp):
+        rows = slice(r * INTER // tp, (r + 1) * INTER // tp)
+        w13 = torch.cat([gate_up[:, :INTER][:, rows], gate_up[:, INTER:][:, rows]], dim=1)
+        y += _kernel(x, ids, w13, down[:, :, rows])
+    s = signs(HIDDEN, seed, y.device)
+    for e in range(E):
+        fp.add_sums(kernel_key(LAYER, e), LAYER, reduce_outputs(y[e * k : (e + 1) * k], s))
+    return fp
+
+
+def _trainer(gate_up: torch.Tensor, down: torch.Tensor, seed: int) -> Fingerprint:
+    fp = Fingerprint()
+    stream = [*split_fused(f"{LAYER}.gate_up_proj", gate_up), *split_fused(f"{LAYER}.down_proj", down)]
+    list(observe_experts(iter(stream), ExpertOutputs(fp, seed)))
+    return fp
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_kernel_probe_agrees_and_catches_a_misread_layout(tp: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    gate_up = torch.randn(E, 2 * INTER, HIDDEN, generator=g) * 0.1
+    down = torch.randn(E, HIDDEN, INTER, generator=g) * 0.1
+    trainer = _trainer(gate_up, down, seed=3)
+    assert sorted(trainer.values) == [f"layer 0: expert {e} through its kernel" for e in range(E)]
+    assert compare(_engine(gate_up, down, seed=3, tp=tp), trainer, tol=1e-9) == []
+    # Expert 1's down matrix in another element order: its whole sums are unchanged, its outputs are not.
+    scrambled = down.clone()
+    scrambled[1] = down[1].flatten()[torch.randperm(HIDDEN * INTER, generator=g)].view(HIDDEN, INTER)
+    bad = compare(_engine(gate_up, scrambled, seed=3, tp=tp), trainer, tol=1e-9)
+    assert [d.key for d in bad] == ["layer 0: expert 1 through its kernel"]
+
+
+def test_whole_sums_and_kernel_probe_together_in_one_stream() -> None:
+    """observe (whole sums) and observe_experts (kernel outputs) over the same stream: both kinds of key."""
+    g = torch.Generator().manual_seed(1)
+    gate_up, down = torch.randn(E, 2 * INTER, HIDDEN, generator=g), torch.randn(E, HIDDEN, INTER, generator=g)
+    fp = Fingerprint()
+    stream = [*split_fused(f"{LAYER}.gate_up_proj", gate_up), *split_fused(f"{LAYER}.down_proj", down)]
+    passed = list(observe_experts(observe(iter(stream), fp, 0, {}), ExpertOutputs(fp, 0)))
+    assert [n for n, _ in passed] == [n for n, _ in stream]
+    assert len(fp.values) == E * 3  # gate_up, down, through its kernel
