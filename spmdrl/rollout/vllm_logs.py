@@ -124,6 +124,21 @@ KNOWN: tuple[Known, ...] = (
         "count back after the build (vllm_process.keep_thread_settings)",
         devices=("cpu",),
     ),
+    Known(
+        "vllm.platforms.cpu",
+        "Reset SSM cache type to float32",
+        "vLLM's CPU platform says it for every model on a CPU with AVX512-BF16: it concerns the state cache "
+        "of Mamba / GDN layers, which the decoder families spmdrl serves do not have",
+        devices=("cpu",),
+    ),
+    Known(
+        "vllm.model_executor.models.utils",
+        "Attempted to load weight",
+        "the sync hands the engine the trainer's tensors in the trainer's dtype (float32 on CPU) and vLLM "
+        "casts them into its own (rollout.dtype: bfloat16 on a CPU with native bf16), which is the intent; "
+        "the per-step sync check compares what the engine's kernels then compute with the trainer's weights",
+        devices=("cpu",),
+    ),
 )
 
 # Python warnings (the warnings module, not logging) raised from vLLM's code that the user cannot act on:
