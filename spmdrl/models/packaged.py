@@ -20,18 +20,14 @@ serve the file for that CLI and are not needed here; torchrun_scripts/setup_cpu.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import importlib.metadata
 import importlib.util
 import logging
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from spmdrl.errors import ConfigError
+from spmdrl.models.build_once import build_once
 
 log = logging.getLogger(__name__)
 
@@ -142,33 +138,7 @@ def ensure_packaged_model(name: str, cache_dir: Path, *, key: str = "model.path"
     if _complete(target):
         return target
     gguf = gguf_path(name, key=key)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{target.name}.lock", "w") as lock:
-        # One converter at a time; the others wait here, then find the finished directory.
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if target.exists():
-            if not _complete(target):
-                raise RuntimeError(f"{target} is incomplete; delete it and it will be converted again")
-            return target
-        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp-"))
-        tmp.chmod(0o755)  # mkdtemp makes it private; the renamed directory should be readable
-        try:
-            log.info("converting %s (%s) into %s", name, gguf, target)
-            convert(gguf, tmp)
-            for f in tmp.iterdir():  # safetensors writes 0600: a shared cache must be readable
-                if f.is_file():
-                    f.chmod(0o644)
-            try:
-                os.replace(tmp, target)
-            except OSError:
-                # Another machine sharing this cache (where flock may not reach) renamed first: use theirs.
-                if _complete(target):
-                    return target
-                raise
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                shutil.rmtree(tmp)
-    return target
+    return build_once(target, lambda out: convert(gguf, out), _REQUIRED_FILES, f"packaged model {name}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -12,16 +12,13 @@ torchrun rank) serialize on a file lock and the finished directory appears by an
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import logging
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from spmdrl.data import tiny_task
+from spmdrl.models.build_once import build_once
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -203,10 +200,6 @@ def build_tiny_model(out_dir: Path, *, moe: bool = False) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
-def _missing_files(model_dir: Path) -> list[str]:
-    return [f for f in TINY_MODEL_FILES if not (model_dir / f).is_file()]
-
-
 def ensure_tiny_model(cache_dir: Path, name: str = TINY) -> Path:
     """The directory of the built-in model ``name`` (one of BUILT_IN_MODELS) under ``cache_dir``, built on
     first use. Safe to call from every rank."""
@@ -214,39 +207,7 @@ def ensure_tiny_model(cache_dir: Path, name: str = TINY) -> Path:
         raise ValueError(f"no built-in model {name!r}; there are {', '.join(BUILT_IN_MODELS)}")
     moe = name == TINY_MOE
     dirname = TINY_MOE_DIRNAME if moe else TINY_MODEL_DIRNAME
-    cache_dir = Path(cache_dir).expanduser()
-    target = cache_dir / dirname
-    if target.is_dir() and not _missing_files(target):
-        return target
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    with open(cache_dir / f".{dirname}.lock", "w") as lock:
-        # One builder at a time; the others wait here, then find the finished directory.
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if target.exists():
-            missing = _missing_files(target)
-            if missing:
-                raise RuntimeError(
-                    f"the tiny model directory {target} is incomplete (missing {', '.join(missing)}); "
-                    "delete it and it will be rebuilt"
-                )
-            return target
-        tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=f".{dirname}.tmp-"))
-        tmp.chmod(0o755)  # mkdtemp makes it private; the renamed model directory should be readable
-        try:
-            logger.info("building the tiny model into %s", target)
-            build_tiny_model(tmp, moe=moe)
-            # Some writers create their files private (safetensors' 0600): a shared cache must be readable.
-            for f in tmp.iterdir():
-                if f.is_file():
-                    f.chmod(0o644)
-            try:
-                os.replace(tmp, target)
-            except OSError:
-                # Another machine sharing this cache (where flock may not reach) renamed first: use theirs.
-                if target.is_dir() and not _missing_files(target):
-                    return target
-                raise
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                shutil.rmtree(tmp)
-    return target
+    target = Path(cache_dir).expanduser() / dirname
+    return build_once(
+        target, lambda out: build_tiny_model(out, moe=moe), TINY_MODEL_FILES, f"built-in {name} model"
+    )

@@ -51,7 +51,7 @@ def test_two_concurrent_conversions_build_one_directory(tmp_path: Path) -> None:
     assert printed == {str(target)}
     assert sorted(p.name for p in cache.iterdir() if p.is_dir()) == [target.name]  # no temporary left
     # One converter: the other found the finished directory after the lock.
-    assert sum("converting smollm2-135m" in err for _, err in outs) == 1
+    assert sum("building packaged model smollm2-135m" in err for _, err in outs) == 1
 
     config = json.loads((target / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["num_hidden_layers"] == 30
