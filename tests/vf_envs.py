@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from spmdrl.testing.small_runs import cache_env
+
 ENVS_DIR = Path(__file__).resolve().parent / "envs"
 REPO = ENVS_DIR.parent.parent
 LEGACY_ENV = "vf_tiny_legacy"
@@ -38,3 +40,9 @@ def pythonpath(*env_packages: str, legacy: bool = False) -> str:
     if os.environ.get("PYTHONPATH"):
         parts.append(os.environ["PYTHONPATH"])
     return os.pathsep.join(parts)
+
+
+def job_env(*env_packages: str, legacy: bool = False) -> dict[str, str]:
+    """The environment of a test's torchrun job on the test environments: their PYTHONPATH (pythonpath) and
+    the tests' model cache (spmdrl.testing.small_runs.cache_env)."""
+    return {"PYTHONPATH": pythonpath(*env_packages, legacy=legacy), **cache_env()}

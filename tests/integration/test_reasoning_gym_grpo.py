@@ -6,13 +6,13 @@ learns the ``<answer>`` format from their demonstrations, and every sample is sc
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
 from spmdrl.logging.metrics import read_metrics
 from spmdrl.testing.launch import torchrun
+from spmdrl.testing.small_runs import cache_env
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +49,7 @@ def test_grpo_trains_on_a_reasoning_gym_task(tmp_path: Path) -> None:
         nproc=2,
         cwd=tmp_path,
         timeout_s=900,
-        env={"SPMDRL_CACHE": os.environ.get("SPMDRL_CACHE", str(Path.home() / ".cache" / "spmdrl"))},
+        env=cache_env(),
     )
     assert res.returncode == 0, res.output[-5000:]
     derived = json.loads((out / "derived.json").read_text())

@@ -9,7 +9,6 @@ function raises on some answers: those samples are counted in reward/errors and 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ from spmdrl.logging.metrics import read_metrics
 from spmdrl.rewards.registry import RewardInput
 from spmdrl.rewards.sandbox import score_batch
 from spmdrl.testing.launch import torchrun
-from tests.vf_envs import ENVS_DIR, LEGACY_ENV, V1_ENV, pythonpath
+from tests.vf_envs import ENVS_DIR, LEGACY_ENV, V1_ENV, job_env
 
 pytestmark = pytest.mark.slow
 
@@ -47,10 +46,7 @@ def test_grpo_trains_on_a_legacy_verifiers_env(tmp_path: Path) -> None:
         nproc=2,
         cwd=tmp_path,
         timeout_s=900,
-        env={
-            "PYTHONPATH": pythonpath(LEGACY_ENV, legacy=True),
-            "SPMDRL_CACHE": os.environ.get("SPMDRL_CACHE", str(Path.home() / ".cache" / "spmdrl")),
-        },
+        env=job_env(LEGACY_ENV, legacy=True),
     )
     assert res.returncode == 0, res.output[-5000:]
     assert "verifiers 0.3.1, legacy API" in res.output

@@ -23,7 +23,7 @@ from spmdrl.rollout.engine import SamplingSpec
 from spmdrl.testing.launch import torchrun
 from spmdrl.testing.spawn import run_distributed
 from tests.integration.test_agent_loop import MAX_LEN, STOPS, _Recorder
-from tests.vf_envs import pythonpath
+from tests.vf_envs import job_env, pythonpath
 
 pytestmark = pytest.mark.slow
 ENV = "vf_guess_legacy"
@@ -161,10 +161,7 @@ def test_grpo_trains_on_a_multi_turn_legacy_env(tmp_path: Path) -> None:
         nproc=2,
         cwd=tmp_path,
         timeout_s=900,
-        env={
-            "PYTHONPATH": pythonpath(ENV, legacy=True),
-            "SPMDRL_CACHE": os.environ.get("SPMDRL_CACHE", str(Path.home() / ".cache" / "spmdrl")),
-        },
+        env=job_env(ENV, legacy=True),
     )
     assert res.returncode == 0, res.output[-5000:]
     assert "multi-turn rollouts: verifiers:vf_guess_legacy" in res.output
