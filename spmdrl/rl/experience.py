@@ -35,6 +35,7 @@ from spmdrl.rl.batch import PolicyBatch, build_policy_batch
 from spmdrl.rl.reference import Reference
 from spmdrl.rl.samples import ScoredSamples
 from spmdrl.rl.update import UpdateSettings, logprobs_and_sum_pi_squared_of, logprobs_of, micro_rows
+from spmdrl.rollout.mismatch import corrected_mismatch
 
 
 def policy_batch(samples: ScoredSamples, pad_id: int, device: torch.device) -> PolicyBatch:
@@ -192,6 +193,16 @@ def correct_rollout(
     reduced.update(all_reduce_max(by["max"], device, group))
     reduced.update(all_reduce_min(by["min"], device, group))
     metrics = {f"rollout_corr/{k}": v for k, v in sorted(reduced.items())}
+    # The gap the correction leaves, next to mismatch/* (the gap before it; docs/rollout.md).
+    residual = corrected_mismatch(
+        batch.old_logprobs_BT,
+        batch.engine_logprobs_BT,
+        corr.mask_BT,
+        corr.is_weights_BT,
+        sequence_level=rc.rollout_is == "sequence",
+        group=group or dist.group.WORLD,
+    )
+    metrics.update({f"mismatch/{k}": v for k, v in residual.items()})
     return batch.replace(response_mask_BT=corr.mask_BT, is_weights_BT=corr.is_weights_BT), metrics
 
 

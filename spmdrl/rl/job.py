@@ -455,11 +455,14 @@ def sync_actor_weights(job: RLJob, check_seed: int) -> SyncStats:
     the first actor rank). With rollout.weight_sync_check, the check proves each engine now serves exactly
     them, probing columns chosen by ``check_seed`` (the step), and stops the run on every rank if not."""
     # The engines' dtype, also on a rank that holds none (the module imports vLLM only inside the engine).
+    from spmdrl.rollout.quantization import check_tol
     from spmdrl.rollout.vllm_plan import resolve_engine_dtype
 
     cfg = job.cfg
     check = (
-        SyncCheck(check_seed, cfg.rollout.weight_sync_check_tol) if cfg.rollout.weight_sync_check else None
+        SyncCheck(check_seed, check_tol(cfg.rollout.quantization, cfg.rollout.weight_sync_check_tol))
+        if cfg.rollout.weight_sync_check
+        else None
     )
     engine = job.engine  # async: None on the trainer ranks, which gather, send, load nothing
 

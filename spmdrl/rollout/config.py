@@ -93,6 +93,12 @@ class RolloutConfig:
     # The engine's weight dtype. "auto": bfloat16 on CUDA; on CPU bfloat16 where the CPU has native bf16
     # matmuls (AVX512-BF16 or AMX) and float32 elsewhere (there bf16 runs ~4-5x slower than fp32).
     dtype: str = choice("auto", ("auto", "bfloat16", "float16", "float32"))
+    # The engine's online quantization (verl's rollout.quantization): the trainer's weights arrive in its
+    # own precision and vLLM quantizes them at every sync. "fp8" (CUDA: per-tensor fp8 weights, dynamic
+    # fp8 activations) or "none". Needs a 16-bit rollout.dtype. The mismatch it adds is what
+    # algorithm.rollout_correction absorbs (docs/rollout.md#low-precision-rollout); on a CPU, where vLLM
+    # has no fp8 kernels, the lower-precision engine is rollout.dtype=bfloat16 (spmdrl.rollout.quantization).
+    quantization: str = choice("none", ("none", "fp8"))
     # CPU only: vLLM's GEMM path for linear layers. "auto": vLLM's choice for this CPU; "torch" (reads
     # the weights directly), "onednn", "sgl" (bf16) or "zentorch" (needs the zentorch package) force one.
     # Every path is correct after a weight sync (docs/rollout.md); forcing one is for tests and for

@@ -270,9 +270,13 @@ def check_engine_config(cfg: RolloutConfig, device_type: str) -> None:
 
     require_supported_vllm()
     check_model_runner(cfg, device_type)
+    from spmdrl.rollout.quantization import check_quantization
+    from spmdrl.rollout.vllm_plan import resolve_engine_dtype
+
+    engine_dtype = str(resolve_engine_dtype(cfg.dtype, device_type)).removeprefix("torch.")
+    check_quantization(cfg.quantization, engine_dtype, device_type)
     if device_type == "cpu":
         from spmdrl.rollout.cpu_gemm import check_available
-        from spmdrl.rollout.vllm_plan import resolve_engine_dtype
 
         check_available(cfg.cpu_gemm, resolve_engine_dtype(cfg.dtype, device_type))
         if cfg.weight_load == "direct" and cfg.cpu_gemm != "torch":

@@ -69,3 +69,51 @@ def parity_failure(tol: float, metrics: dict[str, float], step: int, dtypes: Cal
         "(rope scaling, sliding window, soft-capping, a custom architecture), or the sampling settings "
         "(temperature). The step's metrics row is in metrics.jsonl; docs/rollout.md#trainerengine-parity"
     )
+
+
+def corrected_mismatch(
+    trainer_logprobs_BT: torch.Tensor,
+    engine_logprobs_BT: torch.Tensor,
+    kept_mask_BT: torch.Tensor,
+    is_weights_BT: torch.Tensor | None,
+    sequence_level: bool,
+    group: dist.ProcessGroup | None = None,
+) -> dict[str, float]:
+    """The gap the rollout correction leaves: ``logprob_abs_diff_mean`` and ``kl_k3`` as in
+    :func:`logprob_mismatch`, after the correction (``mismatch/corrected_*``).
+
+    An importance weight ``w`` turns the engine's probability of a token into ``engine x w``; exact weights
+    (``w = trainer / engine``) leave no gap, truncated ones (TIS) the part above the threshold. So the gap
+    per token is ``d = log(trainer / engine) - log w`` over the tokens the correction kept (its rejection
+    mask, and ``w > 0``: IcePop's zero weight drops a token as rejection does). Without weights (rejection
+    alone) ``d`` is the plain gap on the kept tokens. Sequence-level weights correct a sequence's summed
+    log-ratio: the gap is then per sequence, ``|sum_t log r_t - log w| / tokens``, averaged over sequences,
+    and ``kl_k3`` is that of the per-token mean. Summed over ``group``'s ranks like
+    :func:`logprob_mismatch`.
+    """
+    keep = kept_mask_BT.bool()
+    log_r = trainer_logprobs_BT.float() - engine_logprobs_BT.float()
+    if is_weights_BT is not None:
+        keep = keep & (is_weights_BT > 0)
+        log_w = torch.log(is_weights_BT.float().clamp_min(1e-30))
+    else:
+        log_w = torch.zeros_like(log_r)
+    if sequence_level and is_weights_BT is not None:
+        tokens_B = keep.sum(1)
+        has_B = tokens_B > 0
+        # One weight per sequence, repeated on its tokens: read it from any kept token.
+        first_B = keep.float().argmax(1)
+        w_log_B = log_w.gather(1, first_B[:, None]).squeeze(1)
+        d_B = (torch.where(keep, log_r, 0.0).sum(1) - w_log_B) / tokens_B.clamp_min(1)
+        d = d_B[has_B]
+    else:
+        d = (log_r - log_w)[keep]
+    k3 = torch.exp(d) - d - 1
+    sums = torch.stack([d.abs().sum(), k3.sum(), d.new_tensor(float(d.numel()))]).double()
+    if group is not None:
+        dist.all_reduce(sums, group=group)
+    count = max(float(sums[2]), 1.0)
+    return {
+        "corrected_logprob_abs_diff_mean": float(sums[0]) / count,
+        "corrected_kl_k3": float(sums[1]) / count,
+    }

@@ -49,6 +49,7 @@ from spmdrl.rollout.engine import (
 from spmdrl.rollout.engine_ranks import EngineWorld
 from spmdrl.rollout.fingerprint import Fingerprint
 from spmdrl.rollout.groups import TPGroups
+from spmdrl.rollout.quantization import check_quantization
 from spmdrl.rollout.vllm_plan import kv_cache_bytes, resolve_engine_dtype, resolve_weight_load
 from spmdrl.rollout.vllm_process import SettingsSwap, isolated_rng, keep_thread_settings, prepare_environment
 from spmdrl.rollout.vllm_requests import VLLMStepper, sampling_params, seed_sampler, to_generation
@@ -155,6 +156,7 @@ class VLLMEngine:
         # Before vLLM's import, which logs some of the warnings spmdrl demotes (spmdrl.rollout.vllm_logs).
         vllm_logs.install(device_type, dist.get_rank())
         check_model_runner(cfg, device_type)
+        check_quantization(cfg.quantization, str(self.dtype).removeprefix("torch."), device_type)
         if cfg.model_runner != "auto":  # read when the engine's config is built (LLM(...) below)
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if cfg.model_runner == "v2" else "0"
         require_supported_vllm()
@@ -186,6 +188,8 @@ class VLLMEngine:
             # every build; the log says when the engine is built either way.
             use_tqdm_on_load=sys.stderr.isatty(),
         )
+        if cfg.quantization != "none":
+            kwargs["quantization"] = cfg.quantization
         kv_bytes = kv_cache_bytes(model_dir, cfg, max_model_len, self.dtype, device_type)
         if kv_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = kv_bytes
