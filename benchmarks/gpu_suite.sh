@@ -20,6 +20,10 @@
 #    fraction, kernel launches and syncs per micro-batch (parts update_profile-<shape>).
 # 5. optimizer_step.py, only when SUITE_PARTS names it: AdamW and the gradient clip on FSDP2's shards
 #    against the DTensor path, host time per call.
+# 6. rollout_quant.py, only when SUITE_PARTS names it: the engine in fp8 (rollout.quantization=fp8)
+#    against bf16 on a random model of SUITE_QUANT_SHAPE (default qwen2.5-1.5b): generated tokens per
+#    second, the checked sync (clean, and a doubled tensor caught), the trainer/engine mismatch before and
+#    after the rollout correction (TIS, IcePop).
 #
 # Each part runs on its own, under its own time limit (a failing part does not stop the others; what
 # it left running is ended before the next one starts), and writes to $OUT (default:
@@ -55,6 +59,7 @@ SHAPE=${SUITE_SHAPE:-qwen2.5-0.5b}
 # Which parts run (SUITE_PARTS="grpo_step" for the step against TRL alone) and grpo_step's measured steps.
 WANT=" ${SUITE_PARTS:-grpo_step rollout_vs_engine weight_sync update_profile} "
 GRPO_STEPS=${SUITE_GRPO_STEPS:-5}
+QUANT_SHAPE=${SUITE_QUANT_SHAPE:-qwen2.5-1.5b}
 GRPO_VARIANTS=${SUITE_GRPO_VARIANTS-}
 TRL_MODES=${SUITE_TRL_MODES:-generate,vllm_colocate}
 # The profiler's shapes: the three Qwen2.5 sizes on a GPU, the tiny one in the CPU dry run.
@@ -79,6 +84,7 @@ T_ROLLOUT=110
 T_SYNC=60
 T_PROFILE=75      # each update_profile shape: start, build, 12 passes, the profiler's trace (7B: ~1 minute)
 T_OPT=40          # optimizer_step (not in the default parts)
+T_QUANT=150       # rollout_quant (not in the default parts): two engines' starts, syncs, 4 rounds each
 
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # No network is needed: models are made on the fly, nothing is downloaded.
@@ -293,6 +299,10 @@ main() {
                 --shape "$shape" ${profile_args[@]+"${profile_args[@]}"} --json "$OUT/update_profile-$shape.json"
         done
     fi
+
+    [[ $WANT == *" rollout_quant "* ]] && run_part rollout_quant "$(scaled $T_QUANT)" "$PY" -m torch.distributed.run --standalone \
+        --nproc_per_node=1 "$REPO/benchmarks/rollout_quant.py" --device "$DEVICE" --shape "$QUANT_SHAPE" \
+        --json "$OUT/rollout_quant.json"
 
     [[ $WANT == *" optimizer_step "* ]] && run_part optimizer_step "$(scaled $T_OPT)" "$PY" \
         "$REPO/benchmarks/optimizer_step.py" --device "$DEVICE" --json "$OUT/optimizer_step.json"
