@@ -26,6 +26,7 @@ GUARANTEES: dict[str, str] = {
     "recipe:rm_tiny": "recipe=rm_tiny learns and exports; grpo_rm_tiny trains on its score",
     "sync:gemm_paths": "the per-step weight-sync check on every GEMM path this CPU can run",
     "sync:parity": "an fp32 engine matches the fp32 trainer to 1e-6 through updates and syncs",
+    "sync:quantized": "at a quantized engine's tolerance the sync check still catches a wrong or missing tensor",
     "model:moe": "a mixture of experts (tiny-moe) is served as trained; the sync check covers every expert",
     "resume:kill": "a killed worker restarts and the run resumes exactly, bit for bit",
     "golden:update": "five GRPO update steps match the golden file",

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from spmdrl.config import RolloutConfig
 from spmdrl.testing.spawn import run_distributed
 
@@ -63,6 +65,7 @@ def _worker(rank: int, world: int, model_dir: str) -> dict:
         engine.close()
 
 
+@pytest.mark.guarantee("sync:quantized")
 def test_the_quantized_engines_check_tolerance_still_catches_wrong_and_stale_weights(tmp_path: Path) -> None:
     from spmdrl.models.tiny import ensure_tiny_model
 
