@@ -189,6 +189,12 @@ def plan_placement(
 
     Runs before any model or engine is built.
     """
+    if p.ep > 1 and (asynchronous or p.placement != "colocated"):
+        raise ConfigError(
+            f"parallel.ep={p.ep} runs with parallel.placement=colocated only (entry grpo and its kin); "
+            f"parallel.placement={p.placement} with expert parallelism is not supported yet: set parallel.ep=1 "
+            "or parallel.placement=colocated"
+        )
     if asynchronous or p.placement == "async":
         return _plan_async(p, world_size, asynchronous=asynchronous)
     if p.placement == "colocated":

@@ -35,6 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from spmdrl.errors import ConfigError
+from spmdrl.models.families import check_ep
 from spmdrl.models.parallelize import decoder_layers
 
 log = logging.getLogger(__name__)
@@ -127,24 +128,6 @@ def moe_experts(model: nn.Module) -> list[nn.Module]:
         if experts is not None and isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor):
             found.append(experts)
     return found
-
-
-def check_ep(num_experts: int | None, ep: int, where: str) -> None:
-    """parallel.ep against the model: an MoE whose expert count ep divides. ConfigError naming the fix."""
-    if ep == 1:
-        return
-    if num_experts is None:
-        raise ConfigError(
-            f"parallel.ep={ep} places experts on ranks, but {where} is a dense model (no mixture of experts): "
-            "set parallel.ep=1"
-        )
-    if num_experts % ep:
-        divisors = ", ".join(str(d) for d in range(1, num_experts + 1) if num_experts % d == 0)
-        raise ConfigError(
-            f"parallel.ep={ep} must divide the {num_experts} experts of each layer of {where} (each rank of "
-            f"an ep group holds num_experts / ep of them): pick one of {divisors} that divides the actor's "
-            "ranks"
-        )
 
 
 def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:
