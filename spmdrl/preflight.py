@@ -136,7 +136,9 @@ def check_expert_parallel(path: str, ep: int, *, lora: bool) -> str:
         config = json.loads(local.read_text())
     else:
         return f"parallel.ep={ep} (checked against {path} when it is built)"
-    num_experts = config.get("num_experts") if isinstance(config, dict) else None
+    # transformers 5 writes Qwen3-MoE's expert count as num_local_experts; older configs as num_experts.
+    keys = ("num_local_experts", "num_experts")
+    num_experts = next((config[k] for k in keys if isinstance(config, dict) and k in config), None)
     check_ep(
         num_experts if isinstance(num_experts, int) and num_experts > 0 else None, ep, f"model.path={path}"
     )

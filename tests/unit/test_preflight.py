@@ -103,3 +103,7 @@ def test_expert_parallelism_is_checked_against_the_model(tmp_path: Path) -> None
     with pytest.raises(ConfigError, match=r"parallel.ep=4 must divide the 6 experts .* 1, 2, 3, 6"):
         check_expert_parallel(str(model), 4, lora=False)
     assert check_expert_parallel(str(model), 3, lora=False) == "parallel.ep=3 (2 of 6 experts per rank)"
+    # transformers 5 saves the count as num_local_experts (the built-in tiny-moe's config.json too).
+    config = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_local_experts": 8}
+    (model / "config.json").write_text(json.dumps(config))
+    assert check_expert_parallel(str(model), 4, lora=False) == "parallel.ep=4 (2 of 8 experts per rank)"
