@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from spmdrl.trainer_config import OptimConfig
 
@@ -165,7 +166,9 @@ def _shard_norms(grads: list[torch.Tensor]) -> torch.Tensor:
     mesh, placements = first.device_mesh, first.placements
     norms = torch.stack(torch._foreach_norm([_local(g) for g in grads], 2.0))
     for dim, placement in enumerate(placements):
-        if isinstance(placement, Shard):  # _StridedShard (the experts' efsdp dimension) is one too
+        # _StridedShard (FSDP2's shard of the experts over efsdp, on top of their ep shard) is no subclass
+        # of Shard in torch 2.13, but its ranks hold disjoint parts all the same.
+        if isinstance(placement, (Shard, _StridedShard)):
             norms = norms**2.0
             if mesh.size(dim) > 1:  # on the mesh's device: offloaded shards' norms are on the CPU
                 on_mesh = norms.to(mesh.device_type)
