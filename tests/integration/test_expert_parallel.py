@@ -5,13 +5,16 @@ same rows per rank: the loss of a forward, every gradient (the experts' gathered
 then one whole update (spmdrl.rl.update.update_policy: two micro-batches, the gradient norm clipped over
 both meshes, AdamW) and its weights, equal to float32 rounding (the expert sums run in another order).
 
+The weight sync of an ep actor: the engine (all experts, float32) serves the trainer's model fresh and after
+a checked sync of perturbed weights, and one expert corrupted on one rank's engine is still caught and named.
+
 The checkpoint and the export of an ep model: a DCP save of the actor and its AdamW state loads into an
 ep model and into an FSDP2-only one (resharded) exactly; the HF export (each expert's matrices, the
 checkpoint's layout) loads in transformers with the trainer's logits, and exporting the DCP checkpoint gives
 the same files.
 
-ep=2 on 2 ranks is in the default tier; ep=2 x efsdp=2 and ep=4 on 4 ranks, and the checkpoint and export,
-run under --all.
+ep=2 on 2 ranks is in the default tier; ep=2 x efsdp=2 (also under activation checkpointing, which recomputes
+the all-to-alls in backward) and ep=4 on 4 ranks, the weight sync, the checkpoint and export run under --all.
 """
 
 from __future__ import annotations
@@ -43,7 +46,11 @@ def _rows(rank: int, world: int, vocab: int):  # noqa: ANN202
     return PolicyBatch(ids[rows], attn[rows], resp[rows], engine_lp[rows], adv[rows])
 
 
-def _worker(rank: int, world: int, model_dir: str, ep: int) -> dict:
+def _name(n: str) -> str:
+    return n.replace("._checkpoint_wrapped_module", "")  # activation checkpointing's wrapper
+
+
+def _worker(rank: int, world: int, model_dir: str, ep: int, ac: str = "off") -> dict:
     from torch.distributed.tensor import DTensor
 
     from spmdrl.config import (
@@ -62,7 +69,7 @@ def _worker(rank: int, world: int, model_dir: str, ep: int) -> dict:
     from spmdrl.rl.update import update_policy
 
     meshes = Placement.colocated(world, ep=ep).build_meshes("cpu")
-    spec = ModelSpec(Path(model_dir), torch.float32, torch.float32)
+    spec = ModelSpec(Path(model_dir), torch.float32, torch.float32, activation_checkpointing=ac)
     # A small clip: the update's step is the clipped one, so the norm over both meshes decides it. Adam's
     # first step is lr * g / (|g| + eps): with the default eps a gradient element near 0 (a few per tensor
     # here) steps by about +-lr whichever side of 0 rounding puts it; eps=1e-3 makes the step smooth in g,
@@ -86,12 +93,12 @@ def _worker(rank: int, world: int, model_dir: str, ep: int) -> dict:
         loss = (logits.log_softmax(-1)[..., 7] * batch.response_mask_BT).sum()
         loss.backward()
         res["loss"] = loss.item()
-        res["grads"] = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        res["grads"] = {_name(n): p.grad.full_tensor() for n, p in model.named_parameters()}
         model.zero_grad(set_to_none=True)
         # 2. One update: two micro-batches per rank, clipping over both meshes, AdamW.
         optimizer = build_optimizer(model, optim)
         res["metrics"] = update_policy(update_settings(cfg), rl, model, optimizer, batch).metrics
-        res["weights"] = {n: p.full_tensor() for n, p in model.named_parameters()}
+        res["weights"] = {_name(n): p.full_tensor() for n, p in model.named_parameters()}
         res["all_dtensors"] = all(isinstance(p, DTensor) for p in model.parameters())
         out[name] = res
     return out
@@ -129,10 +136,54 @@ def test_ep2_on_two_ranks_trains_as_fsdp_alone(model_dir: str) -> None:
     _check(run_distributed(_worker, 2, model_dir, 2, timeout_s=600), ep=2, world=2)
 
 
-@pytest.mark.parametrize("ep", [2, 4])
-def test_ep_on_four_ranks_trains_as_fsdp_alone(model_dir: str, ep: int) -> None:
-    """ep=2: two ep groups, each expert FSDP2-sharded over the two ranks holding it; ep=4: one expert a rank."""
-    _check(run_distributed(_worker, 4, model_dir, ep, timeout_s=600), ep=ep, world=4)
+@pytest.mark.parametrize(("ep", "ac"), [(2, "off"), (4, "off"), (2, "full")])
+def test_ep_on_four_ranks_trains_as_fsdp_alone(model_dir: str, ep: int, ac: str) -> None:
+    """ep=2: two ep groups, each expert FSDP2-sharded over the two ranks holding it (the gradient norm sums
+    over both dimensions of the experts' mesh); ep=4: one expert a rank; full activation checkpointing."""
+    _check(run_distributed(_worker, 4, model_dir, ep, ac, timeout_s=600), ep=ep, world=4)
+
+
+def _sync_worker(rank: int, world: int, model_dir: str) -> dict:
+    from spmdrl.config import RolloutConfig
+    from spmdrl.distributed.placement import Placement
+    from spmdrl.models.build import ModelSpec, build_fsdp_model
+    from spmdrl.rollout.engine import build_engine
+    from spmdrl.rollout.weight_sync import SyncCheck, sync_weights
+    from tests.integration.test_moe import EXPERT, MAX_LEN, _corrupted_sync
+    from tests.integration.test_weight_sync import _mismatch, _perturb, _prompts
+
+    meshes = Placement.colocated(world, ep=2).build_meshes("cpu")
+    spec = ModelSpec(Path(model_dir), torch.float32, torch.float32, train=False)
+    model = build_fsdp_model(spec, meshes.fsdp("actor"), torch.device("cpu"), meshes.experts("actor"))
+    originals = [p.to_local().clone() for p in model.parameters()]
+    engine = build_engine(
+        Path(model_dir),
+        RolloutConfig(tp=1, cpu_kvcache_gib=0.25, max_num_seqs=16, seed=0, dtype="float32"),
+        max_model_len=MAX_LEN,
+        device_type="cpu",
+    )
+    try:
+        out: dict = {"fresh": _mismatch(model, engine, _prompts(rank), seed=1)}
+        _perturb(model, originals, seed=10 + rank)
+        out["stale"] = _mismatch(model, engine, _prompts(rank), seed=2)
+        out["checked"] = sync_weights(model, engine, bucket_mb=0.5, check=SyncCheck(seed=1)).checked_groups
+        out["synced"] = _mismatch(model, engine, _prompts(rank), seed=3)
+        out["expert_broken"] = _corrupted_sync(model, engine, rank, EXPERT, seed=2)
+        return out
+    finally:
+        engine.close()
+
+
+def test_ep_actor_syncs_every_expert_to_the_engine(model_dir: str) -> None:
+    """The engine needs all experts; each rank holds two of each layer's four: the sync gathers them."""
+    r0, r1 = run_distributed(_sync_worker, 2, model_dir, timeout_s=900, env={"VLLM_LOGGING_LEVEL": "WARNING"})
+    for r in (r0, r1):
+        assert r["fresh"]["logprob_abs_diff_mean"] < 1e-4, r["fresh"]
+        assert r["stale"]["logprob_abs_diff_mean"] > 1e-2, r["stale"]
+        assert r["synced"]["logprob_abs_diff_mean"] < 1e-4, r["synced"]
+        assert r["checked"] == 4 * (4 * 3 + 2) + 2, r["checked"]  # every expert of every layer, twice
+    assert "layer 1: expert 2 down" in r1["expert_broken"], r1["expert_broken"]
+    assert "failed on another rank's engine" in r0["expert_broken"], r0["expert_broken"]
 
 
 def _build_trained(model_dir: str, meshes, ep_on: bool):  # noqa: ANN001, ANN202
