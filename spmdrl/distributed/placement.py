@@ -245,7 +245,7 @@ def _plan_async(p: ParallelConfig, world_size: int, *, asynchronous: bool) -> Pl
 
 
 def check_ep_fits(spec: RoleSpec) -> None:
-    """parallel.ep against a role's ranks (the model's expert count is spmdrl.models.expert_parallel's)."""
+    """parallel.ep against a role's ranks (against the model's expert count: spmdrl.models.families.check_ep)."""
     if spec.ep == 1:
         return
     if spec.ep < 1 or spec.num_ranks % spec.ep:
