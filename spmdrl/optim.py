@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from spmdrl.trainer_config import OptimConfig
 
@@ -141,26 +142,40 @@ def _clip_shards(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     each rank's norm summed over that dimension's ranks, one all_reduce for all tensors, and the square root
     taken), the total norm of those, the clip coefficient from it. What it saves is DTensor's dispatch of
     each multi-tensor op (benchmarks/optimizer_step.py). Replicated dimensions
-    (HSDP's) hold the same gradients and are not summed. Returns the total norm before clipping."""
+    (HSDP's) hold the same gradients and are not summed. Returns the total norm before clipping.
+
+    Under expert parallelism (parallel.ep) the experts' gradients live on another mesh (efsdp x ep) than the
+    rest: each group of one mesh and placement has its norms reduced over its own dimensions, and the total
+    is over every group's."""
+    groups: dict[tuple[object, object], list[torch.Tensor]] = {}
+    for g in grads:
+        if not isinstance(g, DTensor):
+            raise ValueError("clip_grad_norm: every gradient must be a DTensor when one is")
+        groups.setdefault((g.device_mesh, g.placements), []).append(g)
+    norms = torch.cat([_shard_norms(group) for group in groups.values()])
+    total = torch.linalg.vector_norm(norms, 2.0)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    torch._foreach_mul_([_local(g) for g in grads], coef)
+    return total
+
+
+def _shard_norms(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Each gradient's norm over all its shards; the gradients share one mesh and one placement."""
     first = grads[0]
     assert isinstance(first, DTensor)
     mesh, placements = first.device_mesh, first.placements
-    if any(not isinstance(g, DTensor) or g.placements != placements or g.device_mesh != mesh for g in grads):
-        raise ValueError("clip_grad_norm: every gradient must be a DTensor on one mesh with one placement")
-    local = [_local(g) for g in grads]
-    norms = torch.stack(torch._foreach_norm(local, 2.0))
+    norms = torch.stack(torch._foreach_norm([_local(g) for g in grads], 2.0))
     for dim, placement in enumerate(placements):
-        if isinstance(placement, Shard):
+        # _StridedShard (FSDP2's shard of the experts over efsdp, on top of their ep shard) is no subclass
+        # of Shard in torch 2.13, but its ranks hold disjoint parts all the same.
+        if isinstance(placement, (Shard, _StridedShard)):
             norms = norms**2.0
             if mesh.size(dim) > 1:  # on the mesh's device: offloaded shards' norms are on the CPU
                 on_mesh = norms.to(mesh.device_type)
                 dist.all_reduce(on_mesh, group=mesh.get_group(dim))
                 norms = on_mesh.to(norms.device)
             norms = norms ** (1.0 / 2.0)
-    total = torch.linalg.vector_norm(norms, 2.0)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    torch._foreach_mul_(local, coef)
-    return total
+    return norms
 
 
 class OptimizerOffload:

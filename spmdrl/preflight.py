@@ -25,6 +25,7 @@ tiny model's build and the tokenizer, once per rank.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -38,9 +39,15 @@ from spmdrl.data.parquet import DataError
 from spmdrl.data.sources import check_sources, read_options, resolve_entry
 from spmdrl.envs.config import EnvConfig
 from spmdrl.errors import ConfigError
-from spmdrl.models.families import LINEAR_MODULES, check_architecture, family_of, lora_on_moe_message
+from spmdrl.models.families import (
+    LINEAR_MODULES,
+    check_architecture,
+    check_ep,
+    family_of,
+    lora_on_moe_message,
+)
 from spmdrl.models.load import check_model_path
-from spmdrl.models.tiny import BUILT_IN_MODELS, TINY, TINY_MOE, TINY_MOE_FAMILY_CONFIG
+from spmdrl.models.tiny import BUILT_IN_MODELS, MOE_SHAPE, TINY, TINY_MOE, TINY_MOE_FAMILY_CONFIG
 from spmdrl.preflight_start import check_rl_start, data_files
 
 if TYPE_CHECKING:
@@ -67,6 +74,8 @@ def check_inputs(
         checked.append(check_model(cfg.critic.model_path, "critic.model_path", critic=True))
     elif cfg.model.path != TINY:
         _check_actor_as_critic(cfg)
+    if cfg.parallel.ep > 1:
+        checked.append(check_expert_parallel(cfg.model.path, cfg.parallel.ep, lora=cfg.model.lora.enabled))
     if cfg.model.lora.enabled:
         checked.append(check_lora_targets(list(cfg.model.lora.target_modules)))
         check_no_lora_on_experts(cfg.model.path)
@@ -105,6 +114,35 @@ def check_no_lora_on_experts(path: str) -> None:
         return
     if family is not None and family.moe:
         raise ConfigError(lora_on_moe_message(f"model.path={path}"))
+
+
+def check_expert_parallel(path: str, ep: int, *, lora: bool) -> str:
+    """parallel.ep > 1 against the model: a mixture of experts whose expert count ep divides, trained without
+    LoRA (the built-in tiny-moe or a local directory; a hub id is checked when the model is built, by
+    spmdrl.models.expert_parallel.apply_ep). Returns a few words for ``--check``'s line."""
+    if lora:
+        raise ConfigError(
+            f"parallel.ep={ep} with model.lora (rank > 0) is not supported: expert parallelism shards the "
+            "experts' weights, which LoRA would freeze; train every weight (model.lora.rank=0) or set "
+            "parallel.ep=1"
+        )
+    local = Path(path).expanduser() / "config.json"
+    if path == TINY_MOE:
+        config: dict = dict(MOE_SHAPE)
+    elif path == TINY:
+        config = {}
+    elif local.is_file():
+        check_architecture(local.parent)
+        config = json.loads(local.read_text())
+    else:
+        return f"parallel.ep={ep} (checked against {path} when it is built)"
+    # transformers 5 writes Qwen3-MoE's expert count as num_local_experts; older configs as num_experts.
+    keys = ("num_local_experts", "num_experts")
+    num_experts = next((config[k] for k in keys if isinstance(config, dict) and k in config), None)
+    check_ep(
+        num_experts if isinstance(num_experts, int) and num_experts > 0 else None, ep, f"model.path={path}"
+    )
+    return f"parallel.ep={ep} ({num_experts // ep} of {num_experts} experts per rank)"
 
 
 # What inductor looks for, in its order: $CXX, then g++ (torch._inductor.cpp_builder); clang++ and c++ too.

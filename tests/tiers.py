@@ -28,6 +28,7 @@ GUARANTEES: dict[str, str] = {
     "sync:parity": "an fp32 engine matches the fp32 trainer to 1e-6 through updates and syncs",
     "sync:quantized": "at a quantized engine's tolerance the sync check still catches a wrong or missing tensor",
     "model:moe": "a mixture of experts (tiny-moe) is served as trained; the sync check covers every expert",
+    "moe:ep": "expert parallelism (parallel.ep=2) trains a mixture of experts as FSDP2 alone does",
     "resume:kill": "a killed worker restarts and the run resumes exactly, bit for bit",
     "golden:update": "five GRPO update steps match the golden file",
     "fork:recipe": "a forked recipe in another directory runs with its own loss and section",

@@ -27,11 +27,19 @@ class ParallelConfig:
     # HSDP: replicate over dp_replicate groups, shard within each (within each role's ranks).
     # 1 means plain FSDP over the role's ranks.
     dp_replicate: int = 1
+    # Expert parallelism for a mixture-of-experts actor (torchtitan's ep; Megatron's
+    # expert_model_parallel_size): groups of ep consecutive actor ranks each hold num_experts / ep of every
+    # MoE layer's experts, tokens reach them by all-to-all, and FSDP2 shards each expert over the actor ranks
+    # holding it (spmdrl/models/expert_parallel.py, docs/models.md#expert-parallelism). 1 = none: FSDP2
+    # shards every expert over all the actor's ranks. The reference and the critic do not use it.
+    ep: int = 1
 
     def check(self) -> None:
         # rollout_ranks is checked with trainer.max_staleness, in spmdrl.config.validate.
         if self.dp_replicate <= 0:
             raise ConfigError(f"parallel.dp_replicate must be > 0, got {self.dp_replicate}")
+        if self.ep < 1:
+            raise ConfigError(f"parallel.ep must be >= 1 (1 = no expert parallelism), got {self.ep}")
         if self.critic_ranks < 0:
             raise ConfigError(
                 f"parallel.critic_ranks must be >= 0 (0 = half the world), got {self.critic_ranks}"

@@ -54,6 +54,9 @@ class RoleSpec:
     num_ranks: int
     # HSDP: replicate x shard within this role's ranks. 1 = plain FSDP.
     dp_replicate: int = 1
+    # Expert parallelism (parallel.ep, the actor only): groups of ep consecutive ranks each split every MoE
+    # layer's experts among themselves; 1 = none.
+    ep: int = 1
 
     @property
     def dp_shard(self) -> int:
@@ -72,6 +75,8 @@ class RoleSpec:
         mesh = (
             f"HSDP {self.dp_replicate}x{self.dp_shard}" if self.dp_replicate > 1 else f"FSDP {self.num_ranks}"
         )
+        if self.ep > 1:
+            mesh += f", experts EP {self.ep} x FSDP {self.num_ranks // self.ep}"
         return f"{self.name}: {where} ({mesh})"
 
 
@@ -95,6 +100,7 @@ class Placement:
                     f"parallel.dp_replicate={spec.dp_replicate} must divide the {spec.num_ranks} ranks of role "
                     f"'{spec.name}' (world size {self.world_size}); choose a divisor of {spec.num_ranks}"
                 )
+            check_ep_fits(spec)
         trained = [self.roles[r] for r in ("actor", "critic") if r in self.roles]
         if len(trained) == 2 and trained[0].ranks != trained[1].ranks:
             a, c = trained
@@ -105,18 +111,18 @@ class Placement:
                 )
 
     @classmethod
-    def colocated(cls, world_size: int, dp_replicate: int = 1) -> Placement:
-        roles = {r: RoleSpec(r, 0, world_size, dp_replicate) for r in ROLES}
+    def colocated(cls, world_size: int, dp_replicate: int = 1, ep: int = 1) -> Placement:
+        roles = {r: RoleSpec(r, 0, world_size, dp_replicate, ep if r == "actor" else 1) for r in ROLES}
         return cls(world_size=world_size, roles=roles, kind="colocated")
 
     @classmethod
-    def split(cls, world_size: int, critic_ranks: int, dp_replicate: int = 1) -> Placement:
+    def split(cls, world_size: int, critic_ranks: int, dp_replicate: int = 1, ep: int = 1) -> Placement:
         """Actor and ref on the first ``world_size - critic_ranks`` ranks, the critic on the rest."""
         actor_ranks = world_size - critic_ranks
         return cls(
             world_size=world_size,
             roles={
-                "actor": RoleSpec("actor", 0, actor_ranks, dp_replicate),
+                "actor": RoleSpec("actor", 0, actor_ranks, dp_replicate, ep),
                 "ref": RoleSpec("ref", 0, actor_ranks, dp_replicate),
                 "critic": RoleSpec("critic", actor_ranks, critic_ranks, dp_replicate),
                 "rollout": RoleSpec("rollout", 0, world_size),
@@ -125,13 +131,15 @@ class Placement:
         )
 
     @classmethod
-    def asynchronous(cls, world_size: int, rollout_ranks: int, dp_replicate: int = 1) -> Placement:
+    def asynchronous(
+        cls, world_size: int, rollout_ranks: int, dp_replicate: int = 1, ep: int = 1
+    ) -> Placement:
         """Actor and ref on the first ``world_size - rollout_ranks`` ranks, the engines on the rest."""
         trainer_ranks = world_size - rollout_ranks
         return cls(
             world_size=world_size,
             roles={
-                "actor": RoleSpec("actor", 0, trainer_ranks, dp_replicate),
+                "actor": RoleSpec("actor", 0, trainer_ranks, dp_replicate, ep),
                 "ref": RoleSpec("ref", 0, trainer_ranks, dp_replicate),
                 "rollout": RoleSpec("rollout", trainer_ranks, rollout_ranks),
             },
@@ -181,10 +189,16 @@ def plan_placement(
 
     Runs before any model or engine is built.
     """
+    if p.ep > 1 and (asynchronous or p.placement != "colocated"):
+        raise ConfigError(
+            f"parallel.ep={p.ep} runs with parallel.placement=colocated only (entry grpo and its kin); "
+            f"parallel.placement={p.placement} with expert parallelism is not supported yet: set parallel.ep=1 "
+            "or parallel.placement=colocated"
+        )
     if asynchronous or p.placement == "async":
         return _plan_async(p, world_size, asynchronous=asynchronous)
     if p.placement == "colocated":
-        return Placement.colocated(world_size, p.dp_replicate)
+        return Placement.colocated(world_size, p.dp_replicate, p.ep)
     if not needs_critic:
         raise ConfigError(
             "parallel.placement=split puts the critic on ranks of its own, but this recipe trains no critic: "
@@ -202,7 +216,7 @@ def plan_placement(
             f"parallel.critic_ranks={p.critic_ranks} must leave at least one rank to each role of the "
             f"{world_size}-rank world: pick 1..{world_size - 1} (0 = half)"
         )
-    return Placement.split(world_size, critic, p.dp_replicate)
+    return Placement.split(world_size, critic, p.dp_replicate, p.ep)
 
 
 def _plan_async(p: ParallelConfig, world_size: int, *, asynchronous: bool) -> Placement:
@@ -227,7 +241,25 @@ def _plan_async(p: ParallelConfig, world_size: int, *, asynchronous: bool) -> Pl
             f"parallel.rollout_ranks={p.rollout_ranks} must leave at least one trainer rank and one rollout "
             f"rank in the {world_size}-rank world: pick 1..{world_size - 1} (0 = half)"
         )
-    return Placement.asynchronous(world_size, rollout, p.dp_replicate)
+    return Placement.asynchronous(world_size, rollout, p.dp_replicate, p.ep)
+
+
+def check_ep_fits(spec: RoleSpec) -> None:
+    """parallel.ep against a role's ranks (against the model's expert count: spmdrl.models.families.check_ep)."""
+    if spec.ep == 1:
+        return
+    if spec.ep < 1 or spec.num_ranks % spec.ep:
+        divisors = ", ".join(str(d) for d in range(1, spec.num_ranks + 1) if spec.num_ranks % d == 0)
+        raise ConfigError(
+            f"parallel.ep={spec.ep} must divide the {spec.num_ranks} ranks of role '{spec.name}': its ranks form "
+            f"groups of ep consecutive ranks that split the experts; pick one of {divisors} (1 = no expert "
+            "parallelism), or start a multiple of ep processes"
+        )
+    if spec.dp_replicate > 1:
+        raise ConfigError(
+            f"parallel.ep={spec.ep} with parallel.dp_replicate={spec.dp_replicate} (HSDP) is not supported: "
+            "the experts' mesh has no replicate dimension; set parallel.dp_replicate=1"
+        )
 
 
 class Meshes:
@@ -244,6 +276,7 @@ class Meshes:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self._meshes: dict[tuple[int, int, int], DeviceMesh] = {}
         self._groups: dict[tuple[int, int], dist.ProcessGroup | None] = {}
+        self._experts: dict[str, DeviceMesh] = {}
         for name in ROLES:
             if name not in placement.roles:
                 continue
@@ -253,6 +286,12 @@ class Meshes:
                 key = (spec.first_rank, spec.num_ranks, spec.dp_replicate)
                 if key not in self._meshes:
                     self._meshes[key] = self._build(spec)
+                if spec.ep > 1:
+                    # The same ranks as the role's mesh, unflattened (ranks r and r + 1 in one ep group):
+                    # FSDP2 joins the experts' efsdp and ep dimensions, which needs one root mesh.
+                    self._experts[name] = self._meshes[key]._unflatten(
+                        0, (spec.num_ranks // spec.ep, spec.ep), ("efsdp", "ep")
+                    )
             gkey = (spec.first_rank, spec.num_ranks)
             if gkey not in self._groups:
                 whole = spec.num_ranks == placement.world_size
@@ -264,6 +303,12 @@ class Meshes:
         """The mesh FSDP2 shards a role's module over: 1-D ("dp_shard",) or 2-D HSDP ("dp_replicate", "dp_shard")."""
         spec = self.placement.role(role)
         return self._meshes[(spec.first_rank, spec.num_ranks, spec.dp_replicate)]
+
+    def experts(self, role: str) -> DeviceMesh | None:
+        """parallel.ep > 1: the 2-D ("efsdp", "ep") mesh of a role's experts (each ep group of consecutive
+        ranks splits the experts; efsdp: the ranks holding the same experts, over which FSDP2 shards them);
+        None without expert parallelism."""
+        return self._experts.get(role)
 
     def group(self, role: str) -> dist.ProcessGroup | None:
         """The process group over all of a role's ranks (None: the default group, the whole world)."""

@@ -26,6 +26,7 @@ from transformers import (
 
 from spmdrl.errors import ConfigError
 from spmdrl.models.config import LoraConfig, ModelConfig, ac_mode
+from spmdrl.models.expert_parallel import apply_ep
 from spmdrl.models.experts import is_fused, to_model_layout
 from spmdrl.models.families import lora_on_moe_message
 from spmdrl.models.lora import apply_lora, initial_adapter_weights
@@ -129,11 +130,18 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def parallelize(model: nn.Module, spec: ModelSpec, mesh: DeviceMesh) -> None:
+def parallelize(
+    model: nn.Module, spec: ModelSpec, mesh: DeviceMesh, experts_mesh: DeviceMesh | None = None
+) -> None:
     """Step 2 of :func:`build_fsdp_model`, on a model still on the meta device: activation checkpointing
     inside, then torch.compile per block, FSDP2 outside (torchtitan's order); model.fsdp_unit=none, autocast
     instead of FSDP2 (one-rank meshes only: spec_whole_model refuses others). Its own function so that a
-    benchmark building a model of random weights (benchmarks/update_profile.py) runs the same steps."""
+    benchmark building a model of random weights (benchmarks/update_profile.py) runs the same steps.
+
+    ``experts_mesh`` (parallel.ep > 1, spmdrl.distributed.placement.Meshes.experts): expert parallelism first,
+    on the bare modules (spmdrl.models.expert_parallel.apply_ep), then FSDP2 over both meshes."""
+    if experts_mesh is not None:
+        apply_ep(model, experts_mesh["ep"])
     if ac_mode(spec.activation_checkpointing) != "off":
         apply_ac(model, ac_mode(spec.activation_checkpointing), every=spec.ac_every)
     if spec.compile:
@@ -149,6 +157,7 @@ def parallelize(model: nn.Module, spec: ModelSpec, mesh: DeviceMesh) -> None:
         reduce_dtype=spec.reduce_dtype,
         offload=spec.offload,
         whole_model=whole,
+        experts_mesh=experts_mesh,
     )
 
 
@@ -186,7 +195,10 @@ def materialize(
             mod._buffers[name] = value.to(device)
 
 
-def build_fsdp_model(spec: ModelSpec, mesh: DeviceMesh, device: torch.device) -> nn.Module:
+def build_fsdp_model(
+    spec: ModelSpec, mesh: DeviceMesh, device: torch.device, experts_mesh: DeviceMesh | None = None
+) -> nn.Module:
+    """``experts_mesh``: the actor's experts mesh under parallel.ep > 1 (:func:`parallelize`), else None."""
     hf_config = AutoConfig.from_pretrained(spec.path, trust_remote_code=spec.trust_remote_code)
     # 1. Build on meta: the architecture without memory.
     if spec.head not in ("lm", "value", "reward"):
@@ -237,7 +249,7 @@ def build_fsdp_model(spec: ModelSpec, mesh: DeviceMesh, device: torch.device) ->
             if not p.requires_grad:
                 p.data = p.data.to(spec.param_dtype)
     # 2. Parallelize: activation checkpointing inside, then compile, FSDP2 outside.
-    parallelize(model, spec, mesh)
+    parallelize(model, spec, mesh, experts_mesh)
     # 3. Materialize: each rank allocates only its shards; buffers get their computed values back.
     materialize(model, spec, device, buffers)
     # 4. Load weights: each rank reads the (memory-mapped) files and keeps its own slices.

@@ -82,6 +82,24 @@ def lora_on_moe_message(what: str) -> str:
     )
 
 
+def check_ep(num_experts: int | None, ep: int, where: str) -> None:
+    """parallel.ep against the model: an MoE whose expert count ep divides. ConfigError naming the fix."""
+    if ep == 1:
+        return
+    if num_experts is None:
+        raise ConfigError(
+            f"parallel.ep={ep} places experts on ranks, but {where} is a dense model (no mixture of experts): "
+            "set parallel.ep=1"
+        )
+    if num_experts % ep:
+        divisors = ", ".join(str(d) for d in range(1, num_experts + 1) if num_experts % d == 0)
+        raise ConfigError(
+            f"parallel.ep={ep} must divide the {num_experts} experts of each layer of {where} (each rank of "
+            f"an ep group holds num_experts / ep of them): pick one of {divisors} that divides the actor's "
+            "ranks"
+        )
+
+
 def supported_list() -> str:
     return ", ".join(f"{f.architecture} ({f.name})" for f in FAMILIES)
 

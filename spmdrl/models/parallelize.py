@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -191,6 +191,7 @@ def apply_fsdp(
     reshard_after_forward: bool = True,
     offload: bool = False,
     whole_model: bool = False,
+    experts_mesh: DeviceMesh | None = None,
 ) -> None:
     """fully_shard each decoder layer, then the root (embeddings, final norm, lm_head; tied weights stay tied);
     with ``whole_model``, the root alone, one unit for everything (model.fsdp_unit, below).
@@ -214,8 +215,14 @@ def apply_fsdp(
     the model's outputs, which spmdrl.models.head ties the head's results to); a no-grad forward reshards it
     as it returns (_reshard_after_no_grad), for the reason above: no copy of the model outlives a no-grad
     pass (a pass of several micro-batches gathers it once: gathered_through).
+
+    ``experts_mesh`` (parallel.ep > 1): the 2-D ("efsdp", "ep") mesh of the experts, which
+    spmdrl.models.expert_parallel.apply_ep has already made DTensors on its ``ep`` dimension: FSDP2 shards
+    them over ``efsdp`` (the ranks holding the same experts) and every other parameter over ``mesh``, in the
+    same units (torchtitan's way: a per-parameter mesh from the unit's shard_placement_fn).
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    placement_fn = _experts_placement(model, experts_mesh) if experts_mesh is not None else None
     # Pinned host memory makes the copies asynchronous; there is nothing to pin for on a CPU mesh.
     policy = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload else OffloadPolicy()
     layers = decoder_layers(model)
@@ -227,8 +234,16 @@ def apply_fsdp(
                 mp_policy=mp,
                 reshard_after_forward=reshard_after_forward,
                 offload_policy=policy,
+                shard_placement_fn=placement_fn,
             )
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False, offload_policy=policy)
+    fully_shard(
+        model,
+        mesh=mesh,
+        mp_policy=mp,
+        reshard_after_forward=False,
+        offload_policy=policy,
+        shard_placement_fn=placement_fn,
+    )
     setattr(model, _SHARD_RANKS, mesh.size(mesh.ndim - 1))
     setattr(model, _OFFLOADED, offload and mesh.device_type != "cpu")
     if whole_model:
@@ -258,3 +273,22 @@ def apply_fsdp(
         reshard_after_forward,
         ", parameters offloaded to host memory" if offload else "",
     )
+    if experts_mesh is not None:
+        log.info("FSDP2 shards the experts over mesh %s (efsdp,ep)", tuple(experts_mesh.shape))
+
+
+def _experts_placement(model: nn.Module, experts_mesh: DeviceMesh) -> Callable[[nn.Parameter], Any]:
+    """FSDP2's shard_placement_fn under expert parallelism: the experts' DTensors dim 0 over ``efsdp``,
+    every other parameter FSDP2's default (dim 0 over the unit's mesh)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
+    from torch.distributed.tensor import DTensor, Shard
+
+    efsdp = FSDPMeshInfo(experts_mesh["efsdp"], shard_mesh_dim=0)
+    experts = {id(p) for p in model.parameters() if isinstance(p, DTensor)}
+
+    def placement(param: nn.Parameter) -> Any:
+        if id(param) in experts:
+            return ShardPlacementResult(placement=Shard(0), mesh_info=efsdp)
+        return None
+
+    return placement

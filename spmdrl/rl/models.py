@@ -49,7 +49,9 @@ def build_models(
     if not meshes.holds("actor"):
         return build_meta_model(model_spec(model_cfg, model_dir, device, train=False)), None
     actor_spec = model_spec(model_cfg, model_dir, device, train=True)
-    actor = build_fsdp_model(actor_spec, meshes.fsdp("actor"), device)
+    # parallel.ep > 1: the experts over their own mesh (spmdrl.models.expert_parallel); the reference keeps
+    # them FSDP2-sharded over every rank like the other weights (it only runs no-grad forwards).
+    actor = build_fsdp_model(actor_spec, meshes.fsdp("actor"), device, meshes.experts("actor"))
     # Scoring passes without transformers' mask building (spmdrl.models.causal_attention): no host-device
     # sync per forward, and SDPA's flash kernel for padded rows.
     use_causal_sdpa(actor)

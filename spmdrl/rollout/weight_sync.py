@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from spmdrl.distributed.reduce import all_reduce_max
 from spmdrl.models.experts import split_all
@@ -135,8 +136,8 @@ def _gather_plan(t: torch.Tensor) -> _Gather:
     others_replicated = all(
         isinstance(p, Replicate) for i, p in enumerate(t.placements) if i not in shard_dims
     )
-    # type() and not isinstance(): _StridedShard (TP + FSDP on one dim) subclasses Shard but is laid out
-    # differently, so it takes the fallback.
+    # type() and not isinstance(): a Shard subclass laid out differently takes the fallback, as does
+    # _StridedShard (TP + FSDP, or FSDP2 over ep-sharded experts), which torch 2.13 no longer derives from Shard.
     if len(shard_dims) == 1 and others_replicated:
         mesh_dim = shard_dims[0]
         placement = t.placements[mesh_dim]
@@ -209,6 +210,19 @@ def _gather_shard0(
     yield from out
 
 
+def _full_tensor(t: DTensor) -> torch.Tensor:
+    """``t.full_tensor()``; a strided shard (FSDP2's shard of the experts over efsdp under parallel.ep, on
+    top of their Shard(0) over ep) one mesh dimension at a time, outermost first: DTensor's own
+    full_tensor() does the same two all-gathers but warns on every rank that it cannot merge them."""
+    if not any(isinstance(p, _StridedShard) for p in t.placements):
+        return t.full_tensor()
+    placements = list(t.placements)
+    for dim in range(len(placements)):
+        placements[dim] = Replicate()
+        t = t.redistribute(placements=placements)
+    return t.to_local()
+
+
 def iter_full_tensors(
     named_tensors: Iterable[tuple[str, torch.Tensor]],
     *,
@@ -231,7 +245,7 @@ def iter_full_tensors(
         if plan.kind == "shard0" and plan.size > 1:
             items: Iterable[tuple[str, torch.Tensor]] = _gather_shard0(bucket, plan, dtype, device)
         elif plan.kind == "fallback":
-            items = ((n, t.full_tensor().to(device=device, dtype=dtype)) for n, t in bucket)
+            items = ((n, _full_tensor(t).to(device=device, dtype=dtype)) for n, t in bucket)
         else:
             items = (
                 (n, (t.to_local() if isinstance(t, DTensor) else t).to(device=device, dtype=dtype))

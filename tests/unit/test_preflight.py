@@ -4,6 +4,7 @@ real files. The hub-id cases need a fresh interpreter each: tests/integration/te
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pyarrow as pa
@@ -82,3 +83,27 @@ def test_check_inputs_covers_the_critic(tmp_path: Path) -> None:
     cfg = dataclasses.replace(cfg, critic=dataclasses.replace(cfg.critic, model_path=str(tmp_path / "x")))
     with pytest.raises(ConfigError, match="critic.model_path"):
         check_inputs(cfg)
+
+
+def test_expert_parallelism_is_checked_against_the_model(tmp_path: Path) -> None:
+    from spmdrl.preflight import check_expert_parallel
+
+    assert check_expert_parallel("tiny-moe", 2, lora=False) == "parallel.ep=2 (2 of 4 experts per rank)"
+    with pytest.raises(ConfigError, match=r"parallel.ep=3 must divide the 4 experts .* 1, 2, 4"):
+        check_expert_parallel("tiny-moe", 3, lora=False)
+    with pytest.raises(ConfigError, match="model.path=tiny is a dense model .* set parallel.ep=1"):
+        check_expert_parallel("tiny", 2, lora=False)
+    with pytest.raises(ConfigError, match=r"parallel.ep=2 with model.lora .* not supported"):
+        check_expert_parallel("tiny-moe", 2, lora=True)
+    model = tmp_path / "moe"
+    model.mkdir()
+    (model / "config.json").write_text(
+        json.dumps({"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 6})
+    )
+    with pytest.raises(ConfigError, match=r"parallel.ep=4 must divide the 6 experts .* 1, 2, 3, 6"):
+        check_expert_parallel(str(model), 4, lora=False)
+    assert check_expert_parallel(str(model), 3, lora=False) == "parallel.ep=3 (2 of 6 experts per rank)"
+    # transformers 5 saves the count as num_local_experts (the built-in tiny-moe's config.json too).
+    config = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_local_experts": 8}
+    (model / "config.json").write_text(json.dumps(config))
+    assert check_expert_parallel(str(model), 4, lora=False) == "parallel.ep=4 (2 of 8 experts per rank)"

@@ -64,3 +64,30 @@ def test_overlapping_roles_are_rejected() -> None:
         Placement(4, {"critic": RoleSpec("critic", 2, 3)}, kind="split")
     with pytest.raises(ConfigError, match="has no ranks"):
         Placement(4, {"critic": RoleSpec("critic", 4, 0)}, kind="split")
+
+
+def test_expert_parallelism_is_the_actors_alone() -> None:
+    p = plan_placement(ParallelConfig(ep=2), 4, needs_critic=False)
+    assert p.role("actor").ep == 2 and p.role("ref").ep == 1 and p.role("critic").ep == 1
+    assert p.describe().startswith(
+        "colocated: actor: ranks 0-3 (FSDP 4, experts EP 2 x FSDP 2), ref: ranks 0-3 (FSDP 4)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("parallel", "world", "match"),
+    [
+        (ParallelConfig(ep=3), 4, r"parallel.ep=3 must divide the 4 ranks of role 'actor'.* 1, 2, 4"),
+        (ParallelConfig(ep=2, dp_replicate=2), 4, r"dp_replicate=2 \(HSDP\) is not supported"),
+        (ParallelConfig(ep=2, placement="split"), 4, "colocated only"),
+        (ParallelConfig(ep=2, placement="async"), 4, "colocated only"),
+    ],
+)
+def test_bad_expert_parallelism_is_rejected(parallel: ParallelConfig, world: int, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        plan_placement(parallel, world, needs_critic=parallel.placement == "split")
+
+
+def test_ep_below_one_is_rejected() -> None:
+    with pytest.raises(ConfigError, match="parallel.ep must be >= 1"):
+        ParallelConfig(ep=0).check()
