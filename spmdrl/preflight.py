@@ -36,6 +36,7 @@ from spmdrl.data import reasoning_gym_task, tiny_task, tools_task
 from spmdrl.data.config import DataConfig
 from spmdrl.data.parquet import DataError
 from spmdrl.data.sources import check_sources, read_options, resolve_entry
+from spmdrl.distributed.config import ParallelConfig
 from spmdrl.envs.config import EnvConfig
 from spmdrl.errors import ConfigError
 from spmdrl.models.config import ModelConfig
@@ -74,7 +75,7 @@ def check_inputs(
         check_no_lora_on_experts(cfg.model.path)
     if cfg.model.router_replay != "disabled":
         checked.append(
-            check_router_replay(cfg.model, cfg.rollout, cfg.parallel.placement, cfg.section(EnvConfig).source)
+            check_router_replay(cfg.model, cfg.rollout, cfg.parallel, cfg.section(EnvConfig).source)
         )
     if cfg.model.compile:
         checked.append(check_cxx_compiler())
@@ -113,7 +114,9 @@ def check_no_lora_on_experts(path: str) -> None:
         raise ConfigError(lora_on_moe_message(f"model.path={path}"))
 
 
-def check_router_replay(model: ModelConfig, rollout: RolloutConfig, placement: str, env_source: str) -> str:
+def check_router_replay(
+    model: ModelConfig, rollout: RolloutConfig, parallel: ParallelConfig, env_source: str
+) -> str:
     """model.router_replay=r3 needs a mixture of experts (the built-in tiny-moe or a local directory; a hub
     id is checked where the model is built) and an engine that returns each token's experts: vLLM's
     single-turn generate on colocated ranks (docs/models.md#router-replay)."""
@@ -138,10 +141,12 @@ def check_router_replay(model: ModelConfig, rollout: RolloutConfig, placement: s
             "model.router_replay=disabled, or train a mixture of experts (model.path=tiny-moe, a Qwen3-MoE)"
         )
     unsupported = []
-    if placement != "colocated":
+    if parallel.placement != "colocated":
         unsupported.append(
-            f"parallel.placement={placement} (the rows move between meshes without their routing)"
+            f"parallel.placement={parallel.placement} (the rows move between meshes without their routing)"
         )
+    if parallel.balance_tokens:
+        unsupported.append("parallel.balance_tokens (the rows move between ranks without their routing)")
     if rollout.multi_turn.enable:
         unsupported.append("rollout.multi_turn.enable (the agent loop's engine calls return no routing)")
     if env_source:

@@ -75,18 +75,21 @@ def test_r3_where_the_engine_returns_no_routing_is_refused(capsys: pytest.Captur
     [
         ({"partial": "continue"}, "rollout.partial=continue"),
         ({"model_runner": "v1"}, "rollout.model_runner=v1"),
+        ({"balance_tokens": True}, "parallel.balance_tokens"),
     ],
 )
 def test_each_rollout_path_without_routing_is_named(changes: dict, named: str) -> None:
     from spmdrl.config import RolloutConfig
+    from spmdrl.distributed.config import ParallelConfig
     from spmdrl.errors import ConfigError
     from spmdrl.models.config import ModelConfig
     from spmdrl.preflight import check_router_replay
 
     model = ModelConfig(path="tiny-moe", router_replay="r3")
+    parallel = ParallelConfig(balance_tokens=changes.pop("balance_tokens", False))
     with pytest.raises(ConfigError, match=f"is not supported with {named}"):
-        check_router_replay(model, RolloutConfig(**changes), "colocated", "")
-    assert check_router_replay(model, RolloutConfig(), "colocated", "") == "model.router_replay=r3"
+        check_router_replay(model, RolloutConfig(**changes), parallel, "")
+    assert check_router_replay(model, RolloutConfig(), ParallelConfig(), "") == "model.router_replay=r3"
 
 
 def test_r3_on_tiny_moe_passes(capsys: pytest.CaptureFixture[str]) -> None:
