@@ -119,7 +119,8 @@ def check_router_replay(
 ) -> str:
     """model.router_replay=r3 needs a mixture of experts (the built-in tiny-moe or a local directory; a hub
     id is checked where the model is built) and an engine that returns each token's experts: vLLM's
-    single-turn generate on colocated ranks (docs/models.md#router-replay)."""
+    single-turn generate, its rows colocated or sent whole to the trainer ranks (parallel.placement=async)
+    (docs/models.md#router-replay-and-the-routers-metrics)."""
     key = f"model.router_replay={model.router_replay}"
     path = model.path
     local = Path(path).expanduser()
@@ -141,10 +142,8 @@ def check_router_replay(
             "model.router_replay=disabled, or train a mixture of experts (model.path=tiny-moe, a Qwen3-MoE)"
         )
     unsupported = []
-    if parallel.placement != "colocated":
-        unsupported.append(
-            f"parallel.placement={parallel.placement} (the rows move between meshes without their routing)"
-        )
+    if parallel.placement == "split":
+        unsupported.append("parallel.placement=split (the rows move between meshes without their routing)")
     if parallel.balance_tokens:
         unsupported.append("parallel.balance_tokens (the rows move between ranks without their routing)")
     if rollout.multi_turn.enable:
