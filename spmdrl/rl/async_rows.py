@@ -244,7 +244,7 @@ def pack_routed(routed_BTLK: torch.Tensor | None, B: int, device: torch.device) 
 
 def unpack_routed(rows: Mapping[str, torch.Tensor], width: int) -> torch.Tensor | None:
     """The rows' routed experts, (B, width, layers, k), -1 where none; None when they travelled none."""
-    L, K = (int(x) for x in rows[ROUTED_SHAPE][0].tolist())
+    L, K = (int(x) for x in rows[ROUTED_SHAPE][0, :2].tolist())  # a fixed-width wire pads it
     flat = rows[ROUTED]
     if L * K == 0:
         return None
