@@ -42,6 +42,7 @@ from spmdrl.models.packing import Packed
 
 NO_CHOICE = -1  # a token without a recorded choice: the router's own top-k
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.gate$")
+_WRAPPERS = re.compile(r"\.(?:_checkpoint_wrapped_module|_orig_mod)(?=\.|$)")
 ROUTER_REPLAY_MODES = ("disabled", "r3")
 
 
@@ -50,7 +51,8 @@ def routers(model: nn.Module) -> list[tuple[int, nn.Module]]:
     ``layers.<i>.mlp.gate`` with ``top_k`` and ``num_experts``), in layer order; empty for a dense model."""
     found = []
     for name, m in model.named_modules():
-        hit = _LAYER.search(name)
+        # Wrappers add a level to the names: activation checkpointing's, torch.compile's.
+        hit = _LAYER.search(_WRAPPERS.sub("", name))
         if hit and hasattr(m, "top_k") and hasattr(m, "num_experts"):
             found.append((int(hit.group(1)), m))
     return sorted(found, key=lambda x: x[0])
@@ -195,9 +197,10 @@ class RouterTap:
                 if norm:
                     w_NK = w_NK / w_NK.sum(dim=-1, keepdim=True)
                 weights = w_NK.to(weights_NK.dtype)
-            if layer not in fwd.counted:
-                fwd.counted.add(layer)
-                self._count(layer, fwd, logits_NE, own_NK, chosen_NK, replay_NK)
+            # Counted once per forward; computed at every call, so that a checkpointed layer's recomputation
+            # saves for backward what its forward saved (the auxiliary loss's softmax).
+            self._count(layer, fwd, logits_NE, own_NK, chosen_NK, replay_NK, first=layer not in fwd.counted)
+            fwd.counted.add(layer)
             if replay_NK is None:
                 return None
             return logits_NE, weights, chosen_NK
@@ -212,9 +215,20 @@ class RouterTap:
         own_NK: torch.Tensor,
         chosen_NK: torch.Tensor,
         replay_NK: torch.Tensor | None,
+        *,
+        first: bool,
     ) -> None:
         valid_N = fwd.valid_N if fwd.valid_N is not None else torch.ones_like(own_NK[:, 0], dtype=torch.bool)
         valid_N = valid_N.to(own_NK.device)
+        # transformers' load_balancing_loss_func: over every layer's (real) tokens, the fraction routed
+        # to each expert (a token counted at each of its k choices) times its mean probability, times E.
+        # The probabilities carry the router's gradient where the loss is trained on.
+        with torch.set_grad_enabled(fwd.want_aux and torch.is_grad_enabled()):
+            probs_NE = torch.softmax(logits_NE, dim=-1, dtype=torch.float)
+            m = valid_N[:, None].to(probs_NE.dtype)
+            prob_E = (probs_NE * m).sum(dim=0)
+        if not first:
+            return
         stats = self._stats_on(own_NK)
         with torch.no_grad():
             onehot_NE = torch.zeros_like(logits_NE, dtype=torch.float64).scatter_(1, chosen_NK, 1.0)
@@ -224,13 +238,6 @@ class RouterTap:
                 same_N = (own_NK.sort(dim=-1).values == replay_NK.sort(dim=-1).values).all(dim=-1)
                 stats.replayed += replayed_N.sum()
                 stats.differs += (replayed_N & ~same_N).sum()
-        # transformers' load_balancing_loss_func: over every layer's (real) tokens, the fraction routed
-        # to each expert (a token counted at each of its k choices) times its mean probability, times E.
-        # The probabilities carry the router's gradient where the loss is trained on.
-        with torch.set_grad_enabled(fwd.want_aux and torch.is_grad_enabled()):
-            probs_NE = torch.softmax(logits_NE, dim=-1, dtype=torch.float)
-            m = valid_N[:, None].to(probs_NE.dtype)
-            prob_E = (probs_NE * m).sum(dim=0)
         with torch.no_grad():
             choice_E = torch.zeros_like(probs_NE).scatter_(1, chosen_NK, 1.0).mul_(m).sum(dim=0).detach()
             n = valid_N.sum().to(probs_NE.dtype)

@@ -21,6 +21,7 @@ def _model(seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     cfg = Qwen3MoeConfig(vocab_size=96, **MOE_SHAPE)
     model = Qwen3MoeForCausalLM(cfg).float()
+    model.config.use_cache = False  # as spmdrl.models.build sets it: a scoring pass keeps no KV cache
     # Random experts and router (transformers initializes the experts' 3-D tensors, the router at 0).
     with torch.no_grad():
         for p in model.parameters():
@@ -191,3 +192,26 @@ def test_moe_metrics_of_even_and_skewed_loads() -> None:
     assert m["moe/load_entropy/layer_1"] == pytest.approx(math.log(2) / math.log(4))
     assert m["moe/max_load/layer_0"] == pytest.approx(4.0)
     assert m["moe/replay_differs"] == pytest.approx(0.25) and m["moe/aux_loss"] == pytest.approx(1.5)
+
+
+@pytest.mark.parametrize("mode", ["full", "mlp"])
+def test_a_checkpointed_layer_recomputes_with_the_replayed_routing(mode: str) -> None:
+    """Activation checkpointing runs each router again in backward: it must route as the forward did (the
+    replay stays in place), or the gradients would be another routing's."""
+    from spmdrl.models.parallelize import apply_ac
+
+    ids, mask, lengths = _rows()
+    grads = []
+    for ac in (False, True):
+        model = _model()
+        model.train()
+        other = _other_choices(_own_choices(model, ids)).to(torch.int16)
+        if ac:
+            apply_ac(model, mode)
+        tap = router_tap(model)
+        assert tap is not None and len(tap.routers) == L  # found through the checkpoint wrappers
+        out = _forward(model, ids, mask, lengths, routed=other, grad=True)
+        out.logprobs_BT.sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
