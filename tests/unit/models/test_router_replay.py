@@ -194,8 +194,16 @@ def test_moe_metrics_of_even_and_skewed_loads() -> None:
     assert m["moe/replay_differs"] == pytest.approx(0.25) and m["moe/aux_loss"] == pytest.approx(1.5)
 
 
-@pytest.mark.parametrize("mode", ["full", "mlp"])
-def test_a_checkpointed_layer_recomputes_with_the_replayed_routing(mode: str) -> None:
+def test_the_routers_are_found_through_the_checkpoint_wrappers() -> None:
+    from spmdrl.models.parallelize import apply_ac
+
+    for mode in ("full", "mlp"):  # layers.<i>._checkpoint_wrapped_module.mlp.gate, layers.<i>.mlp._checkp...
+        model = _model()
+        apply_ac(model, mode)
+        assert [i for i, _ in routers(model)] == list(range(L)), mode
+
+
+def test_a_checkpointed_layer_recomputes_with_the_replayed_routing() -> None:
     """Activation checkpointing runs each router again in backward: it must route as the forward did (the
     replay stays in place), or the gradients would be another routing's."""
     from spmdrl.models.parallelize import apply_ac
@@ -207,7 +215,7 @@ def test_a_checkpointed_layer_recomputes_with_the_replayed_routing(mode: str) ->
         model.train()
         other = _other_choices(_own_choices(model, ids)).to(torch.int16)
         if ac:
-            apply_ac(model, mode)
+            apply_ac(model, "full")
         tap = router_tap(model)
         assert tap is not None and len(tap.routers) == L  # found through the checkpoint wrappers
         out = _forward(model, ids, mask, lengths, routed=other, grad=True)
