@@ -43,7 +43,6 @@ from spmdrl.models.packing import Packed
 NO_CHOICE = -1  # a token without a recorded choice: the router's own top-k
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.gate$")
 _WRAPPERS = re.compile(r"\.(?:_checkpoint_wrapped_module|_orig_mod)(?=\.|$)")
-ROUTER_REPLAY_MODES = ("disabled", "r3")
 
 
 def routers(model: nn.Module) -> list[tuple[int, nn.Module]]:
