@@ -193,6 +193,11 @@ class VLLMEngine:
         # the prefix cache off, since a cached prompt token is never run through the routers.
         self.routed_experts = ("vllm" if device_type == "cuda" else "recorded") if routed_experts else ""
         if self.routed_experts == "vllm":
+            if not cfg.enable_prefix_caching:  # vLLM keeps the routing with the prefix cache's blocks
+                raise ConfigError(
+                    "model.router_replay=r3 on CUDA needs vLLM's prefix cache (its routed-experts output "
+                    "keeps the routing with the cache's blocks): set rollout.enable_prefix_caching=true"
+                )
             kwargs["enable_return_routed_experts"] = True
         elif self.routed_experts == "recorded":
             kwargs["enable_prefix_caching"] = False
