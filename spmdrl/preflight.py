@@ -37,8 +37,10 @@ from spmdrl.data import reasoning_gym_task, tiny_task, tools_task
 from spmdrl.data.config import DataConfig
 from spmdrl.data.parquet import DataError
 from spmdrl.data.sources import check_sources, read_options, resolve_entry
+from spmdrl.distributed.config import ParallelConfig
 from spmdrl.envs.config import EnvConfig
 from spmdrl.errors import ConfigError
+from spmdrl.models.config import ModelConfig
 from spmdrl.models.families import (
     LINEAR_MODULES,
     check_architecture,
@@ -49,6 +51,7 @@ from spmdrl.models.families import (
 from spmdrl.models.load import check_model_path
 from spmdrl.models.tiny import BUILT_IN_MODELS, MOE_SHAPE, TINY, TINY_MOE, TINY_MOE_FAMILY_CONFIG
 from spmdrl.preflight_start import check_rl_start, data_files
+from spmdrl.rollout.config import RolloutConfig
 
 if TYPE_CHECKING:
     from spmdrl.rl.plan import Roles
@@ -79,6 +82,10 @@ def check_inputs(
     if cfg.model.lora.enabled:
         checked.append(check_lora_targets(list(cfg.model.lora.target_modules)))
         check_no_lora_on_experts(cfg.model.path)
+    if cfg.model.router_replay != "disabled":
+        checked.append(
+            check_router_replay(cfg.model, cfg.rollout, cfg.parallel, cfg.section(EnvConfig).source)
+        )
     if cfg.model.compile:
         checked.append(check_cxx_compiler())
     if cfg.reward_model.enable:
@@ -143,6 +150,57 @@ def check_expert_parallel(path: str, ep: int, *, lora: bool) -> str:
         num_experts if isinstance(num_experts, int) and num_experts > 0 else None, ep, f"model.path={path}"
     )
     return f"parallel.ep={ep} ({num_experts // ep} of {num_experts} experts per rank)"
+
+
+def check_router_replay(
+    model: ModelConfig, rollout: RolloutConfig, parallel: ParallelConfig, env_source: str
+) -> str:
+    """model.router_replay=r3 needs a mixture of experts (the built-in tiny-moe or a local directory; a hub
+    id is checked where the model is built) and an engine that returns each token's experts: vLLM's
+    single-turn generate, its rows colocated or sent whole to the trainer ranks (parallel.placement=async)
+    (docs/models.md#router-replay-and-the-routers-metrics)."""
+    key = f"model.router_replay={model.router_replay}"
+    path = model.path
+    local = Path(path).expanduser()
+    family = None
+    if path in BUILT_IN_MODELS:
+        family = (
+            family_of(TINY_MOE_FAMILY_CONFIG, where=f"the built-in {TINY_MOE}") if path == TINY_MOE else None
+        )
+        dense = path != TINY_MOE
+    elif (local / "config.json").is_file():
+        family = check_architecture(local)
+        dense = family is None or not family.moe
+    else:
+        dense = False  # a hub id: spmdrl.rl.job checks the built model
+    if dense:
+        raise ConfigError(
+            f"{key}: model.path={path} is a dense model ({family.name if family else 'no experts'}), and router "
+            "replay replays the experts a mixture of experts routed each token to; set "
+            "model.router_replay=disabled, or train a mixture of experts (model.path=tiny-moe, a Qwen3-MoE)"
+        )
+    unsupported = []
+    if parallel.placement == "split":
+        unsupported.append("parallel.placement=split (the rows move between meshes without their routing)")
+    if parallel.balance_tokens:
+        unsupported.append("parallel.balance_tokens (the rows move between ranks without their routing)")
+    if rollout.multi_turn.enable:
+        unsupported.append("rollout.multi_turn.enable (the agent loop's engine calls return no routing)")
+    if env_source:
+        unsupported.append(f"env.source={env_source} (untested with router replay)")
+    if rollout.partial != "off":
+        unsupported.append(f"rollout.partial={rollout.partial} (interruptible generation returns no routing)")
+    if rollout.model_runner == "v1":
+        unsupported.append(
+            "rollout.model_runner=v1 (vLLM returns routed experts with its Model Runner V2 only; on CUDA use "
+            "rollout.model_runner=auto or v2)"
+        )
+    if unsupported:
+        raise ConfigError(
+            f"{key} is not supported with {'; '.join(unsupported)}: the engine cannot return the experts it "
+            "routed each token to there. Change those settings, or set model.router_replay=disabled"
+        )
+    return key
 
 
 # What inductor looks for, in its order: $CXX, then g++ (torch._inductor.cpp_builder); clang++ and c++ too.

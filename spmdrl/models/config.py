@@ -25,6 +25,9 @@ def ac_mode(value: str | bool) -> str:
 # 3.7% more ATen ops per update micro-batch than the plain one (docs/performance.md).
 FUSED_AUTO_MIN_VOCAB = 32768
 
+# model.router_replay's modes (spmdrl.models.router_replay; verl's actor.router_replay.mode R3).
+ROUTER_REPLAY_MODES = ("disabled", "r3")
+
 
 @dataclass
 class LoraConfig:
@@ -126,6 +129,14 @@ class ModelConfig:
     # positions that predict a response token only (docs/performance.md#the-lm-head-on-response-positions).
     use_fused_kernels: str = "auto"
     fused_chunk_tokens: int = 512
+    # A mixture of experts only (docs/models.md#router-replay). r3: the trainer's forwards of the policy
+    # (old logprobs, the update, the reference) route each token through the experts the rollout engine
+    # chose for it, with the router's own softmax weights at those experts (Rollout Routing Replay; verl's
+    # actor.router_replay.mode=R3). disabled: the trainer routes by its own top-k.
+    router_replay: str = choice("disabled", ROUTER_REPLAY_MODES)
+    # transformers' load-balancing loss (router_aux_loss_coef x loss, per micro-batch forward) added to the
+    # actor's loss. 0: logged as moe/aux_loss, not trained on (RL recipes leave it out, as verl does).
+    router_aux_loss_coef: float = 0.0
 
     def fused_head_chunk(self, vocab_size: int) -> int:
         """The chunk policy_forward's head runs in for a model of ``vocab_size`` tokens, on any device:
@@ -161,4 +172,8 @@ class ModelConfig:
             raise ConfigError(
                 f"model.fused_chunk_tokens must be >= 1 (positions per chunk of the fused LM head), got "
                 f"{self.fused_chunk_tokens}"
+            )
+        if self.router_aux_loss_coef < 0:
+            raise ConfigError(
+                f"model.router_aux_loss_coef must be >= 0 (0: logged, not trained on), got {self.router_aux_loss_coef}"
             )

@@ -3,6 +3,7 @@ probabilities) of the tokens in a batch."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -13,6 +14,7 @@ from torch import nn
 from spmdrl.models.causal_attention import causal_key_mask, full_attention_sdpa, uses_causal_sdpa
 from spmdrl.models.head import head_on_positions
 from spmdrl.models.packing import Packed, pack
+from spmdrl.models.router_replay import replay_layout, router_tap, valid_tokens
 from spmdrl.models.varlen import uses_varlen, varlen_kwargs
 from spmdrl.transfer import to_device
 
@@ -26,6 +28,9 @@ class PolicyForward:
     entropy_BT: torch.Tensor | None = None
     # sum_v pi_v^2 of the distribution that predicted each token (the optimal token baseline's input).
     sum_pi_squared_BT: torch.Tensor | None = None
+    # A mixture of experts: transformers' load-balancing loss of this forward's routing (a scalar with the
+    # routers' gradient when asked for with ``router_aux_grad``; spmdrl.models.router_replay).
+    router_aux_loss: torch.Tensor | None = None
 
 
 def policy_logprobs(
@@ -98,6 +103,8 @@ def policy_forward(
     lengths_B: Sequence[int] | None = None,
     first_columns_B: Sequence[int] | None = None,
     fused_chunk_tokens: int = 0,
+    routed_experts_BTLK: torch.Tensor | None = None,
+    router_aux_grad: bool = False,
 ) -> PolicyForward:
     """:func:`policy_logprobs`, and with ``with_sum_pi_squared`` the sum over the vocabulary of the
     squared (temperature-scaled) probabilities of each position's distribution, computed without a
@@ -110,6 +117,10 @@ def policy_forward(
     chunked (spmdrl.models.fused_logprob; model.use_fused_kernels), memory chunk x V instead of N x V.
     Without ``lengths_B`` padded rows are scored up to column T, their padding too (nothing is read from
     the device), and packed rows' lengths are read from the mask (a sync on a GPU).
+
+    A mixture of experts' routers are tapped (spmdrl.models.router_replay): ``routed_experts_BTLK``, the
+    engine's top-k experts of each token, (B, T, layers, k), -1 where none, routes each token through
+    those (router replay), and each forward's routing statistics are kept for the step's ``moe/*``.
     """
     B, T = input_ids_BT.shape
     device = input_ids_BT.device
@@ -123,6 +134,7 @@ def policy_forward(
     # The scored tokens as flat indices into (B, T), built on the host and moved in one asynchronous copy.
     target_N = to_device(torch.tensor(scored_positions(T, lengths, firsts), dtype=torch.long), device)
     call: Any = model
+    p: Packed | None = None
     if pack_sequences:
         p = pack(input_ids_BT, attention_mask_BT, lengths_B=lengths)
         # Each real token's packed position, looked up on the device (nothing is read); a token's
@@ -139,18 +151,30 @@ def policy_forward(
             attention_mask_for(model, attention_mask_BT, lengths_B) if attention_mask_BT is not None else None
         )
         kwargs = {"input_ids": input_ids_BT, "attention_mask": mask}
-    out = head_on_positions(
-        model,
-        call,
-        kwargs,
-        source_N,
-        input_ids_BT.reshape(-1)[target_N],
-        temperature=temperature,
-        with_entropy=with_entropy,
-        entropy_grad=entropy_grad,
-        with_sum_pi_squared=with_sum_pi_squared,
-        chunk_tokens=fused_chunk_tokens,
-    )
+    tap = router_tap(model)
+    if routed_experts_BTLK is not None and tap is None:
+        raise ValueError("policy_forward: routed_experts_BTLK given for a model without MoE routers")
+    routing: Any = contextlib.nullcontext()
+    if tap is not None:
+        lengths_known = lengths if (lengths_B is not None or pack_sequences) else None
+        if routed_experts_BTLK is not None:
+            replay_NLK, valid_N = replay_layout(routed_experts_BTLK[:, :T], p, lengths_known)
+        else:
+            replay_NLK, valid_N = None, valid_tokens(p, lengths_known, B, T, device)
+        routing = tap.forward(replay_NLK, valid_N, want_aux=router_aux_grad)
+    with routing as fwd_routing:
+        out = head_on_positions(
+            model,
+            call,
+            kwargs,
+            source_N,
+            input_ids_BT.reshape(-1)[target_N],
+            temperature=temperature,
+            with_entropy=with_entropy,
+            entropy_grad=entropy_grad,
+            with_sum_pi_squared=with_sum_pi_squared,
+            chunk_tokens=fused_chunk_tokens,
+        )
 
     def scatter(x_N: torch.Tensor | None) -> torch.Tensor | None:
         if x_N is None:
@@ -160,7 +184,8 @@ def policy_forward(
 
     lp_BT = scatter(out.logprobs_N)
     assert lp_BT is not None
-    return PolicyForward(lp_BT, scatter(out.entropy_N), scatter(out.sum_pi_squared_N))
+    aux = fwd_routing.aux_loss() if fwd_routing is not None else None
+    return PolicyForward(lp_BT, scatter(out.entropy_N), scatter(out.sum_pi_squared_N), aux)
 
 
 def scored_positions(T: int, lengths_B: Sequence[int], first_columns_B: Sequence[int]) -> list[int]:

@@ -86,6 +86,11 @@ TOKEN_VERSIONS = "versions_BT"
 # none), and their names, "\n"-joined UTF-8 bytes; both as wide as the row's key count / name length (0
 # when the reward returns a plain score).
 REWARD_EXTRA, REWARD_EXTRA_NAMES = "reward_extra", "reward_extra_names"
+# Router replay (model.router_replay=r3): each row's routed experts, (B, T, layers, k) flattened to
+# (B, T * layers * k) and shifted by one (0: no choice, as the wire pads), and (layers, k) per row; one
+# (B, 0) field and (0, 0) without replay. Flattened position by position, a row's positions past its own
+# width arrive as 0, that is no choice.
+ROUTED, ROUTED_SHAPE = "routed_experts", "routed_shape"
 # The rollout ranks' reduced metrics of a batch, one per position of the "measured" field: a fixed list, so
 # the trainer reads them back without asking which were measured (the absent ones are NaN).
 # A queue saved since these names are saved with it reads its columns by name (fill_missing_fields).
@@ -110,6 +115,8 @@ SPEC: dict[str, torch.dtype] = {
     "measured": torch.float64,
     REWARD_EXTRA: torch.float64,
     REWARD_EXTRA_NAMES: torch.long,
+    ROUTED: torch.int16,
+    ROUTED_SHAPE: torch.long,
 }
 
 
@@ -217,7 +224,35 @@ def pack_samples(
             [measured.get(k, math.nan) for k in CARRIED_METRICS], dtype=torch.float64, device=device
         ).expand(B, -1),
         **pack_reward_extra(samples.rewards.extra, B, device),
+        **pack_routed(batch.routed_experts_BTLK, B, device),
     }
+
+
+def pack_routed(routed_BTLK: torch.Tensor | None, B: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """The rows' routed experts as the wire carries them (ROUTED, ROUTED_SHAPE)."""
+    if routed_BTLK is None:
+        return {
+            ROUTED: torch.zeros(B, 0, dtype=torch.int16, device=device),
+            ROUTED_SHAPE: torch.zeros(B, 2, dtype=torch.long, device=device),
+        }
+    _, T, L, K = routed_BTLK.shape
+    return {
+        ROUTED: (routed_BTLK.to(device=device, dtype=torch.int16) + 1).reshape(B, T * L * K),
+        ROUTED_SHAPE: torch.tensor([L, K], dtype=torch.long, device=device).expand(B, 2).contiguous(),
+    }
+
+
+def unpack_routed(rows: Mapping[str, torch.Tensor], width: int) -> torch.Tensor | None:
+    """The rows' routed experts, (B, width, layers, k), -1 where none; None when they travelled none."""
+    L, K = (int(x) for x in rows[ROUTED_SHAPE][0, :2].tolist())  # a fixed-width wire pads it
+    flat = rows[ROUTED]
+    if L * K == 0:
+        return None
+    B = flat.shape[0]
+    wire = flat.new_zeros(B, width * L * K)
+    n = min(flat.shape[1], width * L * K)
+    wire[:, :n] = flat[:, :n]
+    return (wire.view(B, width, L, K) - 1).to(torch.int16)
 
 
 def pack_reward_extra(
@@ -278,6 +313,8 @@ def fill_missing_fields(
     for name in (REWARD_EXTRA, REWARD_EXTRA_NAMES):
         if name not in rows:  # the reward's extra keys did not travel: none
             rows[name] = torch.zeros(B, 0, dtype=SPEC[name], device=rows["version"].device)
+    if ROUTED not in rows:  # saved before the routing travelled: none
+        rows.update(pack_routed(None, B, rows["version"].device))
     return rows
 
 
@@ -364,7 +401,7 @@ def unpack(
     t = {k: rows[k][:, :width] for k in ROW_FIELDS}
     # The wire pads with 0; a colocated batch pads input ids with the tokenizer's pad id.
     t["input_ids_BT"] = t["input_ids_BT"].masked_fill(t["attention_mask_BT"] == 0, pad_id)
-    batch = PolicyBatch.from_tensors(t)
+    batch = PolicyBatch.from_tensors(t).replace(routed_experts_BTLK=unpack_routed(rows, width))
     col = {k: rows[k][:, 0] for k in COLUMNS}
     B = batch.num_rows
     if B % n:

@@ -20,6 +20,35 @@ class RolloutRows:
     attention_mask_BT: torch.Tensor
     response_mask_BT: torch.Tensor
     engine_logprobs_BT: torch.Tensor
+    # Router replay: the experts the engine routed each position through, (B, T, MoE layers, k) int16,
+    # -1 where none (padding, each row's last token); None unless the generations carry them.
+    routed_experts_BTLK: torch.Tensor | None = None
+
+
+def routed_experts_rows(
+    rows: Sequence[int], generations: Sequence[Generation], T: int
+) -> torch.Tensor | None:
+    """The generations' routed experts as right-padded rows of ``T`` positions, (B, T, layers, k), -1 where
+    none; None when no generation carries them. ``rows``: each row's tokens (prompt + response)."""
+    have = [g.routed_experts is not None for g in generations]
+    if not any(have):
+        return None
+    if not all(have):
+        raise ValueError(
+            f"generations {[i for i, h in enumerate(have) if not h][:8]} carry no routed experts while "
+            "others do (router replay needs every row's)"
+        )
+    L, K = generations[0].routed_experts.shape[1:]
+    out = torch.full((len(generations), T, L, K), -1, dtype=torch.int16)
+    for i, (n, g) in enumerate(zip(rows, generations, strict=True)):
+        r = torch.as_tensor(g.routed_experts)
+        if r.shape[1:] != (L, K):
+            raise ValueError(
+                f"generation {i}: routed experts of shape {tuple(r.shape)}, others (-, {L}, {K})"
+            )
+        m = min(n, r.shape[0])
+        out[i, :m] = r[:m].to(torch.int16)
+    return out
 
 
 def pack_generations(
@@ -53,7 +82,8 @@ def pack_generations(
             # Multi-turn: only the sampled tokens; tool output and turn boundaries are context.
             response[i, start : len(row)] = torch.tensor(g.loss_mask, dtype=torch.bool)
         engine_lp[i, start : len(row)] = torch.tensor(g.logprobs, dtype=torch.float32)
-    return RolloutRows(input_ids, attention, response, engine_lp)
+    routed = routed_experts_rows([len(r) for r in rows], generations, T)
+    return RolloutRows(input_ids, attention, response, engine_lp, routed)
 
 
 @dataclass(frozen=True)
@@ -83,6 +113,10 @@ class PolicyBatch:
     # The old policy's sum over the vocabulary of its squared probabilities at each token (the optimal
     # token baseline's input; computed with the old logprobs when the estimator needs it).
     sum_pi_squared_BT: torch.Tensor | None = None
+    # Router replay (model.router_replay=r3): the experts the engine routed each position through,
+    # (B, T, MoE layers, k) int16, -1 where none; the trainer's forwards route by them
+    # (spmdrl.models.router_replay).
+    routed_experts_BTLK: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -145,7 +179,14 @@ class PolicyBatch:
                 continue
             if any(p is None for p in parts):
                 raise ValueError(f"concat: {f.name} is set in some batches and not in others")
-            out[f.name] = torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
+            # Right-padded along dim 1 (T): 0, or -1 (no choice) for the routed experts' trailing dims.
+            value = -1 if f.name == "routed_experts_BTLK" else 0
+            out[f.name] = torch.cat(
+                [
+                    torch.nn.functional.pad(p, (0, 0) * (p.dim() - 2) + (0, width - p.shape[1]), value=value)
+                    for p in parts
+                ]
+            )
         return PolicyBatch(**out)  # type: ignore[arg-type]
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -236,4 +277,5 @@ def build_policy_batch(
         response_mask_BT=rows.response_mask_BT,
         engine_logprobs_BT=rows.engine_logprobs_BT,
         advantages_BT=torch.zeros_like(rows.engine_logprobs_BT),
+        routed_experts_BTLK=rows.routed_experts_BTLK,
     )

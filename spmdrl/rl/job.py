@@ -58,6 +58,7 @@ from spmdrl.logging.samples import Sample
 from spmdrl.logging.timer import PhaseTimer
 from spmdrl.models.grad_sync import describe_grad_sync
 from spmdrl.models.load import load_tokenizer, resolve_model_path_all_ranks
+from spmdrl.models.router_replay import router_tap
 from spmdrl.optim import OptimizerOffload, build_lr_scheduler, build_optimizer
 from spmdrl.rewards.registry import check_data_sources, load_reward_fn
 from spmdrl.rl.async_queue import PipelineShape, check_resume_all_ranks
@@ -307,6 +308,12 @@ def build_job(cfg: Config, roles: Roles = NO_EXTRA_ROLES) -> RLJob:
     policy, ref = build_models(
         cfg.model, cfg.trainer, cfg.algorithm, env.device, meshes, model_dir, reference=not val_only
     )
+    if cfg.model.router_replay == "r3" and policy is not None and router_tap(policy) is None:
+        # A hub id is checked here, once built (spmdrl.preflight.check_router_replay checks local paths).
+        raise ConfigError(
+            f"model.router_replay=r3: model.path={cfg.model.path} has no mixture-of-experts router "
+            "(layers.<i>.mlp.gate); set model.router_replay=disabled or train a mixture of experts"
+        )
     actor = None
     if meshes.holds("actor"):
         optimizer = build_optimizer(policy, cfg.optim)
@@ -343,6 +350,8 @@ def build_job(cfg: Config, roles: Roles = NO_EXTRA_ROLES) -> RLJob:
         max_model_len=rl.max_model_len,
         device_type=env.device.type,
         ranks=engine_ranks,
+        # model.router_replay=r3: each generation carries the experts the engine routed it through.
+        routed_experts=cfg.model.router_replay == "r3",
     )
     # reward_model.*: on the scoring ranks only, sharded over them (FSDP2), scores reduced over them.
     model_rewards = (

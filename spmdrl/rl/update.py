@@ -31,10 +31,11 @@ from spmdrl.derived import RLDerived
 from spmdrl.distributed.reduce import all_reduce_sum, all_reduce_sum_tensors
 from spmdrl.models import packing
 from spmdrl.models.config import ModelConfig
-from spmdrl.models.forward import attention_mask_for, packed_attention_mask, policy_forward, policy_logprobs
+from spmdrl.models.forward import attention_mask_for, packed_attention_mask, policy_forward
 from spmdrl.models.grad_sync import defers_grad_sync, gradient_sync
 from spmdrl.models.head import fused_chunk_for
 from spmdrl.models.parallelize import gathered_through
+from spmdrl.models.router_replay import RouterStats, RouterTap, moe_metrics, router_tap
 from spmdrl.optim import clip_grad_norm
 from spmdrl.rl.batch import PolicyBatch
 from spmdrl.rl.micro_batches import MicroBatch, micro_batch_rows, plan_micro_batches
@@ -128,6 +129,7 @@ def logprobs_and_sum_pi_squared_of(
                 lengths_B=plan.lengths,
                 first_columns_B=plan.first_columns,
                 fused_chunk_tokens=fused_chunk_tokens,
+                routed_experts_BTLK=mb.routed_experts_BTLK,
             )
             out_BT[plan.index_B, : fwd.logprobs_BT.shape[1]] = fwd.logprobs_BT
             if sps_BT is not None and fwd.sum_pi_squared_BT is not None:
@@ -288,6 +290,26 @@ def update_critic(
     return metrics
 
 
+def routing_metrics(
+    tap: RouterTap, group: dist.ProcessGroup | None, device: torch.device
+) -> dict[str, float]:
+    """``moe/*`` of the forwards since the tap's last take, over ``group``'s ranks (one all_reduce)."""
+    stats = tap.take_stats()
+    if stats is None:  # no forward on this rank: zeros, so that the reduction still matches the others'
+        z = torch.zeros((), dtype=torch.float64, device=device)
+        load = torch.zeros(tap.num_layers, tap.num_experts, dtype=torch.float64, device=device)
+        stats = RouterStats(load, z.clone(), z.clone(), z.clone())
+    t = stats.tensors()
+    flat = torch.cat([v.reshape(-1).to(device, torch.float64) for v in t.values()])
+    if dist.is_initialized():
+        dist.all_reduce(flat, group=group)
+    sums, at = {}, 0
+    for k, v in t.items():
+        sums[k] = flat[at : at + v.numel()].view(v.shape)
+        at += v.numel()
+    return moe_metrics(sums)
+
+
 def policy_loss_name(algo: AlgorithmConfig) -> str:
     """algorithm.policy_loss, or bypass_mode when the rollout correction runs in bypass mode (verl's
     apply_bypass_mode sets the loss mode so)."""
@@ -323,7 +345,8 @@ def micro_batch_loss(
     """
     a = settings.algorithm
     entropy_in_loss = a.entropy_coeff > 0
-    lp_BT, ent_BT = policy_logprobs(
+    aux_coef = settings.model.router_aux_loss_coef
+    fwd = policy_forward(
         actor,
         mb.input_ids_BT,
         mb.attention_mask_BT,
@@ -335,7 +358,10 @@ def micro_batch_loss(
         lengths_B=None if plan is None else plan.lengths,
         first_columns_B=None if plan is None else plan.first_columns,
         fused_chunk_tokens=fused_chunk_for(settings.model, actor),
+        routed_experts_BTLK=mb.routed_experts_BTLK,
+        router_aux_grad=aux_coef > 0,
     )
+    lp_BT, ent_BT = fwd.logprobs_BT, fwd.entropy_BT
     assert ent_BT is not None
     mask_BT = mb.response_mask_BT
     if a.rollout_correction.bypass_mode:  # verl's apply_bypass_mode: old_log_probs = rollout_log_probs
@@ -369,6 +395,10 @@ def micro_batch_loss(
         kl_loss = agg(kl_penalty(lp_BT, mb.ref_logprobs_BT, a.kl_loss_type), mask_BT)
         loss = loss + a.kl_loss_coef * kl_loss
         stats["kl_loss"] = kl_loss.detach()
+    if aux_coef > 0 and fwd.router_aux_loss is not None:
+        # model.router_aux_loss_coef: transformers' load-balancing loss of this micro-batch's routing, added
+        # as transformers adds it (coef x loss per forward); one term per micro-batch, like the forward's.
+        loss = loss + aux_coef * fwd.router_aux_loss
     ent_loss = agg(ent_BT, mask_BT)
     if entropy_in_loss:
         loss = loss - a.entropy_coeff * ent_loss
@@ -428,6 +458,9 @@ def update_policy(
     modes = loss_modes(a)
     old_BT = batch.old_logprobs_BT.clone() if batch.old_logprobs_BT is not None else None
     captured_BT = torch.zeros_like(batch.engine_logprobs_BT)
+    tap = router_tap(actor)
+    if tap is not None:
+        tap.take_stats()  # the routing statistics of this update's forwards only
     sums = _DeviceSums()
     grad_norms, skipped = [], 0
     defer = defers_grad_sync(actor, settings.trainer.defer_grad_sync)
@@ -463,4 +496,6 @@ def update_policy(
     metrics = {f"actor/{k}": v / updates / (1 if k in _SUMMED else world) for k, v in reduced.items()}
     metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
     metrics["actor/skipped_updates"] = skipped
+    if tap is not None:
+        metrics.update(routing_metrics(tap, group, batch.engine_logprobs_BT.device))
     return UpdateResult(metrics, old_BT if old_BT is not None else captured_BT)

@@ -137,6 +137,10 @@ class Generation:
     # token is the version that started the generation's.
     versions: list[int] | None = None
     interrupted: bool = False
+    # Router replay (model.router_replay=r3): the experts the engine routed each position of prompt +
+    # response through, (positions, MoE layers, k) int16, -1 where none (the last sampled token is never
+    # run through the model). None when not asked for (build_engine(routed_experts=True)).
+    routed_experts: Any = None
 
 
 @dataclass
@@ -313,13 +317,25 @@ def check_kv_cache_fits(
 
 @overload
 def build_engine(
-    model_dir: Path, cfg: RolloutConfig, *, max_model_len: int, device_type: str, ranks: None = None
+    model_dir: Path,
+    cfg: RolloutConfig,
+    *,
+    max_model_len: int,
+    device_type: str,
+    ranks: None = None,
+    routed_experts: bool = False,
 ) -> RolloutEngine: ...
 
 
 @overload
 def build_engine(
-    model_dir: Path, cfg: RolloutConfig, *, max_model_len: int, device_type: str, ranks: list[int]
+    model_dir: Path,
+    cfg: RolloutConfig,
+    *,
+    max_model_len: int,
+    device_type: str,
+    ranks: list[int],
+    routed_experts: bool = False,
 ) -> RolloutEngine | None: ...
 
 
@@ -330,8 +346,10 @@ def build_engine(
     max_model_len: int,
     device_type: str,
     ranks: list[int] | None = None,
+    routed_experts: bool = False,
 ) -> RolloutEngine | None:
-    """The engine ``cfg.engine`` names. Every rank of the world calls this together, at the same point.
+    """The engine ``cfg.engine`` names. ``routed_experts``: each generation carries the experts the engine
+    routed its tokens through (router replay; Generation.routed_experts). Every rank of the world calls this together, at the same point.
 
     ``ranks`` None: built on every rank. Otherwise built on those ranks only (a block of consecutive
     ranks, a multiple of ``cfg.tp`` long), which vLLM then takes for its whole world
@@ -348,7 +366,14 @@ def build_engine(
     if world.holds_engine:
         from spmdrl.rollout.vllm_engine import VLLMEngine
 
-        engine = VLLMEngine(model_dir, cfg, max_model_len=max_model_len, device_type=device_type, world=world)
+        engine = VLLMEngine(
+            model_dir,
+            cfg,
+            max_model_len=max_model_len,
+            device_type=device_type,
+            world=world,
+            routed_experts=routed_experts,
+        )
     else:  # the engines' TP groups, which the engine ranks create in VLLMEngine's TPGroups
         new_tp_subgroups(engine_tp_groups(cfg.tp, world.ranks))
     world.agree_group_names()

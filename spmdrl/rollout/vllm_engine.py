@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from spmdrl.errors import ConfigError
 from spmdrl.gc_heap import inert_freezes
-from spmdrl.rollout import cpu_gemm, cpu_shm, vllm_logs, vllm_worker
+from spmdrl.rollout import cpu_gemm, cpu_shm, routing_capture, vllm_logs, vllm_worker
 from spmdrl.rollout.config import RolloutConfig
 from spmdrl.rollout.engine import (
     Generation,
@@ -125,6 +125,7 @@ class VLLMEngine:
         max_model_len: int,
         device_type: str,
         world: EngineWorld | None = None,
+        routed_experts: bool = False,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError(
@@ -190,6 +191,20 @@ class VLLMEngine:
         )
         if cfg.quantization != "none":
             kwargs["quantization"] = cfg.quantization
+        # Router replay: each token's experts come back with its generation. vLLM returns them itself
+        # (enable_return_routed_experts) with its Model Runner V2 only, which needs Triton (CUDA); on CPU
+        # (the V1 runner) spmdrl records them at the engine's routers (spmdrl.rollout.routing_capture), with
+        # the prefix cache off, since a cached prompt token is never run through the routers.
+        self.routed_experts = ("vllm" if device_type == "cuda" else "recorded") if routed_experts else ""
+        if self.routed_experts == "vllm":
+            if not cfg.enable_prefix_caching:  # vLLM keeps the routing with the prefix cache's blocks
+                raise ConfigError(
+                    "model.router_replay=r3 on CUDA needs vLLM's prefix cache (its routed-experts output "
+                    "keeps the routing with the cache's blocks): set rollout.enable_prefix_caching=true"
+                )
+            kwargs["enable_return_routed_experts"] = True
+        elif self.routed_experts == "recorded":
+            kwargs["enable_prefix_caching"] = False
         kv_bytes = kv_cache_bytes(model_dir, cfg, max_model_len, self.dtype, device_type)
         if kv_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = kv_bytes
@@ -270,6 +285,10 @@ class VLLMEngine:
                 self.gemm_paths = self.llm.collective_rpc(vllm_worker.gemm_paths)[0]
         if self.gemm_paths:
             log.info("vLLM CPU GEMM paths (rollout.cpu_gemm=%s): %s", cfg.cpu_gemm, self.gemm_paths)
+        if self.routed_experts == "recorded":
+            with self.world.vllm():
+                layers, top_k = self.llm.collective_rpc(routing_capture.install)[0]
+            log.info("router replay: recording the engine's routing (%d MoE layers, top-%d)", layers, top_k)
         quantized = getattr(self.llm.llm_engine.model_config, "quantization", None) is not None
         self.weight_load = resolve_weight_load(cfg.weight_load, device_type, self.gemm_paths, quantized)
         log.info("weight sync loads by %s (rollout.weight_load=%s)", self.weight_load, cfg.weight_load)
@@ -307,10 +326,33 @@ class VLLMEngine:
             for i, out in enumerate(outputs)
             for completion in sorted(out.outputs, key=lambda c: c.index)
         ]
+        if self.routed_experts:
+            self._attach_routing(outputs, results, params.n)
         mine = TPGroups.scatter_from_tp(results, gathered, per_prompt=params.n)
         for g in mine:
             g.prompt_index -= gathered.start
         return mine
+
+    def _attach_routing(self, outputs: list[Any], results: list[Generation], n: int) -> None:
+        """Each generation's routed experts, (positions, layers, k), from vLLM's output or the recorder."""
+        recorded: dict[str, Any] = {}
+        if self.routed_experts == "recorded":
+            with self.world.vllm():
+                recorded = self.llm.collective_rpc(routing_capture.take)[0]
+        it = iter(results)
+        for out in outputs:
+            for completion in sorted(out.outputs, key=lambda c: c.index):
+                gen = next(it)
+                if self.routed_experts == "vllm":
+                    rows = completion.routed_experts
+                else:
+                    rows = recorded.get(routing_capture.request_key(out.request_id, completion.index, n))
+                if rows is None:
+                    raise RuntimeError(
+                        f"router replay: the engine returned no routed experts for request {out.request_id} "
+                        f"sample {completion.index}"
+                    )
+                gen.routed_experts = rows
 
     @contextlib.contextmanager
     def stepper(self) -> Iterator[VLLMStepper]:

@@ -52,6 +52,28 @@ def _corrupted_sync(model, engine, rank: int, name: str, seed: int, change=_doub
         engine.load_weights = load
 
 
+def _replayed(model, engine, prompts: list[list[int]], seed: int) -> dict:  # noqa: ANN001
+    """The trainer's logprobs routed by the engine's recorded choices (model.router_replay=r3), packed."""
+    from spmdrl.models.router_replay import moe_metrics, router_tap
+    from spmdrl.rl.batch import build_policy_batch
+    from spmdrl.rl.update import logprobs_of
+    from spmdrl.rollout.engine import SamplingSpec
+    from spmdrl.rollout.mismatch import logprob_mismatch
+
+    gens = engine.generate(prompts, SamplingSpec(n=2, temperature=1.0, max_tokens=12, seed=seed))
+    batch = build_policy_batch(prompts, gens, pad_id=0)
+    tap = router_tap(model)
+    tap.take_stats()
+    lp = logprobs_of(model, batch, [torch.arange(batch.num_rows)], 1.0, pack=True)
+    model.reshard()
+    out = logprob_mismatch(lp, batch.engine_logprobs_BT, batch.response_mask_BT)
+    out["differs"] = moe_metrics(tap.take_stats().tensors())["moe/replay_differs"]
+    out["positions"] = [
+        (g.routed_experts.shape[0], len(prompts[g.prompt_index]) + len(g.token_ids) - 1) for g in gens
+    ]
+    return out
+
+
 def _moe_worker(rank: int, world: int, model_dir: str, tp: int) -> dict:
     from spmdrl.distributed.placement import Placement
     from spmdrl.models.build import ModelSpec, build_fsdp_model
@@ -72,6 +94,8 @@ def _moe_worker(rank: int, world: int, model_dir: str, tp: int) -> dict:
         RolloutConfig(tp=tp, cpu_kvcache_gib=0.25, max_num_seqs=16, seed=0, dtype="float32"),
         max_model_len=MAX_LEN,
         device_type="cpu",
+        # Router replay's recording runs through every call below (the checked syncs' reloads included).
+        routed_experts=True,
     )
     try:
         out: dict = {"dtype": str(engine.dtype), "paths": engine.gemm_paths, "load": engine.weight_load}
@@ -82,6 +106,7 @@ def _moe_worker(rank: int, world: int, model_dir: str, tp: int) -> dict:
         stats = sync_weights(model, engine, bucket_mb=0.5, check=SyncCheck(seed=1))
         out["checked"] = stats.checked_groups
         out["synced"] = _mismatch(model, engine, prompts, seed=3)
+        out["replayed"] = _replayed(model, engine, prompts, seed=5)
         out["expert_broken"] = _corrupted_sync(model, engine, rank, EXPERT, seed=2)
         out["router_broken"] = _corrupted_sync(model, engine, rank, ROUTER, seed=3)
         out["expert_reordered"] = _corrupted_sync(model, engine, rank, EXPERT, seed=4, change=_reordered)
@@ -99,6 +124,7 @@ def _run(tmp_path: Path, tp: int) -> tuple[dict, dict]:
 
 
 @pytest.mark.guarantee("model:moe")
+@pytest.mark.guarantee("model:moe-router-replay")
 def test_moe_engine_serves_the_trainers_experts_and_the_check_covers_them(tmp_path: Path) -> None:
     r0, r1 = _run(tmp_path, tp=1)
     where = f"({r0['dtype']} engine, CPU paths {r0['paths']})"
@@ -111,6 +137,11 @@ def test_moe_engine_serves_the_trainers_experts_and_the_check_covers_them(tmp_pa
         assert r["fresh"]["logprob_abs_diff_mean"] < tol, (where, "fresh", r["fresh"])
         assert r["stale"]["logprob_abs_diff_mean"] > 100 * tol, (where, "stale", r["stale"])
         assert r["synced"]["logprob_abs_diff_mean"] < tol, (where, "synced", r["synced"])
+        # Router replay: every prompt and response position's routing recorded (all but the last token),
+        # in place (a float32 engine chooses as the trainer: replayed or not, the logprobs agree).
+        replayed = r["replayed"]
+        assert all(a == b for a, b in replayed["positions"]), replayed["positions"]
+        assert replayed["differs"] < 0.01 and replayed["logprob_abs_diff_mean"] < tol, (where, replayed)
         # Per layer: 4 experts x (gate/up, down, through the kernel), the matrices (attention and router:
         # one input size, 128) and the vectors; the top's matrices and vectors.
         assert r["checked"] == 4 * (4 * 3 + 2) + 2, r["checked"]
