@@ -104,4 +104,5 @@ def test_the_30b_a3b_recipe_checks_on_8_ranks(tmp_path: Path, capsys: pytest.Cap
     )
     assert code == 0, err
     assert "recipe grpo_moe_30b_a3b" in out and "model.router_replay=r3" in out
-    assert "plan on 8 ranks" in out and "actor: ranks 0-7 (FSDP 8)" in out
+    assert "plan on 8 ranks" in out and "actor: ranks 0-7 (FSDP 8, experts EP 8 x FSDP 1)" in out
+    assert "parallel.ep=8 (16 of 128 experts per rank)" in out
