@@ -27,6 +27,7 @@ GUARANTEES: dict[str, str] = {
     "sync:gemm_paths": "the per-step weight-sync check on every GEMM path this CPU can run",
     "sync:parity": "an fp32 engine matches the fp32 trainer to 1e-6 through updates and syncs",
     "model:moe": "a mixture of experts (tiny-moe) is served as trained; the sync check covers every expert",
+    "model:vlm": "a vision-language model (tiny-vl) is served with images as trained; the sync check covers its vision tower",
     "resume:kill": "a killed worker restarts and the run resumes exactly, bit for bit",
     "golden:update": "five GRPO update steps match the golden file",
     "fork:recipe": "a forked recipe in another directory runs with its own loss and section",

@@ -126,6 +126,10 @@ class ModelConfig:
     # positions that predict a response token only (docs/performance.md#the-lm-head-on-response-positions).
     use_fused_kernels: str = "auto"
     fused_chunk_tokens: int = 512
+    # A vision-language model's vision tower (and its projection into the decoder) kept frozen: only the
+    # decoder trains, as most VLM RL recipes do (docs/models.md#vision-language-models). Ignored for a text
+    # model. false trains the tower too; the weight sync moves and checks it either way.
+    freeze_vision_tower: bool = True
 
     def fused_head_chunk(self, vocab_size: int) -> int:
         """The chunk policy_forward's head runs in for a model of ``vocab_size`` tokens, on any device:

@@ -14,6 +14,7 @@ from spmdrl.models.causal_attention import causal_key_mask, full_attention_sdpa,
 from spmdrl.models.head import head_on_positions
 from spmdrl.models.packing import Packed, pack
 from spmdrl.models.varlen import uses_varlen, varlen_kwargs
+from spmdrl.models.vision import ImageInputs
 from spmdrl.transfer import to_device
 
 
@@ -41,6 +42,7 @@ def policy_logprobs(
     lengths_B: Sequence[int] | None = None,
     first_columns_B: Sequence[int] | None = None,
     fused_chunk_tokens: int = 0,
+    images: ImageInputs | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprob of each token given the ones before it, at the token's own position (column 0 is 0).
 
@@ -80,6 +82,7 @@ def policy_logprobs(
         lengths_B=lengths_B,
         first_columns_B=first_columns_B,
         fused_chunk_tokens=fused_chunk_tokens,
+        images=images,
     )
     return out.logprobs_BT, out.entropy_BT
 
@@ -98,6 +101,7 @@ def policy_forward(
     lengths_B: Sequence[int] | None = None,
     first_columns_B: Sequence[int] | None = None,
     fused_chunk_tokens: int = 0,
+    images: ImageInputs | None = None,
 ) -> PolicyForward:
     """:func:`policy_logprobs`, and with ``with_sum_pi_squared`` the sum over the vocabulary of the
     squared (temperature-scaled) probabilities of each position's distribution, computed without a
@@ -110,7 +114,14 @@ def policy_forward(
     chunked (spmdrl.models.fused_logprob; model.use_fused_kernels), memory chunk x V instead of N x V.
     Without ``lengths_B`` padded rows are scored up to column T, their padding too (nothing is read from
     the device), and packed rows' lengths are read from the mask (a sync on a GPU).
+    ``images``: a vision-language model's images of these rows, in row order (spmdrl.models.vision); not
+    with packing, which would reorder the rows' image tokens.
     """
+    if images is not None and pack_sequences:
+        raise ValueError(
+            "policy_forward: images with pack_sequences; a vision-language model's rows are not packed "
+            "(docs/models.md#vision-language-models)"
+        )
     B, T = input_ids_BT.shape
     device = input_ids_BT.device
     if lengths_B is not None:
@@ -139,6 +150,8 @@ def policy_forward(
             attention_mask_for(model, attention_mask_BT, lengths_B) if attention_mask_BT is not None else None
         )
         kwargs = {"input_ids": input_ids_BT, "attention_mask": mask}
+        if images is not None:
+            kwargs.update(images.model_kwargs(device, _compute_dtype(model)))
     out = head_on_positions(
         model,
         call,
@@ -161,6 +174,11 @@ def policy_forward(
     lp_BT = scatter(out.logprobs_N)
     assert lp_BT is not None
     return PolicyForward(lp_BT, scatter(out.entropy_N), scatter(out.sum_pi_squared_N))
+
+
+def _compute_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype the vision tower computes in (FSDP2's param_dtype, which casts the gathered weights)."""
+    return getattr(model, "spmdrl_param_dtype", torch.float32)
 
 
 def scored_positions(T: int, lengths_B: Sequence[int], first_columns_B: Sequence[int]) -> list[int]:

@@ -272,14 +272,19 @@ class VLLMEngine:
 
     # ---- generation -------------------------------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], params: SamplingSpec) -> list[Generation]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingSpec, images: list[list[Any]] | None = None
+    ) -> list[Generation]:
         # Before any collective: the state is the same on every rank, so a TP group raises together.
         self._require_weights("generate")
         from vllm.inputs import TokensPrompt
 
-        gathered = self.groups.gather_for_tp(prompts)
+        # A vision-language model's images travel with their prompts to the TP group's other ranks.
+        items: list[Any] = prompts if images is None else list(zip(prompts, images, strict=True))
+        gathered = self.groups.gather_for_tp(items)
+        ids = gathered.prompts if images is None else [p for p, _ in gathered.prompts]
         self._calls += 1
-        check_prompt_lengths(gathered.prompts, self.max_model_len)
+        check_prompt_lengths(ids, self.max_model_len)
         if not gathered.prompts:
             return []
         self._wake(("weights", "kv_cache"))
@@ -295,9 +300,12 @@ class VLLMEngine:
         with isolated_rng(self.device_type), self._settings.engine_call(), self.world.vllm():
             if not self.seed_per_request:
                 seed_sampler(request_seed(base, self.groups.dp_index), self.device_type)
-            outputs = self.llm.generate(
-                [TokensPrompt(prompt_token_ids=p) for p in gathered.prompts], sampling, use_tqdm=False
-            )
+            requests = [TokensPrompt(prompt_token_ids=p) for p in ids]
+            if images is not None:
+                for request, (_, row_images) in zip(requests, gathered.prompts, strict=True):
+                    if row_images:
+                        request["multi_modal_data"] = {"image": list(row_images)}
+            outputs = self.llm.generate(requests, sampling, use_tqdm=False)
         results = [
             to_generation(i, completion, params.logprobs)
             for i, out in enumerate(outputs)
@@ -373,6 +381,11 @@ class VLLMEngine:
         # prefix would reuse them. Nothing is running between steps, so the reset cannot fail.
         with self.world.vllm():
             reset = self.llm.reset_prefix_cache()
+            if self.llm.llm_engine.model_config.is_multimodal_model:
+                # Likewise the vision tower's outputs for images seen before the load (its scheduler's record
+                # of them and the runner's copies, together: the reload drops some of the runner's, and a
+                # record without its copy fails the next request with "Encoder cache miss").
+                self.llm.llm_engine.reset_encoder_cache()
         if not reset:
             raise RuntimeError(
                 "vLLM refused to reset its prefix cache after a weight load (requests running?)"
