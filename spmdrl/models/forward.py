@@ -151,7 +151,7 @@ def policy_forward(
         )
         kwargs = {"input_ids": input_ids_BT, "attention_mask": mask}
         if images is not None:
-            kwargs.update(images.model_kwargs(device, _compute_dtype(model)))
+            kwargs.update(images.model_kwargs(device, model_dtype(model)))
     out = head_on_positions(
         model,
         call,
@@ -176,7 +176,7 @@ def policy_forward(
     return PolicyForward(lp_BT, scatter(out.entropy_N), scatter(out.sum_pi_squared_N))
 
 
-def _compute_dtype(model: nn.Module) -> torch.dtype:
+def model_dtype(model: nn.Module) -> torch.dtype:
     """The dtype the vision tower computes in (FSDP2's param_dtype, which casts the gathered weights)."""
     return getattr(model, "spmdrl_param_dtype", torch.float32)
 

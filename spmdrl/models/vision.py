@@ -54,6 +54,8 @@ class ImageInputs:
         """The forward's image arguments. Idefics3 takes (batch, images, C, H, W) and fills the image tokens
         of the whole batch in order with the images flattened in order, so one "row" of every image is the
         same as one row of images per row, without the all-zero padding images of uneven rows."""
+        if self.pixel_values_NCHW.shape[0] == 0:
+            return {}  # rows without images: the decoder alone
         out: dict[str, Any] = {"pixel_values": to_device(self.pixel_values_NCHW, device).to(dtype)[None]}
         if self.pixel_attention_mask_NHW is not None:
             out["pixel_attention_mask"] = to_device(self.pixel_attention_mask_NHW, device)[None]
@@ -85,9 +87,12 @@ class ImagePrompt:
 def encode_prompt(processor: Any, text: str, images: Sequence[Any]) -> ImagePrompt:
     """``text`` (the chat template applied, one image placeholder per image) and its PIL ``images`` through
     the model's processor: the expanded token ids and the pixel values."""
-    out = processor(text=[text], images=[list(images)] if images else None, return_tensors="pt")
+    # No added special tokens: the chat template wrote them (spmdrl.data.prompts.encode).
+    out = processor(
+        text=[text], images=[list(images)] if images else None, add_special_tokens=False, return_tensors="pt"
+    )
     ids = out["input_ids"][0].tolist()
-    engine_ids = processor.tokenizer(text)["input_ids"]
+    engine_ids = processor.tokenizer(text, add_special_tokens=False)["input_ids"]
     if not images:
         empty = torch.zeros(0, 3, 1, 1)
         return ImagePrompt(ids, engine_ids, [], ImageInputs(empty, None, (0,)))

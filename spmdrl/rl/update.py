@@ -128,6 +128,7 @@ def logprobs_and_sum_pi_squared_of(
                 lengths_B=plan.lengths,
                 first_columns_B=plan.first_columns,
                 fused_chunk_tokens=fused_chunk_tokens,
+                images=mb.images,
             )
             out_BT[plan.index_B, : fwd.logprobs_BT.shape[1]] = fwd.logprobs_BT
             if sps_BT is not None and fwd.sum_pi_squared_BT is not None:
@@ -335,6 +336,7 @@ def micro_batch_loss(
         lengths_B=None if plan is None else plan.lengths,
         first_columns_B=None if plan is None else plan.first_columns,
         fused_chunk_tokens=fused_chunk_for(settings.model, actor),
+        images=mb.images,
     )
     assert ent_BT is not None
     mask_BT = mb.response_mask_BT
