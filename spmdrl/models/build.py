@@ -273,6 +273,13 @@ def build_fsdp_model(spec: ModelSpec, mesh: DeviceMesh, device: torch.device) ->
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
     if new_head:
         log.info("value head %s initialized to 0 (not in %s)", new_head, spec.path)
+    if is_vision_language(hf_config):  # its image tokens are never sampled (spmdrl.models.head.BANNED_TOKENS)
+        from spmdrl.models.head import BANNED_TOKENS
+        from spmdrl.models.load import load_processor
+        from spmdrl.models.vision import image_token_ids
+
+        banned = image_token_ids(load_processor(spec.path, spec.trust_remote_code))
+        setattr(model, BANNED_TOKENS, torch.tensor(banned, dtype=torch.long, device=device))
     # Training never decodes incrementally; HF's KV cache would only cost memory, and under
     # activation checkpointing the recomputed forward would append to it a second time.
     model.config.use_cache = False

@@ -263,7 +263,7 @@ def apply_fsdp(
         ",".join(mesh.mesh_dim_names or ()),
         f"the whole model one unit ({len(layers)} layers)"
         if whole_model
-        else f"{len(layers)} layer units + root",
+        else f"{len(layers) + len(vision_layers(model) or ())} layer units + root",
         param_dtype,
         reduce_dtype,
         reshard_after_forward,

@@ -104,3 +104,18 @@ def encode_prompt(processor: Any, text: str, images: Sequence[Any]) -> ImageProm
         list(images),
         ImageInputs(pixel_values[0], mask[0] if mask is not None else None, (pixel_values.shape[1],)),
     )
+
+
+def image_token_ids(processor: Any) -> list[int]:
+    """The tokens only the processor writes (an image's placeholder and delimiters, a tile's position:
+    Idefics3's ``<image>``, ``<fake_token_around_image>``, ``<global-img>``, ``<row_i_col_j>``). The engine
+    never samples them and the trainer's head leaves them out the same way (spmdrl.models.head.BANNED_TOKENS):
+    a sampled ``<image>`` in a response would be taken for an image's place by the trainer's forward, which
+    fills every image token of a row with image features, while the engine embeds it as a token."""
+    ids = {
+        getattr(processor, a, None)
+        for a in ("image_token_id", "fake_image_token_id", "global_image_token_id")
+    }
+    ids |= set(getattr(processor, "row_col_ids", None) or ())
+    unk = getattr(processor.tokenizer, "unk_token_id", None)
+    return sorted(i for i in ids if isinstance(i, int) and i >= 0 and i != unk)

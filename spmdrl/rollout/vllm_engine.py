@@ -92,6 +92,19 @@ def _checkpoint_names(model_dir: Path, tied: bool) -> set[str]:
     return names
 
 
+def _allowed_token_ids(model_dir: Path, vocab_size: int) -> list[int] | None:
+    """A vision-language model's: every token but its image tokens, which only its processor writes
+    (spmdrl.models.vision.image_token_ids); None (all) for a text model."""
+    from spmdrl.models.load import load_processor
+    from spmdrl.models.vision import image_token_ids
+
+    processor = load_processor(model_dir)
+    if processor is None:
+        return None
+    banned = set(image_token_ids(processor))
+    return [i for i in range(vocab_size) if i not in banned]
+
+
 def _end_of_turn_ids(model_dir: Path) -> list[int]:
     """The chat template's end-of-turn token when it is not the eos (spmdrl.data.turns.end_of_turn_ids)."""
     from transformers import AutoTokenizer
@@ -251,6 +264,9 @@ class VLLMEngine:
         # token that neither lists (a base Llama 3 tokenizer under the instruct template, a Gemma 2
         # generation config) would otherwise run every sample past its turn to max_tokens.
         self.end_of_turn_ids = _end_of_turn_ids(model_dir)
+        self.allowed_token_ids = _allowed_token_ids(
+            model_dir, self.llm.llm_engine.model_config.get_vocab_size()
+        )
         hf_config = self.llm.llm_engine.model_config.hf_config
         self.tied_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.expected_weights = _checkpoint_names(model_dir, self.tied_embeddings)
@@ -294,6 +310,7 @@ class VLLMEngine:
                 replace(params, seed=request_seed(base, self.groups.dp_index, i)),
                 end_of_turn_ids=self.end_of_turn_ids,
                 seeded=self.seed_per_request,
+                allowed_token_ids=self.allowed_token_ids,
             )
             for i in range(len(gathered.prompts))
         ]
