@@ -29,6 +29,23 @@ def count_placeholders(messages: list[dict[str, str]]) -> int:
     return sum(m["content"].count(PLACEHOLDER) for m in messages)
 
 
+def as_parts(messages: list[dict[str, str]]) -> list[dict[str, Any]]:
+    """Messages whose content is a list of parts, each ``<image>`` placeholder an ``{"type": "image"}`` part
+    between ``{"type": "text"}`` parts (transformers' multimodal chat format): what a VLM's chat template
+    iterates (SmolVLM's, Qwen2.5-VL's), which would not read a plain string's placeholders."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        pieces = m["content"].split(PLACEHOLDER)
+        parts: list[dict[str, str]] = []
+        for i, text in enumerate(pieces):
+            if i > 0:
+                parts.append({"type": "image"})
+            if text:
+                parts.append({"type": "text", "text": text})
+        out.append({"role": m["role"], "content": parts})
+    return out
+
+
 def check_count(cell: Any, placeholders: int, *, where: str) -> int:
     """The number of images of a row's ``images`` cell, which must match the prompt's placeholders."""
     if cell is None:
@@ -105,7 +122,9 @@ def image_prompt(
     from spmdrl.models.vision import encode_prompt
 
     k = bisect.bisect_right(source.row_offsets, row) - 1
-    path = source.paths[k]
-    base_dir = path.parent if isinstance(path, Path) else None
+    path = Path(
+        source.paths[k]
+    )  # (a hub dataset's label is no file: relative image paths then stay as given)
+    base_dir = path.parent if path.is_file() else None
     decoded = to_images(cells.get(IMAGES_COLUMN), where=source.where(row), base_dir=base_dir)
     return encode_prompt(processor, text, decoded)

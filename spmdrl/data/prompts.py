@@ -192,7 +192,9 @@ class PromptDataset:
             )
         to_ground_truth(cells["reward_model"], where=where)
         to_extra_info(cells.get("extra_info"), where=where)
-        return messages, render_prompt(self.tokenizer, messages, where=where, tools=self.tools)
+        # A VLM's template reads images as parts of a message's content (images.as_parts).
+        rendered = images.as_parts(messages) if self.processor is not None else messages
+        return messages, render_prompt(self.tokenizer, rendered, where=where, tools=self.tools)
 
     def __len__(self) -> int:
         return len(self._rows)

@@ -181,7 +181,9 @@ class SFTDataset:
             )
         response = cells[self.response_key]
         if isinstance(response, str):
-            return render_prompt(self.tokenizer, messages, where=where, tools=self.tools), [response]
+            return render_prompt(
+                self.tokenizer, self._template_messages(messages), where=where, tools=self.tools
+            ), [response]
         turns = to_messages(response, where=where, column=self.response_key, key="data.response_key")
         if turns[-1]["role"] != "assistant":
             raise DataError(
@@ -191,9 +193,9 @@ class SFTDataset:
         if not any(m["role"] == "tool" for m in turns):
             # Earlier messages extend the prompt; only the last is trained on.
             messages = messages + turns[:-1]
-            return render_prompt(self.tokenizer, messages, where=where, tools=self.tools), [
-                turns[-1]["content"]
-            ]
+            return render_prompt(
+                self.tokenizer, self._template_messages(messages), where=where, tools=self.tools
+            ), [turns[-1]["content"]]
         if turns[0]["role"] != "assistant":
             raise DataError(
                 f"{where}: column {self.response_key!r} holds a multi-turn response (it has tool messages) "
@@ -207,7 +209,13 @@ class SFTDataset:
                 parts.append([m])
             else:
                 parts[-1].append(m)
-        return render_prompt(self.tokenizer, messages, where=where, tools=self.tools), parts
+        return render_prompt(
+            self.tokenizer, self._template_messages(messages), where=where, tools=self.tools
+        ), parts
+
+    def _template_messages(self, messages: list[dict[str, str]]) -> list[dict[str, Any]]:
+        """A VLM's template reads images as parts of a message's content (images.as_parts)."""
+        return images.as_parts(messages) if self.processor is not None else messages  # type: ignore[return-value]
 
     def _turn_end_id(self) -> int:
         return self._turn_codec().turn_end_id
