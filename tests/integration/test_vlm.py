@@ -124,9 +124,9 @@ def _vlm_worker(rank: int, world: int, model_dir: str) -> dict:
 
 @pytest.mark.guarantee("model:vlm")
 def test_vlm_engine_serves_the_trainers_vision_tower_and_the_check_covers_it(tmp_path: Path) -> None:
-    from spmdrl.models.tiny import TINY_VL, ensure_tiny_model
+    from spmdrl.models.tiny import TINY_VL, default_cache_dir, ensure_tiny_model
 
-    model_dir = str(ensure_tiny_model(tmp_path, TINY_VL))
+    model_dir = str(ensure_tiny_model(default_cache_dir(), TINY_VL))  # the tests' shared cache: built once
     r0, r1 = run_distributed(_vlm_worker, 2, model_dir, timeout_s=600, env=VLLM_ENV)
     # The tower and its connector frozen, the decoder trained; or everything trained.
     assert r0["frozen_True"] == ["connector", "vision_model"], r0["frozen_True"]

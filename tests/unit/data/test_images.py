@@ -21,11 +21,11 @@ QUESTION = "<image>How many squares? Give the answer after ####."
 
 
 @pytest.fixture(scope="module")
-def vl(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201 - (tokenizer, processor)
+def vl():  # noqa: ANN201 - (tokenizer, processor)
     from spmdrl.models.load import load_processor, load_tokenizer
-    from spmdrl.models.tiny import TINY_VL, ensure_tiny_model
+    from spmdrl.models.tiny import TINY_VL, default_cache_dir, ensure_tiny_model
 
-    model_dir = ensure_tiny_model(tmp_path_factory.mktemp("cache"), TINY_VL)
+    model_dir = ensure_tiny_model(default_cache_dir(), TINY_VL)  # the tests' shared cache: built once
     return load_tokenizer(model_dir), load_processor(model_dir)
 
 
