@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from spmdrl.data.parquet import DataError, ParquetSource
 
 if TYPE_CHECKING:
-    from spmdrl.models.vision import ImagePrompt
+    from spmdrl.data.vision import ImagePrompt
 
 IMAGES_COLUMN = "images"
 # What a prompt writes for each image (verl's convention); the model's processor expands it.
@@ -118,8 +118,8 @@ def image_prompt(
     processor: Any, source: ParquetSource, row: int, cells: dict[str, Any], text: str
 ) -> ImagePrompt:
     """A VLM's prompt of ``source``'s ``row``: its images decoded (a bad one is a DataError naming it) and,
-    with ``text`` (the chat-templated prompt), through the processor (spmdrl.models.vision.encode_prompt)."""
-    from spmdrl.models.vision import encode_prompt
+    with ``text`` (the chat-templated prompt), through the processor (spmdrl.data.vision.encode_prompt)."""
+    from spmdrl.data.vision import encode_prompt
 
     k = bisect.bisect_right(source.row_offsets, row) - 1
     path = Path(

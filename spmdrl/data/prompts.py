@@ -31,7 +31,7 @@ from spmdrl.data.sources import ReadOptions, read_sources
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from spmdrl.models.vision import ImagePrompt
+    from spmdrl.data.vision import ImagePrompt
 
 # Rows rendered and length-encoded per batch in the length pass: bounds the Python objects alive at once.
 _CHUNK_ROWS = 2048
@@ -49,7 +49,7 @@ class PromptExample:
     ground_truth: str
     data_source: str
     extra_info: dict[str, Any]
-    # A vision-language model's prompt (spmdrl.models.vision): prompt_ids are its expanded ids (the
+    # A vision-language model's prompt (spmdrl.data.vision): prompt_ids are its expanded ids (the
     # trainer's), this holds the engine's ids, the images and their pixel values. None for a text model.
     image: ImagePrompt | None = None
 
@@ -138,7 +138,7 @@ class PromptDataset:
         self.tokenizer = tokenizer
         self.tools = tools
         self.prompt_key = prompt_key
-        # A vision-language model's processor (spmdrl.models.vision): prompts may carry images.
+        # A vision-language model's processor (spmdrl.data.vision): prompts may carry images.
         self.processor = processor
         self.source = read_sources(
             paths,

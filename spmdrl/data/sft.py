@@ -39,12 +39,12 @@ from spmdrl.data.prompts import (
 )
 from spmdrl.data.sources import ReadOptions, read_sources
 from spmdrl.data.turns import TemplateError, TurnCodec, end_of_turn_ids
-from spmdrl.models.vision import ImageInputs
+from spmdrl.data.vision import ImageInputs
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from spmdrl.models.vision import ImagePrompt
+    from spmdrl.data.vision import ImagePrompt
 
 _CACHE_ITEMS = 16384
 
@@ -58,7 +58,7 @@ class SFTExample:
     input_ids: list[int]
     # 1 for response tokens (the final eos included), 0 for prompt tokens.
     loss_mask: list[int]
-    # A vision-language model's images of the prompt (spmdrl.models.vision), None for a text model.
+    # A vision-language model's images of the prompt (spmdrl.data.vision), None for a text model.
     images: ImageInputs | None = None
 
 

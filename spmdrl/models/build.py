@@ -274,9 +274,9 @@ def build_fsdp_model(spec: ModelSpec, mesh: DeviceMesh, device: torch.device) ->
     if new_head:
         log.info("value head %s initialized to 0 (not in %s)", new_head, spec.path)
     if is_vision_language(hf_config):  # its image tokens are never sampled (spmdrl.models.head.BANNED_TOKENS)
+        from spmdrl.data.vision import image_token_ids
         from spmdrl.models.head import BANNED_TOKENS
         from spmdrl.models.load import load_processor
-        from spmdrl.models.vision import image_token_ids
 
         banned = image_token_ids(load_processor(spec.path, spec.trust_remote_code))
         setattr(model, BANNED_TOKENS, torch.tensor(banned, dtype=torch.long, device=device))

@@ -10,11 +10,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from spmdrl.data.vision import ImageInputs
 from spmdrl.models.causal_attention import causal_key_mask, full_attention_sdpa, uses_causal_sdpa
 from spmdrl.models.head import head_on_positions
 from spmdrl.models.packing import Packed, pack
 from spmdrl.models.varlen import uses_varlen, varlen_kwargs
-from spmdrl.models.vision import ImageInputs
 from spmdrl.transfer import to_device
 
 
@@ -114,7 +114,7 @@ def policy_forward(
     chunked (spmdrl.models.fused_logprob; model.use_fused_kernels), memory chunk x V instead of N x V.
     Without ``lengths_B`` padded rows are scored up to column T, their padding too (nothing is read from
     the device), and packed rows' lengths are read from the mask (a sync on a GPU).
-    ``images``: a vision-language model's images of these rows, in row order (spmdrl.models.vision); not
+    ``images``: a vision-language model's images of these rows, in row order (spmdrl.data.vision); not
     with packing, which would reorder the rows' image tokens.
     """
     if images is not None and pack_sequences:

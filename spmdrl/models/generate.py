@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from spmdrl.models.vision import ImageInputs
+from spmdrl.data.vision import ImageInputs
 
 
 @torch.no_grad()

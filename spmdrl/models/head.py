@@ -28,7 +28,7 @@ from spmdrl.models.config import ModelConfig
 from spmdrl.models.fused_logprob import HeadOut, fused_head
 from spmdrl.models.parallelize import through_outputs
 
-# A vision-language model's image tokens (spmdrl.models.vision.image_token_ids), which the engine never
+# A vision-language model's image tokens (spmdrl.data.vision.image_token_ids), which the engine never
 # samples (its allowed tokens leave them out, and its logprobs are of that distribution): a LongTensor set on
 # the model where it is built (spmdrl.models.build), whose logits the head sets to BANNED_LOGIT, so that the
 # trainer scores the same distribution. Finite, not -inf: an entropy's p log p is then 0, not nan.

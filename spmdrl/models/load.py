@@ -106,7 +106,7 @@ def load_tokenizer(model_dir: Path, trust_remote_code: bool = False):  # noqa: A
 
 
 def load_processor(model_dir: Path, trust_remote_code: bool = False):  # noqa: ANN201 - HF processor type
-    """A vision-language model's processor (its image processor and tokenizer: spmdrl.models.vision), None
+    """A vision-language model's processor (its image processor and tokenizer: spmdrl.data.vision), None
     for a text model."""
     from transformers import AutoConfig, AutoProcessor
 

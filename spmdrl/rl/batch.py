@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from spmdrl.models.vision import ImageInputs
+from spmdrl.data.vision import ImageInputs
 from spmdrl.rollout.engine import Generation
 
 
@@ -85,7 +85,7 @@ class PolicyBatch:
     # The old policy's sum over the vocabulary of its squared probabilities at each token (the optimal
     # token baseline's input; computed with the old logprobs when the estimator needs it).
     sum_pi_squared_BT: torch.Tensor | None = None
-    # A vision-language model's images of the rows, in row order (spmdrl.models.vision): every forward of
+    # A vision-language model's images of the rows, in row order (spmdrl.data.vision): every forward of
     # these rows takes them. Not a tensor field: it follows the rows through every selection below.
     images: ImageInputs | None = None
 

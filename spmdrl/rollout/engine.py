@@ -220,7 +220,7 @@ class RolloutEngine(Protocol):
     ) -> list[Generation]:
         """Completions of this rank's prompts, ``params.n`` per prompt, grouped by prompt in order.
         ``images``: a vision-language model's images (PIL) for each prompt, whose token ids hold one
-        placeholder per image, which the engine expands (spmdrl.models.vision.ImagePrompt)."""
+        placeholder per image, which the engine expands (spmdrl.data.vision.ImagePrompt)."""
         ...
 
     def stepper(self) -> contextlib.AbstractContextManager[EngineStepper]:

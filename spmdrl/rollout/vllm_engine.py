@@ -94,9 +94,9 @@ def _checkpoint_names(model_dir: Path, tied: bool) -> set[str]:
 
 def _allowed_token_ids(model_dir: Path, vocab_size: int) -> list[int] | None:
     """A vision-language model's: every token but its image tokens, which only its processor writes
-    (spmdrl.models.vision.image_token_ids); None (all) for a text model."""
+    (spmdrl.data.vision.image_token_ids); None (all) for a text model."""
+    from spmdrl.data.vision import image_token_ids
     from spmdrl.models.load import load_processor
-    from spmdrl.models.vision import image_token_ids
 
     processor = load_processor(model_dir)
     if processor is None:

@@ -59,7 +59,7 @@ def sampling_params(
         # Recipes decode token ids themselves; vLLM's incremental detokenizer is per-token Python work
         # (about 5-10% of CPU rollout time). Stop strings need it.
         detokenize=bool(spec.stop),
-        # A vision-language model's: every token but its image tokens (spmdrl.models.vision.image_token_ids).
+        # A vision-language model's: every token but its image tokens (spmdrl.data.vision.image_token_ids).
         allowed_token_ids=allowed_token_ids,
         **kwargs,
     )

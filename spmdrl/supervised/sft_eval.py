@@ -8,10 +8,10 @@ import math
 import torch
 
 from spmdrl.data.sft import SFTBatch, SFTDataset
+from spmdrl.data.vision import ImageInputs
 from spmdrl.distributed.reduce import all_reduce_sum
 from spmdrl.logging.samples import Sample
 from spmdrl.models.generate import greedy_completions
-from spmdrl.models.vision import ImageInputs
 from spmdrl.runtime import Run
 from spmdrl.supervised.sft_batches import forward_loss, micro_batches, num_target_tokens
 

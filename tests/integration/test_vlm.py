@@ -35,7 +35,7 @@ def _image(rank: int, i: int):  # noqa: ANN202 - a PIL image
 def _prompts(model_dir: str, rank: int) -> tuple[int, list]:
     from transformers import AutoProcessor
 
-    from spmdrl.models.vision import encode_prompt
+    from spmdrl.data.vision import encode_prompt
 
     processor = AutoProcessor.from_pretrained(model_dir)
     texts = ("Which shape is larger?", "What color is the square?")
@@ -51,8 +51,8 @@ def _prompts(model_dir: str, rank: int) -> tuple[int, list]:
 def _mismatch(model, engine, prompts: list, seed: int, blind: bool = False) -> dict[str, float]:  # noqa: ANN001
     """The engine's samples of ``prompts`` (2 each) scored by the trainer on the same pixel values (``blind``:
     on flat grey images instead, which must not match; not black: Idefics3 drops all-zero images as padding)."""
+    from spmdrl.data.vision import ImageInputs
     from spmdrl.models.forward import policy_forward
-    from spmdrl.models.vision import ImageInputs
     from spmdrl.rl.batch import pack_generations
     from spmdrl.rollout.engine import SamplingSpec
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from spmdrl.config import Config
+from spmdrl.data.vision import ImageInputs
 from spmdrl.errors import ConfigError
-from spmdrl.models.vision import ImageInputs
 from spmdrl.preflight import check_vision_model
 from spmdrl.rl.batch import PolicyBatch
 
