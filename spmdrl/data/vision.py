@@ -1,7 +1,7 @@
 """A vision-language model's images as the trainer's forward and the engine take them.
 
 A prompt has two forms. The engine gets one placeholder token per image (``<image>``, as the tokenizer
-writes the text) with the PIL images beside the ids (spmdrl.rollout.vllm_engine.VllmEngine.generate), and
+writes the text) with the PIL images beside the ids (spmdrl.rollout.vllm_engine.VLLMEngine.generate), and
 vLLM expands each placeholder to the image's tokens itself (it would expand an already expanded prompt a
 second time). The trainer scores the expanded ids (Idefics3: ``<fake_token_around_image><global-img>
 <image> x n <fake_token_around_image>``, as the model's processor writes them, which is what vLLM's
