@@ -2,7 +2,8 @@
 vision-language model on the built-in visual task (tiny_shapes). A short run: the SFT warm-start and the
 GRPO steps take the images with their rows, the fp32 engine and trainer agree on the sampled tokens
 (mismatch/*), and the export holds the processor, so that transformers loads it and generates from an
-image. The learning run: held-out accuracy rises by 25 points or more (docs/models.md#vision-language-models)."""
+image, and the checkpoint's converter writes the same model with its processor. The learning run: held-out
+accuracy rises by 25 points or more (docs/models.md#vision-language-models)."""
 
 from __future__ import annotations
 
@@ -76,6 +77,17 @@ def test_grpo_vlm_steps_then_the_export_generates_from_an_image(tmp_path: Path) 
         a = model(**inputs).logits[0, -1]
         b = model(**blank).logits[0, -1]
     assert not torch.allclose(a, b), "the image must change the next-token logits"
+    # The checkpoint's converter writes the same model and the processor (python -m spmdrl.export).
+    from safetensors.torch import load_file
+
+    from spmdrl.export import main as export_main
+
+    assert export_main([str(out / "checkpoints" / "step-2"), str(tmp_path / "converted")]) == 0
+    assert (tmp_path / "converted" / "processor_config.json").is_file()
+    converted = load_file(tmp_path / "converted" / "model.safetensors")
+    exported = load_file(export / "model.safetensors")
+    assert converted.keys() == exported.keys()
+    assert all(torch.equal(converted[k].float(), exported[k].float()) for k in exported)
 
 
 def test_grpo_vlm_tiny_learns_the_visual_task(tmp_path: Path) -> None:
