@@ -92,17 +92,14 @@ def _checkpoint_names(model_dir: Path, tied: bool) -> set[str]:
     return names
 
 
-def _allowed_token_ids(model_dir: Path, vocab_size: int) -> list[int] | None:
-    """A vision-language model's: every token but its image tokens, which only its processor writes
-    (spmdrl.data.vision.image_token_ids); None (all) for a text model."""
+def _image_token_ids(model_dir: Path) -> list[int]:
+    """A vision-language model's image tokens, which only its processor writes and the engine never samples
+    (spmdrl.data.vision.image_token_ids); none for a text model."""
     from spmdrl.data.vision import image_token_ids
     from spmdrl.models.load import load_processor
 
     processor = load_processor(model_dir)
-    if processor is None:
-        return None
-    banned = set(image_token_ids(processor))
-    return [i for i in range(vocab_size) if i not in banned]
+    return [] if processor is None else image_token_ids(processor)
 
 
 def _end_of_turn_ids(model_dir: Path) -> list[int]:
@@ -163,6 +160,7 @@ class VLLMEngine:
         # True from a sleep(keep_weights=False) until the next load_weights: the weights are gone.
         self._weights_discarded = False
         self._warned_no_sleep = False
+        self.image_token_ids = _image_token_ids(model_dir)
 
         prepare_environment()
         # Before vLLM's import, which logs some of the warnings spmdrl demotes (spmdrl.rollout.vllm_logs).
@@ -264,9 +262,10 @@ class VLLMEngine:
         # token that neither lists (a base Llama 3 tokenizer under the instruct template, a Gemma 2
         # generation config) would otherwise run every sample past its turn to max_tokens.
         self.end_of_turn_ids = _end_of_turn_ids(model_dir)
-        self.allowed_token_ids = _allowed_token_ids(
-            model_dir, self.llm.llm_engine.model_config.get_vocab_size()
-        )
+        # A vision-language model's: every token but its image tokens (None: all).
+        vocab = self.llm.llm_engine.model_config.get_vocab_size()
+        banned = set(self.image_token_ids)
+        self.allowed_token_ids = [i for i in range(vocab) if i not in banned] if banned else None
         hf_config = self.llm.llm_engine.model_config.hf_config
         self.tied_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.expected_weights = _checkpoint_names(model_dir, self.tied_embeddings)
@@ -398,7 +397,7 @@ class VLLMEngine:
         # prefix would reuse them. Nothing is running between steps, so the reset cannot fail.
         with self.world.vllm():
             reset = self.llm.reset_prefix_cache()
-            if self.llm.llm_engine.model_config.is_multimodal_model:
+            if self.image_token_ids:  # a vision-language model
                 # Likewise the vision tower's outputs for images seen before the load (its scheduler's record
                 # of them and the runner's copies, together: the reload drops some of the runner's, and a
                 # record without its copy fails the next request with "Encoder cache miss").
