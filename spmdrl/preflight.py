@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 from spmdrl import hub_probe
 from spmdrl.config import Config
-from spmdrl.data import reasoning_gym_task, tiny_task, tools_task
+from spmdrl.data import reasoning_gym_task, tiny_shapes_task, tiny_task, tools_task
 from spmdrl.data.config import DataConfig
 from spmdrl.data.parquet import DataError
 from spmdrl.data.sources import check_sources, read_options, resolve_entry
@@ -49,9 +49,11 @@ from spmdrl.models.families import (
     lora_on_moe_message,
 )
 from spmdrl.models.load import check_model_path
-from spmdrl.models.tiny import BUILT_IN_MODELS, MOE_SHAPE, TINY, TINY_MOE, TINY_MOE_FAMILY_CONFIG
+from spmdrl.models.tiny import BUILT_IN_MODELS, MOE_SHAPE, TINY, TINY_MOE, TINY_MOE_FAMILY_CONFIG, TINY_VL
+from spmdrl.models.tiny_vl import TINY_VL_FAMILY_CONFIG
 from spmdrl.preflight_start import check_rl_start, data_files
 from spmdrl.rollout.config import RolloutConfig
+from spmdrl.trainer_config import TrainerConfig
 
 if TYPE_CHECKING:
     from spmdrl.rl.plan import Roles
@@ -79,6 +81,8 @@ def check_inputs(
         _check_actor_as_critic(cfg)
     if cfg.parallel.ep > 1:
         checked.append(check_expert_parallel(cfg.model.path, cfg.parallel.ep, lora=cfg.model.lora.enabled))
+    if is_vision_model(cfg.model.path):
+        checked.append(check_vision_model(cfg.model, cfg.trainer, cfg.rollout, cfg.parallel))
     if cfg.model.lora.enabled:
         checked.append(check_lora_targets(list(cfg.model.lora.target_modules)))
         check_no_lora_on_experts(cfg.model.path)
@@ -203,6 +207,51 @@ def check_router_replay(
     return key
 
 
+def is_vision_model(path: str) -> bool:
+    """Whether ``path`` (the built-in tiny-vl or a local directory) is a vision-language model; a hub id is
+    checked when the model is built."""
+    local = Path(path).expanduser()
+    if path == TINY_VL:
+        family = family_of(TINY_VL_FAMILY_CONFIG, where=f"the built-in {TINY_VL}")
+    elif path in BUILT_IN_MODELS or not (local / "config.json").is_file():
+        return False
+    else:
+        family = check_architecture(local)
+    return family is not None and family.vision
+
+
+def check_vision_model(
+    model: ModelConfig, trainer: TrainerConfig, rollout: RolloutConfig, parallel: ParallelConfig
+) -> str:
+    """What a vision-language model does not support yet, refused at start (docs/models.md#vision-language-models):
+    packed micro-batches (packing reorders the rows, whose images fill their image tokens in row order),
+    LoRA (its target names match the vision tower's layers too), multi-turn and partial rollouts, and the
+    placements that move rows between ranks (the exchange carries tensors, not images)."""
+    where = f"model.path={model.path} is a vision-language model"
+    why = "(docs/models.md#vision-language-models)"
+    if trainer.pack_sequences:
+        raise ConfigError(
+            f"trainer.pack_sequences=true: {where}, whose rows are not packed yet (packing reorders the rows, and "
+            f"their images fill the image tokens in row order); set trainer.pack_sequences=false {why}"
+        )
+    if model.lora.enabled:
+        raise ConfigError(
+            f"model.lora: {where}, and LoRA on one is not supported yet; set model.lora.rank=0 {why}"
+        )
+    if rollout.multi_turn.enable:
+        from spmdrl.rollout.rollout import multi_turn_images_message
+
+        raise ConfigError(multi_turn_images_message())
+    if rollout.partial != "off":
+        raise ConfigError(f"rollout.partial={rollout.partial}: {where}; set rollout.partial=off {why}")
+    if parallel.placement != "colocated":
+        raise ConfigError(
+            f"parallel.placement={parallel.placement}: {where}, and only the colocated placement keeps each "
+            f"row's images with it so far; set parallel.placement=colocated {why}"
+        )
+    return f"{where} (images: the data's images column)"
+
+
 # What inductor looks for, in its order: $CXX, then g++ (torch._inductor.cpp_builder); clang++ and c++ too.
 _CXX_NAMES = ("g++", "clang++", "c++")
 
@@ -228,7 +277,7 @@ def _check_actor_as_critic(cfg: Config) -> None:
     """Without critic.model_path a critic starts from the actor's checkpoint: its family needs a
     token-classification class (Gemma 3 has none), checked when the advantage estimator needs a critic."""
     local = Path(cfg.model.path).expanduser()
-    builtin = cfg.model.path == TINY_MOE
+    builtin = cfg.model.path in (TINY_MOE, TINY_VL)
     if not builtin and not (local / "config.json").is_file():
         return  # a hub id: checked after the download
     from spmdrl.algos.advantages import adv_estimator
@@ -236,7 +285,8 @@ def _check_actor_as_critic(cfg: Config) -> None:
     if adv_estimator(cfg.algorithm.adv_estimator).needs_critic:
         key = "model.path (the critic's start, critic.model_path unset)"
         if builtin:
-            family_of(TINY_MOE_FAMILY_CONFIG, where=f"the built-in {TINY_MOE}", key=key, critic=True)
+            config = TINY_MOE_FAMILY_CONFIG if cfg.model.path == TINY_MOE else TINY_VL_FAMILY_CONFIG
+            family_of(config, where=f"the built-in {cfg.model.path}", key=key, critic=True)
         else:
             check_architecture(local, key=key, critic=True)
 
@@ -261,7 +311,11 @@ def _builtin_task_file(name: str, key: str) -> bool:
     A reasoning-gym task's entry is generated too (checked by reasoning_gym_task.check_entries)."""
     if reasoning_gym_task.is_entry(name):
         return True
-    for prefix, splits in (("tiny:", tiny_task.SPLITS), (tools_task.PREFIX, tools_task.SPLITS)):
+    for prefix, splits in (
+        ("tiny:", tiny_task.SPLITS),
+        (tools_task.PREFIX, tools_task.SPLITS),
+        (tiny_shapes_task.PREFIX, tiny_shapes_task.SPLITS),
+    ):
         if name.startswith(prefix):
             split = name.removeprefix(prefix)
             if split not in splits:

@@ -33,7 +33,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from spmdrl.config import Config
-from spmdrl.data import reasoning_gym_task, tiny_task, tools_task
+from spmdrl.data import reasoning_gym_task, tiny_shapes_task, tiny_task, tools_task
 from spmdrl.data.config import DataConfig
 from spmdrl.data.parquet import DataError, to_ground_truth
 from spmdrl.data.sources import ReadOptions, check_sources, read_entry, read_options
@@ -42,6 +42,7 @@ from spmdrl.envs.config import EnvConfig
 from spmdrl.errors import ConfigError
 from spmdrl.models.config import ModelConfig
 from spmdrl.models.tiny import BUILT_IN_MODELS
+from spmdrl.rewards.tiny import SHAPES_DATA_SOURCE
 from spmdrl.rollout.config import RolloutConfig
 
 if TYPE_CHECKING:
@@ -69,7 +70,7 @@ def _options(data: DataConfig, key: str) -> ReadOptions:
 
 def data_files(data: DataConfig) -> list[tuple[str, str]]:
     """(key, file) of every data file the run reads from disk (a built-in task's split is generated)."""
-    prefixes = ("tiny:", tools_task.PREFIX, reasoning_gym_task.PREFIX)
+    prefixes = ("tiny:", tools_task.PREFIX, reasoning_gym_task.PREFIX, tiny_shapes_task.PREFIX)
     return [
         (f"{key}[{i}]", name)
         for key, names in (("data.train_files", data.train_files), ("data.val_files", data.val_files))
@@ -106,6 +107,8 @@ def check_reward_data(data: DataConfig, reward_fn: str) -> str:
         sources.add(tiny_task.DATA_SOURCE)
     if any(name.startswith(tools_task.PREFIX) for name in names):
         sources.add(tools_task.DATA_SOURCE)
+    if any(name.startswith(tiny_shapes_task.PREFIX) for name in names):
+        sources.add(SHAPES_DATA_SOURCE)
     return f"reward.fn={reward_fn} on data_source {', '.join(map(repr, sorted(sources)))}"
 
 

@@ -248,6 +248,11 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     VerlKey(f"{_ACTOR}.optim.lr_scheduler_type", "optim.schedule", "constant or cosine"),
     VerlKey(f"{_ACTOR}.optim.clip_grad", "optim.grad_clip"),
     VerlKey(f"{_ACTOR}.grad_clip", "optim.grad_clip"),
+    VerlKey(
+        f"{_ACTOR}.freeze_vision_tower",
+        "model.freeze_vision_tower",
+        "a vision-language model's tower and connector (spmdrl's default: true)",
+    ),
     VerlKey(f"{_ACTOR}.ppo_mini_batch_size", "algorithm.ppo_mini_batch_size", "prompts, as in verl"),
     VerlKey(
         f"{_ACTOR}.ppo_micro_batch_size_per_gpu",

@@ -30,6 +30,7 @@ GUARANTEES: dict[str, str] = {
     "model:moe": "a mixture of experts (tiny-moe) is served as trained; the sync check covers every expert",
     "moe:ep": "expert parallelism (parallel.ep=2) trains a mixture of experts as FSDP2 alone does",
     "model:moe-router-replay": "router replay: the engine's routing of every position reaches the trainer in place, and the trainer replays it",
+    "model:vlm": "a vision-language model (tiny-vl) is served with images as trained; the sync check covers its vision tower",
     "resume:kill": "a killed worker restarts and the run resumes exactly, bit for bit",
     "golden:update": "five GRPO update steps match the golden file",
     "fork:recipe": "a forked recipe in another directory runs with its own loss and section",

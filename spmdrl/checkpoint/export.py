@@ -221,11 +221,13 @@ def export_checkpoint(
     import torch.distributed.checkpoint as dcp
     from transformers import (
         AutoConfig,
-        AutoModelForCausalLM,
         AutoModelForTokenClassification,
+        AutoProcessor,
         AutoTokenizer,
         GenerationConfig,
     )
+
+    from spmdrl.models.build import causal_lm_class
 
     meta_dir = checkpoint / "hf" / role
     if not (checkpoint / role).is_dir() or not meta_dir.is_dir():
@@ -261,7 +263,7 @@ def export_checkpoint(
         }
         state = merge_state_dict({**base_state, **adapters}, adapter.scale_of(lora))
     else:
-        auto = AutoModelForTokenClassification if role == "critic" else AutoModelForCausalLM
+        auto = AutoModelForTokenClassification if role == "critic" else causal_lm_class(config)
         with torch.device("meta"):
             model = auto.from_config(config, dtype=torch.float32)
         # The checkpoint's keys are the model's own (get_state_dict strips the FSDP / checkpointing wrappers).
@@ -278,7 +280,10 @@ def export_checkpoint(
         state,
         config,
         out_dir,
-        tokenizer=AutoTokenizer.from_pretrained(meta_dir),
+        # A vision-language model's processor (its tokenizer and image processor), else the tokenizer.
+        tokenizer=(
+            AutoProcessor if (meta_dir / "processor_config.json").is_file() else AutoTokenizer
+        ).from_pretrained(meta_dir),
         generation_config=gen,
         dtype=resolve_export_dtype(dtype, read_train_dtype(meta_dir), lora=lora is not None),
     )

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import jinja2
 import numpy as np
 
+from spmdrl.data import images
 from spmdrl.data.parquet import (
     DataError,
     ParquetSource,
@@ -29,6 +30,8 @@ from spmdrl.data.sources import ReadOptions, read_sources
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+    from spmdrl.data.vision import ImagePrompt
 
 # Rows rendered and length-encoded per batch in the length pass: bounds the Python objects alive at once.
 _CHUNK_ROWS = 2048
@@ -46,6 +49,9 @@ class PromptExample:
     ground_truth: str
     data_source: str
     extra_info: dict[str, Any]
+    # A vision-language model's prompt (spmdrl.data.vision): prompt_ids are its expanded ids (the
+    # trainer's), this holds the engine's ids, the images and their pixel values. None for a text model.
+    image: ImagePrompt | None = None
 
 
 def render_prompt(
@@ -126,15 +132,18 @@ class PromptDataset:
         overlong: str,
         tools: list[dict[str, Any]] | None = None,
         options: ReadOptions | None = None,
+        processor: Any | None = None,
     ) -> None:
         check_overlong(overlong)
         self.tokenizer = tokenizer
         self.tools = tools
         self.prompt_key = prompt_key
+        # A vision-language model's processor (spmdrl.data.vision): prompts may carry images.
+        self.processor = processor
         self.source = read_sources(
             paths,
             [prompt_key, "reward_model"],
-            optional_columns=["data_source", "extra_info"],
+            optional_columns=["data_source", "extra_info", *([images.IMAGES_COLUMN] if processor else [])],
             column_keys={prompt_key: "data.prompt_key"},
             options=options,
         )
@@ -142,7 +151,14 @@ class PromptDataset:
         for start, rows in iter_row_chunks(self.source):
             # Parsing every row here also validates every cell before any heavy initialisation.
             texts = [self._parse(start + j, row)[1] for j, row in enumerate(rows)]
-            for j, n in enumerate(token_lengths(tokenizer, texts)):
+            if processor is not None:  # expanded image tokens count: each image decoded and checked now
+                lengths = [
+                    len(self._image_prompt(start + j, row, t).token_ids)
+                    for j, (row, t) in enumerate(zip(rows, texts, strict=True))
+                ]
+            else:
+                lengths = token_lengths(tokenizer, texts)
+            for j, n in enumerate(lengths):
                 where = self.source.where(start + j)
                 key = "data.max_prompt_length"
                 if fits(
@@ -165,9 +181,20 @@ class PromptDataset:
         messages = to_messages(
             cells[self.prompt_key], where=where, column=self.prompt_key, key="data.prompt_key"
         )
+        placeholders = images.count_placeholders(messages)
+        if self.processor is not None:
+            images.check_count(cells.get(images.IMAGES_COLUMN), placeholders, where=where)
+        elif placeholders:
+            raise DataError(
+                f"{where}: the prompt has {images.PLACEHOLDER} placeholder(s), but the model is a text model; "
+                "use a vision-language model (docs/models.md#vision-language-models) or remove the "
+                "placeholders"
+            )
         to_ground_truth(cells["reward_model"], where=where)
         to_extra_info(cells.get("extra_info"), where=where)
-        return messages, render_prompt(self.tokenizer, messages, where=where, tools=self.tools)
+        # A VLM's template reads images as parts of a message's content (images.as_parts).
+        rendered = images.as_parts(messages) if self.processor is not None else messages
+        return messages, render_prompt(self.tokenizer, rendered, where=where, tools=self.tools)
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -177,15 +204,20 @@ class PromptDataset:
             raise IndexError(f"index {i} out of range for a dataset of {len(self._rows)} prompts")
         return self._build_cached(int(i))
 
+    def _image_prompt(self, row: int, cells: dict[str, Any], text: str) -> ImagePrompt:
+        return images.image_prompt(self.processor, self.source, row, cells, text)
+
     def _build(self, i: int) -> PromptExample:
         row = int(self._rows[i])
         cells = self.source.table.slice(row, 1).to_pylist()[0]
         where = self.source.where(row)
         messages, text = self._parse(row, cells)
         data_source = cells.get("data_source")
+        image = self._image_prompt(row, cells, text) if self.processor is not None else None
         return PromptExample(
             index=i,
-            prompt_ids=encode(self.tokenizer, text),
+            image=image,
+            prompt_ids=image.token_ids if image is not None else encode(self.tokenizer, text),
             messages=messages,
             ground_truth=to_ground_truth(cells["reward_model"], where=where),
             data_source="" if data_source is None else str(data_source),

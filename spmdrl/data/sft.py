@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from spmdrl.data import images
+from spmdrl.data.images import image_prompt
 from spmdrl.data.parquet import DataError, to_messages
 from spmdrl.data.prompts import (
     check_overlong,
@@ -37,9 +39,12 @@ from spmdrl.data.prompts import (
 )
 from spmdrl.data.sources import ReadOptions, read_sources
 from spmdrl.data.turns import TemplateError, TurnCodec, end_of_turn_ids
+from spmdrl.data.vision import ImageInputs
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+    from spmdrl.data.vision import ImagePrompt
 
 _CACHE_ITEMS = 16384
 
@@ -53,6 +58,8 @@ class SFTExample:
     input_ids: list[int]
     # 1 for response tokens (the final eos included), 0 for prompt tokens.
     loss_mask: list[int]
+    # A vision-language model's images of the prompt (spmdrl.data.vision), None for a text model.
+    images: ImageInputs | None = None
 
 
 @dataclass
@@ -63,6 +70,8 @@ class SFTBatch:
     attention_mask_BT: torch.Tensor
     loss_mask_BT: torch.Tensor
     position_ids_BT: torch.Tensor
+    # The rows' images in row order (moved to the device by the forward), None for a text model.
+    images: ImageInputs | None = None
 
     def to(self, device: torch.device | str) -> SFTBatch:
         return SFTBatch(
@@ -70,6 +79,7 @@ class SFTBatch:
             attention_mask_BT=self.attention_mask_BT.to(device),
             loss_mask_BT=self.loss_mask_BT.to(device),
             position_ids_BT=self.position_ids_BT.to(device),
+            images=self.images,
         )
 
 
@@ -96,8 +106,11 @@ class SFTDataset:
         overlong: str,
         tools: list[dict[str, Any]] | None = None,
         options: ReadOptions | None = None,
+        processor: Any | None = None,
     ) -> None:
         check_overlong(overlong)
+        # A vision-language model's processor: prompts may carry images (spmdrl.data.images).
+        self.processor = processor
         # The tool schemas RL prompts are rendered with (rollout.multi_turn), so a warm-start sees the
         # same prompts (a real model's template describes the tools in its system turn).
         self.tools = tools
@@ -115,13 +128,20 @@ class SFTDataset:
         self.source = read_sources(
             paths,
             [prompt_key, response_key],
+            optional_columns=[images.IMAGES_COLUMN] if processor is not None else [],
             column_keys={prompt_key: "data.prompt_key", response_key: "data.response_key"},
             options=options,
         )
         kept: list[int] = []
         for start, rows in iter_row_chunks(self.source):
             pairs = [self._parse(start + j, row) for j, row in enumerate(rows)]
-            prompt_lens = token_lengths(tokenizer, [p for p, _ in pairs])
+            if processor is not None:  # expanded image tokens count: each image decoded and checked now
+                prompt_lens = [
+                    len(self._image_prompt(start + j, row, p).token_ids)
+                    for j, (row, (p, _)) in enumerate(zip(rows, pairs, strict=True))
+                ]
+            else:
+                prompt_lens = token_lengths(tokenizer, [p for p, _ in pairs])
             response_lens = self._response_lengths([r for _, r in pairs])
             for j, (n_prompt, n_response) in enumerate(zip(prompt_lens, response_lens, strict=True)):
                 where = self.source.where(start + j)
@@ -155,9 +175,15 @@ class SFTDataset:
         messages = to_messages(
             cells[self.prompt_key], where=where, column=self.prompt_key, key="data.prompt_key"
         )
+        if self.processor is not None:
+            images.check_count(
+                cells.get(images.IMAGES_COLUMN), images.count_placeholders(messages), where=where
+            )
         response = cells[self.response_key]
         if isinstance(response, str):
-            return render_prompt(self.tokenizer, messages, where=where, tools=self.tools), [response]
+            return render_prompt(
+                self.tokenizer, self._template_messages(messages), where=where, tools=self.tools
+            ), [response]
         turns = to_messages(response, where=where, column=self.response_key, key="data.response_key")
         if turns[-1]["role"] != "assistant":
             raise DataError(
@@ -167,9 +193,9 @@ class SFTDataset:
         if not any(m["role"] == "tool" for m in turns):
             # Earlier messages extend the prompt; only the last is trained on.
             messages = messages + turns[:-1]
-            return render_prompt(self.tokenizer, messages, where=where, tools=self.tools), [
-                turns[-1]["content"]
-            ]
+            return render_prompt(
+                self.tokenizer, self._template_messages(messages), where=where, tools=self.tools
+            ), [turns[-1]["content"]]
         if turns[0]["role"] != "assistant":
             raise DataError(
                 f"{where}: column {self.response_key!r} holds a multi-turn response (it has tool messages) "
@@ -183,7 +209,13 @@ class SFTDataset:
                 parts.append([m])
             else:
                 parts[-1].append(m)
-        return render_prompt(self.tokenizer, messages, where=where, tools=self.tools), parts
+        return render_prompt(
+            self.tokenizer, self._template_messages(messages), where=where, tools=self.tools
+        ), parts
+
+    def _template_messages(self, messages: list[dict[str, str]]) -> list[dict[str, Any]]:
+        """A VLM's template reads images as parts of a message's content (images.as_parts)."""
+        return images.as_parts(messages) if self.processor is not None else messages  # type: ignore[return-value]
 
     def _turn_end_id(self) -> int:
         return self._turn_codec().turn_end_id
@@ -224,10 +256,15 @@ class SFTDataset:
             raise IndexError(f"index {i} out of range for a dataset of {len(self._rows)} examples")
         return self._build_cached(int(i))
 
+    def _image_prompt(self, row: int, cells: dict[str, Any], text: str) -> ImagePrompt:
+        return image_prompt(self.processor, self.source, row, cells, text)
+
     def _build(self, i: int) -> SFTExample:
         row = int(self._rows[i])
-        prompt, parts = self._parse(row, self.source.table.slice(row, 1).to_pylist()[0])
-        input_ids = encode(self.tokenizer, prompt)
+        cells = self.source.table.slice(row, 1).to_pylist()[0]
+        prompt, parts = self._parse(row, cells)
+        image = self._image_prompt(row, cells, prompt) if self.processor is not None else None
+        input_ids = image.token_ids if image is not None else encode(self.tokenizer, prompt)
         loss_mask = [0] * len(input_ids)
         # A multi-turn demonstration ends each turn with the template's end-of-turn token, which the
         # rollout stops on (the eos for ChatML instruct tokenizers; not for a base model's eos).
@@ -241,7 +278,7 @@ class SFTDataset:
                 ids = self._observation_ids(p)
                 loss_mask += [0] * len(ids)
             input_ids += ids
-        return SFTExample(input_ids=input_ids, loss_mask=loss_mask)
+        return SFTExample(input_ids=input_ids, loss_mask=loss_mask, images=image.pixels if image else None)
 
 
 def collate_sft(examples: list[SFTExample], pad_id: int, pad_to_multiple_of: int = 1) -> SFTBatch:
@@ -263,6 +300,11 @@ def collate_sft(examples: list[SFTExample], pad_id: int, pad_to_multiple_of: int
         loss_mask[b, :n] = torch.tensor(e.loss_mask, dtype=torch.long)
     # Right padding: real tokens sit at 0..n-1; pads get 0 (they are masked out of attention and loss).
     positions = torch.arange(T, dtype=torch.long).expand(B, T) * attention
+    parts = [e.images for e in examples if e.images is not None]
     return SFTBatch(
-        input_ids_BT=input_ids, attention_mask_BT=attention, loss_mask_BT=loss_mask, position_ids_BT=positions
+        input_ids_BT=input_ids,
+        attention_mask_BT=attention,
+        loss_mask_BT=loss_mask,
+        position_ids_BT=positions,
+        images=ImageInputs.cat(parts) if parts else None,
     )

@@ -35,7 +35,7 @@ from spmdrl.config_section import choice, register_config_section
 
 # reasoning_gym_task's import registers its section (reasoning_gym) wherever this module is imported, as
 # config_loader does for every config; it is light (reasoning-gym itself is imported only for a task).
-from spmdrl.data import reasoning_gym_task, tools_task
+from spmdrl.data import reasoning_gym_task, tiny_shapes_task, tools_task
 from spmdrl.data.parquet import write_parquet_atomic
 from spmdrl.data.reasoning_gym_task import ReasoningGymConfig
 from spmdrl.data.tools_task import ToolsTaskConfig
@@ -278,14 +278,20 @@ def resolve_data_files(
     cfg: TinyTaskConfig,
     tools_cfg: ToolsTaskConfig | None = None,
     rgym_cfg: ReasoningGymConfig | None = None,
+    shapes_cfg: tiny_shapes_task.TinyShapesConfig | None = None,
 ) -> list[Path]:
     """Maps ``"tiny:train"`` / ``"tiny:test"`` (and the tool task's ``"tiny_tools:train"`` /
     ``"tiny_tools:test"``, generated with ``tools_cfg``, default ``ToolsTaskConfig()``; a reasoning-gym
-    task's ``"reasoning_gym:<task>:<split>"``, with ``rgym_cfg``) to generated files under ``cache_dir``;
+    task's ``"reasoning_gym:<task>:<split>"``, with ``rgym_cfg``; the visual task's ``"tiny_shapes:<split>"``,
+    with ``shapes_cfg``) to generated files under ``cache_dir``;
     other paths pass through."""
     out: list[Path] = []
     for f in files:
-        if reasoning_gym_task.is_entry(f):
+        if f.startswith(tiny_shapes_task.PREFIX):
+            out.append(
+                tiny_shapes_task.resolve(f, cache_dir, shapes_cfg or tiny_shapes_task.TinyShapesConfig())
+            )
+        elif reasoning_gym_task.is_entry(f):
             out.append(reasoning_gym_task.resolve(f, cache_dir, rgym_cfg or ReasoningGymConfig()))
         elif f.startswith(tools_task.PREFIX):
             out.append(tools_task.resolve(f, cache_dir, tools_cfg or ToolsTaskConfig()))

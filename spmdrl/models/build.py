@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
 )
@@ -69,6 +70,8 @@ class ModelSpec:
     # model.fsdp_unit: auto / layer / model (resolved in parallelize, where the mesh is known), or none (no
     # FSDP2: the bare module under autocast, one-rank meshes only).
     fsdp_unit: str = "auto"
+    # A vision-language model's vision tower and connector frozen (model.freeze_vision_tower).
+    freeze_vision_tower: bool = True
 
 
 def model_spec(
@@ -92,6 +95,7 @@ def model_spec(
         offload=cfg.offload_params if train else cfg.offload_ref,
         lora=cfg.lora if cfg.lora.enabled and train and head == "lm" else None,
         fsdp_unit=cfg.fsdp_unit,
+        freeze_vision_tower=cfg.freeze_vision_tower,
     )
 
 
@@ -203,7 +207,13 @@ def build_fsdp_model(
     # 1. Build on meta: the architecture without memory.
     if spec.head not in ("lm", "value", "reward"):
         raise ValueError(f"ModelSpec.head must be 'lm', 'value' or 'reward', got {spec.head!r}")
-    auto = AutoModelForCausalLM
+    auto = causal_lm_class(hf_config)
+    if is_vision_language(hf_config) and spec.head != "lm":
+        raise ConfigError(
+            f"{spec.path} is a vision-language model ({type(hf_config).__name__}); spmdrl builds no critic or "
+            "reward model on one (docs/models.md#vision-language-models): use a text model for critic.model_path "
+            "or the reward model"
+        )
     if spec.head == "value":
         # One output per token, no dropout (values must be deterministic); verl's critic is the same class.
         hf_config.num_labels, hf_config.classifier_dropout = 1, 0.0
@@ -248,6 +258,10 @@ def build_fsdp_model(
         for p in model.parameters():
             if not p.requires_grad:
                 p.data = p.data.to(spec.param_dtype)
+    # 1d. A frozen vision tower: before FSDP2, which reads requires_grad when it groups the parameters.
+    if spec.train and spec.freeze_vision_tower and is_vision_language(hf_config):
+        frozen = freeze_vision_tower(model)
+        log.info("vision tower frozen: %s", ", ".join(frozen))
     # 2. Parallelize: activation checkpointing inside, then compile, FSDP2 outside.
     parallelize(model, spec, mesh, experts_mesh)
     # 3. Materialize: each rank allocates only its shards; buffers get their computed values back.
@@ -271,6 +285,13 @@ def build_fsdp_model(
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
     if new_head:
         log.info("value head %s initialized to 0 (not in %s)", new_head, spec.path)
+    if is_vision_language(hf_config):  # its image tokens are never sampled (spmdrl.models.head.BANNED_TOKENS)
+        from spmdrl.data.vision import image_token_ids
+        from spmdrl.models.head import BANNED_TOKENS
+        from spmdrl.models.load import load_processor
+
+        banned = image_token_ids(load_processor(spec.path, spec.trust_remote_code))
+        setattr(model, BANNED_TOKENS, torch.tensor(banned, dtype=torch.long, device=device))
     # Training never decodes incrementally; HF's KV cache would only cost memory, and under
     # activation checkpointing the recomputed forward would append to it a second time.
     model.config.use_cache = False
@@ -289,6 +310,31 @@ def build_fsdp_model(
     return model
 
 
+def is_vision_language(hf_config: object) -> bool:
+    """Whether the config is a vision-language model's (a vision tower beside the decoder)."""
+    return getattr(hf_config, "vision_config", None) is not None
+
+
+def causal_lm_class(hf_config: object) -> type:
+    """transformers' auto class of the generating model: the causal LM, or for a vision-language model the
+    image-text-to-text class (Idefics3ForConditionalGeneration), which takes the images beside the tokens."""
+    return AutoModelForImageTextToText if is_vision_language(hf_config) else AutoModelForCausalLM
+
+
+# A vision-language model's modules outside the decoder, frozen by model.freeze_vision_tower: the tower and
+# the projection of its features into the decoder's width (Idefics3's names).
+VISION_MODULES = ("vision_model", "connector")
+
+
+def freeze_vision_tower(model: nn.Module) -> list[str]:
+    """requires_grad off on the vision tower and its connector; the names of the modules frozen."""
+    inner = model.model
+    frozen = [name for name in VISION_MODULES if getattr(inner, name, None) is not None]
+    for name in frozen:
+        getattr(inner, name).requires_grad_(False)
+    return frozen
+
+
 def attention_kwargs(hf_config: object) -> dict[str, str]:
     """transformers' attention implementation for this config, where its default is wrong.
 
@@ -305,7 +351,7 @@ def build_meta_model(spec: ModelSpec) -> nn.Module:
     placement the critic ranks hold this copy of the actor to receive its weights (weight_sync.Fanout)."""
     hf_config = AutoConfig.from_pretrained(spec.path, trust_remote_code=spec.trust_remote_code)
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(
+        return causal_lm_class(hf_config).from_config(
             hf_config, trust_remote_code=spec.trust_remote_code, dtype=torch.float32
         )
 

@@ -137,6 +137,10 @@ class ModelConfig:
     # transformers' load-balancing loss (router_aux_loss_coef x loss, per micro-batch forward) added to the
     # actor's loss. 0: logged as moe/aux_loss, not trained on (RL recipes leave it out, as verl does).
     router_aux_loss_coef: float = 0.0
+    # A vision-language model's vision tower (and its projection into the decoder) kept frozen: only the
+    # decoder trains, as most VLM RL recipes do (docs/models.md#vision-language-models). Ignored for a text
+    # model. false trains the tower too; the weight sync moves and checks it either way.
+    freeze_vision_tower: bool = True
 
     def fused_head_chunk(self, vocab_size: int) -> int:
         """The chunk policy_forward's head runs in for a model of ``vocab_size`` tokens, on any device:

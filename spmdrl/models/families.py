@@ -35,6 +35,8 @@ class Family:
     moe: bool = False
     # Why the family has no critic, where critic_architecture is None.
     why_no_critic: str = "has no token-classification class in transformers"
+    # A vision-language model: a vision tower beside the decoder (docs/models.md#vision-language-models).
+    vision: bool = False
 
 
 FAMILIES = (
@@ -62,6 +64,15 @@ FAMILIES = (
         moe=True,
         why_no_critic="is a mixture of experts, and spmdrl does not build a critic (PPO's value model) on one yet",
     ),
+    # SmolVLM's architecture (a SigLIP tower, pixel shuffle, a Llama decoder); the built-in tiny-vl is one.
+    Family(
+        "Idefics3 / SmolVLM (vision-language)",
+        "idefics3",
+        "Idefics3ForConditionalGeneration",
+        None,
+        vision=True,
+        why_no_critic="is a vision-language model, and spmdrl builds no critic (PPO's value model) on one",
+    ),
 )
 
 SUPPORTED_ARCHITECTURES = tuple(f.architecture for f in FAMILIES)
@@ -69,6 +80,13 @@ SUPPORTED_ARCHITECTURES = tuple(f.architecture for f in FAMILIES)
 # here, at start, before any model; spmdrl.models.lora checks the built model itself).
 LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _BY_ARCHITECTURE = {f.architecture: f for f in FAMILIES}
+# Vision-language architectures users ask for that are not supported yet (their message says why).
+_TORCHVISION_VLMS = (
+    "Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration",
+    "LlavaForConditionalGeneration",
+)
 _BY_MODEL_TYPE = {f.model_type: f for f in FAMILIES}
 _BY_CRITIC_ARCHITECTURE = {f.critic_architecture: f for f in FAMILIES if f.critic_architecture}
 
@@ -127,7 +145,12 @@ def family_of(config: dict, *, where: str, key: str = "model.path", critic: bool
     if family is None:
         what = arch or f"model_type {model_type!r}"
         hint = ""
-        if arch == "Gemma3ForConditionalGeneration":
+        if arch in _TORCHVISION_VLMS:
+            hint = (
+                " (a vision-language model whose vLLM class imports torchvision's image processors; spmdrl "
+                "supports the Idefics3 / SmolVLM architecture so far: docs/models.md#vision-language-models)"
+            )
+        elif arch == "Gemma3ForConditionalGeneration":
             hint = (
                 " (the multimodal Gemma 3; spmdrl trains the text-only Gemma3ForCausalLM: save the "
                 "language model alone, model_type gemma3_text)"

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from spmdrl.data.vision import ImageInputs
 from spmdrl.models.causal_attention import causal_key_mask, full_attention_sdpa, uses_causal_sdpa
 from spmdrl.models.head import head_on_positions
 from spmdrl.models.packing import Packed, pack
@@ -46,6 +47,7 @@ def policy_logprobs(
     lengths_B: Sequence[int] | None = None,
     first_columns_B: Sequence[int] | None = None,
     fused_chunk_tokens: int = 0,
+    images: ImageInputs | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprob of each token given the ones before it, at the token's own position (column 0 is 0).
 
@@ -85,6 +87,7 @@ def policy_logprobs(
         lengths_B=lengths_B,
         first_columns_B=first_columns_B,
         fused_chunk_tokens=fused_chunk_tokens,
+        images=images,
     )
     return out.logprobs_BT, out.entropy_BT
 
@@ -105,6 +108,7 @@ def policy_forward(
     fused_chunk_tokens: int = 0,
     routed_experts_BTLK: torch.Tensor | None = None,
     router_aux_grad: bool = False,
+    images: ImageInputs | None = None,
 ) -> PolicyForward:
     """:func:`policy_logprobs`, and with ``with_sum_pi_squared`` the sum over the vocabulary of the
     squared (temperature-scaled) probabilities of each position's distribution, computed without a
@@ -121,7 +125,14 @@ def policy_forward(
     A mixture of experts' routers are tapped (spmdrl.models.router_replay): ``routed_experts_BTLK``, the
     engine's top-k experts of each token, (B, T, layers, k), -1 where none, routes each token through
     those (router replay), and each forward's routing statistics are kept for the step's ``moe/*``.
+    ``images``: a vision-language model's images of these rows, in row order (spmdrl.data.vision); not
+    with packing, which would reorder the rows' image tokens.
     """
+    if images is not None and pack_sequences:
+        raise ValueError(
+            "policy_forward: images with pack_sequences; a vision-language model's rows are not packed "
+            "(docs/models.md#vision-language-models)"
+        )
     B, T = input_ids_BT.shape
     device = input_ids_BT.device
     if lengths_B is not None:
@@ -151,6 +162,8 @@ def policy_forward(
             attention_mask_for(model, attention_mask_BT, lengths_B) if attention_mask_BT is not None else None
         )
         kwargs = {"input_ids": input_ids_BT, "attention_mask": mask}
+        if images is not None:
+            kwargs.update(images.model_kwargs(device, model_dtype(model)))
     tap = router_tap(model)
     if routed_experts_BTLK is not None and tap is None:
         raise ValueError("policy_forward: routed_experts_BTLK given for a model without MoE routers")
@@ -186,6 +199,11 @@ def policy_forward(
     assert lp_BT is not None
     aux = fwd_routing.aux_loss() if fwd_routing is not None else None
     return PolicyForward(lp_BT, scatter(out.entropy_N), scatter(out.sum_pi_squared_N), aux)
+
+
+def model_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype the vision tower computes in (FSDP2's param_dtype, which casts the gathered weights)."""
+    return getattr(model, "spmdrl_param_dtype", torch.float32)
 
 
 def scored_positions(T: int, lengths_B: Sequence[int], first_columns_B: Sequence[int]) -> list[int]:

@@ -28,11 +28,19 @@ from spmdrl.models.config import ModelConfig
 from spmdrl.models.fused_logprob import HeadOut, fused_head
 from spmdrl.models.parallelize import through_outputs
 
+# A vision-language model's image tokens (spmdrl.data.vision.image_token_ids), which the engine never
+# samples (its allowed tokens leave them out, and its logprobs are of that distribution): a LongTensor set on
+# the model where it is built (spmdrl.models.build), whose logits the head sets to BANNED_LOGIT, so that the
+# trainer scores the same distribution. Finite, not -inf: an entropy's p log p is then 0, not nan.
+BANNED_TOKENS = "spmdrl_banned_token_ids"
+BANNED_LOGIT = -1.0e9
+
 
 def fused_chunk_for(cfg: ModelConfig, model: nn.Module) -> int:
     """policy_forward's ``fused_chunk_tokens`` for ``model`` under model.use_fused_kernels
     (ModelConfig.fused_head_chunk, from its vocabulary): 0 for the plain head."""
-    return cfg.fused_head_chunk(int(model.config.vocab_size))
+    # (A vision-language model's vocabulary is its decoder's: the text config.)
+    return cfg.fused_head_chunk(int(model.config.get_text_config().vocab_size))
 
 
 def head_on_positions(
@@ -97,8 +105,13 @@ def _head(
 ) -> HeadOut:
     lm_head = model.get_output_embeddings()
     softcap = getattr(model.config, "final_logit_softcapping", None)
+    banned = getattr(model, BANNED_TOKENS, None)
     if chunk_tokens > 0:
         weight_VD, bias_V = lm_head.weight, lm_head.bias
+        if banned is not None:  # as a bias: the fused head's logsumexp then leaves them out too
+            mask_V = torch.zeros(weight_VD.shape[0], dtype=weight_VD.dtype, device=weight_VD.device)
+            mask_V[banned.to(mask_V.device)] = BANNED_LOGIT
+            bias_V = mask_V if bias_V is None else bias_V + mask_V
         device_type = h_ND.device.type
         autocast = torch.is_autocast_enabled(device_type)
         if autocast:
@@ -125,6 +138,8 @@ def _head(
     z_NV = lm_head(h_ND)
     if softcap is not None:  # as transformers' Gemma2/3 ForCausalLM, in the same order
         z_NV = torch.tanh(z_NV / softcap) * softcap
+    if banned is not None:
+        z_NV = z_NV.index_fill(1, banned.to(z_NV.device), BANNED_LOGIT)
     if temperature > 0 and temperature != 1.0:
         z_NV = z_NV / temperature
     z_1NV = z_NV[None]

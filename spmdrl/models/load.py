@@ -103,3 +103,20 @@ def load_tokenizer(model_dir: Path, trust_remote_code: bool = False):  # noqa: A
             f"{model_dir}: the tokenizer has no chat_template; spmdrl applies the chat template to prompts"
         )
     return tok
+
+
+def load_processor(model_dir: Path, trust_remote_code: bool = False):  # noqa: ANN201 - HF processor type
+    """A vision-language model's processor (its image processor and tokenizer: spmdrl.data.vision), None
+    for a text model."""
+    from transformers import AutoConfig, AutoProcessor
+
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    if getattr(config, "vision_config", None) is None:
+        return None
+    try:
+        return AutoProcessor.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, ImportError) as e:
+        raise ValueError(
+            f"{model_dir}: a vision-language model without a processor spmdrl can load ({type(e).__name__}: "
+            f"{e}); save the model's processor (processor_config.json, the image processor's config) with it"
+        ) from e

@@ -107,7 +107,10 @@ class DecoderShape:
 
     @classmethod
     def from_hf(cls, config: Any) -> DecoderShape:
-        """From a transformers config (Llama, Qwen2/3, Mistral, Gemma and their kin, Qwen3-MoE)."""
+        """From a transformers config (Llama, Qwen2/3, Mistral, Gemma and their kin, Qwen3-MoE; a vision-language
+        model's decoder: its text config, the vision tower left out)."""
+        if hasattr(config, "get_text_config"):
+            config = config.get_text_config()
         heads = int(config.num_attention_heads)
         experts = int(getattr(config, "num_experts", None) or 1)
         moe = experts > 1

@@ -28,8 +28,11 @@ log = logging.getLogger(__name__)
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The repeated transformer blocks of an HF causal LM (``model.model.layers`` for Llama/Qwen/Mistral)."""
+    """The repeated transformer blocks of an HF causal LM (``model.model.layers`` for Llama/Qwen/Mistral), or
+    of a vision-language model's decoder (``model.model.text_model.layers``, Idefics3: its vision tower's
+    blocks are :func:`vision_layers`)."""
     inner = getattr(model, "model", None)
+    inner = getattr(inner, "text_model", inner)
     layers = getattr(inner, "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise TypeError(
@@ -37,6 +40,14 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
             "laid out like Llama/Qwen2 (model.model.layers)"
         )
     return layers
+
+
+def vision_layers(model: nn.Module) -> nn.ModuleList | None:
+    """A vision-language model's vision-tower blocks (Idefics3: ``model.model.vision_model.encoder.layers``);
+    None for a text model. FSDP2 shards each as a unit of its own, like the decoder's layers."""
+    tower = getattr(getattr(model, "model", None), "vision_model", None)
+    layers = getattr(getattr(tower, "encoder", None), "layers", None)
+    return layers if isinstance(layers, nn.ModuleList) else None
 
 
 def apply_ac(model: nn.Module, mode: str = "full", every: int = 1) -> None:
@@ -227,7 +238,7 @@ def apply_fsdp(
     policy = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload else OffloadPolicy()
     layers = decoder_layers(model)
     if not whole_model:
-        for layer in layers:
+        for layer in [*(vision_layers(model) or ()), *layers]:
             fully_shard(
                 layer,
                 mesh=mesh,
@@ -267,7 +278,7 @@ def apply_fsdp(
         ",".join(mesh.mesh_dim_names or ()),
         f"the whole model one unit ({len(layers)} layers)"
         if whole_model
-        else f"{len(layers)} layer units + root",
+        else f"{len(layers) + len(vision_layers(model) or ())} layer units + root",
         param_dtype,
         reduce_dtype,
         reshard_after_forward,

@@ -1,7 +1,8 @@
 """The built-in tiny models: a deterministic, randomly initialised Qwen2 with a locally trained tokenizer,
 and a mixture-of-experts sibling (a Qwen3-MoE with the same tokenizer).
 
-``model.path: tiny`` selects the Qwen2, ``model.path: tiny-moe`` the Qwen3-MoE. It needs no network: the tokenizer is trained here with the
+``model.path: tiny`` selects the Qwen2, ``model.path: tiny-moe`` the Qwen3-MoE, ``model.path: tiny-vl`` a
+vision-language model (spmdrl.models.tiny_vl). It needs no network: the tokenizer is trained here with the
 ``tokenizers`` library and the weights come from a fixed seed, so every machine builds the same bytes.
 It is small enough to train on two CPU cores, yet large enough to learn the tiny arithmetic task
 (:mod:`spmdrl.data.tiny_task`), and it loads in transformers and in vLLM like any HF checkpoint.
@@ -33,7 +34,9 @@ TINY_MOE_DIRNAME = f"tiny-qwen3-moe-v{TINY_MODEL_VERSION}"
 # What model.path names them by.
 TINY = "tiny"
 TINY_MOE = "tiny-moe"
-BUILT_IN_MODELS = (TINY, TINY_MOE)
+# The vision-language model (an Idefics3: spmdrl.models.tiny_vl).
+TINY_VL = "tiny-vl"
+BUILT_IN_MODELS = (TINY, TINY_MOE, TINY_VL)
 # What the built-in MoE's config.json says of its family (spmdrl.models.families), for checks made before
 # it is built.
 TINY_MOE_FAMILY_CONFIG = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}
@@ -205,6 +208,13 @@ def ensure_tiny_model(cache_dir: Path, name: str = TINY) -> Path:
     first use. Safe to call from every rank."""
     if name not in BUILT_IN_MODELS:
         raise ValueError(f"no built-in model {name!r}; there are {', '.join(BUILT_IN_MODELS)}")
+    if name == TINY_VL:
+        from spmdrl.models import tiny_vl
+
+        target = Path(cache_dir).expanduser() / tiny_vl.TINY_VL_DIRNAME
+        return build_once(
+            target, tiny_vl.build_tiny_vl_model, tiny_vl.TINY_VL_FILES, f"built-in {name} model"
+        )
     moe = name == TINY_MOE
     dirname = TINY_MOE_DIRNAME if moe else TINY_MODEL_DIRNAME
     target = Path(cache_dir).expanduser() / dirname

@@ -160,6 +160,7 @@ def reasoning_gym_rule(
 DATA_SOURCE_FNS: dict[str, Callable[..., float]] = {
     "openai/gsm8k": gsm8k_score,
     tiny.DATA_SOURCE: tiny_score,
+    tiny.SHAPES_DATA_SOURCE: tiny_score,
     tiny_tools.DATA_SOURCE: tiny_tools_score,
     **dict.fromkeys(math_answers.DATA_SOURCES, math_score),
 }

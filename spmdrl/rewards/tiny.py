@@ -11,6 +11,8 @@ from spmdrl.rewards import gsm8k
 
 # The ``data_source`` column the tiny task's generated parquet files carry.
 DATA_SOURCE = "spmdrl/tiny_arith"
+# The built-in visual task's (spmdrl.data.tiny_shapes_task): the same rule, its answer a count.
+SHAPES_DATA_SOURCE = "spmdrl/tiny_shapes"
 
 
 def compute_score(solution_str: str, ground_truth: str, format_score: float = 0.0) -> float:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from spmdrl.data.vision import ImageInputs
 from spmdrl.rollout.engine import Generation
 
 
@@ -117,6 +119,9 @@ class PolicyBatch:
     # (B, T, MoE layers, k) int16, -1 where none; the trainer's forwards route by them
     # (spmdrl.models.router_replay).
     routed_experts_BTLK: torch.Tensor | None = None
+    # A vision-language model's images of the rows, in row order (spmdrl.data.vision): every forward of
+    # these rows takes them. Not a tensor field: it follows the rows through every selection below.
+    images: ImageInputs | None = None
 
     @property
     def num_rows(self) -> int:
@@ -125,7 +130,7 @@ class PolicyBatch:
     def rows(self, start: int, stop: int) -> PolicyBatch:
         """Rows [start, stop), trimmed to their longest sequence (less padding per micro-batch)."""
         width = int(self.attention_mask_BT[start:stop].sum(dim=1).max())
-        return self._map(lambda t: t[start:stop, :width])
+        return self._map(lambda t: t[start:stop, :width], range(start, stop))
 
     def to(self, device: torch.device) -> PolicyBatch:
         return self._map(lambda t: t.to(device))
@@ -148,7 +153,7 @@ class PolicyBatch:
         index_B = index_B.to(self.input_ids_BT.device)
         if width is None:
             width = int(self.attention_mask_BT.index_select(0, index_B).sum(dim=1).max())
-        return self._map(lambda t: t.index_select(0, index_B)[:, :width])
+        return self._map(lambda t: t.index_select(0, index_B)[:, :width], self._image_rows(index_B))
 
     def row_lengths(self) -> RowLengths:
         """Each row's sizes on the host, read from the device in one copy (see :class:`RowLengths`)."""
@@ -156,14 +161,17 @@ class PolicyBatch:
 
     def select(self, index_B: torch.Tensor) -> PolicyBatch:
         """The rows at ``index_B`` (in that order), full width."""
-        return self._map(lambda t: t.index_select(0, index_B.to(t.device)))
+        return self._map(lambda t: t.index_select(0, index_B.to(t.device)), self._image_rows(index_B))
 
     def split(self, sizes: Sequence[int]) -> list[PolicyBatch]:
         """Consecutive row blocks of ``sizes`` (they must add up to num_rows), full width."""
         if sum(sizes) != self.num_rows:
             raise ValueError(f"split sizes {list(sizes)} do not add up to {self.num_rows} rows")
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
-        return [self._map(lambda t, a=a, n=n: t[a : a + n]) for a, n in zip(starts, sizes, strict=True)]
+        return [
+            self._map(lambda t, a=a, n=n: t[a : a + n], range(a, a + n))
+            for a, n in zip(starts, sizes, strict=True)
+        ]
 
     @staticmethod
     def concat(batches: Sequence[PolicyBatch]) -> PolicyBatch:
@@ -171,9 +179,14 @@ class PolicyBatch:
         if not batches:
             raise ValueError("concat of no batches")
         width = max(b.input_ids_BT.shape[1] for b in batches)
-        out: dict[str, torch.Tensor | None] = {}
+        out: dict[str, Any] = {}
         for f in dataclasses.fields(PolicyBatch):
             parts = [getattr(b, f.name) for b in batches]
+            if f.name == "images":
+                if any(p is None for p in parts) and not all(p is None for p in parts):
+                    raise ValueError("concat: images are set in some batches and not in others")
+                out[f.name] = None if parts[0] is None else ImageInputs.cat(parts)
+                continue
             if all(p is None for p in parts):
                 out[f.name] = None
                 continue
@@ -190,8 +203,13 @@ class PolicyBatch:
         return PolicyBatch(**out)  # type: ignore[arg-type]
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The fields that are set, by name (what spmdrl.distributed.exchange moves)."""
-        return {f.name: t for f in dataclasses.fields(self) if (t := getattr(self, f.name)) is not None}
+        """The tensor fields that are set, by name (what spmdrl.distributed.exchange moves; a VLM's images
+        do not move between ranks: spmdrl.preflight refuses the placements that would move them)."""
+        return {
+            f.name: t
+            for f in dataclasses.fields(self)
+            if f.name != "images" and (t := getattr(self, f.name)) is not None
+        }
 
     @staticmethod
     def from_tensors(tensors: dict[str, torch.Tensor]) -> PolicyBatch:
@@ -204,13 +222,22 @@ class PolicyBatch:
         """name -> dtype of the fields that are set (an exchange's FieldSpec)."""
         return {name: t.dtype for name, t in self.tensors().items()}
 
-    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> PolicyBatch:
-        return PolicyBatch(
-            **{
-                f.name: None if (t := getattr(self, f.name)) is None else fn(t)
-                for f in dataclasses.fields(self)
-            }
-        )
+    def _image_rows(self, index_B: torch.Tensor) -> Sequence[int]:
+        """The row numbers of ``index_B``, for the images (read only when there are images: a sync on a GPU)."""
+        return [] if self.images is None else index_B.tolist()
+
+    def _map(
+        self, fn: Callable[[torch.Tensor], torch.Tensor], rows: Sequence[int] | None = None
+    ) -> PolicyBatch:
+        """``fn`` on every tensor field; the images follow ``rows`` (None: the same rows, in order)."""
+        out: dict[str, Any] = {
+            f.name: None if (t := getattr(self, f.name)) is None else fn(t)
+            for f in dataclasses.fields(self)
+            if f.name != "images"
+        }
+        images = self.images
+        out["images"] = images.rows(list(rows)) if images is not None and rows is not None else images
+        return PolicyBatch(**out)
 
 
 @dataclass(frozen=True)
@@ -266,10 +293,15 @@ class RowLengths:
 
 
 def build_policy_batch(
-    prompts: Sequence[list[int]], generations: Sequence[Generation], *, pad_id: int
+    prompts: Sequence[list[int]],
+    generations: Sequence[Generation],
+    *,
+    pad_id: int,
+    images: Sequence[ImageInputs] | None = None,
 ) -> PolicyBatch:
     """The rows the update trains on, from what the rollout produced; advantages are set later
-    (``batch.replace(advantages_BT=...)``), once the logprobs a KL-in-reward needs are known."""
+    (``batch.replace(advantages_BT=...)``), once the logprobs a KL-in-reward needs are known.
+    ``images``: a vision-language model's images of each prompt (one row of ImageInputs per prompt)."""
     rows = pack_generations(prompts, generations, pad_id)
     return PolicyBatch(
         input_ids_BT=rows.input_ids_BT,
@@ -278,4 +310,5 @@ def build_policy_batch(
         engine_logprobs_BT=rows.engine_logprobs_BT,
         advantages_BT=torch.zeros_like(rows.engine_logprobs_BT),
         routed_experts_BTLK=rows.routed_experts_BTLK,
+        images=None if images is None else ImageInputs.cat([images[g.prompt_index] for g in generations]),
     )

@@ -41,9 +41,13 @@ from spmdrl.rollout.mismatch import corrected_mismatch
 def policy_batch(samples: ScoredSamples, pad_id: int, device: torch.device) -> PolicyBatch:
     """This rank's samples as rows, each with its training reward at its last response token (where
     verl's reward managers put an outcome reward)."""
-    batch = build_policy_batch([p.prompt_ids for p in samples.prompts], samples.gens, pad_id=pad_id).to(
-        device
-    )
+    vision = any(p.image is not None for p in samples.prompts)  # a VLM's prompts (each has its ImagePrompt)
+    batch = build_policy_batch(
+        [p.prompt_ids for p in samples.prompts],
+        samples.gens,
+        pad_id=pad_id,
+        images=[p.image.pixels for p in samples.prompts if p.image is not None] if vision else None,
+    ).to(device)
     return batch.replace(
         token_rewards_BT=token_level_rewards(samples.scores_B.to(device), batch.response_mask_BT)
     )

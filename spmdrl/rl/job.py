@@ -42,6 +42,7 @@ from spmdrl.data.prompts import PromptDataset
 from spmdrl.data.reasoning_gym_task import ReasoningGymConfig
 from spmdrl.data.sampler import DistributedSampler
 from spmdrl.data.sources import read_options
+from spmdrl.data.tiny_shapes_task import TinyShapesConfig
 from spmdrl.data.tiny_task import TinyTaskConfig, resolve_data_files
 from spmdrl.data.tools_task import ToolsTaskConfig
 from spmdrl.derived import Derived, RLDerived
@@ -57,7 +58,7 @@ from spmdrl.logging.profiler import profile_step
 from spmdrl.logging.samples import Sample
 from spmdrl.logging.timer import PhaseTimer
 from spmdrl.models.grad_sync import describe_grad_sync
-from spmdrl.models.load import load_tokenizer, resolve_model_path_all_ranks
+from spmdrl.models.load import load_processor, load_tokenizer, resolve_model_path_all_ranks
 from spmdrl.models.router_replay import router_tap
 from spmdrl.optim import OptimizerOffload, build_lr_scheduler, build_optimizer
 from spmdrl.rewards.registry import check_data_sources, load_reward_fn
@@ -112,6 +113,9 @@ class RLJob:
     plan: JobPlan  # placement, batch arithmetic, derived settings: the same on every rank
     meshes: Meshes
     tokenizer: Any
+    # What an export writes beside the weights: a vision-language model's processor (its tokenizer and
+    # image processor), else the tokenizer.
+    hf_files: Any
     train_ds: PromptDataset
     val_ds: PromptDataset | None
     reward_fn: Any
@@ -246,8 +250,14 @@ def build_job(cfg: Config, roles: Roles = NO_EXTRA_ROLES) -> RLJob:
 
         schemas = env_tool_schemas(env_job.loaded)
     train_files, val_files = _prompt_files(cfg.data, env_job)
-    train_ds = load_prompts(run, tokenizer, train_files, schemas)
-    val_ds = load_prompts(run, tokenizer, val_files, schemas, key="data.val_files") if val_files else None
+    # A vision-language model's processor: the prompts' images are decoded and checked here, before any model.
+    processor = load_processor(base_dir, cfg.model.trust_remote_code)
+    train_ds = load_prompts(run, tokenizer, train_files, schemas, processor=processor)
+    val_ds = (
+        load_prompts(run, tokenizer, val_files, schemas, key="data.val_files", processor=processor)
+        if val_files
+        else None
+    )
     plan = plan_job(cfg, env.world_size, len(train_ds), roles, device_type=env.device.type)
     # CUDA: the token budgets left at auto, from the free memory before any model or engine is allocated.
     if wants_memory_budgets(cfg, env.device):
@@ -374,7 +384,7 @@ def build_job(cfg: Config, roles: Roles = NO_EXTRA_ROLES) -> RLJob:
 
     # The state a checkpoint holds: each trained role (model, optimizer, schedule) on its own ranks, and
     # the loop's position (step, sampler, KL coefficient); RNG states are saved per rank.
-    roles = [_role_state("actor", actor, policy, meshes, placement, tokenizer)]
+    roles = [_role_state("actor", actor, policy, meshes, placement, processor or tokenizer)]
     if plan.with_critic:
         roles.append(_role_state("critic", critic, None, meshes, placement, tokenizer))
     checkpointer = Checkpointer(
@@ -388,6 +398,7 @@ def build_job(cfg: Config, roles: Roles = NO_EXTRA_ROLES) -> RLJob:
         plan=plan,
         meshes=meshes,
         tokenizer=tokenizer,
+        hf_files=processor if processor is not None else tokenizer,
         train_ds=train_ds,
         val_ds=val_ds,
         reward_fn=reward_fn,
@@ -630,9 +641,7 @@ def finish(job: RLJob) -> None:
 
             out, dtype = job.run.output_dir, job.cfg.trainer.export_dtype
             if job.actor is not None:
-                export_hf(
-                    job.actor.model, job.tokenizer, out / "hf_model", dtype=dtype, group=job.actor_group
-                )
+                export_hf(job.actor.model, job.hf_files, out / "hf_model", dtype=dtype, group=job.actor_group)
             if job.critic is not None:
                 export_hf(
                     job.critic.model,
@@ -661,6 +670,7 @@ def load_prompts(
     tools: list[dict[str, Any]] | None = None,
     *,
     key: str = "data.train_files",
+    processor: Any | None = None,
 ) -> PromptDataset:
     """The prompts of ``files``, the config's ``key`` (its split: data.train_split or data.val_split)."""
     d = run.cfg.data
@@ -671,6 +681,7 @@ def load_prompts(
             run.cfg.section(TinyTaskConfig),
             run.cfg.section(ToolsTaskConfig),
             run.cfg.section(ReasoningGymConfig),
+            run.cfg.section(TinyShapesConfig),
         ),
         tokenizer,
         prompt_key=d.prompt_key,
@@ -678,6 +689,7 @@ def load_prompts(
         overlong=d.overlong,
         tools=tools,
         options=read_options(d, key),
+        processor=processor,
     )
 
 
@@ -693,7 +705,8 @@ def check_model_fits(model_dir: Path, max_model_len: int, tp: int, trust_remote_
     vLLM would refuse either only once the engine is built, after the warm-start."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    # (A vision-language model's decoder: its text config.)
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code).get_text_config()
     limit = getattr(config, "max_position_embeddings", None)
     if limit is not None and max_model_len > limit:
         raise ConfigError(

@@ -131,6 +131,7 @@ def train_rows(cfg: Config, cache_dir: Path) -> int:
     file's footer; a built-in task's split is generated into ``cache_dir`` first, as the run would)."""
     from spmdrl.data.reasoning_gym_task import ReasoningGymConfig
     from spmdrl.data.sources import check_sources, read_options
+    from spmdrl.data.tiny_shapes_task import TinyShapesConfig
     from spmdrl.data.tiny_task import TinyTaskConfig, resolve_data_files
     from spmdrl.data.tools_task import ToolsTaskConfig
     from spmdrl.envs.config import EnvConfig
@@ -145,6 +146,7 @@ def train_rows(cfg: Config, cache_dir: Path) -> int:
         cfg.section(TinyTaskConfig),
         cfg.section(ToolsTaskConfig),
         cfg.section(ReasoningGymConfig),
+        cfg.section(TinyShapesConfig),
     )
     views = check_sources(files, [cfg.data.prompt_key], options=read_options(cfg.data, "data.train_files"))
     return sum(v.num_rows for v in views)

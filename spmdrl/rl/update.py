@@ -130,6 +130,7 @@ def logprobs_and_sum_pi_squared_of(
                 first_columns_B=plan.first_columns,
                 fused_chunk_tokens=fused_chunk_tokens,
                 routed_experts_BTLK=mb.routed_experts_BTLK,
+                images=mb.images,
             )
             out_BT[plan.index_B, : fwd.logprobs_BT.shape[1]] = fwd.logprobs_BT
             if sps_BT is not None and fwd.sum_pi_squared_BT is not None:
@@ -360,6 +361,7 @@ def micro_batch_loss(
         fused_chunk_tokens=fused_chunk_for(settings.model, actor),
         routed_experts_BTLK=mb.routed_experts_BTLK,
         router_aux_grad=aux_coef > 0,
+        images=mb.images,
     )
     lp_BT, ent_BT = fwd.logprobs_BT, fwd.entropy_BT
     assert ent_BT is not None

@@ -219,8 +219,12 @@ class RolloutEngine(Protocol):
     # sets it to "reload" when a direct load fails the check under auto (weight_sync.sync_with_fallback).
     weight_load: str
 
-    def generate(self, prompts: list[list[int]], params: SamplingSpec) -> list[Generation]:
-        """Completions of this rank's prompts, ``params.n`` per prompt, grouped by prompt in order."""
+    def generate(
+        self, prompts: list[list[int]], params: SamplingSpec, images: list[list[Any]] | None = None
+    ) -> list[Generation]:
+        """Completions of this rank's prompts, ``params.n`` per prompt, grouped by prompt in order.
+        ``images``: a vision-language model's images (PIL) for each prompt, whose token ids hold one
+        placeholder per image, which the engine expands (spmdrl.data.vision.ImagePrompt)."""
         ...
 
     def stepper(self) -> contextlib.AbstractContextManager[EngineStepper]:

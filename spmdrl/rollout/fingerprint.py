@@ -58,6 +58,13 @@ from spmdrl.transfer import to_device
 NUM_PROBE_COLUMNS = 4
 
 _LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
+# A vision-language model's vision tower (Idefics3's vision_model, in the trainer's names and the engine's):
+# its layers get keys of their own, apart from the decoder's layers of the same index.
+_VISION = re.compile(r"(?:^|\.)vision_model\.")
+
+
+def _part(name: str) -> str:
+    return "vision " if _VISION.search(name) else ""
 
 
 def probe_columns(input_size: int, seed: int, num: int = NUM_PROBE_COLUMNS) -> list[int]:
@@ -70,18 +77,25 @@ def probe_columns(input_size: int, seed: int, num: int = NUM_PROBE_COLUMNS) -> l
 @functools.lru_cache(maxsize=1 << 14)
 def matrix_key(name: str, input_size: int) -> str:
     m = _LAYER.search(name)
-    return f"{'layer ' + m.group(1) if m else 'top'}: matrices, input size {input_size}"
+    return f"{_part(name)}{'layer ' + m.group(1) if m else 'top'}: matrices, input size {input_size}"
 
 
 @functools.lru_cache(maxsize=1 << 14)
 def vector_key(name: str) -> str:
     m = _LAYER.search(name)
-    return f"{'layer ' + m.group(1) if m else 'top'}: vectors"
+    return f"{_part(name)}{'layer ' + m.group(1) if m else 'top'}: vectors"
 
 
 def layer_of(name: str) -> str:
     m = _LAYER.search(name)
-    return f"layer {m.group(1)}" if m else "top"
+    return f"{_part(name)}layer {m.group(1)}" if m else f"{_part(name)}top"
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def whole_key(name: str) -> str:
+    """A tensor of more than 2 dimensions that is no expert's (a vision tower's patch-embedding
+    convolution): read directly and summed whole, on both sides."""
+    return f"{layer_of(name)}: tensors of 3+ dimensions"
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -270,6 +284,8 @@ def observe(
             fp.add_matrix(name, t, seed, times.get(name, 1))
         elif t.dim() == 1:
             fp.add_vector(name, t, times.get(name, 1))
+        elif t.dim() > 2:
+            fp.add_sums(whole_key(name), name, whole_sums(t), times.get(name, 1))
         yield name, t
 
 

@@ -77,6 +77,15 @@ def load_multi_turn_tools(cfg: RolloutSections) -> dict[str, Any]:
     return tools
 
 
+def multi_turn_images_message() -> str:
+    """Why a multi-turn rollout of a vision-language model is refused (at start, and here)."""
+    return (
+        "rollout.multi_turn with a vision-language model is not supported yet: image prompts and image "
+        "observations from tools are single-turn only (docs/models.md#vision-language-models); set "
+        "rollout.multi_turn.enable=false or use a text model"
+    )
+
+
 class Rollout:
     """Samples a step's responses on this rank (every rank of ``group``, the ranks that generate, calls
     :meth:`generate` together; None: the whole world, parallel.placement=async: the rollout ranks)."""
@@ -100,6 +109,13 @@ class Rollout:
         """This rank's completions of ``prompts``. ``training=False``: a validation call (the same here; a
         wrapper may tell them apart)."""
         ids = [p.prompt_ids for p in prompts]
+        if any(p.image is not None for p in prompts):  # a VLM: the engine expands the image placeholders
+            if self.agent is not None:
+                raise ValueError(multi_turn_images_message())
+            engine_ids = [p.image.engine_ids if p.image is not None else p.prompt_ids for p in prompts]
+            return self.engine.generate(
+                engine_ids, spec, images=[p.image.images if p.image else [] for p in prompts]
+            )
         if self.agent is None:
             return self.engine.generate(ids, spec)
         contexts = [p.extra_info if isinstance(p.extra_info, dict) else {} for p in prompts]

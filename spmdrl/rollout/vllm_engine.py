@@ -93,6 +93,16 @@ def _checkpoint_names(model_dir: Path, tied: bool) -> set[str]:
     return names
 
 
+def _image_token_ids(model_dir: Path) -> list[int]:
+    """A vision-language model's image tokens, which only its processor writes and the engine never samples
+    (spmdrl.data.vision.image_token_ids); none for a text model."""
+    from spmdrl.data.vision import image_token_ids
+    from spmdrl.models.load import load_processor
+
+    processor = load_processor(model_dir)
+    return [] if processor is None else image_token_ids(processor)
+
+
 def _end_of_turn_ids(model_dir: Path) -> list[int]:
     """The chat template's end-of-turn token when it is not the eos (spmdrl.data.turns.end_of_turn_ids)."""
     from transformers import AutoTokenizer
@@ -152,6 +162,7 @@ class VLLMEngine:
         # True from a sleep(keep_weights=False) until the next load_weights: the weights are gone.
         self._weights_discarded = False
         self._warned_no_sleep = False
+        self.image_token_ids = _image_token_ids(model_dir)
 
         prepare_environment()
         # Before vLLM's import, which logs some of the warnings spmdrl demotes (spmdrl.rollout.vllm_logs).
@@ -270,6 +281,10 @@ class VLLMEngine:
         # token that neither lists (a base Llama 3 tokenizer under the instruct template, a Gemma 2
         # generation config) would otherwise run every sample past its turn to max_tokens.
         self.end_of_turn_ids = _end_of_turn_ids(model_dir)
+        # A vision-language model's: every token but its image tokens (None: all).
+        vocab = self.llm.llm_engine.model_config.get_vocab_size()
+        banned = set(self.image_token_ids)
+        self.allowed_token_ids = [i for i in range(vocab) if i not in banned] if banned else None
         hf_config = self.llm.llm_engine.model_config.hf_config
         self.tied_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.expected_weights = _checkpoint_names(model_dir, self.tied_embeddings)
@@ -295,14 +310,19 @@ class VLLMEngine:
 
     # ---- generation -------------------------------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], params: SamplingSpec) -> list[Generation]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingSpec, images: list[list[Any]] | None = None
+    ) -> list[Generation]:
         # Before any collective: the state is the same on every rank, so a TP group raises together.
         self._require_weights("generate")
         from vllm.inputs import TokensPrompt
 
-        gathered = self.groups.gather_for_tp(prompts)
+        # A vision-language model's images travel with their prompts to the TP group's other ranks.
+        items: list[Any] = prompts if images is None else list(zip(prompts, images, strict=True))
+        gathered = self.groups.gather_for_tp(items)
+        ids = gathered.prompts if images is None else [p for p, _ in gathered.prompts]
         self._calls += 1
-        check_prompt_lengths(gathered.prompts, self.max_model_len)
+        check_prompt_lengths(ids, self.max_model_len)
         if not gathered.prompts:
             return []
         self._wake(("weights", "kv_cache"))
@@ -312,15 +332,19 @@ class VLLMEngine:
                 replace(params, seed=request_seed(base, self.groups.dp_index, i)),
                 end_of_turn_ids=self.end_of_turn_ids,
                 seeded=self.seed_per_request,
+                allowed_token_ids=self.allowed_token_ids,
             )
             for i in range(len(gathered.prompts))
         ]
         with isolated_rng(self.device_type), self._settings.engine_call(), self.world.vllm():
             if not self.seed_per_request:
                 seed_sampler(request_seed(base, self.groups.dp_index), self.device_type)
-            outputs = self.llm.generate(
-                [TokensPrompt(prompt_token_ids=p) for p in gathered.prompts], sampling, use_tqdm=False
-            )
+            requests = [TokensPrompt(prompt_token_ids=p) for p in ids]
+            if images is not None:
+                for request, (_, row_images) in zip(requests, gathered.prompts, strict=True):
+                    if row_images:
+                        request["multi_modal_data"] = {"image": list(row_images)}
+            outputs = self.llm.generate(requests, sampling, use_tqdm=False)
         results = [
             to_generation(i, completion, params.logprobs)
             for i, out in enumerate(outputs)
@@ -419,6 +443,11 @@ class VLLMEngine:
         # prefix would reuse them. Nothing is running between steps, so the reset cannot fail.
         with self.world.vllm():
             reset = self.llm.reset_prefix_cache()
+            if self.image_token_ids:  # a vision-language model
+                # Likewise the vision tower's outputs for images seen before the load (its scheduler's record
+                # of them and the runner's copies, together: the reload drops some of the runner's, and a
+                # record without its copy fails the next request with "Encoder cache miss").
+                self.llm.llm_engine.reset_encoder_cache()
         if not reset:
             raise RuntimeError(
                 "vLLM refused to reset its prefix cache after a weight load (requests running?)"

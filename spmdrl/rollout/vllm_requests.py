@@ -35,6 +35,7 @@ def sampling_params(
     final_only: bool = False,
     end_of_turn_ids: Iterable[int] = (),
     seeded: bool = True,
+    allowed_token_ids: list[int] | None = None,
 ) -> Any:
     """vLLM's SamplingParams for a spec whose ``seed`` is the request's own (dropped unless ``seeded``:
     :func:`seed_sampler`); ``end_of_turn_ids`` end a sample too (:func:`spmdrl.data.turns.end_of_turn_ids`)."""
@@ -58,6 +59,8 @@ def sampling_params(
         # Recipes decode token ids themselves; vLLM's incremental detokenizer is per-token Python work
         # (about 5-10% of CPU rollout time). Stop strings need it.
         detokenize=bool(spec.stop),
+        # A vision-language model's: every token but its image tokens (spmdrl.data.vision.image_token_ids).
+        allowed_token_ids=allowed_token_ids,
         **kwargs,
     )
 

@@ -17,7 +17,15 @@ from torch import nn
 
 from spmdrl.rollout import cpu_gemm, expert_probe
 from spmdrl.rollout.copy_plan import CopyPlan
-from spmdrl.rollout.fingerprint import Fingerprint, expert_key, kernel_key, matrix_key, vector_key, whole_sums
+from spmdrl.rollout.fingerprint import (
+    Fingerprint,
+    expert_key,
+    kernel_key,
+    matrix_key,
+    vector_key,
+    whole_key,
+    whole_sums,
+)
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +123,8 @@ class _Read:
     pname: str
     matrix: bool
     sliced: bool
+    # More than 2 dimensions (a vision tower's patch-embedding convolution): summed whole.
+    whole: bool = False
 
 
 @dataclass(frozen=True)
@@ -184,6 +194,8 @@ class _ProbePlan:
                     tensors.append(
                         _Read(full, m, pname, False, _output_sliced(m) and hasattr(p, "output_dim"))
                     )
+                elif p.dim() > 2 and "w13_weight" not in m._parameters:  # (experts: summed per expert below)
+                    tensors.append(_Read(full, m, pname, False, False, whole=True))
         return cls(layers, tensors, experts, next(model.parameters()).device)
 
 
@@ -227,7 +239,9 @@ def fingerprint(worker: Any, seed: int, tp_rank: int, dtype: torch.dtype) -> Fin
     for t in plan.tensors:
         p = t.module._parameters[t.pname]
         times = _times(t.sliced, tp_rank)
-        if t.matrix:
+        if t.whole:
+            fp.add_sums(whole_key(t.name), t.name, whole_sums(p), times)
+        elif t.matrix:
             fp.add_matrix(t.name, p, seed, times)
         else:
             fp.add_vector(t.name, p, times)

@@ -31,7 +31,7 @@ from spmdrl.logging.metrics import NullLogger
 from spmdrl.logging.plot import plot_curves
 from spmdrl.logging.profiler import check_profile_steps, profile_step
 from spmdrl.models.grad_sync import gradient_sync
-from spmdrl.models.load import load_tokenizer, resolve_model_path_all_ranks
+from spmdrl.models.load import load_processor, load_tokenizer, resolve_model_path_all_ranks
 from spmdrl.runtime import Run
 from spmdrl.supervised.model import TrainedModel, build_trained_model
 from spmdrl.supervised.sft_batches import forward_loss, load_sft_dataset, micro_batches, num_target_tokens
@@ -68,9 +68,10 @@ def train_sft(run: Run, cfg: Config, stage: str = "") -> Path:
     pad_id = tokenizer.pad_token_id
 
     # Data, and every value derived from its size: checked before the model is built.
-    train_ds = load_sft_dataset(run, tokenizer, cfg.data.train_files)
+    processor = load_processor(model_dir, cfg.model.trust_remote_code)  # a VLM's: the prompts' images
+    train_ds = load_sft_dataset(run, tokenizer, cfg.data.train_files, processor=processor)
     val_ds = (
-        load_sft_dataset(run, tokenizer, cfg.data.val_files, key="data.val_files")
+        load_sft_dataset(run, tokenizer, cfg.data.val_files, key="data.val_files", processor=processor)
         if cfg.data.val_files
         else None
     )
@@ -88,7 +89,7 @@ def train_sft(run: Run, cfg: Config, stage: str = "") -> Path:
     sampler = run.train_sampler(len(train_ds), derived.per_rank_batch_size)
 
     # The model on every rank; checkpoints hold it with its optimizer, schedule, the sampler and RNG.
-    trained = build_trained_model(run, cfg, model_dir, tokenizer, total, "actor")
+    trained = build_trained_model(run, cfg, model_dir, processor or tokenizer, total, "actor")
     start = loop.resume_or_start(run, plan, [trained.role], sampler, total, log_stage, rewind=not val_only)
     if val_only:
         assert val_ds is not None  # checked at config load (recipes/sft.py)
@@ -136,7 +137,10 @@ def train_sft(run: Run, cfg: Config, stage: str = "") -> Path:
             # A warm-start stage's export is the RL run's starting point, read into its float32 master
             # weights: written in float32, so the handoff rounds nothing.
             export_hf(
-                trained.model, tokenizer, export_dir, dtype="float32" if stage else cfg.trainer.export_dtype
+                trained.model,
+                processor or tokenizer,  # a VLM's processor: its tokenizer and image processor
+                export_dir,
+                dtype="float32" if stage else cfg.trainer.export_dtype,
             )
 
     def curves() -> None:

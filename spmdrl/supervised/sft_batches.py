@@ -9,15 +9,22 @@ from spmdrl.algos.losses import masked_cross_entropy
 from spmdrl.data.reasoning_gym_task import ReasoningGymConfig
 from spmdrl.data.sft import SFTBatch, SFTDataset, collate_sft
 from spmdrl.data.sources import read_options
+from spmdrl.data.tiny_shapes_task import TinyShapesConfig
 from spmdrl.data.tiny_task import TinyTaskConfig, resolve_data_files
 from spmdrl.data.tools_task import ToolsTaskConfig
+from spmdrl.models.forward import model_dtype
 from spmdrl.rollout.rollout import load_multi_turn_tools
 from spmdrl.runtime import Run
 from spmdrl.tools import tool_schemas
 
 
 def load_sft_dataset(
-    run: Run, tokenizer: object, files: list[str], *, key: str = "data.train_files"
+    run: Run,
+    tokenizer: object,
+    files: list[str],
+    *,
+    key: str = "data.train_files",
+    processor: object | None = None,
 ) -> SFTDataset:
     """The pairs of ``files``, the config's ``key`` (its split: data.train_split or data.val_split)."""
     d = run.cfg.data
@@ -28,6 +35,7 @@ def load_sft_dataset(
             run.cfg.section(TinyTaskConfig),
             run.cfg.section(ToolsTaskConfig),
             run.cfg.section(ReasoningGymConfig),
+            run.cfg.section(TinyShapesConfig),
         ),
         tokenizer,
         prompt_key=d.prompt_key,
@@ -37,14 +45,14 @@ def load_sft_dataset(
         overlong=d.overlong,
         options=read_options(d, key),
         tools=tool_schemas(load_multi_turn_tools(run.cfg)) if run.cfg.rollout.multi_turn.enable else None,
+        processor=processor,
     )
 
 
 def micro_batches(examples: list, size: int, pad_id: int, device: torch.device) -> list[SFTBatch]:
     out = []
     for i in range(0, len(examples), size):
-        b = collate_sft(examples[i : i + size], pad_id)
-        out.append(SFTBatch(**{k: v.to(device) for k, v in vars(b).items()}))
+        out.append(collate_sft(examples[i : i + size], pad_id).to(device))
     return out
 
 
@@ -54,10 +62,12 @@ def num_target_tokens(batch: SFTBatch) -> int:
 
 
 def forward_loss(model: torch.nn.Module, batch: SFTBatch, global_tokens: float) -> torch.Tensor:
+    images = batch.images.model_kwargs(batch.input_ids_BT.device, model_dtype(model)) if batch.images else {}
     logits = model(
         input_ids=batch.input_ids_BT,
         attention_mask=batch.attention_mask_BT,
         position_ids=batch.position_ids_BT,
+        **images,
     ).logits
     loss, _ = masked_cross_entropy(
         logits, batch.input_ids_BT, batch.loss_mask_BT, num_global_tokens=global_tokens

@@ -8,6 +8,7 @@ import math
 import torch
 
 from spmdrl.data.sft import SFTBatch, SFTDataset
+from spmdrl.data.vision import ImageInputs
 from spmdrl.distributed.reduce import all_reduce_sum
 from spmdrl.logging.samples import Sample
 from spmdrl.models.generate import greedy_completions
@@ -38,6 +39,7 @@ def validation_loss(run: Run, model: torch.nn.Module, ds: SFTDataset, micro: int
             attention_mask_BT=batch.attention_mask_BT,
             loss_mask_BT=batch.loss_mask_BT * keep.to(batch.loss_mask_BT.dtype),
             position_ids_BT=batch.position_ids_BT,
+            images=batch.images,
         )
         n = num_target_tokens(batch)
         nll_sum += float(forward_loss(model, batch, global_tokens=1.0))  # a plain sum
@@ -67,6 +69,7 @@ def generate_samples(
         pad_id=tokenizer.pad_token_id,  # type: ignore[attr-defined]
         device=run.env.device,
         synced=run.env.world_size > 1,
+        images=ImageInputs.cat([ex.images for ex in examples]) if examples[0].images is not None else None,
     )
     samples = []
     for ex, start, prompt, completion in zip(examples, starts, prompts, completions, strict=True):

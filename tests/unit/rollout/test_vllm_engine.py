@@ -64,6 +64,7 @@ def _engine(device_type: str = "cuda", free_cache_engine: bool = True) -> tuple[
     engine._sleeping = set()
     engine._weights_discarded = False
     engine._warned_no_sleep = False
+    engine.image_token_ids = []  # a text model
     engine.expected_weights = {"w"}
     engine.weight_load = "direct" if device_type == "cuda" else "reload"  # rollout.weight_load=auto's choice
     engine.llm = fake = _FakeLLM()
