@@ -33,7 +33,10 @@ TINY_MOE_DIRNAME = f"tiny-qwen3-moe-v{TINY_MODEL_VERSION}"
 # What model.path names them by.
 TINY = "tiny"
 TINY_MOE = "tiny-moe"
-BUILT_IN_MODELS = (TINY, TINY_MOE)
+# On-policy distillation's built-in teacher: a wider Qwen2 on this tokenizer, trained on the tiny task
+# (spmdrl.models.tiny_teacher).
+TINY_TEACHER = "tiny-teacher"
+BUILT_IN_MODELS = (TINY, TINY_MOE, TINY_TEACHER)
 # What the built-in MoE's config.json says of its family (spmdrl.models.families), for checks made before
 # it is built.
 TINY_MOE_FAMILY_CONFIG = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}
@@ -205,6 +208,10 @@ def ensure_tiny_model(cache_dir: Path, name: str = TINY) -> Path:
     first use. Safe to call from every rank."""
     if name not in BUILT_IN_MODELS:
         raise ValueError(f"no built-in model {name!r}; there are {', '.join(BUILT_IN_MODELS)}")
+    if name == TINY_TEACHER:
+        from spmdrl.models.tiny_teacher import ensure_tiny_teacher
+
+        return ensure_tiny_teacher(cache_dir)
     moe = name == TINY_MOE
     dirname = TINY_MOE_DIRNAME if moe else TINY_MODEL_DIRNAME
     target = Path(cache_dir).expanduser() / dirname
