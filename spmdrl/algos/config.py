@@ -6,7 +6,7 @@ when the config is validated, so this module imports none of them (they import t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from spmdrl.config_section import choice, registered, registry_names
 from spmdrl.errors import ConfigError
@@ -273,6 +273,16 @@ class TeacherConfig:
 
     def check(self) -> None:
         if not self.enabled:
+            # Distillation settings without a teacher would be silently ignored: refused instead.
+            changed = [
+                f.name for f in fields(self) if f.name != "path" and getattr(self, f.name) != f.default
+            ]
+            if changed:
+                raise ConfigError(
+                    f"{', '.join(f'teacher.{k}' for k in changed)} set, but teacher.path is empty: on-policy "
+                    "distillation needs a teacher; set teacher.path (a model directory sharing the actor's "
+                    "tokenizer, or tiny-teacher with model.path=tiny, as in recipe=opd_tiny), or drop the setting"
+                )
             return
         if not self.use_policy_gradient and self.loss_mode in ("k1", "kl"):
             raise ConfigError(

@@ -85,8 +85,15 @@ def test_bad_teacher_settings_are_refused(overrides: dict, expect: str):
         TeacherConfig(path="tiny-teacher", **overrides).check()
 
 
-def test_no_teacher_checks_nothing_and_other_placements_are_refused():
-    TeacherConfig(loss_mode="k1", use_policy_gradient=False).check()  # path "": distillation is off
+def test_distillation_settings_without_a_teacher_are_refused():
+    TeacherConfig().check()  # path "": distillation is off
+    with pytest.raises(
+        ConfigError, match=r"teacher.use_task_rewards, teacher.distillation_loss_coef set, but"
+    ):
+        TeacherConfig(use_task_rewards=True, distillation_loss_coef=0.5).check()
+
+
+def test_other_placements_and_unknown_estimators_are_refused():
     cfg = Config(entry="grpo")
     cfg.teacher.path = "tiny-teacher"
     cfg.parallel.placement = "split"
