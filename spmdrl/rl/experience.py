@@ -28,6 +28,8 @@ from spmdrl.algos.correction import metric_reduction, rollout_correction
 from spmdrl.algos.distill import distill_advantages, mix_advantages, reverse_kl_sums
 from spmdrl.algos.kl_control import AdaptiveKLController, FixedKLController, apply_kl_penalty
 from spmdrl.derived import RLDerived
+from spmdrl.distributed.exchange import RowLayout, gather_lengths, move_rows
+from spmdrl.distributed.placement import Placement
 from spmdrl.distributed.reduce import (
     all_reduce_max,
     all_reduce_min,
@@ -99,6 +101,40 @@ def old_and_ref_logprobs(
         )
         batch = batch.replace(teacher_logprobs_BT=teacher_BT)
     return batch
+
+
+def teacher_logprobs_apart(
+    settings: UpdateSettings,
+    rl: RLDerived,
+    teacher: Teacher | None,
+    batch: PolicyBatch,
+    placement: Placement,
+    teacher_group: dist.ProcessGroup | None,
+    device: torch.device,
+) -> torch.Tensor:
+    """parallel.teacher_ranks: the teacher's logprobs of this rank's rows, scored on the teacher's ranks. The
+    rows (tokens and masks) go there, spread evenly in order; each teacher rank scores its share; the
+    logprobs come back to the rows' ranks. Every rank calls it (``teacher``: the module on the teacher's
+    ranks, None elsewhere)."""
+    sizes, lengths_N = gather_lengths(batch.attention_mask_BT.sum(dim=1), device)
+    width = int(lengths_N.max())
+    here = RowLayout.from_counts(sizes)
+    there = RowLayout.contiguous(lengths_N.numel(), placement.role("teacher").ranks)
+    spec = {"input_ids_BT": torch.long, "attention_mask_BT": torch.long, "response_mask_BT": torch.bool}
+    fields = {k: getattr(batch, k) for k in spec}
+    rows = move_rows(fields, spec, here, there, width=width, device=device)
+    scored = None
+    if rows is not None:
+        assert teacher is not None, "the teacher's ranks hold the teacher"
+        zeros_BT = torch.zeros(rows["input_ids_BT"].shape, dtype=torch.float32, device=device)
+        theirs = PolicyBatch(**rows, engine_logprobs_BT=zeros_BT, advantages_BT=zeros_BT)
+        parts = micro_rows(settings.trainer, rl, theirs, teacher_group)
+        fused = fused_chunk_for(settings.model, teacher.model)
+        temp, pack = settings.temperature, settings.trainer.pack_sequences
+        scored = {"teacher_logprobs_BT": logprobs_of(teacher.model, theirs, parts, temp, pack, fused)}
+    back = move_rows(scored, {"teacher_logprobs_BT": torch.float32}, there, here, width=width, device=device)
+    assert back is not None, "every rank holds rows"
+    return back["teacher_logprobs_BT"][:, : batch.input_ids_BT.shape[1]]
 
 
 def advantage_estimator(

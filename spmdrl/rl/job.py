@@ -223,7 +223,11 @@ def build_job(cfg: Config, roles: Roles = NO_EXTRA_ROLES) -> RLJob:
     # Which ranks run which role (a placement that cannot fit this world fails here, before the data;
     # the plan below, with the data's size, runs the rest of its checks).
     placement = plan_placement(
-        cfg.parallel, env.world_size, needs_critic=roles.critic, asynchronous=roles.asynchronous
+        cfg.parallel,
+        env.world_size,
+        needs_critic=roles.critic,
+        asynchronous=roles.asynchronous,
+        teacher=cfg.teacher.enabled,
     )
     world_size, local_world_size = node_layout_from_env()
     check_tp_within_nodes(cfg.rollout.tp, world_size, local_world_size)  # an engine never spans two nodes
@@ -330,7 +334,7 @@ def build_job(cfg: Config, roles: Roles = NO_EXTRA_ROLES) -> RLJob:
         )
         log.info("actor update: %s", describe_grad_sync(policy, cfg.trainer.defer_grad_sync))
     teacher = None
-    if teacher_dir is not None and meshes.holds("actor"):
+    if teacher_dir is not None and meshes.holds("teacher"):
         teacher = build_teacher(cfg.teacher, cfg.model, cfg.trainer, teacher_dir, env.device, meshes)
     critic = None
     if plan.rl_critic is not None and meshes.holds("critic") and not val_only:

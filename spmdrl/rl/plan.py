@@ -82,7 +82,11 @@ def plan_job(
     check_val_only(cfg)
     with_critic = roles.critic
     placement = plan_placement(
-        cfg.parallel, world_size, needs_critic=with_critic, asynchronous=roles.asynchronous
+        cfg.parallel,
+        world_size,
+        needs_critic=with_critic,
+        asynchronous=roles.asynchronous,
+        teacher=cfg.teacher.enabled,
     )
     if placement.is_async:
         check_async_batch(cfg, placement)

@@ -88,12 +88,13 @@ def build_teacher(
     device: torch.device,
     meshes: Meshes,
 ) -> Teacher:
-    """The teacher, FSDP2 on the actor's ranks (its shards stored in teacher.dtype, host memory under
-    teacher.offload), attending as the actor's passes do (packed rows, causal SDPA)."""
+    """The teacher, FSDP2 on its ranks (the actor's, or the last parallel.teacher_ranks of them; its shards
+    stored in teacher.dtype, host memory under teacher.offload), attending as the actor's passes do
+    (packed rows, causal SDPA)."""
     spec = model_spec(model_cfg, teacher_dir, device, train=False)
     dtype = spec.param_dtype if teacher_cfg.dtype == "auto" else resolve_dtype(teacher_cfg.dtype, device)
     spec = dataclasses.replace(spec, param_dtype=dtype, offload=teacher_cfg.offload, lora=None)
-    model = build_fsdp_model(spec, meshes.fsdp("actor"), device)
+    model = build_fsdp_model(spec, meshes.fsdp("teacher"), device)
     use_causal_sdpa(model)
     apply_packed_attention(
         model, trainer.packed_attention, packed=trainer.pack_sequences, device=device, dtype=dtype
