@@ -101,7 +101,7 @@ def test_opd_tiny_learns_from_the_teacher_alone(tmp_path: Path) -> None:
     acc = [(r["step"], r["val/accuracy"]) for r in rows if "val/accuracy" in r]
     assert acc[-1][1] - acc[0][1] >= 0.25, acc
     kl = [r["distill/reverse_kl"] for r in rows if "distill/reverse_kl" in r]
-    assert sum(kl[-3:]) / 3 < 0.5 * sum(kl[:3]) / 3, kl
+    assert sum(kl[-3:]) / 3 < 0.75 * sum(kl[:3]) / 3, kl
 
 
 def test_teacher_on_its_own_ranks_scores_as_the_colocated_teacher(tmp_path: Path) -> None:
