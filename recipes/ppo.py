@@ -80,6 +80,12 @@ def check_config(cfg: Config) -> None:
             f"got {a.adv_estimator!r} (recipe {cfg.name!r}): set algorithm.adv_estimator=gae, or entry: grpo "
             f"for {a.adv_estimator}"
         )
+    if cfg.teacher.enabled:
+        raise ConfigError(
+            f"teacher.path={cfg.teacher.path} (on-policy distillation) runs in entry: grpo (recipes/grpo.py, as "
+            f"in recipe=opd_tiny), not in this recipe ({cfg.entry}, recipe {cfg.name!r}): remove teacher.path, "
+            "or use entry: grpo"
+        )
     if a.filter_groups.enable:
         raise ConfigError(
             f"algorithm.filter_groups.enable=true (DAPO's dynamic sampling) runs in entry: grpo (recipes/grpo.py), "

@@ -3,7 +3,7 @@ packages own, and :func:`validate`, which checks it at load.
 
 Each section's dataclass, with its defaults and the checks of its values alone, lives in the package that
 reads it: ``model`` in spmdrl/models/config.py, ``data`` in spmdrl/data/config.py, ``rollout`` in
-spmdrl/rollout/config.py, ``algorithm`` in spmdrl/algos/config.py, ``reward`` and ``reward_model`` in
+spmdrl/rollout/config.py, ``algorithm`` and ``teacher`` in spmdrl/algos/config.py, ``reward`` and ``reward_model`` in
 spmdrl/rewards/config.py, ``logging`` in spmdrl/logging/config.py, ``parallel`` in
 spmdrl/distributed/config.py; ``trainer``, ``optim``, ``critic`` and ``warmstart`` in
 spmdrl/trainer_config.py. Every default lives there, nowhere else (no ``cfg.get(key, default)`` in the
@@ -21,7 +21,13 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from spmdrl.algos.config import AlgorithmConfig, FilterGroupsConfig, KLCtrlConfig, RolloutCorrectionConfig
+from spmdrl.algos.config import (
+    AlgorithmConfig,
+    FilterGroupsConfig,
+    KLCtrlConfig,
+    RolloutCorrectionConfig,
+    TeacherConfig,
+)
 from spmdrl.config_section import (
     CONFIG_SECTIONS,
     SWITCH_MODES,
@@ -77,6 +83,7 @@ __all__ = [
     "RewardModelConfig",
     "RolloutConfig",
     "RolloutCorrectionConfig",
+    "TeacherConfig",
     "TrainerConfig",
     "WarmstartConfig",
     "ac_mode",
@@ -116,6 +123,8 @@ class Config:
     warmstart: WarmstartConfig = field(default_factory=WarmstartConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    # On-policy distillation's teacher (teacher.path "": none).
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
     # The registered sections' values (register_config_section), by key. Not a key itself: each section is
     # a top-level key of the YAML and the command line, which the loader adds to the schema it composes.
     sections: dict[str, Any] = field(
@@ -198,6 +207,17 @@ def _check_across_sections(cfg: Config) -> None:
             "other ranks wait in the next collective while a rank finishes its rollout"
         )
     _check_reward_model_placement(cfg)
+    _check_teacher_placement(cfg.teacher, cfg.parallel)
+
+
+def _check_teacher_placement(teacher: TeacherConfig, parallel: ParallelConfig) -> None:
+    """On-policy distillation: where the teacher may run."""
+    if teacher.enabled and parallel.placement != "colocated":
+        raise ConfigError(
+            f"teacher.path={teacher.path} scores the actor's rows on the actor's ranks, which needs "
+            f"parallel.placement=colocated (entry: grpo, as in recipe=opd_tiny); got "
+            f"parallel.placement={parallel.placement}"
+        )
 
 
 def _check_async(cfg: Config) -> None:
@@ -273,4 +293,5 @@ def validate(cfg: Config) -> None:
     cfg.reward_model.check()
     cfg.critic.check()
     cfg.algorithm.check()
+    cfg.teacher.check()
     _check_across_sections(cfg)

@@ -81,6 +81,7 @@ BUILT_IN_KEYS = (
     "warmstart",
     "critic",
     "reward_model",
+    "teacher",
     "sections",
 )
 

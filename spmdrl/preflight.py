@@ -92,6 +92,8 @@ def check_inputs(
         )
     if cfg.model.compile:
         checked.append(check_cxx_compiler())
+    if cfg.teacher.enabled:
+        checked.append(check_model(cfg.teacher.path, "teacher.path"))
     if cfg.reward_model.enable:
         from spmdrl.rewards.reward_model_path import check_reward_model_dir
 

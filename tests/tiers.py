@@ -24,6 +24,7 @@ GUARANTEES: dict[str, str] = {
     "recipe:grpo_async_tiny": "recipe=grpo_async_tiny: k=0 is the synchronous run bitwise, k=1 one behind",
     "recipe:grpo_tools_tiny": "grpo_tools_tiny's task and tools: multi-turn rollouts call the tools",
     "recipe:rm_tiny": "recipe=rm_tiny learns and exports; grpo_rm_tiny trains on its score",
+    "recipe:opd_tiny": "recipe=opd_tiny: the teacher scores every sampled token, the student's reverse KL to it falls",
     "sync:gemm_paths": "the per-step weight-sync check on every GEMM path this CPU can run",
     "sync:parity": "an fp32 engine matches the fp32 trainer to 1e-6 through updates and syncs",
     "sync:quantized": "at a quantized engine's tolerance the sync check still catches a wrong or missing tensor",

@@ -6,7 +6,7 @@ when the config is validated, so this module imports none of them (they import t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from spmdrl.config_section import choice, registered, registry_names
 from spmdrl.errors import ConfigError
@@ -221,4 +221,83 @@ class AlgorithmConfig:
         if weights is not None and len(weights) != len(keys):
             raise ConfigError(
                 f"algorithm.gdpo_reward_weights has {len(weights)} weights for {len(keys)} gdpo_reward_keys"
+            )
+
+
+@dataclass
+class TeacherConfig:
+    """On-policy distillation (docs/algorithms.md#on-policy-distillation): a frozen teacher scores every token
+    the actor sampled, and the actor is trained to lower the per-token reverse KL to it. The teacher is one
+    more frozen role on the actor's ranks, as the reference is (spmdrl/rl/teacher.py). verl's
+    ``distillation.teacher_model.model_path`` (here ``path``) and ``distillation.distillation_loss.*``
+    (``loss_mode``, ``use_policy_gradient``, ``use_task_rewards``, ``distillation_loss_coef``,
+    ``loss_max_clamp``, ``log_prob_min_clamp``), under their names."""
+
+    # "": no teacher (distillation off). Otherwise what model.path accepts: a local HF directory, a hub id, a
+    # packaged model, or a built-in one (tiny-teacher: a wider tiny Qwen2 trained on the tiny task, built
+    # once and cached). Its architecture may differ from the actor's; its tokenizer must be the actor's.
+    path: str = ""
+    # The teacher's parameter dtype for its no-grad pass. auto: model.param_dtype's.
+    dtype: str = choice("auto", ("auto", "float32", "bfloat16", "float16"))
+    # The teacher's parameters in host memory, streamed to the GPU layer by layer for its pass (as
+    # model.offload_ref does for the reference). On a CPU trainer it moves nothing.
+    offload: bool = False
+    # The per-token estimator of KL(student || teacher), by spmdrl.algos.kl's names (verl's loss_mode reuses
+    # its kl_penalty's): k1 (log pi - log pi_T: the reverse KL's unbiased estimate on the student's own
+    # samples), k3 / low_var_kl, k2 / mse, abs, or one registered with @register_kl_estimator.
+    loss_mode: str = registered("k1", "spmdrl.algos.kl", "KL_ESTIMATORS")
+    # true (Thinking Machines' formulation, verl's default): the negated per-token estimate is a dense
+    # advantage that the policy loss (algorithm.policy_loss, importance-sampled against the old policy)
+    # trains on; false: the estimate is a loss term of its own, backpropagated directly (use k3 or k2: k1's
+    # gradient does not depend on the teacher).
+    use_policy_gradient: bool = True
+    # false: distillation alone (the task reward is logged, not trained on); true: the task's advantages
+    # (algorithm.adv_estimator) plus distillation_loss_coef x the distillation's.
+    use_task_rewards: bool = False
+    # The distillation term's weight when mixed with the task reward (use_task_rewards); 1 without it.
+    distillation_loss_coef: float = 1.0
+    # Each token's estimate is clamped to at most this (null: no clamp), and both logprobs to at least
+    # log_prob_min_clamp first (null: none), so that one token the teacher finds impossible does not
+    # dominate the batch.
+    loss_max_clamp: float | None = 10.0
+    log_prob_min_clamp: float | None = -10.0
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.path)
+
+    @property
+    def coef(self) -> float:
+        """The distillation term's weight (verl: distillation_loss_coef only with the task reward)."""
+        return self.distillation_loss_coef if self.use_task_rewards else 1.0
+
+    def check(self) -> None:
+        if not self.enabled:
+            # Distillation settings without a teacher would be silently ignored: refused instead.
+            changed = [
+                f.name for f in fields(self) if f.name != "path" and getattr(self, f.name) != f.default
+            ]
+            if changed:
+                raise ConfigError(
+                    f"{', '.join(f'teacher.{k}' for k in changed)} set, but teacher.path is empty: on-policy "
+                    "distillation needs a teacher; set teacher.path (a model directory sharing the actor's "
+                    "tokenizer, or tiny-teacher with model.path=tiny, as in recipe=opd_tiny), or drop the setting"
+                )
+            return
+        if not self.use_policy_gradient and self.loss_mode in ("k1", "kl"):
+            raise ConfigError(
+                f"teacher.loss_mode={self.loss_mode} with teacher.use_policy_gradient=false: the gradient of "
+                "log pi - log pi_T does not depend on the teacher, so the loss would teach nothing; use "
+                "teacher.loss_mode=k3 (or k2), or use_policy_gradient=true"
+            )
+        if self.distillation_loss_coef <= 0:
+            raise ConfigError(
+                f"teacher.distillation_loss_coef must be > 0, got {self.distillation_loss_coef}; to train on "
+                "the task reward alone, set teacher.path='' (no teacher)"
+            )
+        if self.loss_max_clamp is not None and self.loss_max_clamp <= 0:
+            raise ConfigError(f"teacher.loss_max_clamp must be > 0 or null, got {self.loss_max_clamp}")
+        if self.log_prob_min_clamp is not None and self.log_prob_min_clamp >= 0:
+            raise ConfigError(
+                f"teacher.log_prob_min_clamp must be < 0 (a log-probability) or null, got {self.log_prob_min_clamp}"
             )

@@ -24,6 +24,10 @@ class ParallelConfig:
     # tokens (greedy longest-first per mini-batch; spmdrl/distributed/exchange.py). Logged as
     # balance/<role>_token_imbalance (max / mean tokens per rank) with its value before balancing.
     balance_tokens: bool = False
+    # On-policy distillation (teacher.path): the teacher's FSDP2 shards on the last teacher_ranks of the
+    # actor's ranks only, where the actor's rows go to be scored and whence its logprobs come back; 0: on
+    # every actor rank, like the reference (nothing moves).
+    teacher_ranks: int = 0
     # HSDP: replicate over dp_replicate groups, shard within each (within each role's ranks).
     # 1 means plain FSDP over the role's ranks.
     dp_replicate: int = 1
@@ -40,6 +44,10 @@ class ParallelConfig:
             raise ConfigError(f"parallel.dp_replicate must be > 0, got {self.dp_replicate}")
         if self.ep < 1:
             raise ConfigError(f"parallel.ep must be >= 1 (1 = no expert parallelism), got {self.ep}")
+        if self.teacher_ranks < 0:
+            raise ConfigError(
+                f"parallel.teacher_ranks must be >= 0 (0: the teacher on every actor rank), got {self.teacher_ranks}"
+            )
         if self.critic_ranks < 0:
             raise ConfigError(
                 f"parallel.critic_ranks must be >= 0 (0 = half the world), got {self.critic_ranks}"

@@ -31,6 +31,9 @@ from spmdrl.distributed.config import ParallelConfig
 from spmdrl.errors import ConfigError
 
 ROLES = ("actor", "ref", "critic", "rollout")
+# Roles a placement holds only when the job has them: on-policy distillation's teacher (teacher.path), on
+# the actor's ranks or on the last parallel.teacher_ranks of them.
+OPTIONAL_ROLES = ("teacher",)
 
 
 def rollout_tp_groups(world_size: int, tp: int) -> list[list[int]]:
@@ -146,6 +149,25 @@ class Placement:
             kind="async",
         )
 
+    def with_teacher(self, teacher_ranks: int) -> Placement:
+        """This placement with on-policy distillation's teacher: sharded over the actor's ranks (0), or over
+        the last ``teacher_ranks`` of them, where the actor's rows go to be scored."""
+        actor = self.role("actor")
+        if not 0 <= teacher_ranks <= actor.num_ranks:
+            raise ConfigError(
+                f"parallel.teacher_ranks={teacher_ranks} does not fit the actor's {actor.num_ranks} ranks "
+                f"(world size {self.world_size}): pick 1..{actor.num_ranks}, or 0 to shard the teacher over "
+                "every actor rank"
+            )
+        n = teacher_ranks or actor.num_ranks
+        spec = RoleSpec("teacher", actor.first_rank + actor.num_ranks - n, n)
+        return Placement(self.world_size, {**self.roles, "teacher": spec}, self.kind)
+
+    @property
+    def teacher_apart(self) -> bool:
+        """Whether the teacher is on fewer ranks than the actor (its rows move to it and back)."""
+        return "teacher" in self.roles and self.roles["teacher"].ranks != self.role("actor").ranks
+
     @property
     def is_split(self) -> bool:
         return self.kind == "split"
@@ -166,7 +188,7 @@ class Placement:
         return [self.role("actor").first_rank, *self.role("critic").ranks] if self.is_split else []
 
     def describe(self) -> str:
-        parts = [self.roles[r].describe() for r in ("actor", "ref", "critic") if r in self.roles]
+        parts = [self.roles[r].describe() for r in ("actor", "ref", "critic", "teacher") if r in self.roles]
         if self.is_async:
             engines = (
                 self.roles["rollout"]
@@ -181,11 +203,17 @@ class Placement:
 
 
 def plan_placement(
-    p: ParallelConfig, world_size: int, *, needs_critic: bool, asynchronous: bool = False
+    p: ParallelConfig,
+    world_size: int,
+    *,
+    needs_critic: bool,
+    asynchronous: bool = False,
+    teacher: bool = False,
 ) -> Placement:
     """The placement ``parallel.*`` asks for on ``world_size`` ranks, or a ConfigError naming the fix.
     ``asynchronous``: the caller is the asynchronous loop (entry grpo_async), the only one that runs
-    parallel.placement=async, and only that.
+    parallel.placement=async, and only that. ``teacher``: the job distils from a teacher (teacher.path),
+    placed by parallel.teacher_ranks.
 
     Runs before any model or engine is built.
     """
@@ -195,6 +223,16 @@ def plan_placement(
             f"parallel.placement={p.placement} with expert parallelism is not supported yet: set parallel.ep=1 "
             "or parallel.placement=colocated"
         )
+    if p.teacher_ranks and not teacher:
+        raise ConfigError(
+            f"parallel.teacher_ranks={p.teacher_ranks} places a teacher, but the job has none: set teacher.path "
+            "(on-policy distillation, as in recipe=opd_tiny), or parallel.teacher_ranks=0"
+        )
+    placement = _plan(p, world_size, needs_critic=needs_critic, asynchronous=asynchronous)
+    return placement.with_teacher(p.teacher_ranks) if teacher else placement
+
+
+def _plan(p: ParallelConfig, world_size: int, *, needs_critic: bool, asynchronous: bool) -> Placement:
     if asynchronous or p.placement == "async":
         return _plan_async(p, world_size, asynchronous=asynchronous)
     if p.placement == "colocated":
@@ -277,7 +315,7 @@ class Meshes:
         self._meshes: dict[tuple[int, int, int], DeviceMesh] = {}
         self._groups: dict[tuple[int, int], dist.ProcessGroup | None] = {}
         self._experts: dict[str, DeviceMesh] = {}
-        for name in ROLES:
+        for name in (*ROLES, *OPTIONAL_ROLES):
             if name not in placement.roles:
                 continue
             spec = placement.roles[name]

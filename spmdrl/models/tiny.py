@@ -36,7 +36,10 @@ TINY = "tiny"
 TINY_MOE = "tiny-moe"
 # The vision-language model (an Idefics3: spmdrl.models.tiny_vl).
 TINY_VL = "tiny-vl"
-BUILT_IN_MODELS = (TINY, TINY_MOE, TINY_VL)
+# On-policy distillation's built-in teacher: a wider Qwen2 on this tokenizer, trained on the tiny task
+# (spmdrl.models.tiny_teacher).
+TINY_TEACHER = "tiny-teacher"
+BUILT_IN_MODELS = (TINY, TINY_MOE, TINY_VL, TINY_TEACHER)
 # What the built-in MoE's config.json says of its family (spmdrl.models.families), for checks made before
 # it is built.
 TINY_MOE_FAMILY_CONFIG = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}
@@ -215,6 +218,10 @@ def ensure_tiny_model(cache_dir: Path, name: str = TINY) -> Path:
         return build_once(
             target, tiny_vl.build_tiny_vl_model, tiny_vl.TINY_VL_FILES, f"built-in {name} model"
         )
+    if name == TINY_TEACHER:
+        from spmdrl.models.tiny_teacher import ensure_tiny_teacher
+
+        return ensure_tiny_teacher(cache_dir)
     moe = name == TINY_MOE
     dirname = TINY_MOE_DIRNAME if moe else TINY_MODEL_DIRNAME
     target = Path(cache_dir).expanduser() / dirname

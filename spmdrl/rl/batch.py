@@ -104,6 +104,8 @@ class PolicyBatch:
     advantages_BT: torch.Tensor
     old_logprobs_BT: torch.Tensor | None = None
     ref_logprobs_BT: torch.Tensor | None = None
+    # On-policy distillation: the teacher's logprobs of the sampled tokens (teacher.*).
+    teacher_logprobs_BT: torch.Tensor | None = None
     # Rollout-correction importance weights (detached), multiplied into the per-token policy loss.
     is_weights_BT: torch.Tensor | None = None
     # PPO with a critic: the critic's values before the update (at each token's position: the value of

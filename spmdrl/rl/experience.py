@@ -23,17 +23,27 @@ from spmdrl.algos.advantages import (
     compute_advantages,
     token_level_rewards,
 )
-from spmdrl.algos.config import AlgorithmConfig, RolloutCorrectionConfig
+from spmdrl.algos.config import AlgorithmConfig, RolloutCorrectionConfig, TeacherConfig
 from spmdrl.algos.correction import metric_reduction, rollout_correction
+from spmdrl.algos.distill import distill_advantages, mix_advantages, reverse_kl_sums
 from spmdrl.algos.kl_control import AdaptiveKLController, FixedKLController, apply_kl_penalty
 from spmdrl.derived import RLDerived
-from spmdrl.distributed.reduce import all_reduce_max, all_reduce_min, all_reduce_sum, sum_over_group
+from spmdrl.distributed.exchange import RowLayout, gather_lengths, move_rows
+from spmdrl.distributed.placement import Placement
+from spmdrl.distributed.reduce import (
+    all_reduce_max,
+    all_reduce_min,
+    all_reduce_sum,
+    all_reduce_sum_tensors,
+    sum_over_group,
+)
 from spmdrl.models.head import fused_chunk_for
 from spmdrl.rewards.config import RewardConfig
 from spmdrl.rewards.sandbox import RewardResult
 from spmdrl.rl.batch import PolicyBatch, build_policy_batch
 from spmdrl.rl.reference import Reference
 from spmdrl.rl.samples import ScoredSamples
+from spmdrl.rl.teacher import Teacher
 from spmdrl.rl.update import UpdateSettings, logprobs_and_sum_pi_squared_of, logprobs_of, micro_rows
 from spmdrl.rollout.mismatch import corrected_mismatch
 
@@ -62,11 +72,13 @@ def old_and_ref_logprobs(
     group: dist.ProcessGroup | None,
     *,
     recompute_old: bool,
+    teacher: Teacher | None = None,
 ) -> PolicyBatch:
     """No-grad passes over the actor's rows: the old policy's logprobs when ``recompute_old``
-    (needs_old_logprobs), with the sum of squared probabilities when the estimator reads it, and the
+    (needs_old_logprobs), with the sum of squared probabilities when the estimator reads it, the
     reference's logprobs when there is a reference (a KL term; under LoRA the actor with its adapters off,
-    spmdrl.rl.reference). Every rank of ``group`` calls it."""
+    spmdrl.rl.reference), and the teacher's when there is one (teacher.*: on-policy distillation). Every
+    rank of ``group`` calls it."""
     temp, pack = settings.temperature, settings.trainer.pack_sequences
     if recompute_old:
         parts = micro_rows(settings.trainer, rl, batch, group)
@@ -87,7 +99,47 @@ def old_and_ref_logprobs(
         with ref.scoring():
             ref_BT = logprobs_of(ref.model, batch, parts, temp, pack, fused)
         batch = batch.replace(ref_logprobs_BT=ref_BT)
+    if teacher is not None:
+        parts = micro_rows(settings.trainer, rl, batch, group)
+        teacher_BT = logprobs_of(
+            teacher.model, batch, parts, temp, pack, fused_chunk_for(settings.model, teacher.model)
+        )
+        batch = batch.replace(teacher_logprobs_BT=teacher_BT)
     return batch
+
+
+def teacher_logprobs_apart(
+    settings: UpdateSettings,
+    rl: RLDerived,
+    teacher: Teacher | None,
+    batch: PolicyBatch,
+    placement: Placement,
+    teacher_group: dist.ProcessGroup | None,
+    device: torch.device,
+) -> torch.Tensor:
+    """parallel.teacher_ranks: the teacher's logprobs of this rank's rows, scored on the teacher's ranks. The
+    rows (tokens and masks) go there, spread evenly in order; each teacher rank scores its share; the
+    logprobs come back to the rows' ranks. Every rank calls it (``teacher``: the module on the teacher's
+    ranks, None elsewhere)."""
+    sizes, lengths_N = gather_lengths(batch.attention_mask_BT.sum(dim=1), device)
+    width = int(lengths_N.max())
+    here = RowLayout.from_counts(sizes)
+    there = RowLayout.contiguous(lengths_N.numel(), placement.role("teacher").ranks)
+    spec = {"input_ids_BT": torch.long, "attention_mask_BT": torch.long, "response_mask_BT": torch.bool}
+    fields = {k: getattr(batch, k) for k in spec}
+    rows = move_rows(fields, spec, here, there, width=width, device=device)
+    scored = None
+    if rows is not None:
+        assert teacher is not None, "the teacher's ranks hold the teacher"
+        zeros_BT = torch.zeros(rows["input_ids_BT"].shape, dtype=torch.float32, device=device)
+        theirs = PolicyBatch(**rows, engine_logprobs_BT=zeros_BT, advantages_BT=zeros_BT)
+        parts = micro_rows(settings.trainer, rl, theirs, teacher_group)
+        fused = fused_chunk_for(settings.model, teacher.model)
+        temp, pack = settings.temperature, settings.trainer.pack_sequences
+        scored = {"teacher_logprobs_BT": logprobs_of(teacher.model, theirs, parts, temp, pack, fused)}
+    back = move_rows(scored, {"teacher_logprobs_BT": torch.float32}, there, here, width=width, device=device)
+    assert back is not None, "every rank holds rows"
+    return back["teacher_logprobs_BT"][:, : batch.input_ids_BT.shape[1]]
 
 
 def advantage_estimator(
@@ -219,12 +271,15 @@ def batch_advantages(
     device: torch.device,
     group: dist.ProcessGroup | None = None,
     reward_components_BK: torch.Tensor | None = None,
+    teacher: TeacherConfig | None = None,
 ) -> tuple[PolicyBatch, dict[str, float]]:
     """The advantages on the actor's ranks, in verl's order (its fit loop): the KL to the reference folded into
     the reward if asked (on the sampled mask), the rollout correction (its rejection edits the response
     mask), then algorithm.adv_estimator on the edited mask, so rejected tokens take no part in the
     whitening and returns. A rank holds whole groups (``samples_per_prompt``, rollout.n, rows each); the
-    batch-wide statistics are summed over ``group``.
+    batch-wide statistics are summed over ``group``. With a teacher (``teacher``: its section, when the
+    batch holds its logprobs) the distillation's dense advantages replace the task's or join them
+    (:func:`distill_experience`).
     """
     a = algo
     assert batch.token_rewards_BT is not None
@@ -247,7 +302,35 @@ def batch_advantages(
         reward_components_BK=reward_components_BK,
     )
     advantages_BT, returns_BT = estimate(token_rewards_BT, batch.response_mask_BT)
-    return batch.replace(advantages_BT=advantages_BT, returns_BT=returns_BT), metrics
+    batch = batch.replace(advantages_BT=advantages_BT, returns_BT=returns_BT)
+    if teacher is not None and teacher.enabled:
+        batch, distill_metrics = distill_experience(teacher, batch, group)
+        metrics.update(distill_metrics)
+    return batch, metrics
+
+
+def distill_experience(
+    teacher: TeacherConfig, batch: PolicyBatch, group: dist.ProcessGroup | None = None
+) -> tuple[PolicyBatch, dict[str, float]]:
+    """On-policy distillation on the actor's rows: the per-token reverse KL to the teacher (the metric
+    distill/reverse_kl, over ``group``'s rows) and, under teacher.use_policy_gradient, the dense advantage
+    -(log pi - log pi_T) on each sampled token, alone or added to the task's (teacher.use_task_rewards);
+    without it the task's advantages stay (zero without the task reward) and the update adds the loss
+    term. The student's logprobs are the old policy's: recomputed when a pass made them, else the
+    engine's, the policy that sampled the tokens."""
+    assert batch.teacher_logprobs_BT is not None, "old_and_ref_logprobs scores the teacher"
+    student_BT = batch.old_logprobs_BT if batch.old_logprobs_BT is not None else batch.engine_logprobs_BT
+    mask_BT = batch.response_mask_BT
+    kl_sum, tokens = reverse_kl_sums(student_BT, batch.teacher_logprobs_BT, mask_BT)
+    total = all_reduce_sum_tensors({"kl": kl_sum, "tokens": tokens}, group)
+    metrics = {"distill/reverse_kl": total["kl"] / max(total["tokens"], 1.0)}
+    if teacher.use_policy_gradient:
+        distill_BT = distill_advantages(teacher, student_BT, batch.teacher_logprobs_BT, mask_BT)
+        advantages_BT = mix_advantages(teacher, batch.advantages_BT, distill_BT)
+        batch = batch.replace(advantages_BT=advantages_BT)
+    elif not teacher.use_task_rewards:
+        batch = batch.replace(advantages_BT=torch.zeros_like(batch.advantages_BT))
+    return batch, metrics
 
 
 def needs_old_logprobs(algo: AlgorithmConfig, rl: RLDerived) -> bool:

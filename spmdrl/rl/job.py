@@ -69,6 +69,7 @@ from spmdrl.rl.plan import NO_EXTRA_ROLES, JobPlan, Roles, plan_job
 from spmdrl.rl.reference import Reference
 from spmdrl.rl.samples import ScoredSamples, train_samples, validate
 from spmdrl.rl.settings import update_settings
+from spmdrl.rl.teacher import Teacher, build_teacher, check_same_tokenizer
 from spmdrl.rl.token_budgets import measure_token_budgets, wants_memory_budgets
 from spmdrl.rl.update import UpdateSettings
 from spmdrl.rollout.engine import (
@@ -140,6 +141,8 @@ class RLJob:
     model_rewards: ModelRewards | None = None
     # The checkpoint loaded, if any (async: the rollout ranks read their queues in it).
     resumed_from: Path | None = None
+    # teacher.*: on-policy distillation's frozen teacher, on the actor's ranks (None: no distillation).
+    teacher: Teacher | None = None
 
     @property
     def cfg(self) -> Config:
@@ -225,7 +228,11 @@ def build_job(cfg: Config, roles: Roles = NO_EXTRA_ROLES) -> RLJob:
     # Which ranks run which role (a placement that cannot fit this world fails here, before the data;
     # the plan below, with the data's size, runs the rest of its checks).
     placement = plan_placement(
-        cfg.parallel, env.world_size, needs_critic=roles.critic, asynchronous=roles.asynchronous
+        cfg.parallel,
+        env.world_size,
+        needs_critic=roles.critic,
+        asynchronous=roles.asynchronous,
+        teacher=cfg.teacher.enabled,
     )
     world_size, local_world_size = node_layout_from_env()
     check_tp_within_nodes(cfg.rollout.tp, world_size, local_world_size)  # an engine never spans two nodes
@@ -286,6 +293,12 @@ def build_job(cfg: Config, roles: Roles = NO_EXTRA_ROLES) -> RLJob:
     )
     reward_fn = env_job.reward_fn if env_job else load_reward_fn(cfg.reward.fn)
     check_model_rewards(cfg.reward_model)  # reward_model.path's files, before the warm-start
+    # teacher.path: its files (a built-in teacher built once) and its tokenizer, the actor's, before the warm-start.
+    teacher_dir = None
+    if cfg.teacher.enabled and not cfg.trainer.val_only:
+        teacher_dir = resolve_model_path_all_ranks(cfg.teacher.path, run.cache_dir)
+        teacher_tok = load_tokenizer(teacher_dir, cfg.model.trust_remote_code)
+        check_same_tokenizer(tokenizer, teacher_tok, base_dir, teacher_dir)
     if env_job is None:
         check_data_sources(cfg.reward.fn, _data_sources(train_ds, val_ds))
 
@@ -337,6 +350,9 @@ def build_job(cfg: Config, roles: Roles = NO_EXTRA_ROLES) -> RLJob:
             meshes.group("actor"),
         )
         log.info("actor update: %s", describe_grad_sync(policy, cfg.trainer.defer_grad_sync))
+    teacher = None
+    if teacher_dir is not None and meshes.holds("teacher"):
+        teacher = build_teacher(cfg.teacher, cfg.model, cfg.trainer, teacher_dir, env.device, meshes)
     critic = None
     if plan.rl_critic is not None and meshes.holds("critic") and not val_only:
         c = build_critic(
@@ -419,6 +435,7 @@ def build_job(cfg: Config, roles: Roles = NO_EXTRA_ROLES) -> RLJob:
         checkpointer=checkpointer,
         started_at=started_at,
         model_rewards=model_rewards,
+        teacher=teacher,
     )
     _resume_or_start(job, roles, start)
     return job

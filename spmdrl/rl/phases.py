@@ -32,7 +32,12 @@ import torch.distributed as dist
 from spmdrl.data.prompts import PromptExample
 from spmdrl.logging.timer import PhaseTimer
 from spmdrl.rl.batch import PolicyBatch
-from spmdrl.rl.experience import batch_advantages, gdpo_reward_components, old_and_ref_logprobs
+from spmdrl.rl.experience import (
+    batch_advantages,
+    gdpo_reward_components,
+    old_and_ref_logprobs,
+    teacher_logprobs_apart,
+)
 from spmdrl.rl.job import (
     RLJob,
     finish,
@@ -192,8 +197,9 @@ def experience(job: RLJob, s: Step, batch: PolicyBatch, group: dist.ProcessGroup
     with s.timer("experience"):
         rows = plan_rows(cfg.parallel.balance_tokens, job.placement, job.rl, batch, job.device, group=group)
     sampled_mask_BT = batch.response_mask_BT  # the mismatch metric reads every sampled token
-    # Timed only when a pass runs: an on-policy step without a reference runs neither.
-    with s.timer.maybe("old_ref", job.recompute_old or job.ref is not None):
+    # Timed only when a pass runs: an on-policy step without a reference or a teacher runs none.
+    apart = job.placement.teacher_apart  # parallel.teacher_ranks: the rows go to the teacher and back
+    with s.timer.maybe("old_ref", job.recompute_old or job.ref is not None or cfg.teacher.enabled):
         batch = old_and_ref_logprobs(
             job.update_settings,
             job.rl,
@@ -202,7 +208,19 @@ def experience(job: RLJob, s: Step, batch: PolicyBatch, group: dist.ProcessGroup
             batch,
             job.actor_group,
             recompute_old=job.recompute_old,
+            teacher=None if apart else job.teacher,
         )
+        if apart:
+            teacher_BT = teacher_logprobs_apart(
+                job.update_settings,
+                job.rl,
+                job.teacher,
+                batch,
+                job.placement,
+                job.meshes.group("teacher"),
+                job.device,
+            )
+            batch = batch.replace(teacher_logprobs_BT=teacher_BT)
     with s.timer("experience"):  # the advantages (ReMax's baseline, gdpo's components where they apply)
         components_BK = gdpo_reward_components(cfg.algorithm, cfg.reward, s.samples.rewards)
         batch, metrics = batch_advantages(
@@ -214,6 +232,7 @@ def experience(job: RLJob, s: Step, batch: PolicyBatch, group: dist.ProcessGroup
             job.device,
             job.actor_group,
             components_BK,
+            cfg.teacher,
         )
     s.metrics.update(metrics)
     with s.timer.maybe("exchange", rows.moves):
@@ -271,7 +290,7 @@ def actor_metrics(job: RLJob, s: Step, group: dist.ProcessGroup | None = None) -
         **s.metrics,
         "actor/lr": actor.scheduler.get_last_lr()[0],
     }
-    passes = int(job.recompute_old) + int(job.ref is not None)
+    passes = int(job.recompute_old) + int(job.ref is not None) + int(job.teacher is not None)
     metrics.update(
         actor_perf_metrics(
             job.cfg.model,

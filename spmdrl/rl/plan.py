@@ -49,6 +49,9 @@ class JobPlan:
             out["critic_per_rank_mini_batch_seqs"] = self.rl_critic.per_rank_mini_batch_seqs
         if cfg.reward_model.enable or cfg.reward_model.judge.enable:
             out["reward_model"] = self.placement.role(self.scorer).describe()
+        if "teacher" in self.placement.roles:  # on-policy distillation: where the teacher is, its weight
+            out["teacher"] = self.placement.role("teacher").describe()
+            out["distillation_coef"] = cfg.teacher.coef
         out["recompute_old_logprobs"] = self.recompute_old
         out["offload_optimizer_between_updates"] = self.offload_optimizer
         return out
@@ -82,7 +85,11 @@ def plan_job(
     check_val_only(cfg)
     with_critic = roles.critic
     placement = plan_placement(
-        cfg.parallel, world_size, needs_critic=with_critic, asynchronous=roles.asynchronous
+        cfg.parallel,
+        world_size,
+        needs_critic=with_critic,
+        asynchronous=roles.asynchronous,
+        teacher=cfg.teacher.enabled,
     )
     if placement.is_async:
         check_async_batch(cfg, placement)

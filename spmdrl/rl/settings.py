@@ -26,6 +26,7 @@ def update_settings(cfg: Config) -> UpdateSettings:
         temperature=cfg.rollout.temperature,
         max_response_length=cfg.data.max_response_length,
         loss_section=cfg.section(loss_fn.section) if loss_fn.section is not None else None,
+        teacher=cfg.teacher,
     )
 
 

@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 from spmdrl.algos.aggregation import Aggregation, count_units_of_rows
-from spmdrl.algos.config import AlgorithmConfig
+from spmdrl.algos.config import AlgorithmConfig, TeacherConfig
+from spmdrl.algos.distill import distill_estimate
 from spmdrl.algos.kl import kl_penalty
 from spmdrl.algos.policy_losses import POLICY_LOSSES, agg_mode_for
 from spmdrl.algos.value_loss import clipped_value_loss
@@ -59,6 +60,8 @@ class UpdateSettings:
     # The values of the config section the policy loss declared (its ``section``), None if it declared
     # none: resolved once, with the loss's name, where the settings are gathered.
     loss_section: Any = None
+    # On-policy distillation (teacher.*): its loss term, when it is one (use_policy_gradient=false).
+    teacher: TeacherConfig = dataclasses.field(default_factory=TeacherConfig)
 
 
 def micro_rows(
@@ -401,6 +404,12 @@ def micro_batch_loss(
         # model.router_aux_loss_coef: transformers' load-balancing loss of this micro-batch's routing, added
         # as transformers adds it (coef x loss per forward); one term per micro-batch, like the forward's.
         loss = loss + aux_coef * fwd.router_aux_loss
+    t = settings.teacher
+    if t.enabled and not t.use_policy_gradient:  # the distillation as a loss term (spmdrl.algos.distill)
+        assert mb.teacher_logprobs_BT is not None
+        distill_loss = agg(distill_estimate(t, lp_BT, mb.teacher_logprobs_BT), mask_BT)
+        loss = loss + t.coef * distill_loss
+        stats["distill_loss"] = distill_loss.detach()
     ent_loss = agg(ent_BT, mask_BT)
     if entropy_in_loss:
         loss = loss - a.entropy_coeff * ent_loss
@@ -439,7 +448,7 @@ class _DeviceSums:
 
 # Summed over micro-batches and ranks, these are the mini-batch's loss terms (each micro-batch is already
 # divided by the mini-batch's global count); the others are micro-batch means, averaged.
-_SUMMED = ("pg_loss", "kl_loss", "entropy")
+_SUMMED = ("pg_loss", "kl_loss", "distill_loss", "entropy")
 
 
 def update_policy(

@@ -91,3 +91,24 @@ def test_bad_expert_parallelism_is_rejected(parallel: ParallelConfig, world: int
 def test_ep_below_one_is_rejected() -> None:
     with pytest.raises(ConfigError, match="parallel.ep must be >= 1"):
         ParallelConfig(ep=0).check()
+
+
+def test_the_teacher_goes_on_the_actors_ranks_or_the_last_teacher_ranks_of_them():
+    both = plan_placement(ParallelConfig(), 4, needs_critic=False, teacher=True)
+    assert both.role("teacher").ranks == [0, 1, 2, 3] and not both.teacher_apart
+    apart = plan_placement(ParallelConfig(teacher_ranks=1), 4, needs_critic=False, teacher=True)
+    assert apart.role("teacher").ranks == [3] and apart.teacher_apart
+    assert "teacher: rank 3 (FSDP 1)" in apart.describe()
+    assert "teacher" not in plan_placement(ParallelConfig(), 4, needs_critic=False).roles
+
+
+@pytest.mark.parametrize(
+    ("teacher_ranks", "teacher", "expect"),
+    [
+        (5, True, r"parallel.teacher_ranks=5 does not fit the actor's 4 ranks .*pick 1..4"),
+        (2, False, r"parallel.teacher_ranks=2 places a teacher, but the job has none: set teacher.path"),
+    ],
+)
+def test_teacher_ranks_that_cannot_work_are_refused(teacher_ranks: int, teacher: bool, expect: str):
+    with pytest.raises(ConfigError, match=expect):
+        plan_placement(ParallelConfig(teacher_ranks=teacher_ranks), 4, needs_critic=False, teacher=teacher)

@@ -129,3 +129,32 @@ def test_bypass_mode_trains_against_the_engine_logprobs() -> None:
     expected_kl = ((mb.engine_logprobs_BT - lp_BT.detach()) * mask_BT).sum() / mask_BT.sum()
     torch.testing.assert_close(out.stats["ppo_kl"], expected_kl)
     assert "rollout_corr/rollout_is_mean" in out.stats
+
+
+def test_distillation_as_a_loss_term_is_the_teacher_estimate_added_to_the_policy_loss() -> None:
+    # teacher.use_policy_gradient=false: the k3 estimate of KL(student || teacher) on the sampled tokens, its
+    # own term (actor/distill_loss), weighted by distillation_loss_coef next to the task's policy loss.
+    from spmdrl.algos.config import TeacherConfig
+
+    cfg = dataclasses.replace(
+        _cfg(use_kl_loss=False),
+        teacher=TeacherConfig(
+            path="tiny-teacher",
+            loss_mode="k3",
+            use_policy_gradient=False,
+            use_task_rewards=True,
+            distillation_loss_coef=0.5,
+        ),
+    )
+    validate(cfg)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(**SMALL_QWEN2)).float()
+    mb = _batch()
+    mb = mb.replace(teacher_logprobs_BT=mb.engine_logprobs_BT - 0.7)
+    mask_BT = mb.response_mask_BT
+    agg = Aggregation.local("token-mean", mask_BT)
+    out = micro_batch_loss(update_settings(cfg), model, mb, agg)
+    lp_BT, _ = policy_logprobs(model, mb.input_ids_BT, mb.attention_mask_BT, first_column=4)
+    expected = agg(kl_penalty(lp_BT.detach(), mb.teacher_logprobs_BT, "k3"), mask_BT)
+    torch.testing.assert_close(out.stats["distill_loss"], expected)
+    torch.testing.assert_close(out.loss.detach(), out.stats["pg_loss"] + 0.5 * expected)
