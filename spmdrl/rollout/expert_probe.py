@@ -12,19 +12,19 @@ ranks like the other keys.
 
 Unlike a linear layer's probe this is not exact. vLLM 0.32's CPU kernel computes in float32 but rounds
 the intermediate ``silu(gate) * up`` and each output to the engine dtype; in bf16 that moves the outputs
-by ~0.23% of their L2 norm (measured on tiny-moe; a float32 engine: ~2e-7). The three reduced numbers
-are random-sign sums of the outputs, so their error is of that size too, but they themselves cancel at
+by ~0.23% of their L2 norm (measured on tiny-moe: a float64 reference that rounds the same two places
+matches the kernel exactly for most experts; a float32 engine: ~2e-7). The three reduced numbers are
++-1-weighted sums of the outputs, so their error is of that size too, but they themselves cancel at
 random: the largest of the three was as small as 0.085 of the outputs' norm (3,200 expert probes), so a
-tolerance relative to them cannot work (a bf16 engine's clean syncs failed 2% of the largest number for
-about one expert probe in 450). The trainer, which has the exact outputs, instead derives each key's slack
-from the size the rounding acts on (:func:`rounding_slack`): ``KERNEL_TOL * unit * size``, with
-``size = sqrt(sum y^2 + sum_ij down_ij^2 h_j^2)`` and ``unit`` the dtype's eps plus float32's accumulation
-over the width. Measured (tiny-moe, 3,200 expert probes per dtype, 5 weight sets x 40 check seeds): each
-reduced number's deviation from the trainer's is 0.21 (bf16) and 0.10 (float32) of ``unit * size`` in
-standard deviation, 0.87 and 0.43 at most; the slack, 3 units, is 14 and 29 standard deviations. A
-layout the kernel misreads gives the outputs of other weights, which differ by about the outputs' own
-norm: an expert's elements in reverse order (tiny-moe's sizes, 20 seeds) moved the largest of the three
-numbers by 28-108 times the bf16 slack (median 55) and ~3e5 times the float32 one.
+tolerance relative to them cannot work (2% of the largest failed a bf16 engine's clean syncs for about
+one expert probe in 450). The trainer, which has the exact outputs, instead derives each number's slack
+from the size of the roundings it adds up (:func:`rounding_slack`). Measured (tiny-moe, 5 weight sets x
+40 check seeds, 3,200 expert probes per dtype): each number's deviation from the trainer's is 0.17 (bf16)
+and 0.084 (float32) of its rounding unit in standard deviation, 0.71 and 0.36 at most; the slack,
+:data:`KERNEL_TOL` = 3 units (about 4% of the outputs' norm in bf16, 8e-6 in float32), is 17 and 36
+standard deviations. A layout the kernel misreads gives the outputs of other weights, which differ by
+about the outputs' own norm: an expert's elements in reverse order (tiny-moe's sizes, 20 seeds) moved
+its numbers by 24-86 times the bf16 slack (median 45) and ~2e5 times the float32 one.
 """
 
 from __future__ import annotations
@@ -54,21 +54,29 @@ def reduce_outputs(y_RH: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return torch.stack([y_H.sum(), (y_H * s[0]).sum(), (y_H * s[1]).sum()])
 
 
-def rounding_slack(down: torch.Tensor, h: torch.Tensor, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """How far a kernel's reduced numbers may deviate from the exact ones (float64, 0-d, on the device).
+def rounding_slack(
+    down: torch.Tensor, h: torch.Tensor, y: torch.Tensor, s: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """How far each of a kernel's three reduced numbers (:func:`reduce_outputs`) may deviate from the
+    exact ones: float64, shape (3,), on the device. ``down``: (outputs, width); ``h``: (width, rows), the
+    intermediate; ``y = down @ h``; ``s``: the signs.
 
-    The kernel rounds each output ``y = down @ h`` and each intermediate ``h`` to ``dtype`` (relative
-    error up to eps/2 each) and accumulates the width's products in float32. Each reduced number is a
-    +-1-weighted sum of the outputs, so its error is a sum of those roundings with random signs: of the
-    order of eps times ``size = sqrt(sum y^2 + sum_ij down_ij^2 h_j^2)``, whatever the reduced numbers
-    themselves (they cancel at random: as small as a tenth of ``|y|`` measured). ``size`` is what the
-    outputs' rounding (the first term) and the intermediate's, carried through ``down`` (the second)
-    act on; it covers a TP-sliced kernel too, whose partial outputs, each rounded, add up to ``y`` (the
-    partials' squares sum to about the second term). The slack is :data:`KERNEL_TOL` such units.
+    The kernel rounds each output and each intermediate value to ``dtype`` (relative error up to eps/2)
+    and accumulates the width's products in float32. A reduced number weights the outputs by ``w`` (ones,
+    or the signs), so its error is a sum of independent roundings, of the order of eps times
+    ``size = sqrt(sum y^2 + sum_ij down_ij^2 h_j^2 + sum_j (w @ down)_j^2 h_j^2)`` (summed over the rows),
+    whatever the reduced number itself (they cancel at random). The first two terms are what the outputs'
+    rounding acts on, on one rank (``y``) or as the partial outputs of a TP-sliced kernel (whose squares
+    sum to about the second term); the third is the intermediate's rounding carried through ``down`` to
+    this number (for the plain sum, ``ones @ down`` is as large as ``down``'s columns are one-signed).
+    The slack is :data:`KERNEL_TOL` times eps (plus float32's accumulation over the width) times ``size``.
     """
     unit = _input_eps(dtype, down.device) + torch.finfo(torch.float32).eps * math.sqrt(down.shape[1])
-    size = (y.square().sum() + (down.square() @ h.square()).sum()).sqrt()
-    return KERNEL_TOL * unit * size
+    h_sq = h.square()
+    outputs = y.square().sum() + (down.square() @ h_sq).sum()
+    weights = torch.cat([torch.ones_like(s[:1]), s])  # (3, outputs): how each number weights the outputs
+    intermediate = (weights @ down).square() @ h_sq.sum(1)
+    return KERNEL_TOL * unit * (outputs + intermediate).sqrt()
 
 
 def _input_eps(dtype: torch.dtype, device: torch.device) -> float:
@@ -120,7 +128,10 @@ class ExpertOutputs:
         y_HR = down @ h
         s = signs(t.shape[0], self.seed, t.device)
         self.fp.add_sums(
-            kernel_key(name, e), name, reduce_outputs(y_HR.T, s), slack=rounding_slack(down, h, y_HR, t.dtype)
+            kernel_key(name, e),
+            name,
+            reduce_outputs(y_HR.T, s),
+            slack=rounding_slack(down, h, y_HR, s, t.dtype),
         )
 
 

@@ -158,11 +158,11 @@ class Fingerprint:
         # Added since the last read, not yet reduced: (key, how many times it counts, the probed values).
         self._pending: list[tuple[str, int, torch.Tensor]] = []
         # Sums already taken (whole experts, kernel probes): (key, times, the three numbers in float64,
-        # the deviation their rounding allows or None).
+        # the deviation rounding allows each of them or None).
         self._pending_sums: list[tuple[str, int, torch.Tensor, torch.Tensor | None]] = []
         # Per key whose numbers a kernel computes with rounding (an expert's probe through its kernel): how
         # far the engine's may deviate from these, from the size of that rounding (trainer side only).
-        self._slack: dict[str, float] = {}
+        self._slack: dict[str, list[float]] = {}
         self._probes: ProbeRows | None = None
 
     def probes(self, seed: int) -> ProbeRows:
@@ -190,25 +190,24 @@ class Fingerprint:
             for entry in entries:
                 by_device_sums.setdefault(entry[2].device, []).append(entry)
             for group in by_device_sums.values():
-                # Each row: the three numbers and the slack (0 where none), read in one copy per device.
+                # Each row: the three numbers and their slacks (0 where none), read in one copy per device.
                 rows = torch.stack(
-                    [
-                        torch.cat([s, (sl if sl is not None else s.new_zeros(())).reshape(1)])
-                        for _, _, s, sl in group
-                    ]
+                    [torch.cat([s, sl if sl is not None else torch.zeros_like(s)]) for _, _, s, sl in group]
                 ).tolist()
                 for (key, times, _, sl), sums in zip(group, rows, strict=True):
                     acc = self._totals.setdefault(key, [0.0, 0.0, 0.0])
                     for i in range(3):
                         acc[i] += times * sums[i]
                     if sl is not None:
-                        self._slack[key] = self._slack.get(key, 0.0) + times * sums[3]
+                        slack = self._slack.setdefault(key, [0.0, 0.0, 0.0])
+                        for i in range(3):
+                            slack[i] += times * sums[3 + i]
         return self._totals
 
     @property
-    def slack(self) -> dict[str, float]:
-        """Per key probed through a kernel that rounds: the deviation of its numbers that rounding allows
-        (:meth:`add_sums`'s ``slack``), every add so far included."""
+    def slack(self) -> dict[str, list[float]]:
+        """Per key probed through a kernel that rounds: the deviation of each of its three numbers that
+        rounding allows (:meth:`add_sums`'s ``slack``), every add so far included."""
         _ = self.values  # (reduces what is pending, slacks included)
         return self._slack
 
@@ -234,8 +233,8 @@ class Fingerprint:
     ) -> None:
         """Sums already taken (:func:`whole_sums`) for ``key``: an expert's, whose order the engine permutes.
 
-        ``slack`` (a 0-d float64 tensor, trainer side): how far the engine's three numbers may deviate from
-        these, where the engine computes them with rounding (spmdrl.rollout.expert_probe)."""
+        ``slack`` (three float64 numbers, trainer side): how far the engine's three numbers may each deviate
+        from these, where the engine computes them with rounding (spmdrl.rollout.expert_probe)."""
         self.names.setdefault(key, []).append(name)
         if times == 0:
             self._totals.setdefault(key, [0.0, 0.0, 0.0])
@@ -303,15 +302,16 @@ class Divergence:
     trainer: tuple[float, float, float]
     engine_names: tuple[str, ...]
     trainer_names: tuple[str, ...]
-    # A probe through a kernel: the deviation its rounding allowed (each of the three numbers).
-    allowed: float | None = None
+    # A probe through a kernel: the deviation its rounding allowed each of the three numbers.
+    allowed: tuple[float, float, float] | None = None
 
     def describe(self) -> str:
         e, t = self.engine, self.trainer
         if self.allowed is not None:
             values = (
                 f"engine {e[0]:.6g}, {e[1]:.6g}, {e[2]:.6g} vs trainer {t[0]:.6g}, {t[1]:.6g}, {t[2]:.6g} "
-                f"(sum and two signed sums of its outputs; the kernel's rounding allows {self.allowed:.3g})"
+                "(sum and two signed sums of its outputs; the kernel's rounding allows "
+                f"{', '.join(f'{a:.3g}' for a in self.allowed)})"
             )
         else:
             values = f"engine sum {e[0]:.9g}, sum sq {e[1]:.9g} vs trainer sum {t[0]:.9g}, sum sq {t[1]:.9g}"
@@ -325,19 +325,26 @@ def compare(engine: Fingerprint, trainer: Fingerprint, tol: float) -> list[Diver
     """Keys whose sums differ by more than ``tol`` times their sum of magnitudes (or exist on one side only).
 
     Exact kernels agree to float64 rounding (about 1e-16 relative); ``tol`` leaves room for kernels
-    that round their output (TF32 matmuls, say) while staying far below one optimizer update.
+    that round their output (TF32 matmuls, say) while staying far below one optimizer update. An expert's
+    probe through its kernel is compared number by number within the trainer's :attr:`Fingerprint.slack`
+    (or ``tol`` of its largest number, where wider).
     """
     out = []
     for key in sorted(engine.values.keys() | trainer.values.keys()):
         e = engine.values.get(key, [0.0, 0.0, 0.0])
         t = trainer.values.get(key, [0.0, 0.0, 0.0])
-        allowed: float | None = None
+        allowed: tuple[float, float, float] | None = None
         if key.endswith(_KERNEL_PART):
-            # Within the rounding the trainer computed for this key (a key it lacks allows none), or ``tol``
-            # of the largest number where that is wider (a quantized engine's raised tolerance).
+            # Within the rounding the trainer computed for each number (a key it lacks allows none), or
+            # ``tol`` of the largest number where that is wider (a quantized engine's raised tolerance).
             largest = max(max(abs(x) for x in e), max(abs(x) for x in t))
-            allowed = max(tol * largest, trainer.slack.get(key, 0.0))
-            differs = any(abs(a - b) > allowed for a, b in zip(e, t, strict=True))
+            slack = trainer.slack.get(key, [0.0, 0.0, 0.0])
+            allowed = (
+                max(tol * largest, slack[0]),
+                max(tol * largest, slack[1]),
+                max(tol * largest, slack[2]),
+            )
+            differs = any(abs(a - b) > m for a, b, m in zip(e, t, allowed, strict=True))
         else:
             scale = max(e[2], t[2], 1e-30)
             sq_scale = max(e[1], t[1], 1e-30)

