@@ -72,10 +72,11 @@ def rounding_slack(
     The slack is :data:`KERNEL_TOL` times eps (plus float32's accumulation over the width) times ``size``.
     """
     unit = _input_eps(dtype, down.device) + torch.finfo(torch.float32).eps * math.sqrt(down.shape[1])
-    h_sq = h.square()
-    outputs = y.square().sum() + (down.square() @ h_sq).sum()
+    h_sq = h.square().sum(1)  # (width,): over the rows
+    # (A reduction over down's columns: no squared copy of the matrix.)
+    outputs = y.square().sum() + torch.linalg.vector_norm(down, dim=0).square() @ h_sq
     weights = torch.cat([torch.ones_like(s[:1]), s])  # (3, outputs): how each number weights the outputs
-    intermediate = (weights @ down).square() @ h_sq.sum(1)
+    intermediate = (weights @ down).square() @ h_sq
     return KERNEL_TOL * unit * (outputs + intermediate).sqrt()
 
 
