@@ -31,8 +31,9 @@ check reads the parameter the kernel reads and compares sums that do not depend 
 and expert, the sum, sum of squares and sum of magnitudes of its gate/up matrix and of its down matrix,
 against the same sums of the per-expert tensors the trainer sent (:func:`expert_key`). A stale expert, one
 that never arrived, or two experts swapped differ; a permutation *within* an expert's matrix (a layout the
-kernel does not read) would not, so each expert is also probed through the kernel itself, with a relative
-tolerance (:data:`KERNEL_TOL`; spmdrl.rollout.expert_probe).
+kernel does not read) would not, so each expert is also probed through the kernel itself, within a slack
+the trainer derives from the size of the kernel's rounding (:attr:`Fingerprint.slack`;
+spmdrl.rollout.expert_probe).
 
 The check's cost is host work per tensor, not arithmetic (a few thousand probed numbers per tensor), so
 each tensor costs one operation: its probed columns, taken with one ``index_select`` whose index (one per
@@ -105,9 +106,7 @@ def expert_key(name: str, expert: int, part: str) -> str:
 
 
 # An expert's outputs through the fused-MoE kernel (spmdrl.rollout.expert_probe): not exact, so compared
-# relative to the key's largest number (fp32 kernels agree to ~1e-6 of it, bf16 ones to ~1e-3; a layout the
-# kernel misreads differs by the outputs' own size).
-KERNEL_TOL = 2e-2
+# within the slack the trainer derives from the size of the kernel's rounding (Fingerprint.slack).
 _KERNEL_PART = "through its kernel"
 
 
@@ -172,8 +171,12 @@ class Fingerprint:
         self._totals: dict[str, list[float]] = {}
         # Added since the last read, not yet reduced: (key, how many times it counts, the probed values).
         self._pending: list[tuple[str, int, torch.Tensor]] = []
-        # Sums already taken (whole experts): (key, times, [sum, sum sq, sum |x|] in float64).
-        self._pending_sums: list[tuple[str, int, torch.Tensor]] = []
+        # Sums already taken (whole experts, kernel probes): (key, times, the three numbers in float64,
+        # the deviation rounding allows each of them or None).
+        self._pending_sums: list[tuple[str, int, torch.Tensor, torch.Tensor | None]] = []
+        # Per key whose numbers a kernel computes with rounding (an expert's probe through its kernel): how
+        # far the engine's may deviate from these, from the size of that rounding (trainer side only).
+        self._slack: dict[str, list[float]] = {}
         self._probes: ProbeRows | None = None
 
     def probes(self, seed: int) -> ProbeRows:
@@ -197,16 +200,30 @@ class Fingerprint:
                         acc[i] += times * sums[i]
         if self._pending_sums:
             entries, self._pending_sums = self._pending_sums, []
-            by_device_sums: dict[torch.device, list[tuple[str, int, torch.Tensor]]] = {}
+            by_device_sums: dict[torch.device, list[tuple[str, int, torch.Tensor, torch.Tensor | None]]] = {}
             for entry in entries:
                 by_device_sums.setdefault(entry[2].device, []).append(entry)
             for group in by_device_sums.values():
-                rows = torch.stack([s for _, _, s in group]).tolist()  # one read per device
-                for (key, times, _), sums in zip(group, rows, strict=True):
+                # Each row: the three numbers and their slacks (0 where none), read in one copy per device.
+                rows = torch.stack(
+                    [torch.cat([s, sl if sl is not None else torch.zeros_like(s)]) for _, _, s, sl in group]
+                ).tolist()
+                for (key, times, _, sl), sums in zip(group, rows, strict=True):
                     acc = self._totals.setdefault(key, [0.0, 0.0, 0.0])
                     for i in range(3):
                         acc[i] += times * sums[i]
+                    if sl is not None:
+                        slack = self._slack.setdefault(key, [0.0, 0.0, 0.0])
+                        for i in range(3):
+                            slack[i] += times * sums[3 + i]
         return self._totals
+
+    @property
+    def slack(self) -> dict[str, list[float]]:
+        """Per key probed through a kernel that rounds: the deviation of each of its three numbers that
+        rounding allows (:meth:`add_sums`'s ``slack``), every add so far included."""
+        _ = self.values  # (reduces what is pending, slacks included)
+        return self._slack
 
     @values.setter
     def values(self, totals: dict[str, list[float]]) -> None:
@@ -225,13 +242,18 @@ class Fingerprint:
             probed = probed.detach() if probed.requires_grad else probed
             self._pending.append((key, times, probed.reshape(-1)))
 
-    def add_sums(self, key: str, name: str, sums: torch.Tensor, times: int = 1) -> None:
-        """Sums already taken (:func:`whole_sums`) for ``key``: an expert's, whose order the engine permutes."""
+    def add_sums(
+        self, key: str, name: str, sums: torch.Tensor, times: int = 1, slack: torch.Tensor | None = None
+    ) -> None:
+        """Sums already taken (:func:`whole_sums`) for ``key``: an expert's, whose order the engine permutes.
+
+        ``slack`` (three float64 numbers, trainer side): how far the engine's three numbers may each deviate
+        from these, where the engine computes them with rounding (spmdrl.rollout.expert_probe)."""
         self.names.setdefault(key, []).append(name)
         if times == 0:
             self._totals.setdefault(key, [0.0, 0.0, 0.0])
         else:
-            self._pending_sums.append((key, times, sums))
+            self._pending_sums.append((key, times, sums, slack))
 
     def add_matrix(self, name: str, full: torch.Tensor, seed: int, times: int = 1) -> None:
         """A trainer tensor (out x in): its probed columns, as a one-hot probe through a kernel returns them."""
@@ -296,12 +318,21 @@ class Divergence:
     trainer: tuple[float, float, float]
     engine_names: tuple[str, ...]
     trainer_names: tuple[str, ...]
+    # A probe through a kernel: the deviation its rounding allowed each of the three numbers.
+    allowed: tuple[float, float, float] | None = None
 
     def describe(self) -> str:
         e, t = self.engine, self.trainer
+        if self.allowed is not None:
+            values = (
+                f"engine {e[0]:.6g}, {e[1]:.6g}, {e[2]:.6g} vs trainer {t[0]:.6g}, {t[1]:.6g}, {t[2]:.6g} "
+                "(sum and two signed sums of its outputs; the kernel's rounding allows "
+                f"{', '.join(f'{a:.3g}' for a in self.allowed)})"
+            )
+        else:
+            values = f"engine sum {e[0]:.9g}, sum sq {e[1]:.9g} vs trainer sum {t[0]:.9g}, sum sq {t[1]:.9g}"
         return (
-            f"  {self.key}: engine sum {e[0]:.9g}, sum sq {e[1]:.9g} vs trainer sum {t[0]:.9g}, sum sq "
-            f"{t[1]:.9g}\n    engine layers: {', '.join(self.engine_names) or '(none)'}\n"
+            f"  {self.key}: {values}\n    engine layers: {', '.join(self.engine_names) or '(none)'}\n"
             f"    trainer tensors: {', '.join(self.trainer_names) or '(none)'}"
         )
 
@@ -310,15 +341,26 @@ def compare(engine: Fingerprint, trainer: Fingerprint, tol: float) -> list[Diver
     """Keys whose sums differ by more than ``tol`` times their sum of magnitudes (or exist on one side only).
 
     Exact kernels agree to float64 rounding (about 1e-16 relative); ``tol`` leaves room for kernels
-    that round their output (TF32 matmuls, say) while staying far below one optimizer update.
+    that round their output (TF32 matmuls, say) while staying far below one optimizer update. An expert's
+    probe through its kernel is compared number by number within the trainer's :attr:`Fingerprint.slack`
+    (or ``tol`` of its largest number, where wider).
     """
     out = []
     for key in sorted(engine.values.keys() | trainer.values.keys()):
         e = engine.values.get(key, [0.0, 0.0, 0.0])
         t = trainer.values.get(key, [0.0, 0.0, 0.0])
+        allowed: tuple[float, float, float] | None = None
         if key.endswith(_KERNEL_PART):
-            largest = max(max(abs(x) for x in e), max(abs(x) for x in t), 1e-30)
-            differs = any(abs(a - b) > max(tol, KERNEL_TOL) * largest for a, b in zip(e, t, strict=True))
+            # Within the rounding the trainer computed for each number (a key it lacks allows none), or
+            # ``tol`` of the largest number where that is wider (a quantized engine's raised tolerance).
+            largest = max(max(abs(x) for x in e), max(abs(x) for x in t))
+            slack = trainer.slack.get(key, [0.0, 0.0, 0.0])
+            allowed = (
+                max(tol * largest, slack[0]),
+                max(tol * largest, slack[1]),
+                max(tol * largest, slack[2]),
+            )
+            differs = any(abs(a - b) > m for a, b, m in zip(e, t, allowed, strict=True))
         else:
             scale = max(e[2], t[2], 1e-30)
             sq_scale = max(e[1], t[1], 1e-30)
@@ -331,6 +373,7 @@ def compare(engine: Fingerprint, trainer: Fingerprint, tol: float) -> list[Diver
                     (t[0], t[1], t[2]),
                     tuple(engine.names.get(key, [])),
                     tuple(trainer.names.get(key, [])),
+                    allowed,
                 )
             )
     return out

