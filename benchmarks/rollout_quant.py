@@ -147,7 +147,9 @@ def _measure(a: argparse.Namespace, model_dir: Path, model: torch.nn.Module, met
         for r in range(a.repeats):
             _sync(a.device)
             t0 = time.perf_counter()
-            round_gens = engine.generate(prompts, SamplingSpec(n=a.samples, max_tokens=a.max_tokens, seed=1 + r))
+            round_gens = engine.generate(
+                prompts, SamplingSpec(n=a.samples, max_tokens=a.max_tokens, seed=1 + r)
+            )
             _sync(a.device)
             times.append(time.perf_counter() - t0)
             tokens = sum(len(g.token_ids) for g in round_gens)
