@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from spmdrl.data.images import PLACEHOLDER
-from spmdrl.data.parquet import DataError, write_parquet_atomic
+from spmdrl.data.parquet import IMAGES, DataError, verl_schema, write_parquet_atomic
 from spmdrl.data.sources import load_hub_dataset
 
 DATA_SOURCE = "hiyouga/geometry3k"
@@ -36,25 +36,9 @@ SPLITS = ("train", "test")
 DEFAULT_OUT = "~/data/geo3k"
 INSTRUCTION = "Think step by step, then put the final answer in \\boxed{}."
 
-SCHEMA = pa.schema(
-    [
-        ("data_source", pa.string()),
-        ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
-        ("images", pa.list_(pa.struct([("bytes", pa.binary()), ("path", pa.string())]))),
-        ("ability", pa.string()),
-        ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
-        (
-            "extra_info",
-            pa.struct(
-                [
-                    ("split", pa.string()),
-                    ("index", pa.int64()),
-                    ("answer", pa.string()),
-                    ("question", pa.string()),
-                ]
-            ),
-        ),
-    ]
+SCHEMA = verl_schema(
+    [("split", pa.string()), ("index", pa.int64()), ("answer", pa.string()), ("question", pa.string())],
+    after_prompt=[("images", IMAGES)],
 )
 
 

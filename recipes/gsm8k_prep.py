@@ -29,7 +29,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from spmdrl.data.parquet import DataError, write_parquet_atomic
+from spmdrl.data.parquet import DataError, verl_schema, write_parquet_atomic
 from spmdrl.data.sources import load_hub_dataset
 
 DATA_SOURCE = "openai/gsm8k"
@@ -43,24 +43,8 @@ INSTRUCTION = 'Let\'s think step by step and output the final answer after "####
 _FINAL_ANSWER_RE = re.compile(r"#### (-?[0-9.,]+)")
 
 # Written explicitly (not inferred) so that every file has the same column types, whatever its rows.
-SCHEMA = pa.schema(
-    [
-        ("data_source", pa.string()),
-        ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
-        ("ability", pa.string()),
-        ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
-        (
-            "extra_info",
-            pa.struct(
-                [
-                    ("split", pa.string()),
-                    ("index", pa.int64()),
-                    ("answer", pa.string()),
-                    ("question", pa.string()),
-                ]
-            ),
-        ),
-    ]
+SCHEMA = verl_schema(
+    [("split", pa.string()), ("index", pa.int64()), ("answer", pa.string()), ("question", pa.string())]
 )
 
 

@@ -30,7 +30,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from spmdrl.data.parquet import DataError, write_parquet_atomic
+from spmdrl.data.parquet import DataError, verl_schema, write_parquet_atomic
 from spmdrl.data.sources import load_hub_dataset
 
 DATA_SOURCE = "DigitalLearningGmbH/MATH-lighteval"
@@ -41,19 +41,8 @@ DEFAULT_OUT = "~/data/math"
 INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
 
-SCHEMA = pa.schema(
-    [
-        ("data_source", pa.string()),
-        ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
-        ("ability", pa.string()),
-        ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
-        (
-            "extra_info",
-            pa.struct(
-                [("split", pa.string()), ("index", pa.int64()), ("level", pa.string()), ("type", pa.string())]
-            ),
-        ),
-    ]
+SCHEMA = verl_schema(
+    [("split", pa.string()), ("index", pa.int64()), ("level", pa.string()), ("type", pa.string())]
 )
 
 

@@ -175,6 +175,35 @@ def _describe(value: Any) -> str:
     return f"{type(value).__name__} {text}"
 
 
+# verl's row layout, the one every data writer here produces: chat messages, images as bytes or paths.
+MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+IMAGES = pa.list_(pa.struct([("bytes", pa.binary()), ("path", pa.string())]))
+
+
+def verl_schema(
+    extra_info: Sequence[tuple[str, pa.DataType]],
+    *,
+    before_prompt: Sequence[tuple[str, pa.DataType]] = (),
+    after_prompt: Sequence[tuple[str, pa.DataType]] = (),
+    trailing: Sequence[tuple[str, pa.DataType]] = (),
+) -> pa.Schema:
+    """verl's parquet schema (data_source, prompt, ability, reward_model, extra_info) with a writer's own
+    ``extra_info`` fields and extra columns where it puts them. Written explicitly, not inferred, so that
+    every file has the same column types whatever its rows."""
+    return pa.schema(
+        [
+            ("data_source", pa.string()),
+            *before_prompt,
+            ("prompt", MESSAGES),
+            *after_prompt,
+            ("ability", pa.string()),
+            ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
+            ("extra_info", pa.struct(list(extra_info))),
+            *trailing,
+        ]
+    )
+
+
 def write_parquet_atomic(rows: list[dict], path: Path, schema: pa.Schema) -> None:
     """Writes ``rows`` to ``path`` whole or not at all: a temp file in the same directory, then a rename.
 

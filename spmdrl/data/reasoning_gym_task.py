@@ -50,7 +50,7 @@ from typing import Any
 import pyarrow as pa
 
 from spmdrl.config_section import register_config_section
-from spmdrl.data.parquet import write_parquet_atomic
+from spmdrl.data.parquet import verl_schema, write_parquet_atomic
 from spmdrl.errors import ConfigError
 from spmdrl.rewards import reasoning_gym_score
 from spmdrl.rewards.reasoning_gym_score import encode_entry, require
@@ -92,25 +92,9 @@ class ReasoningGymConfig:
 
 
 # The pyarrow schema of both splits; extra_info's entry and config are JSON text (their fields differ per task).
-SCHEMA = pa.schema(
-    [
-        ("data_source", pa.string()),
-        ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
-        ("ability", pa.string()),
-        ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
-        (
-            "extra_info",
-            pa.struct(
-                [
-                    ("split", pa.string()),
-                    ("index", pa.int64()),
-                    ("config", pa.string()),
-                    ("entry", pa.string()),
-                ]
-            ),
-        ),
-        ("response", pa.string()),
-    ]
+SCHEMA = verl_schema(
+    [("split", pa.string()), ("index", pa.int64()), ("config", pa.string()), ("entry", pa.string())],
+    trailing=[("response", pa.string())],
 )
 
 

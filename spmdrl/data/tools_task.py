@@ -54,7 +54,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from spmdrl.config_section import register_config_section
-from spmdrl.data.parquet import write_parquet_atomic
+from spmdrl.data.parquet import MESSAGES, verl_schema, write_parquet_atomic
 
 DATA_SOURCE = "tiny_tools"
 AGENT_NAME = "tool_agent"
@@ -94,28 +94,16 @@ PHRASINGS = (
     "How much is {e}?",
 )
 
-_MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
-SCHEMA = pa.schema(
+SCHEMA = verl_schema(
     [
-        ("data_source", pa.string()),
-        ("agent_name", pa.string()),
-        ("prompt", pa.list_(_MESSAGE)),
-        ("ability", pa.string()),
-        ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
-        (
-            "extra_info",
-            pa.struct(
-                [
-                    ("split", pa.string()),
-                    ("index", pa.int64()),
-                    ("question", pa.string()),
-                    ("expression", pa.string()),
-                    ("tools_kwargs", pa.null()),
-                ]
-            ),
-        ),
-        ("response", pa.list_(_MESSAGE)),
-    ]
+        ("split", pa.string()),
+        ("index", pa.int64()),
+        ("question", pa.string()),
+        ("expression", pa.string()),
+        ("tools_kwargs", pa.null()),
+    ],
+    before_prompt=[("agent_name", pa.string())],
+    trailing=[("response", MESSAGES)],
 )
 
 # A problem: (a, b, phrasing index).

@@ -16,23 +16,14 @@ from typing import Any
 
 import pyarrow as pa
 
-from spmdrl.data.parquet import write_parquet_atomic
+from spmdrl.data.parquet import verl_schema, write_parquet_atomic
 from spmdrl.envs import legacy
 from spmdrl.envs.config import EnvConfig
 from spmdrl.envs.load import LEGACY, LoadedEnv
 from spmdrl.errors import ConfigError
 
 TASK_KEY = "env_task"
-_MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
-SCHEMA = pa.schema(
-    [
-        ("data_source", pa.string()),
-        ("prompt", pa.list_(_MESSAGE)),
-        ("ability", pa.string()),
-        ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
-        ("extra_info", pa.struct([("split", pa.string()), ("index", pa.int64()), (TASK_KEY, pa.string())])),
-    ]
-)
+SCHEMA = verl_schema([("split", pa.string()), ("index", pa.int64()), (TASK_KEY, pa.string())])
 
 # (prompt messages, ground truth, payload): one task, whichever generation it came from.
 Task = tuple[list[dict[str, Any]], str, dict[str, Any]]
