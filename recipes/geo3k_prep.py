@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from spmdrl.data.images import PLACEHOLDER
-from spmdrl.data.parquet import IMAGES, DataError, verl_schema, write_parquet_atomic
+from spmdrl.data.parquet import IMAGES, DataError, verl_schema, write_splits
 from spmdrl.data.sources import load_hub_dataset
 
 DATA_SOURCE = "hiyouga/geometry3k"
@@ -83,12 +83,7 @@ def convert(rows: Iterable[dict[str, Any]], split: str) -> list[dict[str, Any]]:
 def prepare(out_dir: Path) -> dict[str, Path]:
     dd = load_hub_dataset(DATA_SOURCE, instead="download it where the hub is reachable and copy the files")
     converted = {split: convert(dd[split], split) for split in SPLITS}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {}
-    for split, rows in converted.items():
-        paths[split] = out_dir / f"{split}.parquet"
-        write_parquet_atomic(rows, paths[split], SCHEMA)
-    return paths
+    return write_splits(converted, out_dir, SCHEMA)
 
 
 def main(argv: list[str] | None = None) -> None:

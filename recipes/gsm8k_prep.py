@@ -29,7 +29,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from spmdrl.data.parquet import DataError, verl_schema, write_parquet_atomic
+from spmdrl.data.parquet import DataError, verl_schema, write_splits
 from spmdrl.data.sources import load_hub_dataset
 
 DATA_SOURCE = "openai/gsm8k"
@@ -146,11 +146,6 @@ def load_from_jsonl(directory: Path) -> dict[str, list[dict[str, Any]]]:
     return {split: read_jsonl(directory / f"{split}.jsonl") for split in SPLITS}
 
 
-def write_parquet(rows: list[dict[str, Any]], path: Path) -> None:
-    """Writes ``rows`` to ``path`` whole or not at all: a temp file in the same directory, then a rename."""
-    write_parquet_atomic(rows, path, SCHEMA)
-
-
 def prepare(out_dir: Path, from_jsonl: Path | None = None) -> dict[str, Path]:
     """Converts both splits (all rows checked first), then writes ``out_dir/{train,test}.parquet``."""
     if from_jsonl is not None:
@@ -158,12 +153,7 @@ def prepare(out_dir: Path, from_jsonl: Path | None = None) -> dict[str, Path]:
     else:
         raw, sources = load_from_hub(), {s: DATA_SOURCE for s in SPLITS}
     converted = {split: convert(raw[split], split, source=sources[split]) for split in SPLITS}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {}
-    for split, rows in converted.items():
-        paths[split] = out_dir / f"{split}.parquet"
-        write_parquet(rows, paths[split])
-    return paths
+    return write_splits(converted, out_dir, SCHEMA)  # each whole or not at all
 
 
 def main(argv: list[str] | None = None) -> None:

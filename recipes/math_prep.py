@@ -30,7 +30,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from spmdrl.data.parquet import DataError, verl_schema, write_parquet_atomic
+from spmdrl.data.parquet import DataError, verl_schema, write_splits
 from spmdrl.data.sources import load_hub_dataset
 
 DATA_SOURCE = "DigitalLearningGmbH/MATH-lighteval"
@@ -169,12 +169,7 @@ def prepare(out_dir: Path, from_local: Path | None = None) -> dict[str, Path]:
     else:
         raw, sources = load_from_hub(), {s: DATA_SOURCE for s in SPLITS}
     converted = {split: convert(raw[split], split, source=sources[split]) for split in SPLITS}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {}
-    for split, rows in converted.items():
-        paths[split] = out_dir / f"{split}.parquet"
-        write_parquet_atomic(rows, paths[split], SCHEMA)
-    return paths
+    return write_splits(converted, out_dir, SCHEMA)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -218,3 +218,12 @@ def write_parquet_atomic(rows: list[dict], path: Path, schema: pa.Schema) -> Non
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_splits(splits: Mapping[str, list[dict]], out_dir: Path, schema: pa.Schema) -> dict[str, Path]:
+    """Each split's rows to ``out_dir/<split>.parquet`` (atomically, :func:`write_parquet_atomic`); the paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {split: out_dir / f"{split}.parquet" for split in splits}
+    for split, rows in splits.items():
+        write_parquet_atomic(rows, paths[split], schema)
+    return paths
