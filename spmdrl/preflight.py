@@ -43,6 +43,7 @@ from spmdrl.errors import ConfigError
 from spmdrl.models.config import ModelConfig
 from spmdrl.models.families import (
     LINEAR_MODULES,
+    Family,
     check_architecture,
     check_ep,
     family_of,
@@ -60,6 +61,9 @@ if TYPE_CHECKING:
 
 # One model_info request (a small JSON answer); a slow hub is reported as not checked, not waited for.
 _HUB_INFO_TIMEOUT_S = 10.0
+
+# What the built-in models that are not dense text models say of their family in their config.json.
+_BUILT_IN_FAMILY_CONFIGS = {TINY_MOE: TINY_MOE_FAMILY_CONFIG, TINY_VL: TINY_VL_FAMILY_CONFIG}
 
 
 def check_inputs(
@@ -118,13 +122,7 @@ def check_no_lora_on_experts(path: str) -> None:
     """LoRA wraps linear layers; a mixture of experts keeps its experts in 3-D tensors (spmdrl.models.experts),
     which it cannot adapt, and adapters on the attention alone are untested: refused for an MoE model
     (the built-in tiny-moe or a local directory; a hub id is refused when the model is built)."""
-    local = Path(path).expanduser()
-    if path == TINY_MOE:
-        family = family_of(TINY_MOE_FAMILY_CONFIG, where=f"the built-in {TINY_MOE}")
-    elif (local / "config.json").is_file():
-        family = check_architecture(local)
-    else:
-        return
+    family = _family_before_build(path)
     if family is not None and family.moe:
         raise ConfigError(lora_on_moe_message(f"model.path={path}"))
 
@@ -212,14 +210,20 @@ def check_router_replay(
 def is_vision_model(path: str) -> bool:
     """Whether ``path`` (the built-in tiny-vl or a local directory) is a vision-language model; a hub id is
     checked when the model is built."""
-    local = Path(path).expanduser()
-    if path == TINY_VL:
-        family = family_of(TINY_VL_FAMILY_CONFIG, where=f"the built-in {TINY_VL}")
-    elif path in BUILT_IN_MODELS or not (local / "config.json").is_file():
-        return False
-    else:
-        family = check_architecture(local)
+    family = _family_before_build(path)
     return family is not None and family.vision
+
+
+def _family_before_build(path: str) -> Family | None:
+    """The family of model.path ``path`` before it is built: a built-in model's from what its config.json
+    says (the dense tiny models': None), a local directory's from its config.json; None for a hub id (checked
+    when the model is built)."""
+    if path in _BUILT_IN_FAMILY_CONFIGS:
+        return family_of(_BUILT_IN_FAMILY_CONFIGS[path], where=f"the built-in {path}")
+    local = Path(path).expanduser()
+    if path in BUILT_IN_MODELS or not (local / "config.json").is_file():
+        return None
+    return check_architecture(local)
 
 
 def check_vision_model(
@@ -279,7 +283,7 @@ def _check_actor_as_critic(cfg: Config) -> None:
     """Without critic.model_path a critic starts from the actor's checkpoint: its family needs a
     token-classification class (Gemma 3 has none), checked when the advantage estimator needs a critic."""
     local = Path(cfg.model.path).expanduser()
-    builtin = cfg.model.path in (TINY_MOE, TINY_VL)
+    builtin = cfg.model.path in _BUILT_IN_FAMILY_CONFIGS
     if not builtin and not (local / "config.json").is_file():
         return  # a hub id: checked after the download
     from spmdrl.algos.advantages import adv_estimator
@@ -287,8 +291,12 @@ def _check_actor_as_critic(cfg: Config) -> None:
     if adv_estimator(cfg.algorithm.adv_estimator).needs_critic:
         key = "model.path (the critic's start, critic.model_path unset)"
         if builtin:
-            config = TINY_MOE_FAMILY_CONFIG if cfg.model.path == TINY_MOE else TINY_VL_FAMILY_CONFIG
-            family_of(config, where=f"the built-in {cfg.model.path}", key=key, critic=True)
+            family_of(
+                _BUILT_IN_FAMILY_CONFIGS[cfg.model.path],
+                where=f"the built-in {cfg.model.path}",
+                key=key,
+                critic=True,
+            )
         else:
             check_architecture(local, key=key, critic=True)
 

@@ -121,10 +121,8 @@ def image_prompt(
     with ``text`` (the chat-templated prompt), through the processor (spmdrl.data.vision.encode_prompt)."""
     from spmdrl.data.vision import encode_prompt
 
-    k = bisect.bisect_right(source.row_offsets, row) - 1
-    path = Path(
-        source.paths[k]
-    )  # (a hub dataset's label is no file: relative image paths then stay as given)
+    path = Path(source.paths[bisect.bisect_right(source.row_offsets, row) - 1])
+    # A hub dataset's label is no file: relative image paths then stay as given.
     base_dir = path.parent if path.is_file() else None
     decoded = to_images(cells.get(IMAGES_COLUMN), where=source.where(row), base_dir=base_dir)
     return encode_prompt(processor, text, decoded)

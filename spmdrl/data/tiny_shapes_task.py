@@ -32,8 +32,8 @@ from pathlib import Path
 import pyarrow as pa
 
 from spmdrl.config_section import register_config_section
+from spmdrl.data import parquet
 from spmdrl.data.images import PLACEHOLDER
-from spmdrl.data.parquet import write_parquet_atomic
 from spmdrl.errors import ConfigError
 from spmdrl.rewards.tiny import SHAPES_DATA_SOURCE
 
@@ -46,16 +46,10 @@ SIZE = 64
 CELL = SIZE // 2
 COLORS = ((220, 30, 30), (30, 60, 220), (20, 160, 40), (230, 140, 0), (140, 40, 180), (0, 0, 0))
 
-SCHEMA = pa.schema(
-    [
-        ("data_source", pa.string()),
-        ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
-        ("images", pa.list_(pa.struct([("bytes", pa.binary()), ("path", pa.string())]))),
-        ("ability", pa.string()),
-        ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
-        ("extra_info", pa.struct([("split", pa.string()), ("index", pa.int64()), ("question", pa.string())])),
-        ("response", pa.string()),
-    ]
+SCHEMA = parquet.verl_schema(
+    [("split", pa.string()), ("index", pa.int64()), ("question", pa.string())],
+    after_prompt=[("images", parquet.IMAGES)],
+    trailing=[("response", pa.string())],  # the SFT demonstration
 )
 
 
@@ -142,11 +136,8 @@ def write_splits(cache_dir: Path, cfg: TinyShapesConfig) -> dict[str, Path]:
     paths = {split: split_dir / f"{split}.parquet" for split in SPLITS}
     if all(p.is_file() for p in paths.values()):
         return paths
-    split_dir.mkdir(parents=True, exist_ok=True)
     train, test = generate(cfg)
-    write_parquet_atomic(train, paths["train"], SCHEMA)
-    write_parquet_atomic(test, paths["test"], SCHEMA)
-    return paths
+    return parquet.write_splits({"train": train, "test": test}, split_dir, SCHEMA)
 
 
 def resolve(name: str, cache_dir: Path, cfg: TinyShapesConfig) -> Path:

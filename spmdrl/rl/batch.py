@@ -184,16 +184,14 @@ class PolicyBatch:
         out: dict[str, Any] = {}
         for f in dataclasses.fields(PolicyBatch):
             parts = [getattr(b, f.name) for b in batches]
-            if f.name == "images":
-                if any(p is None for p in parts) and not all(p is None for p in parts):
-                    raise ValueError("concat: images are set in some batches and not in others")
-                out[f.name] = None if parts[0] is None else ImageInputs.cat(parts)
-                continue
             if all(p is None for p in parts):
                 out[f.name] = None
                 continue
             if any(p is None for p in parts):
                 raise ValueError(f"concat: {f.name} is set in some batches and not in others")
+            if f.name == "images":
+                out[f.name] = ImageInputs.cat(parts)
+                continue
             # Right-padded along dim 1 (T): 0, or -1 (no choice) for the routed experts' trailing dims.
             value = -1 if f.name == "routed_experts_BTLK" else 0
             out[f.name] = torch.cat(

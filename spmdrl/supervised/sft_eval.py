@@ -3,11 +3,12 @@ scored by exact match with the reference response."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 
-from spmdrl.data.sft import SFTBatch, SFTDataset
+from spmdrl.data.sft import SFTDataset
 from spmdrl.data.vision import ImageInputs
 from spmdrl.distributed.reduce import all_reduce_sum
 from spmdrl.logging.samples import Sample
@@ -34,12 +35,8 @@ def validation_loss(run: Run, model: torch.nn.Module, ds: SFTDataset, micro: int
         idx, w = mine[i : i + micro], weights[i : i + micro]
         batch = micro_batches([ds[j] for j in idx], micro, pad_id, env.device)[0]
         keep = torch.tensor(w, device=env.device).unsqueeze(1)
-        batch = SFTBatch(
-            input_ids_BT=batch.input_ids_BT,
-            attention_mask_BT=batch.attention_mask_BT,
-            loss_mask_BT=batch.loss_mask_BT * keep.to(batch.loss_mask_BT.dtype),
-            position_ids_BT=batch.position_ids_BT,
-            images=batch.images,
+        batch = dataclasses.replace(
+            batch, loss_mask_BT=batch.loss_mask_BT * keep.to(batch.loss_mask_BT.dtype)
         )
         n = num_target_tokens(batch)
         nll_sum += float(forward_loss(model, batch, global_tokens=1.0))  # a plain sum
