@@ -79,9 +79,12 @@ def old_and_ref_logprobs(
     reference's logprobs when there is a reference (a KL term; under LoRA the actor with its adapters off,
     spmdrl.rl.reference), and the teacher's when there is one (teacher.*: on-policy distillation). Every
     rank of ``group`` calls it."""
+    if not (recompute_old or ref is not None or teacher is not None):
+        return batch
     temp, pack = settings.temperature, settings.trainer.pack_sequences
+    # One micro-batch plan for every pass (a collective over ``group``): they all read the same rows.
+    parts = micro_rows(settings.trainer, rl, batch, group)
     if recompute_old:
-        parts = micro_rows(settings.trainer, rl, batch, group)
         # The optimal token baseline also reads each step's sum of squared probabilities.
         old_BT, sps_BT = logprobs_and_sum_pi_squared_of(
             actor,
@@ -94,18 +97,23 @@ def old_and_ref_logprobs(
         )
         batch = batch.replace(old_logprobs_BT=old_BT, sum_pi_squared_BT=sps_BT)
     if ref is not None:
-        parts = micro_rows(settings.trainer, rl, batch, group)
         fused = fused_chunk_for(settings.model, ref.model)
         with ref.scoring():
             ref_BT = logprobs_of(ref.model, batch, parts, temp, pack, fused)
         batch = batch.replace(ref_logprobs_BT=ref_BT)
     if teacher is not None:
-        parts = micro_rows(settings.trainer, rl, batch, group)
-        teacher_BT = logprobs_of(
-            teacher.model, batch, parts, temp, pack, fused_chunk_for(settings.model, teacher.model)
-        )
-        batch = batch.replace(teacher_logprobs_BT=teacher_BT)
+        batch = batch.replace(teacher_logprobs_BT=_teacher_logprobs(settings, teacher, batch, parts))
     return batch
+
+
+def _teacher_logprobs(
+    settings: UpdateSettings, teacher: Teacher, batch: PolicyBatch, parts: list[torch.Tensor]
+) -> torch.Tensor:
+    """The teacher's no-grad pass over ``batch``, micro-batch by micro-batch (``parts``: micro_rows')."""
+    fused = fused_chunk_for(settings.model, teacher.model)
+    return logprobs_of(
+        teacher.model, batch, parts, settings.temperature, settings.trainer.pack_sequences, fused
+    )
 
 
 def teacher_logprobs_apart(
@@ -134,9 +142,7 @@ def teacher_logprobs_apart(
         zeros_BT = torch.zeros(rows["input_ids_BT"].shape, dtype=torch.float32, device=device)
         theirs = PolicyBatch(**rows, engine_logprobs_BT=zeros_BT, advantages_BT=zeros_BT)
         parts = micro_rows(settings.trainer, rl, theirs, teacher_group)
-        fused = fused_chunk_for(settings.model, teacher.model)
-        temp, pack = settings.temperature, settings.trainer.pack_sequences
-        scored = {"teacher_logprobs_BT": logprobs_of(teacher.model, theirs, parts, temp, pack, fused)}
+        scored = {"teacher_logprobs_BT": _teacher_logprobs(settings, teacher, theirs, parts)}
     back = move_rows(scored, {"teacher_logprobs_BT": torch.float32}, there, here, width=width, device=device)
     assert back is not None, "every rank holds rows"
     return back["teacher_logprobs_BT"][:, : batch.input_ids_BT.shape[1]]

@@ -281,12 +281,12 @@ def check_engine_config(cfg: RolloutConfig, device_type: str) -> None:
     from spmdrl.rollout.quantization import check_quantization
     from spmdrl.rollout.vllm_plan import resolve_engine_dtype
 
-    engine_dtype = str(resolve_engine_dtype(cfg.dtype, device_type)).removeprefix("torch.")
-    check_quantization(cfg.quantization, engine_dtype, device_type)
+    engine_dtype = resolve_engine_dtype(cfg.dtype, device_type)
+    check_quantization(cfg.quantization, str(engine_dtype).removeprefix("torch."), device_type)
     if device_type == "cpu":
         from spmdrl.rollout.cpu_gemm import check_available
 
-        check_available(cfg.cpu_gemm, resolve_engine_dtype(cfg.dtype, device_type))
+        check_available(cfg.cpu_gemm, engine_dtype)
         if cfg.weight_load == "direct" and cfg.cpu_gemm != "torch":
             raise ConfigError(
                 "rollout.weight_load=direct on CPU needs rollout.cpu_gemm=torch: the other CPU GEMM paths "
