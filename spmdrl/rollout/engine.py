@@ -269,8 +269,9 @@ def check_model_runner(cfg: RolloutConfig, device_type: str) -> None:
 
 
 def check_engine_config(cfg: RolloutConfig, device_type: str) -> None:
-    """What can be checked about the engine without building it: the installed release, and a forced CPU
-    GEMM path this machine cannot run (for the engine dtype the config resolves to). Recipes call it first, so a bad setting fails before any
+    """What can be checked about the engine without building it: the installed release, a
+    rollout.quantization this device cannot run (spmdrl.rollout.quantization), and a forced CPU GEMM path
+    this machine cannot run (for the engine dtype the config resolves to). Recipes call it first, so a bad setting fails before any
     training (the warm-start, say) instead of at the engine's build."""
     if cfg.engine != "vllm":
         raise ConfigError(f"rollout.engine={cfg.engine!r} is not one of {', '.join(ENGINES)}")

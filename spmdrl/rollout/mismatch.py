@@ -108,7 +108,7 @@ def corrected_mismatch(
         d = d_B[has_B]
     else:
         d = (log_r - log_w)[keep]
-    k3 = torch.exp(d) - d - 1
+    k3 = k3_unclamped(torch.zeros_like(d), d)  # exp(d) - d - 1
     sums = torch.stack([d.abs().sum(), k3.sum(), d.new_tensor(float(d.numel()))]).double()
     if group is not None:
         dist.all_reduce(sums, group=group)
