@@ -262,23 +262,20 @@ def replay_layout(
     And the real tokens in that order (None when every padded position counts: no lengths)."""
     B, T, L, K = routed_BTLK.shape
     flat = routed_BTLK.reshape(B * T, L, K)
-    if packed is not None:
-        R, C = packed.input_ids_RC.shape
-        out = flat.new_full((R * C, L, K), NO_CHOICE)
-        out[packed.packed_idx_N] = flat[packed.padded_idx_N]
-        valid = torch.zeros(R * C, dtype=torch.bool, device=flat.device)
-        valid[packed.packed_idx_N] = True
-        return out, valid
-    if lengths_B is None:
-        return flat, None
-    valid = (
-        torch.arange(T, device=flat.device)[None, :] < torch.tensor(lengths_B, device=flat.device)[:, None]
-    )
-    return flat, valid.reshape(-1)
+    valid = valid_tokens(packed, lengths_B, B, T, flat.device)
+    if packed is None:
+        return flat, valid
+    R, C = packed.input_ids_RC.shape
+    out = flat.new_full((R * C, L, K), NO_CHOICE)
+    out[packed.packed_idx_N] = flat[packed.padded_idx_N]
+    return out, valid
 
 
-def valid_tokens(packed: Packed | None, lengths_B: list[int] | None, B: int, T: int, device: torch.device):  # noqa: ANN201
-    """The real tokens in the order the model sees them, without a replay (see :func:`replay_layout`)."""
+def valid_tokens(
+    packed: Packed | None, lengths_B: list[int] | None, B: int, T: int, device: torch.device
+) -> torch.Tensor | None:
+    """The real tokens in the order the model sees them (None when every padded position counts: no
+    lengths); :func:`replay_layout` lays the engine's choices out in the same order."""
     if packed is not None:
         R, C = packed.input_ids_RC.shape
         valid = torch.zeros(R * C, dtype=torch.bool, device=device)
