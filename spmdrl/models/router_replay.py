@@ -67,6 +67,13 @@ class RouterStats:
     aux_loss: torch.Tensor  # transformers' load-balancing loss, summed over forwards
     forwards: int = 0
 
+    @classmethod
+    def zeros(cls, num_layers: int, num_experts: int, device: torch.device) -> RouterStats:
+        """No forward counted yet (float64 on ``device``)."""
+        z = torch.zeros((), dtype=torch.float64, device=device)
+        load = torch.zeros(num_layers, num_experts, dtype=torch.float64, device=device)
+        return cls(load, z.clone(), z.clone(), z.clone())
+
     def tensors(self) -> dict[str, torch.Tensor]:
         return {
             "load_LE": self.load_LE,
@@ -168,13 +175,7 @@ class RouterTap:
     def _stats_on(self, like: torch.Tensor | None) -> RouterStats:
         if self._stats is None:
             device = like.device if like is not None else self.routers[0][1].weight.device
-            z = torch.zeros((), dtype=torch.float64, device=device)
-            self._stats = RouterStats(
-                torch.zeros(self.num_layers, self.num_experts, dtype=torch.float64, device=device),
-                z.clone(),
-                z.clone(),
-                z.clone(),
-            )
+            self._stats = RouterStats.zeros(self.num_layers, self.num_experts, device)
         return self._stats
 
     def _hook(self, layer: int, gate: nn.Module):  # noqa: ANN202
