@@ -232,14 +232,14 @@ class RouterTap:
         stats = self._stats_on(own_NK)
         with torch.no_grad():
             onehot_NE = torch.zeros_like(logits_NE, dtype=torch.float64).scatter_(1, chosen_NK, 1.0)
-            stats.load_LE[layer] += (onehot_NE * valid_N[:, None]).sum(dim=0)
+            load_E = (onehot_NE * valid_N[:, None]).sum(dim=0)  # also the loss's choices (whole counts)
+            stats.load_LE[layer] += load_E
             if replay_NK is not None:
                 replayed_N = (replay_NK >= 0).all(dim=-1) & valid_N
                 same_N = (own_NK.sort(dim=-1).values == replay_NK.sort(dim=-1).values).all(dim=-1)
                 stats.replayed += replayed_N.sum()
                 stats.differs += (replayed_N & ~same_N).sum()
-        with torch.no_grad():
-            choice_E = torch.zeros_like(probs_NE).scatter_(1, chosen_NK, 1.0).mul_(m).sum(dim=0).detach()
+            choice_E = load_E.to(probs_NE.dtype)
             n = valid_N.sum().to(probs_NE.dtype)
         fwd.prob_sum_E = prob_E if fwd.prob_sum_E is None else fwd.prob_sum_E + prob_E
         fwd.choice_sum_E = choice_E if fwd.choice_sum_E is None else fwd.choice_sum_E + choice_E
