@@ -29,10 +29,11 @@ def is_fused(name: str) -> bool:
 
 def expert_of(name: str) -> tuple[int, str] | None:
     """(expert index, "gate_up" or "down") of a per-expert checkpoint name, None for any other name."""
-    m = _PER_EXPERT.match(name)
-    if m is None:
+    found = matrix_of(name)
+    if found is None:
         return None
-    return int(m.group(2)), "down" if m.group(3) == "down_proj" else "gate_up"
+    _, e, proj = found
+    return e, "down" if proj == "down_proj" else "gate_up"
 
 
 def matrix_of(name: str) -> tuple[str, int, str] | None:
@@ -81,11 +82,12 @@ def to_model_layout(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     per_layer: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
     out: dict[str, torch.Tensor] = {}
     for k, v in state.items():
-        m = _PER_EXPERT.match(k)
-        if m is None:
+        found = matrix_of(k)
+        if found is None:
             out[k] = v
         else:
-            per_layer.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = v
+            prefix, e, proj = found
+            per_layer.setdefault(prefix, {})[(e, proj)] = v
     for prefix, mats in per_layer.items():
         n = 1 + max(e for e, _ in mats)
         want = {(e, p) for e in range(n) for p in ("gate_proj", "up_proj", "down_proj")}

@@ -67,6 +67,13 @@ class RouterStats:
     aux_loss: torch.Tensor  # transformers' load-balancing loss, summed over forwards
     forwards: int = 0
 
+    @classmethod
+    def zeros(cls, num_layers: int, num_experts: int, device: torch.device) -> RouterStats:
+        """No forward counted yet (float64 on ``device``)."""
+        z = torch.zeros((), dtype=torch.float64, device=device)
+        load = torch.zeros(num_layers, num_experts, dtype=torch.float64, device=device)
+        return cls(load, z.clone(), z.clone(), z.clone())
+
     def tensors(self) -> dict[str, torch.Tensor]:
         return {
             "load_LE": self.load_LE,
@@ -168,13 +175,7 @@ class RouterTap:
     def _stats_on(self, like: torch.Tensor | None) -> RouterStats:
         if self._stats is None:
             device = like.device if like is not None else self.routers[0][1].weight.device
-            z = torch.zeros((), dtype=torch.float64, device=device)
-            self._stats = RouterStats(
-                torch.zeros(self.num_layers, self.num_experts, dtype=torch.float64, device=device),
-                z.clone(),
-                z.clone(),
-                z.clone(),
-            )
+            self._stats = RouterStats.zeros(self.num_layers, self.num_experts, device)
         return self._stats
 
     def _hook(self, layer: int, gate: nn.Module):  # noqa: ANN202
@@ -231,14 +232,14 @@ class RouterTap:
         stats = self._stats_on(own_NK)
         with torch.no_grad():
             onehot_NE = torch.zeros_like(logits_NE, dtype=torch.float64).scatter_(1, chosen_NK, 1.0)
-            stats.load_LE[layer] += (onehot_NE * valid_N[:, None]).sum(dim=0)
+            load_E = (onehot_NE * valid_N[:, None]).sum(dim=0)  # also the loss's choices (whole counts)
+            stats.load_LE[layer] += load_E
             if replay_NK is not None:
                 replayed_N = (replay_NK >= 0).all(dim=-1) & valid_N
                 same_N = (own_NK.sort(dim=-1).values == replay_NK.sort(dim=-1).values).all(dim=-1)
                 stats.replayed += replayed_N.sum()
                 stats.differs += (replayed_N & ~same_N).sum()
-        with torch.no_grad():
-            choice_E = torch.zeros_like(probs_NE).scatter_(1, chosen_NK, 1.0).mul_(m).sum(dim=0).detach()
+            choice_E = load_E.to(probs_NE.dtype)
             n = valid_N.sum().to(probs_NE.dtype)
         fwd.prob_sum_E = prob_E if fwd.prob_sum_E is None else fwd.prob_sum_E + prob_E
         fwd.choice_sum_E = choice_E if fwd.choice_sum_E is None else fwd.choice_sum_E + choice_E
@@ -262,23 +263,20 @@ def replay_layout(
     And the real tokens in that order (None when every padded position counts: no lengths)."""
     B, T, L, K = routed_BTLK.shape
     flat = routed_BTLK.reshape(B * T, L, K)
-    if packed is not None:
-        R, C = packed.input_ids_RC.shape
-        out = flat.new_full((R * C, L, K), NO_CHOICE)
-        out[packed.packed_idx_N] = flat[packed.padded_idx_N]
-        valid = torch.zeros(R * C, dtype=torch.bool, device=flat.device)
-        valid[packed.packed_idx_N] = True
-        return out, valid
-    if lengths_B is None:
-        return flat, None
-    valid = (
-        torch.arange(T, device=flat.device)[None, :] < torch.tensor(lengths_B, device=flat.device)[:, None]
-    )
-    return flat, valid.reshape(-1)
+    valid = valid_tokens(packed, lengths_B, B, T, flat.device)
+    if packed is None:
+        return flat, valid
+    R, C = packed.input_ids_RC.shape
+    out = flat.new_full((R * C, L, K), NO_CHOICE)
+    out[packed.packed_idx_N] = flat[packed.padded_idx_N]
+    return out, valid
 
 
-def valid_tokens(packed: Packed | None, lengths_B: list[int] | None, B: int, T: int, device: torch.device):  # noqa: ANN201
-    """The real tokens in the order the model sees them, without a replay (see :func:`replay_layout`)."""
+def valid_tokens(
+    packed: Packed | None, lengths_B: list[int] | None, B: int, T: int, device: torch.device
+) -> torch.Tensor | None:
+    """The real tokens in the order the model sees them (None when every padded position counts: no
+    lengths); :func:`replay_layout` lays the engine's choices out in the same order."""
     if packed is not None:
         R, C = packed.input_ids_RC.shape
         valid = torch.zeros(R * C, dtype=torch.bool, device=device)

@@ -300,9 +300,7 @@ def routing_metrics(
     """``moe/*`` of the forwards since the tap's last take, over ``group``'s ranks (one all_reduce)."""
     stats = tap.take_stats()
     if stats is None:  # no forward on this rank: zeros, so that the reduction still matches the others'
-        z = torch.zeros((), dtype=torch.float64, device=device)
-        load = torch.zeros(tap.num_layers, tap.num_experts, dtype=torch.float64, device=device)
-        stats = RouterStats(load, z.clone(), z.clone(), z.clone())
+        stats = RouterStats.zeros(tap.num_layers, tap.num_experts, device)
     t = stats.tensors()
     flat = torch.cat([v.reshape(-1).to(device, torch.float64) for v in t.values()])
     if dist.is_initialized():

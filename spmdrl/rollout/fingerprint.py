@@ -77,14 +77,12 @@ def probe_columns(input_size: int, seed: int, num: int = NUM_PROBE_COLUMNS) -> l
 # (Cached: the same few hundred names come back every sync, on both sides.)
 @functools.lru_cache(maxsize=1 << 14)
 def matrix_key(name: str, input_size: int) -> str:
-    m = _LAYER.search(name)
-    return f"{_part(name)}{'layer ' + m.group(1) if m else 'top'}: matrices, input size {input_size}"
+    return f"{layer_of(name)}: matrices, input size {input_size}"
 
 
 @functools.lru_cache(maxsize=1 << 14)
 def vector_key(name: str) -> str:
-    m = _LAYER.search(name)
-    return f"{_part(name)}{'layer ' + m.group(1) if m else 'top'}: vectors"
+    return f"{layer_of(name)}: vectors"
 
 
 def layer_of(name: str) -> str:
