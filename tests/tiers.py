@@ -31,6 +31,7 @@ GUARANTEES: dict[str, str] = {
     "model:moe": "a mixture of experts (tiny-moe) is served as trained; the sync check covers every expert",
     "moe:ep": "expert parallelism (parallel.ep=2) trains a mixture of experts as FSDP2 alone does",
     "model:moe-router-replay": "router replay: the engine's routing of every position reaches the trainer in place, and the trainer replays it",
+    "moe:router-replay-effect": "with a bf16 engine, replaying its routing narrows the trainer/engine logprob gap",
     "model:vlm": "a vision-language model (tiny-vl) is served with images as trained; the sync check covers its vision tower",
     "resume:kill": "a killed worker restarts and the run resumes exactly, bit for bit",
     "golden:update": "five GRPO update steps match the golden file",

