@@ -67,13 +67,20 @@ class Observation:
 
 def message_images(messages: Sequence[Mapping[str, Any]]) -> list[Any]:
     """The images of ``messages``' image parts, in order."""
-    return [
-        part["image"]
-        for m in messages
-        if not isinstance(m["content"], str)
-        for part in m["content"]
-        if part.get("type") == "image"
-    ]
+    images = []
+    for m in messages:
+        if isinstance(m["content"], str):
+            continue
+        for part in m["content"]:
+            if part.get("type") != "image":
+                continue
+            if part.get("image") is None:
+                raise TemplateError(
+                    f"a {m['role']!r} message has an image part without its image: write "
+                    "{'type': 'image', 'image': <PIL image>} (spmdrl.tools.ToolCallOutcome.message does)"
+                )
+            images.append(part["image"])
+    return images
 
 
 def _template_form(message: Mapping[str, Any]) -> dict[str, Any]:

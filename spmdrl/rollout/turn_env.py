@@ -28,7 +28,8 @@ class TurnReply:
     """An env's answer to an assistant turn."""
 
     # Messages ({"role": "tool" | "user", "content": ...}) that follow the turn; the next turn is sampled
-    # after them. With ``end`` set they are the conversation's last words (kept for the reward, not sampled
+    # after them. A content is a string, or a list of parts with images for a vision-language model
+    # ({"type": "image", "image": <PIL>}, {"type": "text", "text": ...}: spmdrl.data.turns.Observation). With ``end`` set they are the conversation's last words (kept for the reward, not sampled
     # after: verifiers' final_env_response).
     messages: list[dict[str, Any]] = field(default_factory=list)
     # Why the trajectory ends now (a terminate reason: "stop", "env_error", ...); "" to continue.

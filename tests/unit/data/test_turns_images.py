@@ -59,3 +59,9 @@ def test_a_text_model_refuses_an_image_observation(vl) -> None:  # noqa: ANN001
     tok, _ = vl
     with pytest.raises(TemplateError, match="1 image\\(s\\) but the model is a text model"):
         TurnCodec(tok).observation([_tool("a picture", "red")])
+
+
+def test_an_image_part_without_its_image_is_named(vl) -> None:  # noqa: ANN001
+    tok, processor = vl
+    with pytest.raises(TemplateError, match="'tool' message has an image part without its image"):
+        TurnCodec(tok, processor=processor).observation([{"role": "tool", "content": [{"type": "image"}]}])
