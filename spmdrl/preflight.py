@@ -231,8 +231,9 @@ def check_vision_model(
 ) -> str:
     """What a vision-language model does not support yet, refused at start (docs/models.md#vision-language-models):
     packed micro-batches (packing reorders the rows, whose images fill their image tokens in row order),
-    LoRA (its target names match the vision tower's layers too), multi-turn and partial rollouts, and the
-    placements that move rows between ranks (the exchange carries tensors, not images)."""
+    LoRA (its target names match the vision tower's layers too), partial rollouts, and the placements that
+    move rows between ranks (the exchange carries tensors, not images). Multi-turn rollouts run, with
+    image prompts and tools that return images (spmdrl.rollout.agent_loop)."""
     where = f"model.path={model.path} is a vision-language model"
     why = "(docs/models.md#vision-language-models)"
     if trainer.pack_sequences:
@@ -244,10 +245,6 @@ def check_vision_model(
         raise ConfigError(
             f"model.lora: {where}, and LoRA on one is not supported yet; set model.lora.rank=0 {why}"
         )
-    if rollout.multi_turn.enable:
-        from spmdrl.rollout.rollout import multi_turn_images_message
-
-        raise ConfigError(multi_turn_images_message())
     if rollout.partial != "off":
         raise ConfigError(f"rollout.partial={rollout.partial}: {where}; set rollout.partial=off {why}")
     if parallel.placement != "colocated":

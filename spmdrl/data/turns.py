@@ -18,6 +18,13 @@ the observation is the text the second adds after the assistant's end-of-turn to
   is ``"<|start_header_id|>ipython<|end_header_id|>\\n\\n...<|eot_id|><|start_header_id|>assistant"``
   ``"<|end_header_id|>\\n\\n"``.
 
+A vision-language model's tools may return images (:class:`Observation`): a tool message's content is
+then a list of parts (transformers' multimodal chat format), ``{"type": "image", "image": <PIL image>}``
+and ``{"type": "text", "text": ...}``, and the template writes its image placeholder for each image part.
+The observation then has two forms, as an image prompt has (spmdrl.data.vision): the engine's, one
+placeholder per image (vLLM expands it), and the trainer's, each image expanded to its tokens by the
+model's processor, with the images' pixel values.
+
 The end-of-turn tokens a family uses are listed in :data:`END_OF_TURN_TOKENS`; the text around them
 comes from the template, so a model with its own template needs no code here. A template whose earlier
 turns render differently once later turns exist (the check in :meth:`TurnCodec.observation_ids`) is
@@ -27,7 +34,11 @@ refused with an error, since the trajectory the trainer sees would not be the on
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from spmdrl.data.vision import ImageInputs
 
 # Tokens that end an assistant turn, by family: the engine stops on them (they are the tokenizer's
 # eos or listed in generation_config.eos_token_id) and the observation starts right after them.
@@ -44,6 +55,44 @@ _PROBE_USER = "Q"
 _PROBE_ASSISTANT = "A"
 
 
+@dataclass(frozen=True)
+class Observation:
+    """What an env's messages add to a trajectory between two sampled turns (loss mask 0 on all of it)."""
+
+    ids: list[int]  # as the trainer scores them: each image expanded to its tokens
+    engine_ids: list[int]  # as the engine takes them: one placeholder per image (the same ids without images)
+    images: list[Any] = field(default_factory=list)  # PIL images, in order, for the engine
+    pixels: ImageInputs | None = None  # the same images as the trainer's forward takes them (one row)
+
+
+def message_images(messages: Sequence[Mapping[str, Any]]) -> list[Any]:
+    """The images of ``messages``' image parts, in order."""
+    images = []
+    for m in messages:
+        if isinstance(m["content"], str):
+            continue
+        for part in m["content"]:
+            if part.get("type") != "image":
+                continue
+            if part.get("image") is None:
+                raise TemplateError(
+                    f"a {m['role']!r} message has an image part without its image: write "
+                    "{'type': 'image', 'image': <PIL image>} (spmdrl.tools.ToolCallOutcome.message does)"
+                )
+            images.append(part["image"])
+    return images
+
+
+def _template_form(message: Mapping[str, Any]) -> dict[str, Any]:
+    """``message`` as the chat template reads it: an image part without its image (the template writes a
+    placeholder for it)."""
+    content = message["content"]
+    if isinstance(content, str):
+        return dict(message)
+    parts = [{"type": "image"} if p.get("type") == "image" else dict(p) for p in content]
+    return {**message, "content": parts}
+
+
 class TemplateError(ValueError):
     """The tokenizer's chat template cannot be used for token-exact multi-turn rollouts."""
 
@@ -51,9 +100,13 @@ class TemplateError(ValueError):
 class TurnCodec:
     """Observation ids for one tokenizer (and its chat template), and which ids end a turn."""
 
-    def __init__(self, tokenizer: Any, *, tools: Sequence[Mapping[str, Any]] | None = None) -> None:
+    def __init__(
+        self, tokenizer: Any, *, tools: Sequence[Mapping[str, Any]] | None = None, processor: Any = None
+    ) -> None:
         self.tokenizer = tokenizer
         self.tools = list(tools) if tools else None
+        # A vision-language model's processor (spmdrl.models.load.load_processor): observations with images.
+        self.processor = processor
         vocab = tokenizer.get_vocab()
         self.end_ids: set[int] = {vocab[t] for t in END_OF_TURN_TOKENS if t in vocab}
         if tokenizer.eos_token_id is not None:
@@ -76,7 +129,7 @@ class TurnCodec:
             {"role": "assistant", "content": _PROBE_ASSISTANT},
         ]
 
-    def _render(self, messages: list[dict[str, str]], *, generation_prompt: bool) -> str:
+    def _render(self, messages: list[dict[str, Any]], *, generation_prompt: bool) -> str:
         kwargs: dict[str, Any] = {"tools": self.tools} if self.tools else {}
         try:
             text = self.tokenizer.apply_chat_template(
@@ -112,6 +165,40 @@ class TurnCodec:
         hit = self._cache.get(key)
         if hit is not None:
             return list(hit)
+        ids = list(self.tokenizer.encode(self._observation_text(messages), add_special_tokens=False))
+        if len(self._cache) < 4096:  # tool outputs repeat (errors, small results); bounded anyway
+            self._cache[key] = ids
+        return list(ids)
+
+    def observation(self, messages: Sequence[Mapping[str, Any]]) -> Observation:
+        """What ``messages`` add between two sampled turns, in the engine's and the trainer's forms; with
+        image parts, the template's placeholder for each and the processor's expansion and pixel values.
+        Raises TemplateError for image parts without a processor (a text model)."""
+        images = message_images(messages)
+        if not images:
+            ids = self.observation_ids([_template_form(m) for m in messages])  # type: ignore[misc]
+            return Observation(ids, ids)
+        if self.processor is None:
+            raise TemplateError(
+                f"an observation has {len(images)} image(s) but the model is a text model (no processor "
+                "takes images); image observations need a vision-language model"
+            )
+        from spmdrl.data.vision import encode_prompt
+
+        text = self._observation_text([_template_form(m) for m in messages])
+        image_id = getattr(self.processor, "image_token_id", None)
+        if isinstance(image_id, int):
+            placed = self.tokenizer.encode(text, add_special_tokens=False).count(image_id)
+            if placed != len(images):
+                raise TemplateError(
+                    f"the chat template wrote {placed} image placeholder(s) for an observation of "
+                    f"{len(images)} image(s): it must write one per {{'type': 'image'}} part of a tool or "
+                    "user message"
+                )
+        encoded = encode_prompt(self.processor, text, images)
+        return Observation(encoded.token_ids, encoded.engine_ids, encoded.images, encoded.pixels)
+
+    def _observation_text(self, messages: Sequence[Mapping[str, Any]]) -> str:
         full = self._render(self._probe() + [dict(m) for m in messages], generation_prompt=True)
         prefix = self._prefix
         if not full.startswith(prefix):
@@ -120,10 +207,7 @@ class TurnCodec:
                 "trajectory's ids would not be a prefix of the next turn's prompt; rendered "
                 f"{prefix[-120:]!r} then {full[: len(prefix)][-120:]!r}"
             )
-        ids = list(self.tokenizer.encode(full[len(prefix) :], add_special_tokens=False))
-        if len(self._cache) < 4096:  # tool outputs repeat (errors, small results); bounded anyway
-            self._cache[key] = ids
-        return list(ids)
+        return full[len(prefix) :]
 
     def generation_prompt_ids(self) -> list[int]:
         """The ids an assistant turn starts with (``<|im_start|>assistant\\n``), for checks and tests."""

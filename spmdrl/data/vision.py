@@ -6,7 +6,8 @@ vLLM expands each placeholder to the image's tokens itself (it would expand an a
 second time). The trainer scores the expanded ids (Idefics3: ``<fake_token_around_image><global-img>
 <image> x n <fake_token_around_image>``, as the model's processor writes them, which is what vLLM's
 expansion gives: tests/integration/test_vlm.py) with the processor's pixel values (:class:`ImageInputs`),
-which fill the image tokens in order.
+which fill the image tokens in order. A multi-turn row's images are its prompt's, then those its tools
+returned (spmdrl.data.turns.Observation, :meth:`ImageInputs.join`), in the order of their image tokens.
 """
 
 from __future__ import annotations
@@ -62,6 +63,21 @@ class ImageInputs:
         return out
 
     @staticmethod
+    def empty() -> ImageInputs:
+        """One row without images (a text prompt of a vision-language model)."""
+        return ImageInputs(torch.zeros(0, 3, 1, 1), None, (0,))
+
+    @staticmethod
+    def join(parts: Sequence[ImageInputs | None]) -> ImageInputs:
+        """One row of every image of ``parts`` in order (a multi-turn row: its prompt's images, then the
+        images its tools returned); None parts add nothing."""
+        present = [p for p in parts if p is not None]
+        if not present:
+            return ImageInputs.empty()
+        joined = ImageInputs.cat(present)
+        return ImageInputs(joined.pixel_values_NCHW, joined.pixel_attention_mask_NHW, (sum(joined.counts_B),))
+
+    @staticmethod
     def cat(parts: Sequence[ImageInputs]) -> ImageInputs:
         counts = tuple(n for p in parts for n in p.counts_B)
         parts = [p for p in parts if p.pixel_values_NCHW.shape[0] > 0] or list(parts[:1])
@@ -94,8 +110,7 @@ def encode_prompt(processor: Any, text: str, images: Sequence[Any]) -> ImageProm
     ids = out["input_ids"][0].tolist()
     engine_ids = processor.tokenizer(text, add_special_tokens=False)["input_ids"]
     if not images:
-        empty = torch.zeros(0, 3, 1, 1)
-        return ImagePrompt(ids, engine_ids, [], ImageInputs(empty, None, (0,)))
+        return ImagePrompt(ids, engine_ids, [], ImageInputs.empty())
     pixel_values = out["pixel_values"]  # (1, images, C, H, W)
     mask = out.get("pixel_attention_mask")
     return ImagePrompt(

@@ -297,12 +297,16 @@ def build_policy_batch(
     generations: Sequence[Generation],
     *,
     pad_id: int,
-    images: Sequence[ImageInputs] | None = None,
+    images: Sequence[ImageInputs | None] | None = None,
 ) -> PolicyBatch:
     """The rows the update trains on, from what the rollout produced; advantages are set later
     (``batch.replace(advantages_BT=...)``), once the logprobs a KL-in-reward needs are known.
-    ``images``: a vision-language model's images of each prompt (one row of ImageInputs per prompt)."""
+    ``images``: a vision-language model's images of each prompt (one row of ImageInputs per prompt, None
+    for a prompt without images); a row's images are its prompt's, then those its tools returned
+    (``Generation.images``), the order their image tokens appear in."""
     rows = pack_generations(prompts, generations, pad_id)
+    if images is not None and len(images) != len(prompts):
+        raise ValueError(f"{len(images)} prompts' images for {len(prompts)} prompts")
     return PolicyBatch(
         input_ids_BT=rows.input_ids_BT,
         attention_mask_BT=rows.attention_mask_BT,
@@ -310,5 +314,7 @@ def build_policy_batch(
         engine_logprobs_BT=rows.engine_logprobs_BT,
         advantages_BT=torch.zeros_like(rows.engine_logprobs_BT),
         routed_experts_BTLK=rows.routed_experts_BTLK,
-        images=None if images is None else ImageInputs.cat([images[g.prompt_index] for g in generations]),
+        images=None
+        if images is None
+        else ImageInputs.cat([ImageInputs.join([images[g.prompt_index], g.images]) for g in generations]),
     )

@@ -51,12 +51,17 @@ from spmdrl.rollout.mismatch import corrected_mismatch
 def policy_batch(samples: ScoredSamples, pad_id: int, device: torch.device) -> PolicyBatch:
     """This rank's samples as rows, each with its training reward at its last response token (where
     verl's reward managers put an outcome reward)."""
-    vision = any(p.image is not None for p in samples.prompts)  # a VLM's prompts (each has its ImagePrompt)
+    # A VLM's rows: their prompts' images (every prompt of a VLM has its ImagePrompt) and the images their
+    # tools returned (Generation.images). Listed per prompt, None where one has none, so that a prompt
+    # without images never shifts the next one's.
+    vision = any(p.image is not None for p in samples.prompts) or any(
+        g.images is not None for g in samples.gens
+    )
     batch = build_policy_batch(
         [p.prompt_ids for p in samples.prompts],
         samples.gens,
         pad_id=pad_id,
-        images=[p.image.pixels for p in samples.prompts if p.image is not None] if vision else None,
+        images=[p.image.pixels if p.image is not None else None for p in samples.prompts] if vision else None,
     ).to(device)
     return batch.replace(
         token_rewards_BT=token_level_rewards(samples.scores_B.to(device), batch.response_mask_BT)

@@ -289,7 +289,12 @@ def build_job(cfg: Config, roles: Roles = NO_EXTRA_ROLES) -> RLJob:
     )
     # Multi-turn: the chat template must render tool turns, the parser must load (before the warm-start).
     agent = build_agent_loop(
-        cfg, tokenizer, tools, max_model_len=rl.max_model_len, env=env_job.loaded if env_job else None
+        cfg,
+        tokenizer,
+        tools,
+        max_model_len=rl.max_model_len,
+        env=env_job.loaded if env_job else None,
+        processor=processor,
     )
     reward_fn = env_job.reward_fn if env_job else load_reward_fn(cfg.reward.fn)
     check_model_rewards(cfg.reward_model)  # reward_model.path's files, before the warm-start

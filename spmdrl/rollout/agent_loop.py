@@ -27,6 +27,12 @@ context; an env answer that would not leave room for one more sampled token ends
 (``tool_overflow``) instead of being cut after the fact. The env's messages are kept beside the ids: a
 verifiers environment's rubric scores the whole conversation (``TurnEnv.finish``).
 
+Images (a vision-language model): a prompt with images and a tool's image observations keep two forms
+of the trajectory (:class:`~spmdrl.data.turns.Observation`): the engine's, one placeholder per image,
+sent with every image so far in order (vLLM expands each placeholder itself), and the trainer's, each
+image expanded to its tokens, which the generation returns with the observation images' pixel values
+(``Generation.images``). The response budget and the context count the expanded tokens.
+
 Reproducibility: every request carries its own seed, mixed from (call seed, engine, prompt, sample,
 turn), so how long tools take changes when a turn is admitted, never what it samples (up to the
 engine's numerics for different batch compositions).
@@ -44,7 +50,8 @@ from typing import Any
 import numpy as np
 import torch.distributed as dist
 
-from spmdrl.data.turns import TurnCodec
+from spmdrl.data.turns import Observation, TurnCodec
+from spmdrl.data.vision import ImageInputs, ImagePrompt
 from spmdrl.rollout.config import MultiTurnConfig
 from spmdrl.rollout.engine import (
     Generation,
@@ -91,14 +98,21 @@ class _Trajectory:
     finished: bool = False
     session: Any = None  # the TurnEnv's, opened at the first answer (deciding rank only)
     messages: list[dict[str, Any]] = field(default_factory=list)  # after the prompt (deciding rank only)
+    # A vision-language model's trajectory: the prompt's ImagePrompt, and what the engine takes after it
+    # (``ids`` with each observation image as one placeholder) with the images so far; ``pixels``: the
+    # observations' images as the trainer takes them.
+    image_prompt: ImagePrompt | None = None
+    engine_ids: list[int] = field(default_factory=list)
+    images: list[Any] = field(default_factory=list)
+    pixels: list[ImageInputs] = field(default_factory=list)
 
     def request_id(self) -> str:
         return f"t{self.index}-{self.info.num_turns}"
 
 
-# A decision the deciding rank broadcasts: (trajectory index, observation ids to append and admit,
+# A decision the deciding rank broadcasts: (trajectory index, the observation to append and admit,
 # or None to end it, the terminate reason, and the counts the env's turn adds).
-_Event = tuple[int, list[int] | None, str, dict[str, Any]]
+_Event = tuple[int, Observation | None, str, dict[str, Any]]
 
 
 class AgentLoop:
@@ -130,19 +144,31 @@ class AgentLoop:
         prompts: Sequence[list[int]],
         spec: SamplingSpec,
         contexts: Sequence[Mapping[str, Any]] | None = None,
+        images: Sequence[ImagePrompt | None] | None = None,
     ) -> tuple[list[Generation], LoopStats]:
         """``spec.n`` trajectories per prompt of this rank, grouped by prompt in order, as
         :meth:`RolloutEngine.generate` returns them; ``contexts``: each prompt's extra_info (what the env
-        opens a trajectory with). Every rank of the engine calls it together."""
+        opens a trajectory with); ``images``: a vision-language model's prompts (``prompts`` are then
+        their expanded ids, ImagePrompt.token_ids). Every rank of the engine calls it together."""
         groups = engine.groups
         kwargs = list(contexts) if contexts is not None else [{}] * len(prompts)
         if len(kwargs) != len(prompts):
             raise ValueError(f"{len(kwargs)} contexts for {len(prompts)} prompts")
-        gathered = groups.gather_for_tp([(list(p), k) for p, k in zip(prompts, kwargs, strict=True)])
+        pictures = list(images) if images is not None else [None] * len(prompts)
+        if len(pictures) != len(prompts):
+            raise ValueError(f"{len(pictures)} image prompts for {len(prompts)} prompts")
+        # A prompt's images travel with it to the TP group's other ranks.
+        gathered = groups.gather_for_tp(
+            [(list(p), k, im) for p, k, im in zip(prompts, kwargs, pictures, strict=True)]
+        )
         items = gathered.prompts
-        check_prompt_lengths([p for p, _ in items], self.max_model_len)
+        check_prompt_lengths([p for p, _, _ in items], self.max_model_len)
         n = spec.n
-        trajs = [_Trajectory(i * n + s, i, s, p, k or {}) for i, (p, k) in enumerate(items) for s in range(n)]
+        trajs = [
+            _Trajectory(i * n + s, i, s, p, k or {}, image_prompt=im)
+            for i, (p, k, im) in enumerate(items)
+            for s in range(n)
+        ]
         leader = groups.tp_rank == 0
         base = spec.seed if spec.seed is not None else 0
         stats = LoopStats()
@@ -224,11 +250,7 @@ class AgentLoop:
                         by_request.pop(t.request_id(), None)
                     self._finish(t, reason)
                     continue
-                t.ids += obs
-                t.logprobs += [0.0] * len(obs)
-                t.mask += [0] * len(obs)
-                t.info.observation_tokens += len(obs)
-                t.user_turns += 1
+                self._append_observation(t, obs)
                 self._admit(stepper, t, spec, base, groups.dp_index)
                 by_request[t.request_id()] = t
             if all(t.finished for t in trajs):
@@ -279,7 +301,14 @@ class AgentLoop:
         # its chat template's turn end).
         stops = sorted(set(spec.stop_token_ids) | self.codec.end_ids)
         params = replace(spec, n=1, max_tokens=budget, seed=seed, stop_token_ids=stops)
-        stepper.add(t.request_id(), t.prompt_ids + t.ids, params)
+        if t.image_prompt is None and not t.images:
+            stepper.add(t.request_id(), t.prompt_ids + t.ids, params)
+            return
+        # The engine's form: one placeholder per image, every image of the trajectory so far in order.
+        prompt = t.image_prompt
+        engine_prompt = prompt.engine_ids if prompt is not None else t.prompt_ids
+        images = [*(prompt.images if prompt is not None else []), *t.images]
+        stepper.add(t.request_id(), engine_prompt + t.engine_ids, params, images=images)
 
     def _room(self, t: _Trajectory) -> int:
         """Tokens ``t`` may still add: what is left of the response budget and of the context."""
@@ -287,9 +316,23 @@ class AgentLoop:
 
     def _append_turn(self, t: _Trajectory, out: TurnOutput) -> None:
         t.ids += out.token_ids
+        t.engine_ids += out.token_ids  # sampled ids are the same in both forms
         t.logprobs += out.logprobs if out.logprobs else [0.0] * len(out.token_ids)
         t.mask += [1] * len(out.token_ids)
         t.info.num_turns += 1
+
+    def _append_observation(self, t: _Trajectory, obs: Observation) -> None:
+        """The env's answer as context (loss mask 0 on every token, an image's expanded tokens too)."""
+        t.ids += obs.ids
+        t.engine_ids += obs.engine_ids
+        t.logprobs += [0.0] * len(obs.ids)
+        t.mask += [0] * len(obs.ids)
+        t.images += obs.images
+        if obs.pixels is not None:
+            t.pixels.append(obs.pixels)
+        t.info.observation_tokens += len(obs.ids)
+        t.info.observation_images += len(obs.images)
+        t.user_turns += 1
 
     def _end_reason_after_turn(self, t: _Trajectory, out: TurnOutput) -> str | None:
         if out.finish_reason == "length":  # cut by the budget, the context or spec.max_tokens
@@ -315,13 +358,22 @@ class AgentLoop:
         if t.user_turns >= self.cfg.max_user_turns:
             return (t.index, None, "max_turns", counts)
         messages = [
-            {**m, "content": self._cut(m["content"])} if m["role"] == "tool" else m for m in reply.messages
+            {**m, "content": self._cut_content(m["content"])} if m["role"] == "tool" else m
+            for m in reply.messages
         ]
-        obs = self.codec.observation_ids(messages)
-        if len(obs) >= self._room(t):  # not even one sampled token would fit after it
+        obs = self.codec.observation(messages)
+        # The trainer's tokens count (an image's expanded ones): they are what the engine's context holds.
+        if len(obs.ids) >= self._room(t):  # not even one sampled token would fit after it
             return (t.index, None, "tool_overflow", counts)
         t.messages += messages
         return (t.index, obs, "", counts)
+
+    def _cut_content(self, content: Any) -> Any:
+        """A tool message's content cut to max_tool_response_length tokens: a string, or the text parts of a
+        list of parts (its images stay whole: an image's tokens are the processor's, never cut)."""
+        if isinstance(content, str):
+            return self._cut(content)
+        return [{**p, "text": self._cut(p["text"])} if p.get("type") == "text" else p for p in content]
 
     def _cut(self, text: str) -> str:
         limit = self.cfg.max_tool_response_length
@@ -369,6 +421,7 @@ class AgentLoop:
             finish_reason="stop" if t.info.terminate_reason == "stop" else "length",
             loss_mask=list(t.mask),
             trajectory=t.info,
+            images=ImageInputs.join(t.pixels) if t.pixels else None,
         )
 
 

@@ -10,7 +10,7 @@ builds it on a block of ranks only; the others get None.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, overload, runtime_checkable
@@ -88,7 +88,8 @@ class TrajectoryInfo:
     tool_errors: int = 0  # calls that ran and raised, or were invalid (unknown tool, bad arguments)
     parse_errors: int = 0
     timeouts: int = 0
-    observation_tokens: int = 0  # mask-0 tokens between the turns
+    observation_tokens: int = 0  # mask-0 tokens between the turns (an image's as the trainer sees them)
+    observation_images: int = 0  # images the env's messages added (a vision-language model's tools)
     # stop (the model answered without a call, or the environment ended the conversation), length (the
     # response budget or the context ran out), max_turns (max_assistant_turns / max_user_turns reached),
     # tool_overflow (an env answer did not fit the remaining budget), deadline (aborted at
@@ -141,6 +142,10 @@ class Generation:
     # response through, (positions, MoE layers, k) int16, -1 where none (the last sampled token is never
     # run through the model). None when not asked for (build_engine(routed_experts=True)).
     routed_experts: Any = None
+    # A multi-turn trajectory of a vision-language model: the images its tools returned, in order, as the
+    # trainer's forward takes them (one row of spmdrl.data.vision.ImageInputs; the row's prompt images come
+    # first). None when none.
+    images: Any = None
 
 
 @dataclass
@@ -158,10 +163,17 @@ class EngineStepper(Protocol):
     (TP group) must make the same calls in the same order; ranks of different engines need not."""
 
     def add(
-        self, request_id: str, prompt_ids: list[int], params: SamplingSpec, *, track_partial: bool = False
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingSpec,
+        *,
+        track_partial: bool = False,
+        images: Sequence[Any] = (),
     ) -> None:
         """Queue one request (``params.n`` must be 1; ``params.seed`` is the request's own seed).
-        ``track_partial``: keep what it has sampled so far readable through :meth:`partial`."""
+        ``track_partial``: keep what it has sampled so far readable through :meth:`partial`. ``images``: a
+        vision-language model's images (PIL), one per placeholder in ``prompt_ids``, in order."""
         ...
 
     def partial(self, request_id: str) -> TurnOutput | None:

@@ -77,13 +77,17 @@ def load_multi_turn_tools(cfg: RolloutSections) -> dict[str, Any]:
     return tools
 
 
-def multi_turn_images_message() -> str:
-    """Why a multi-turn rollout of a vision-language model is refused (at start, and here)."""
-    return (
-        "rollout.multi_turn with a vision-language model is not supported yet: image prompts and image "
-        "observations from tools are single-turn only (docs/models.md#vision-language-models); set "
-        "rollout.multi_turn.enable=false or use a text model"
-    )
+def check_image_tools(tools: dict[str, Any], processor: Any) -> None:
+    """A tool that says it returns images (``returns_images = True``, as the built-in ``draw_shape``) with
+    a text model (no ``processor``): a ConfigError at start naming the tool and the fix; a tool that
+    returns one without saying so stops the rollout with the same message (spmdrl.rollout.turn_env)."""
+    if processor is not None:
+        return
+    from spmdrl.rollout.turn_env import tool_image_message
+
+    for name, tool in tools.items():
+        if getattr(tool, "returns_images", False):
+            raise ConfigError(f"rollout.multi_turn.tools: {tool_image_message(name, None, 'model.path')}")
 
 
 class Rollout:
@@ -109,17 +113,17 @@ class Rollout:
         """This rank's completions of ``prompts``. ``training=False``: a validation call (the same here; a
         wrapper may tell them apart)."""
         ids = [p.prompt_ids for p in prompts]
-        if any(p.image is not None for p in prompts):  # a VLM: the engine expands the image placeholders
-            if self.agent is not None:
-                raise ValueError(multi_turn_images_message())
+        vision = any(p.image is not None for p in prompts)  # a VLM: the engine expands the image placeholders
+        if self.agent is None:
+            if not vision:
+                return self.engine.generate(ids, spec)
             engine_ids = [p.image.engine_ids if p.image is not None else p.prompt_ids for p in prompts]
             return self.engine.generate(
                 engine_ids, spec, images=[p.image.images if p.image else [] for p in prompts]
             )
-        if self.agent is None:
-            return self.engine.generate(ids, spec)
         contexts = [p.extra_info if isinstance(p.extra_info, dict) else {} for p in prompts]
-        gens, stats = self.agent.run(self.engine, ids, spec, contexts)
+        images = [p.image for p in prompts] if vision else None
+        gens, stats = self.agent.run(self.engine, ids, spec, contexts, images=images)
         self._gens += gens
         self._stats.append(stats)
         return gens
@@ -224,11 +228,14 @@ def build_agent_loop(
     *,
     max_model_len: int,
     env: LoadedEnv | None = None,
+    processor: Any = None,
 ) -> AgentLoop | None:
     """The agent loop over ``tools``, or over the multi-turn environment ``env`` (env.source), or None for
     single-turn rollouts. Needs no engine: recipes build it at start, so a chat template that cannot
     render tool turns or an unknown parser fails before any model is trained or built;
-    ``Rollout(engine, agent)`` joins them later."""
+    ``Rollout(engine, agent)`` joins them later. ``processor``: a vision-language model's
+    (spmdrl.models.load.load_processor), whose tools' images become image observations; None for a text
+    model, where a tool that returns images is refused (:func:`check_image_tools`)."""
     mt = cfg.rollout.multi_turn
     turns_env = env is not None and env.multi_turn
     if not mt.enable and not turns_env:
@@ -248,15 +255,17 @@ def build_agent_loop(
         schemas = env_tool_schemas(env)
     else:
         assert tools is not None
+        check_image_tools(tools, processor)
         executor = ToolExecutor(
             tools, max_parallel_calls=mt.max_parallel_calls, tool_timeout_s=mt.tool_timeout_s
         )
-        turn_env, what = ToolTurnEnv(executor, get_parser(mt.format)), "tools " + ", ".join(tools)
+        turn_env = ToolTurnEnv(executor, get_parser(mt.format), images=processor is not None)
+        what = "tools " + ", ".join(tools)
         schemas = tool_schemas(tools)
     agent = AgentLoop(
         mt,
         env=turn_env,
-        codec=TurnCodec(tokenizer, tools=schemas),
+        codec=TurnCodec(tokenizer, tools=schemas, processor=processor),
         tokenizer=tokenizer,
         max_response_tokens=cfg.data.max_response_length,
         max_model_len=max_model_len,

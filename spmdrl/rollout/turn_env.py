@@ -28,7 +28,8 @@ class TurnReply:
     """An env's answer to an assistant turn."""
 
     # Messages ({"role": "tool" | "user", "content": ...}) that follow the turn; the next turn is sampled
-    # after them. With ``end`` set they are the conversation's last words (kept for the reward, not sampled
+    # after them. A content is a string, or a list of parts with images for a vision-language model
+    # ({"type": "image", "image": <PIL>}, {"type": "text", "text": ...}: spmdrl.data.turns.Observation). With ``end`` set they are the conversation's last words (kept for the reward, not sampled
     # after: verifiers' final_env_response).
     messages: list[dict[str, Any]] = field(default_factory=list)
     # Why the trajectory ends now (a terminate reason: "stop", "env_error", ...); "" to continue.
@@ -54,12 +55,31 @@ class TurnEnv(Protocol):
         ...
 
 
-class ToolTurnEnv:
-    """spmdrl's tools as a TurnEnv: the turn's ``<tool_call>`` blocks (``parser``) run on ``executor``."""
+class ToolImageError(ValueError):
+    """A tool returned an image for a model that takes none (a text model)."""
 
-    def __init__(self, executor: ToolExecutor, parser: Parser) -> None:
+
+def tool_image_message(tool: str, images: int | None, model: str = "the model") -> str:
+    """Why a tool's images cannot reach a text model, and what to do (at start for a tool that says it
+    returns images, ``returns_images``, ``images`` None; during the rollout for any other)."""
+    did = "returns images" if images is None else f"returned {images} image(s)"
+    return (
+        f"tool {tool!r} {did}, but {model} is a text model: only a vision-language "
+        "model reads images in a tool message (docs/tools.md#image-observations). Use a vision-language "
+        f"model (model.path=tiny-vl, a SmolVLM / Idefics3 checkpoint), or make tool {tool!r} return text "
+        "only (an empty ToolResult.image), or remove it from rollout.multi_turn.tools"
+    )
+
+
+class ToolTurnEnv:
+    """spmdrl's tools as a TurnEnv: the turn's ``<tool_call>`` blocks (``parser``) run on ``executor``.
+    ``images``: whether the model takes images; without, a tool that returns one stops the rollout
+    (:class:`ToolImageError`, naming the tool) rather than the model never seeing what it asked for."""
+
+    def __init__(self, executor: ToolExecutor, parser: Parser, *, images: bool = False) -> None:
         self.executor = executor
         self.parser = parser
+        self.images = images
 
     def open(self, context: Mapping[str, Any]) -> Any:
         # verl's extra_info.tools_kwargs ({tool: {"create_kwargs": {...}}}), if the row has one.
@@ -80,7 +100,11 @@ class ToolTurnEnv:
             "tool_reward": sum(o.reward for o in outcomes),
             "latencies": [o.latency_s for o in outcomes if o.status in ("ok", "error", "timeout")],
         }
-        return TurnReply([{"role": "tool", "content": o.text} for o in outcomes], counts=counts)
+        if not self.images:
+            for o in outcomes:
+                if o.images:
+                    raise ToolImageError(tool_image_message(o.name, len(o.images)))
+        return TurnReply([o.message() for o in outcomes], counts=counts)
 
     def finish(self, session: Any, messages: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         self.executor.close_session(session)

@@ -390,6 +390,7 @@ class VLLMEngine:
             self.world,
             seed_per_request=self.seed_per_request,
             device_type=self.device_type,
+            allowed_token_ids=self.allowed_token_ids,
         )
         with isolated_rng(self.device_type), self._settings.engine_call():
             try:

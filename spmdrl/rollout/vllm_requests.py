@@ -6,7 +6,7 @@ multi-turn rollout drives (:meth:`spmdrl.rollout.vllm_engine.VLLMEngine.stepper`
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -76,9 +76,12 @@ class VLLMStepper:
         *,
         seed_per_request: bool = True,
         device_type: str = "cpu",
+        allowed_token_ids: list[int] | None = None,
     ) -> None:
         self.engine = llm_engine
         self.end_of_turn_ids = end_of_turn_ids
+        # A vision-language model's: every token but its image tokens (VLLMEngine.allowed_token_ids).
+        self.allowed_token_ids = allowed_token_ids
         # rollout.seed_per_request=false: requests carry no seed; the first one's seeds the sampler.
         self.seed_per_request = seed_per_request
         self.device_type = device_type
@@ -92,7 +95,13 @@ class VLLMStepper:
         self.progress: dict[str, tuple[Any, Any, bool]] = {}
 
     def add(
-        self, request_id: str, prompt_ids: list[int], params: SamplingSpec, *, track_partial: bool = False
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingSpec,
+        *,
+        track_partial: bool = False,
+        images: Sequence[Any] = (),
     ) -> None:
         from vllm.inputs import TokensPrompt
 
@@ -109,9 +118,13 @@ class VLLMStepper:
             final_only=not track_partial,
             end_of_turn_ids=self.end_of_turn_ids,
             seeded=self.seed_per_request,
+            allowed_token_ids=self.allowed_token_ids,
         )
+        prompt = TokensPrompt(prompt_token_ids=prompt_ids)
+        if images:  # one placeholder per image in prompt_ids: vLLM expands each to the image's tokens
+            prompt["multi_modal_data"] = {"image": list(images)}
         with self.world.vllm():
-            self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt_ids), sampling)
+            self.engine.add_request(request_id, prompt, sampling)
         self.unfinished.add(request_id)
 
     def partial(self, request_id: str) -> TurnOutput | None:

@@ -3,7 +3,7 @@
 - :mod:`spmdrl.tools.parser`: ``<tool_call>`` blocks -> :class:`ToolCall` (``hermes``; pluggable).
 - :mod:`spmdrl.tools.base`: the :class:`Tool` protocol (verl's shape, synchronous), :class:`BaseTool`.
 - :mod:`spmdrl.tools.registry`: tools from built-in names, verl tool YAML files and Python functions.
-- :mod:`spmdrl.tools.builtin`: ``calculator`` and ``python``.
+- :mod:`spmdrl.tools.builtin`: ``calculator``, ``python`` and ``draw_shape`` (:mod:`spmdrl.tools.draw`).
 - :mod:`spmdrl.tools.executor`: a batch of calls, bounded in parallelism and time; never raises.
 
 See docs/tools.md.

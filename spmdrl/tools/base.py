@@ -15,6 +15,9 @@ call, so a tool must not keep loop-bound objects, such as an ``aiohttp`` session
 
 Tools are called from several threads at once: keep per-call state under ``instance_id`` and
 shared state thread-safe.
+
+A tool may return images (``ToolResult.image``, verl's ``ToolResponse.image``: PIL images): a
+vision-language model reads them in the tool message, before its text (docs/tools.md#image-observations).
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ class ToolResult:
     text: str  # what the model reads, as the content of the tool message
     reward: float = 0.0  # a step reward (verl's tool_reward); the rollout decides what to do with it
     metrics: dict[str, float] = field(default_factory=dict)  # logged, averaged per tool
+    # Images the model sees in the tool message, before its text (PIL images; verl's ToolResponse.image).
+    # Only a vision-language model takes them: with a text model the rollout stops, naming the tool.
+    image: list[Any] = field(default_factory=list)
 
 
 class ToolError(Exception):
@@ -140,8 +146,9 @@ def resolve(value: Any) -> Any:
 
 def coerce_result(value: Any) -> ToolResult:
     """A :class:`ToolResult` from what a tool returned: a ToolResult, a string, verl's
-    ``(response, reward, metrics)`` tuple, or verl's ``ToolResponse`` (an object with ``.text``).
-    Raises TypeError for anything else. Metrics that are not finite numbers are dropped."""
+    ``(response, reward, metrics)`` tuple, or verl's ``ToolResponse`` (an object with ``.text`` and
+    optionally ``.image``, a PIL image or a list of them). Raises TypeError for anything else (a video).
+    Metrics that are not finite numbers are dropped."""
     if isinstance(value, ToolResult):
         result = value
     elif isinstance(value, tuple) and len(value) == 3:
@@ -150,11 +157,13 @@ def coerce_result(value: Any) -> ToolResult:
             text=_text(response),
             reward=_finite(reward, "reward") if reward is not None else 0.0,
             metrics=dict(metrics or {}),
+            image=_field(response, "image"),
         )
     else:
-        result = ToolResult(text=_text(value))
+        result = ToolResult(text=_text(value), image=_field(value, "image"))
     if not isinstance(result.text, str):
         raise TypeError(f"a tool result's text must be a str, got {type(result.text).__name__}")
+    result.image = _images(result.image)
     result.reward = _finite(result.reward, "reward")
     result.metrics = {
         str(k): float(v)
@@ -176,6 +185,35 @@ def _text(response: Any) -> str:
         f"a tool returned {type(response).__name__}; expected a ToolResult, a str, an object with a "
         "'text' string, or a (response, reward, metrics) tuple"
     )
+
+
+def _field(response: Any, name: str) -> Any:
+    """A verl ToolResponse's ``image`` (or a dict's); refuses its ``video``, which nothing here takes."""
+    if isinstance(response, str):
+        return None
+    get = response.get if isinstance(response, Mapping) else lambda k: getattr(response, k, None)
+    if get("video"):
+        raise TypeError(
+            "a tool returned a video (ToolResponse.video): video observations are not supported; return "
+            "images (ToolResult.image) or text"
+        )
+    return get(name)
+
+
+def _images(value: Any) -> list[Any]:
+    """``value`` (None, a PIL image, or a list of them) as a list of RGB PIL images."""
+    if value is None:
+        return []
+    items = list(value) if isinstance(value, list | tuple) else [value]
+    out = []
+    for i, item in enumerate(items):
+        if not callable(getattr(item, "convert", None)) or not hasattr(item, "size"):
+            raise TypeError(
+                f"a tool result's image {i} is a {type(item).__name__}; expected a PIL image "
+                "(PIL.Image.open(...) or Image.new(...))"
+            )
+        out.append(item if getattr(item, "mode", None) == "RGB" else item.convert("RGB"))
+    return out
 
 
 def _finite(value: Any, what: str) -> float:

@@ -1,6 +1,7 @@
-"""The built-in tools: ``calculator`` (exact, safe arithmetic) and ``python`` (runs code in a
-limited child process). Load them by name (``tools: [calculator, python]``) or by class in a tool
-YAML, where ``config`` sets their limits and ``tool_schema`` may rename or re-describe them::
+"""The built-in tools: ``calculator`` (exact, safe arithmetic), ``python`` (runs code in a
+limited child process) and ``draw_shape`` (returns a picture: an image observation for a
+vision-language model, :mod:`spmdrl.tools.draw`). Load them by name
+(``tools: [calculator, python]``) or by class in a tool YAML, where ``config`` sets their limits and ``tool_schema`` may rename or re-describe them::
 
     tools:
       - class_name: spmdrl.tools.builtin.PythonTool
@@ -16,6 +17,7 @@ from typing import Any
 from spmdrl.errors import ConfigError
 from spmdrl.tools.arith import ArithLimits, ArithmeticRefused, evaluate, format_number
 from spmdrl.tools.base import BaseTool, ToolError, ToolResult
+from spmdrl.tools.draw import DrawShapeTool
 from spmdrl.tools.pyexec import PythonLimits, run_python
 
 # verl's config keys that say how a tool is loaded, not how it behaves.
@@ -107,4 +109,8 @@ class PythonTool(BaseTool):
 
 
 # Names usable wherever a tool spec is accepted (spmdrl.tools.registry.load_tools).
-BUILTIN_TOOLS: dict[str, type[BaseTool]] = {"calculator": CalculatorTool, "python": PythonTool}
+BUILTIN_TOOLS: dict[str, type[BaseTool]] = {
+    "calculator": CalculatorTool,
+    "python": PythonTool,
+    "draw_shape": DrawShapeTool,
+}

@@ -59,6 +59,7 @@ class ToolCallOutcome:
     reward: float = 0.0  # the tool's step reward (0 unless ok)
     metrics: dict[str, float] = field(default_factory=dict)  # the tool's own, when ok
     detail: str = ""  # for logs, not the model: a traceback
+    images: list[Any] = field(default_factory=list)  # the tool's images (ToolResult.image), when ok
 
     @classmethod
     def parse_error(cls, message: str) -> ToolCallOutcome:
@@ -66,9 +67,14 @@ class ToolCallOutcome:
         parse errors back, for the model to read."""
         return cls(name="", status="parse_error", text=f"Error: {message}")
 
-    def message(self) -> dict[str, str]:
-        """The chat message carrying the result (Qwen's template renders it in <tool_response>)."""
-        return {"role": "tool", "content": self.text}
+    def message(self) -> dict[str, Any]:
+        """The chat message carrying the result (Qwen's template renders it in <tool_response>); with
+        images, its content is a list of parts, each image (``{"type": "image", "image": <PIL>}``) before
+        the text, as verl's tool agent loop writes a tool response with images."""
+        if not self.images:
+            return {"role": "tool", "content": self.text}
+        parts: list[dict[str, Any]] = [{"type": "image", "image": im} for im in self.images]
+        return {"role": "tool", "content": [*parts, {"type": "text", "text": self.text}]}
 
 
 class ToolSession:
@@ -233,7 +239,12 @@ class ToolExecutor:
                     instance_id = created_id
             result = coerce_result(resolve(tool.execute(instance_id, dict(call.arguments))))
             outcome = ToolCallOutcome(
-                call.name, "ok", result.text, reward=result.reward, metrics=result.metrics
+                call.name,
+                "ok",
+                result.text,
+                reward=result.reward,
+                metrics=result.metrics,
+                images=result.image,
             )
         except ToolError as e:
             outcome = ToolCallOutcome(call.name, "error", f"Error: {e}")

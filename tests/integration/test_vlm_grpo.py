@@ -3,7 +3,9 @@ vision-language model on the built-in visual task (tiny_shapes). A short run: th
 GRPO steps take the images with their rows, the fp32 engine and trainer agree on the sampled tokens
 (mismatch/*), and the export holds the processor, so that transformers loads it and generates from an
 image, and the checkpoint's converter writes the same model with its processor. The learning run: held-out
-accuracy rises by 25 points or more (docs/models.md#vision-language-models)."""
+accuracy rises by 25 points or more (docs/models.md#vision-language-models). Multi-turn: two GRPO steps
+whose tool (the built-in ``draw_shape``) returns a picture at every turn, the engine and the trainer
+agreeing on the sampled tokens after the pictures (docs/multi_turn.md#image-observations)."""
 
 from __future__ import annotations
 
@@ -96,3 +98,49 @@ def test_grpo_vlm_tiny_learns_the_visual_task(tmp_path: Path) -> None:
     acc = [(m["step"], m["val/accuracy"]) for m in _metrics(out) if "val/accuracy" in m]
     (_, first), (_, last) = acc[0], acc[-1]
     assert last - first >= 0.25, acc
+
+
+# A random model never writes a <tool_call> by itself: the loop's pluggable parser (rollout.multi_turn.format
+# takes an import path, as in test_grpo_async_multi_turn.py) makes every finished turn call draw_shape.
+DRAW_PARSER = """
+from spmdrl.tools import ParseResult, ToolCall
+
+
+def parse(text):
+    shape = ("square", "circle", "triangle")[len(text) % 3]
+    return ParseResult(calls=[ToolCall("draw_shape", {"shape": shape, "color": "red"})], content=text)
+"""
+
+
+def test_grpo_vlm_multi_turn_with_image_tools(tmp_path: Path) -> None:
+    parser = tmp_path / "draw_every_turn.py"
+    parser.write_text(DRAW_PARSER)
+    out = _train(
+        tmp_path,
+        "warmstart.enabled=false",
+        "trainer.total_steps=2",
+        "trainer.val_every=2",
+        "trainer.save_every=0",
+        "trainer.save_hf=false",
+        "trainer.global_batch_size=8",
+        "rollout.n=4",
+        "tiny_shapes.num_train=64",
+        "tiny_shapes.num_test=8",
+        "rollout.dtype=float32",
+        "data.max_response_length=96",
+        "rollout.multi_turn.enable=true",
+        "rollout.multi_turn.tools=[draw_shape]",
+        "rollout.multi_turn.max_assistant_turns=3",
+        f"rollout.multi_turn.format={parser}:parse",
+        "rollout.stop=[e,a,o,i]",  # the random model's turns end within a few tokens
+        "reward.max_error_frac=1.0",
+    )
+    rows = [m for m in _metrics(out) if "mismatch/logprob_abs_diff_mean" in m]
+    assert len(rows) == 2, rows
+    for m in rows:
+        # Every trajectory saw pictures (tiny-vl: 4 image tokens, 2 delimiters and the global token each).
+        assert m["multi_turn/tool_calls"] >= 1.0 and m["multi_turn/observation_tokens"] >= 7, m
+        # The fp32 engine and trainer agree on the tokens sampled after the pictures (the rows' images).
+        assert m["mismatch/logprob_abs_diff_mean"] < 1e-4, m
+    val = [m for m in _metrics(out) if "val/multi_turn/tool_calls" in m]
+    assert val and all(m["val/multi_turn/tool_calls"] >= 1.0 for m in val), val

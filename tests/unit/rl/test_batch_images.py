@@ -1,6 +1,7 @@
 """A vision-language model's images follow their rows through every selection of a PolicyBatch (take,
 select, rows, split, concat), so that a micro-batch's forward gets exactly its rows' images in row order;
-and the start refuses what a VLM does not support yet, naming the key."""
+a multi-turn row's images are its prompt's then its tools' (and a prompt without images shifts no other
+row's); and the start refuses what a VLM does not support yet, naming the key."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from spmdrl.config import Config
 from spmdrl.data.vision import ImageInputs
 from spmdrl.errors import ConfigError
 from spmdrl.preflight import check_vision_model
-from spmdrl.rl.batch import PolicyBatch
+from spmdrl.rl.batch import PolicyBatch, build_policy_batch
+from spmdrl.rollout.engine import Generation
 
 
 def _batch(counts: tuple[int, ...]) -> PolicyBatch:
@@ -66,3 +68,59 @@ def test_what_a_vlm_does_not_support_is_refused_at_start(section: str, change: d
     lora = dataclasses.replace(model, lora=dataclasses.replace(model.lora, rank=8))
     with pytest.raises(ConfigError, match="LoRA on one is not supported"):
         check_vision_model(lora, Config().trainer, Config().rollout, Config().parallel)
+
+
+def test_multi_turn_rollouts_of_a_vlm_are_not_refused() -> None:
+    cfg = Config()
+    rollout = dataclasses.replace(
+        cfg.rollout, multi_turn=dataclasses.replace(cfg.rollout.multi_turn, enable=True)
+    )
+    model = dataclasses.replace(cfg.model, path="tiny-vl")
+    assert "vision-language model" in check_vision_model(model, cfg.trainer, rollout, cfg.parallel)
+
+
+def _pixels(*values: float) -> ImageInputs:
+    """One row of images, each filled with its value."""
+    return ImageInputs(torch.stack([torch.full((3, 2, 2), v) for v in values]), None, (len(values),))
+
+
+def _gen(prompt: int, images: ImageInputs | None) -> Generation:
+    return Generation(prompt, [7, 8], [-1.0, -1.0], "stop", loss_mask=[1, 0], images=images)
+
+
+def test_a_rows_images_are_its_prompts_then_its_tools() -> None:
+    # Prompt 1 has no images (None: a text prompt of the VLM's data); its samples' tools returned some.
+    prompt_images = [_pixels(0.0), None, _pixels(2.0, 2.5)]
+    gens = [
+        _gen(0, _pixels(10.0)),
+        _gen(0, None),
+        _gen(1, _pixels(11.0, 11.5)),
+        _gen(1, None),
+        _gen(2, _pixels(12.0)),
+    ]
+    batch = build_policy_batch([[1], [1], [1]], gens, pad_id=0, images=prompt_images)
+    assert batch.images is not None and batch.images.counts_B == (2, 1, 2, 0, 3)
+    assert _rows_of(batch) == [0.0, 10.0, 0.0, 11.0, 11.5, 2.0, 2.5, 12.0]
+    with pytest.raises(ValueError, match="2 prompts' images for 3 prompts"):
+        build_policy_batch([[1], [1], [1]], gens, pad_id=0, images=prompt_images[:2])
+
+
+def test_experience_rows_keep_each_prompts_images() -> None:
+    """spmdrl.rl.experience.policy_batch: a prompt without images (between two with) takes no other's."""
+    from spmdrl.data.prompts import PromptExample
+    from spmdrl.data.vision import ImagePrompt
+    from spmdrl.rewards.sandbox import RewardResult
+    from spmdrl.rl.experience import policy_batch
+    from spmdrl.rl.samples import ScoredSamples
+
+    def prompt(i: int, pixels: ImageInputs | None) -> PromptExample:
+        image = None if pixels is None else ImagePrompt([1], [1], [], pixels)
+        return PromptExample(i, [1], [], "", "", {}, image=image)
+
+    prompts = [prompt(0, None), prompt(1, _pixels(1.0)), prompt(2, None)]
+    gens = [_gen(0, _pixels(10.0)), _gen(1, None), _gen(2, None)]
+    scores = torch.zeros(3)
+    samples = ScoredSamples(prompts, gens, RewardResult(scores, 0, 0), ["", "", ""], scores)
+    batch = policy_batch(samples, pad_id=0, device=torch.device("cpu"))
+    assert batch.images is not None and batch.images.counts_B == (1, 1, 0)
+    assert _rows_of(batch) == [10.0, 1.0]
