@@ -23,7 +23,8 @@ it, alone, anywhere, is a fork, and a fork that changes the algorithm registers 
 and its policy loss in the copy (docs/forking.md).
 
 Deliberately simple: no critic (PPO is recipes/ppo.py), so every rank holds every role and trains on the
-samples it generated (parallel.balance_tokens aside); the phases run one after another (generation
+samples it generated (parallel.balance_tokens aside; with a distillation teacher on ranks of its own,
+parallel.teacher_ranks, those ranks generate and score and the others train, phases.experience moves the rows); the phases run one after another (generation
 never overlaps training); a step is exactly trainer.global_batch_size prompts, whatever DAPO drops;
 rewards are computed on the CPU of the rank that generated the samples.
 """
@@ -83,6 +84,8 @@ def update(job: rl.RLJob, s: Step) -> None:
     """The actor's update (algorithm.policy_loss + the KL loss; PPO epochs x mini-batches x micro-batches;
     every term is sum / the mini-batch's global count, FSDP sums the gradients)."""
     s.resident_gb = phases.resident_gb(job)  # the engine is asleep: this is the trainer's
+    if job.actor is None:  # a rank of the teacher's own (parallel.teacher_ranks) trains nothing
+        return
     with s.timer("update"), s.timer("actor_update"):
         s.update = phases.update_actor(job, s.batch)
 

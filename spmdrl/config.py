@@ -207,16 +207,34 @@ def _check_across_sections(cfg: Config) -> None:
             "other ranks wait in the next collective while a rank finishes its rollout"
         )
     _check_reward_model_placement(cfg)
-    _check_teacher_placement(cfg.teacher, cfg.parallel)
+    _check_teacher_placement(cfg.teacher, cfg.parallel, cfg.model, cfg.reward_model)
 
 
-def _check_teacher_placement(teacher: TeacherConfig, parallel: ParallelConfig) -> None:
-    """On-policy distillation: where the teacher may run."""
+def _check_teacher_placement(
+    teacher: TeacherConfig, parallel: ParallelConfig, model: ModelConfig, reward_model: RewardModelConfig
+) -> None:
+    """On-policy distillation: where the teacher may run, and what its own ranks (parallel.teacher_ranks)
+    do not run yet."""
     if teacher.enabled and parallel.placement != "colocated":
         raise ConfigError(
-            f"teacher.path={teacher.path} scores the actor's rows on the actor's ranks, which needs "
-            f"parallel.placement=colocated (entry: grpo, as in recipe=opd_tiny); got "
-            f"parallel.placement={parallel.placement}"
+            f"teacher.path={teacher.path} scores the actor's rows on the actor's ranks or on ranks of its own next "
+            f"to a colocated actor, which needs parallel.placement=colocated (entry: grpo, as in "
+            f"recipe=opd_tiny); got parallel.placement={parallel.placement}"
+        )
+    if not (teacher.enabled and parallel.teacher_ranks):
+        return
+    own = f"parallel.teacher_ranks={parallel.teacher_ranks} (the teacher on ranks of its own)"
+    if model.lora.enabled:
+        raise ConfigError(
+            f"{own} with model.lora (rank {model.lora.rank}) is not supported yet: the teacher's ranks would "
+            "serve the merged adapters by the actor's broadcast, which is untested; set model.lora.rank=0, or "
+            "parallel.teacher_ranks=0 (the teacher sharded over the actor's ranks)"
+        )
+    if reward_model.enable or reward_model.judge.enable:
+        raise ConfigError(
+            f"{own} with reward_model.enable / reward_model.judge.enable is not supported: the reward model "
+            "scores on the actor's ranks, and the teacher's ranks generate samples too; turn the reward model "
+            "off, or set parallel.teacher_ranks=0 (the teacher sharded over the actor's ranks)"
         )
 
 

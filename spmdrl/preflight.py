@@ -188,6 +188,10 @@ def check_router_replay(
         unsupported.append("parallel.placement=split (the rows move between meshes without their routing)")
     if parallel.balance_tokens:
         unsupported.append("parallel.balance_tokens (the rows move between ranks without their routing)")
+    if parallel.teacher_ranks:
+        unsupported.append(
+            f"parallel.teacher_ranks={parallel.teacher_ranks} (the rows move to the actor's ranks without their routing)"
+        )
     if rollout.multi_turn.enable:
         unsupported.append("rollout.multi_turn.enable (the agent loop's engine calls return no routing)")
     if env_source:
@@ -251,6 +255,11 @@ def check_vision_model(
         raise ConfigError(
             f"parallel.placement={parallel.placement}: {where}, and only the colocated placement keeps each "
             f"row's images with it so far; set parallel.placement=colocated {why}"
+        )
+    if parallel.teacher_ranks:
+        raise ConfigError(
+            f"parallel.teacher_ranks={parallel.teacher_ranks}: {where}, and the teacher on ranks of its own moves "
+            f"the rows between ranks without their images; set parallel.teacher_ranks=0 {why}"
         )
     return f"{where} (images: the data's images column)"
 

@@ -228,7 +228,8 @@ class AlgorithmConfig:
 class TeacherConfig:
     """On-policy distillation (docs/algorithms.md#on-policy-distillation): a frozen teacher scores every token
     the actor sampled, and the actor is trained to lower the per-token reverse KL to it. The teacher is one
-    more frozen role on the actor's ranks, as the reference is (spmdrl/rl/teacher.py). verl's
+    more frozen role on the actor's ranks, as the reference is (spmdrl/rl/teacher.py), or on ranks of its
+    own (parallel.teacher_ranks). verl's
     ``distillation.teacher_model.model_path`` (here ``path``) and ``distillation.distillation_loss.*``
     (``loss_mode``, ``use_policy_gradient``, ``use_task_rewards``, ``distillation_loss_coef``,
     ``loss_max_clamp``, ``log_prob_min_clamp``), under their names."""

@@ -24,9 +24,12 @@ class ParallelConfig:
     # tokens (greedy longest-first per mini-batch; spmdrl/distributed/exchange.py). Logged as
     # balance/<role>_token_imbalance (max / mean tokens per rank) with its value before balancing.
     balance_tokens: bool = False
-    # On-policy distillation (teacher.path): the teacher's FSDP2 shards on the last teacher_ranks of the
-    # actor's ranks only, where the actor's rows go to be scored and whence its logprobs come back; 0: on
-    # every actor rank, like the reference (nothing moves).
+    # On-policy distillation (teacher.path), placement colocated: 0 shards the teacher over the actor's ranks,
+    # like the reference (nothing moves). N > 0 puts it on ranks of its own, the last N, which hold no actor:
+    # the actor and its reference train on the first world - N ranks; every rank still generates (the
+    # teacher's ranks get the actor's weights by broadcast, as split's critic ranks do); each step's rows go
+    # to the teacher's ranks to be scored and to the actor's ranks, with the teacher's logprobs, to be
+    # trained on (docs/algorithms.md#the-teacher-on-ranks-of-its-own).
     teacher_ranks: int = 0
     # HSDP: replicate over dp_replicate groups, shard within each (within each role's ranks).
     # 1 means plain FSDP over the role's ranks.
@@ -46,7 +49,8 @@ class ParallelConfig:
             raise ConfigError(f"parallel.ep must be >= 1 (1 = no expert parallelism), got {self.ep}")
         if self.teacher_ranks < 0:
             raise ConfigError(
-                f"parallel.teacher_ranks must be >= 0 (0: the teacher on every actor rank), got {self.teacher_ranks}"
+                f"parallel.teacher_ranks must be >= 0 (0: the teacher on the actor's ranks; N: on the last N ranks, "
+                f"which hold no actor), got {self.teacher_ranks}"
             )
         if self.critic_ranks < 0:
             raise ConfigError(

@@ -17,6 +17,14 @@ Two placements (docs/architecture.md has the picture):
   point-to-point sends, weights reach the engines by the same fanout broadcast from rank 0 (a
   sender that loads no engine of its own); docs/async.md. The rollout ranks get an FSDP2 mesh of their
   own too: the reward model (reward_model.enable) is sharded over them, next to the engines.
+
+On-policy distillation's teacher (teacher.path) joins ``colocated`` in one of two ways
+(:meth:`Placement.with_teacher`): sharded over the actor's ranks like the reference
+(``parallel.teacher_ranks=0``), or on ranks of its own, ``W-N .. W-1`` for ``parallel.teacher_ranks=N``,
+which hold no actor. Then the actor and its reference train on ``0 .. W-N-1`` and the engines still span
+every rank, as under ``split``: the teacher's ranks generate too, their engines served the actor's weights
+by the same fanout broadcast, and the rows move to the teacher's ranks to be scored and to the actor's
+ranks to be trained on (spmdrl/rl/role_rows.py).
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from spmdrl.errors import ConfigError
 
 ROLES = ("actor", "ref", "critic", "rollout")
 # Roles a placement holds only when the job has them: on-policy distillation's teacher (teacher.path), on
-# the actor's ranks or on the last parallel.teacher_ranks of them.
+# the actor's ranks or on the last parallel.teacher_ranks ranks, which then hold no actor.
 OPTIONAL_ROLES = ("teacher",)
 
 
@@ -150,23 +158,45 @@ class Placement:
         )
 
     def with_teacher(self, teacher_ranks: int) -> Placement:
-        """This placement with on-policy distillation's teacher: sharded over the actor's ranks (0), or over
-        the last ``teacher_ranks`` of them, where the actor's rows go to be scored."""
-        actor = self.role("actor")
-        if not 0 <= teacher_ranks <= actor.num_ranks:
+        """This placement with on-policy distillation's teacher: sharded over the actor's ranks (0), or on the
+        last ``teacher_ranks`` ranks of the world, which then hold no actor: the actor and its reference
+        shrink to the ranks before them (the engines keep spanning every rank). Colocated only."""
+        if not teacher_ranks:
+            actor = self.role("actor")
+            spec = RoleSpec("teacher", actor.first_rank, actor.num_ranks)
+            return Placement(self.world_size, {**self.roles, "teacher": spec}, self.kind)
+        w = self.world_size
+        if self.kind != "colocated":
             raise ConfigError(
-                f"parallel.teacher_ranks={teacher_ranks} does not fit the actor's {actor.num_ranks} ranks "
-                f"(world size {self.world_size}): pick 1..{actor.num_ranks}, or 0 to shard the teacher over "
-                "every actor rank"
+                f"parallel.teacher_ranks={teacher_ranks} puts the teacher on ranks of its own next to a colocated "
+                f"actor; parallel.placement={self.kind} already gives ranks to another role: set "
+                "parallel.placement=colocated (entry: grpo, as in recipe=opd_tiny), or parallel.teacher_ranks=0"
             )
-        n = teacher_ranks or actor.num_ranks
-        spec = RoleSpec("teacher", actor.first_rank + actor.num_ranks - n, n)
-        return Placement(self.world_size, {**self.roles, "teacher": spec}, self.kind)
+        if not 1 <= teacher_ranks < w:
+            raise ConfigError(
+                f"parallel.teacher_ranks={teacher_ranks} does not fit the world of {w} ranks: the teacher's own "
+                f"ranks are the last N and the actor needs at least one before them; pick 1..{w - 1} (or "
+                "start more processes), or 0 to shard the teacher over the actor's ranks"
+            )
+        actor = self.role("actor")
+        if actor.ep > 1:
+            raise ConfigError(
+                f"parallel.teacher_ranks={teacher_ranks} with parallel.ep={actor.ep} is not supported: expert "
+                "parallelism runs with the actor on every rank; set parallel.ep=1, or parallel.teacher_ranks=0"
+            )
+        a = w - teacher_ranks
+        # The trained roles (a colocated placement lists the critic too, with the actor) shrink together.
+        shrunk = {
+            r: RoleSpec(r, 0, a, actor.dp_replicate) for r in ("actor", "ref", "critic") if r in self.roles
+        }
+        roles = {**self.roles, **shrunk, "teacher": RoleSpec("teacher", a, teacher_ranks)}
+        return Placement(w, roles, self.kind)
 
     @property
     def teacher_apart(self) -> bool:
-        """Whether the teacher is on fewer ranks than the actor (its rows move to it and back)."""
-        return "teacher" in self.roles and self.roles["teacher"].ranks != self.role("actor").ranks
+        """Whether the teacher is on ranks of its own (parallel.teacher_ranks): the rows go to it to be scored,
+        and to the actor's ranks to be trained on."""
+        return "teacher" in self.roles and not self.roles["teacher"].has(self.role("actor").first_rank)
 
     @property
     def is_split(self) -> bool:
@@ -185,10 +215,14 @@ class Placement:
         """split: the first actor rank, which forwards each full weight, and the ranks that receive them."""
         if self.is_async:  # the first trainer rank and every rollout rank
             return [self.role("actor").first_rank, *self.role("rollout").ranks]
+        if self.teacher_apart:  # the teacher's own ranks generate too
+            return [self.role("actor").first_rank, *self.role("teacher").ranks]
         return [self.role("actor").first_rank, *self.role("critic").ranks] if self.is_split else []
 
     def describe(self) -> str:
         parts = [self.roles[r].describe() for r in ("actor", "ref", "critic", "teacher") if r in self.roles]
+        if self.teacher_apart:
+            parts[-1] = parts[-1].removesuffix(")") + ", no actor)"
         if self.is_async:
             engines = (
                 self.roles["rollout"]

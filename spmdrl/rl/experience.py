@@ -130,14 +130,19 @@ def teacher_logprobs_apart(
     teacher_group: dist.ProcessGroup | None,
     device: torch.device,
 ) -> torch.Tensor:
-    """parallel.teacher_ranks: the teacher's logprobs of this rank's rows, scored on the teacher's ranks. The
-    rows (tokens and masks) go there, spread evenly in order; each teacher rank scores its share; the
-    logprobs come back to the rows' ranks. Every rank calls it (``teacher``: the module on the teacher's
-    ranks, None elsewhere)."""
+    """parallel.teacher_ranks (the teacher on ranks of its own): the teacher's logprobs of this rank's rows,
+    scored on the teacher's ranks. Every rank's rows (tokens and masks) go there in order, in blocks that
+    differ by one row at most; each teacher rank scores its share (micro-batches planned over
+    ``teacher_group``); the logprobs come back to the rows' ranks, by the point-to-point moves PPO's split
+    placement moves the critic's values by (spmdrl.distributed.exchange). Every rank calls it (``teacher``:
+    the module on the teacher's ranks, None elsewhere)."""
     sizes, lengths_N = gather_lengths(batch.attention_mask_BT.sum(dim=1), device)
     width = int(lengths_N.max())
     here = RowLayout.from_counts(sizes)
-    there = RowLayout.contiguous(lengths_N.numel(), placement.role("teacher").ranks)
+    ranks, total = placement.role("teacher").ranks, lengths_N.numel()
+    there = RowLayout.from_counts(
+        [total // len(ranks) + (i < total % len(ranks)) for i in range(len(ranks))], ranks
+    )
     spec = {"input_ids_BT": torch.long, "attention_mask_BT": torch.long, "response_mask_BT": torch.bool}
     fields = {k: getattr(batch, k) for k in spec}
     rows = move_rows(fields, spec, here, there, width=width, device=device)

@@ -141,7 +141,8 @@ class RLJob:
     model_rewards: ModelRewards | None = None
     # The checkpoint loaded, if any (async: the rollout ranks read their queues in it).
     resumed_from: Path | None = None
-    # teacher.*: on-policy distillation's frozen teacher, on the actor's ranks (None: no distillation).
+    # teacher.*: on-policy distillation's frozen teacher, on its ranks: the actor's, or its own under
+    # parallel.teacher_ranks (None: no distillation, or a rank that does not hold it).
     teacher: Teacher | None = None
 
     @property

@@ -51,7 +51,7 @@ from spmdrl.rl.job import (
 )
 from spmdrl.rl.metrics import step_metrics
 from spmdrl.rl.perf import actor_perf_metrics
-from spmdrl.rl.role_rows import plan_rows
+from spmdrl.rl.role_rows import plan_rows, to_actor_ranks
 from spmdrl.rl.samples import (
     DynamicSampling,
     OverlongShaping,
@@ -192,14 +192,25 @@ def experience(job: RLJob, s: Step, batch: PolicyBatch, group: dist.ProcessGroup
     reference's; the KL folded into the reward and the rollout correction (whose rejection edits the
     response mask); then the advantages on the edited mask. A rank holds whole groups, so only batch-wide
     statistics (whitening, GPG's scale) are summed over the actor's ranks. parallel.balance_tokens moves
-    rows among ``group`` only after that (the advantages needed whole groups)."""
+    rows among ``group`` only after that (the advantages needed whole groups).
+
+    parallel.teacher_ranks (the teacher on ranks of its own): first every rank's rows go to the teacher's
+    ranks and its logprobs come back, then the rows go to the actor's ranks (:func:`teacher_first`); a
+    teacher's rank has nothing more to do in the step (``s.batch`` stays unset there)."""
     cfg = job.cfg
+    components_BK = gdpo_reward_components(cfg.algorithm, cfg.reward, s.samples.rewards)
+    if job.placement.teacher_apart:
+        moved = teacher_first(job, s, batch, components_BK)
+        if moved is None:
+            return
+        batch, components_BK = moved
+        group = job.actor_group
     with s.timer("experience"):
         rows = plan_rows(cfg.parallel.balance_tokens, job.placement, job.rl, batch, job.device, group=group)
     sampled_mask_BT = batch.response_mask_BT  # the mismatch metric reads every sampled token
     # Timed only when a pass runs: an on-policy step without a reference or a teacher runs none.
-    apart = job.placement.teacher_apart  # parallel.teacher_ranks: the rows go to the teacher and back
-    with s.timer.maybe("old_ref", job.recompute_old or job.ref is not None or cfg.teacher.enabled):
+    colocated_teacher = None if job.placement.teacher_apart else job.teacher
+    with s.timer.maybe("old_ref", job.recompute_old or job.ref is not None or colocated_teacher is not None):
         batch = old_and_ref_logprobs(
             job.update_settings,
             job.rl,
@@ -208,21 +219,9 @@ def experience(job: RLJob, s: Step, batch: PolicyBatch, group: dist.ProcessGroup
             batch,
             job.actor_group,
             recompute_old=job.recompute_old,
-            teacher=None if apart else job.teacher,
+            teacher=colocated_teacher,
         )
-        if apart:
-            teacher_BT = teacher_logprobs_apart(
-                job.update_settings,
-                job.rl,
-                job.teacher,
-                batch,
-                job.placement,
-                job.meshes.group("teacher"),
-                job.device,
-            )
-            batch = batch.replace(teacher_logprobs_BT=teacher_BT)
     with s.timer("experience"):  # the advantages (ReMax's baseline, gdpo's components where they apply)
-        components_BK = gdpo_reward_components(cfg.algorithm, cfg.reward, s.samples.rewards)
         batch, metrics = batch_advantages(
             cfg.algorithm,
             cfg.rollout.n,
@@ -238,6 +237,42 @@ def experience(job: RLJob, s: Step, batch: PolicyBatch, group: dist.ProcessGroup
     with s.timer.maybe("exchange", rows.moves):
         s.batch, s.sampled_mask_BT = rows.balance_colocated(batch, sampled_mask_BT)  # type: ignore[assignment]
     s.metrics.update(rows.metrics)
+
+
+def teacher_first(
+    job: RLJob, s: Step, batch: PolicyBatch, components_BK: torch.Tensor | None
+) -> tuple[PolicyBatch, torch.Tensor | None] | None:
+    """parallel.teacher_ranks, on every rank: this rank's rows to the teacher's own ranks, scored there, the
+    logprobs back (timed as old_ref), then the rows with them, ReMax's baselines (``s.baseline_B``, replaced)
+    and gdpo's components to the actor's ranks (timed as exchange). The actor's rows and components, or
+    None on a rank of the teacher's, which keeps none."""
+    with s.timer("old_ref"):
+        teacher_BT = teacher_logprobs_apart(
+            job.update_settings,
+            job.rl,
+            job.teacher,
+            batch,
+            job.placement,
+            job.meshes.group("teacher"),
+            job.device,
+        )
+    columns = {}
+    if s.baseline_B is not None:
+        columns["baseline_B"] = s.baseline_B.to(job.device, torch.float32).view(-1, 1)
+    if components_BK is not None:
+        columns["components_BK"] = components_BK.to(job.device)
+    with s.timer("exchange"):
+        moved = to_actor_ranks(
+            job.placement, batch.replace(teacher_logprobs_BT=teacher_BT), columns, job.device
+        )
+    if moved is None:
+        return None
+    batch, columns = moved
+    # On the host, where the ranks that generated them keep them.
+    if "baseline_B" in columns:
+        s.baseline_B = columns["baseline_B"].view(-1).cpu()
+    components = columns.get("components_BK")
+    return batch, components.cpu() if components is not None else None
 
 
 def update_actor(job: RLJob, batch: PolicyBatch) -> UpdateResult:
@@ -271,8 +306,15 @@ def sync(job: RLJob, s: Step) -> None:
 def actor_metrics(job: RLJob, s: Step, group: dist.ProcessGroup | None = None) -> dict[str, float]:
     """The step's metrics (docs/metrics.md) reduced over ``group``, the ranks that hold its samples: the
     rollout's, the rewards', the timings, the trainer-vs-engine mismatch, the update's, the phases' own,
-    the learning rate, and the tokens/s and MFU of the update and of the old/ref passes."""
-    actor = job.trained("actor")
+    the learning rate, and the tokens/s and MFU of the update and of the old/ref passes. On a rank of the
+    teacher's own (parallel.teacher_ranks), which trains nothing, only the part reduced over ``group``
+    (rank 0, which logs, is the actor's)."""
+    if job.actor is None:  # the same reductions as the actor's ranks' (resident_gb too: the same keys)
+        n, epochs = job.cfg.rollout.n, job.cfg.algorithm.ppo_epochs
+        return step_metrics(
+            n, epochs, s.samples, s.timer, job.device, None, job.actor_group, s.resident_gb, group=group
+        )
+    actor = job.actor
     actor_part = (s.batch, s.sampled_mask_BT, s.update.old_logprobs_BT)
     metrics = {
         **step_metrics(
@@ -290,7 +332,9 @@ def actor_metrics(job: RLJob, s: Step, group: dist.ProcessGroup | None = None) -
         **s.metrics,
         "actor/lr": actor.scheduler.get_last_lr()[0],
     }
-    passes = int(job.recompute_old) + int(job.ref is not None) + int(job.teacher is not None)
+    # The teacher's pass runs on the actor's ranks unless it has ranks of its own.
+    teacher_here = job.teacher is not None and not job.placement.teacher_apart
+    passes = int(job.recompute_old) + int(job.ref is not None) + int(teacher_here)
     metrics.update(
         actor_perf_metrics(
             job.cfg.model,

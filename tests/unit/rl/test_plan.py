@@ -34,6 +34,48 @@ def test_async_plan_recomputes_old_logprobs_when_generation_runs_ahead() -> None
     assert plan.placement.is_async and plan.recompute_old and plan.scorer == "rollout"
 
 
+def test_a_teacher_on_its_own_ranks_leaves_the_actor_the_rest_and_every_rank_generating() -> None:
+    cfg = load_config(["recipe=opd_tiny", "parallel.teacher_ranks=1", "trainer.global_batch_size=24"])
+    plan = plan_job(cfg, 4, 4000)
+    assert plan.placement.teacher_apart and plan.placement.role("teacher").ranks == [3]
+    assert plan.rl.train_ranks == 3 and plan.rl.per_rank_mini_batch_seqs == 24 * cfg.rollout.n // 3
+    assert plan.derived.per_rank_batch_size == 24 // 4  # the prompts are still generated on all 4 ranks
+    assert plan.describe(cfg)["teacher"] == "teacher: rank 3 (FSDP 1)"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expect"),
+    [
+        (
+            ["parallel.teacher_ranks=1"],
+            r"global_batch_size=32 prompts do not split .* actor's 3 ranks .*multiple of 12",
+        ),
+        (
+            ["parallel.teacher_ranks=1", "trainer.global_batch_size=24", "algorithm.ppo_mini_batch_size=4"],
+            r"ppo_mini_batch_size=4 prompts do not split evenly over the actor's 3 ranks",
+        ),
+        (["parallel.teacher_ranks=4"], r"parallel.teacher_ranks=4 does not fit the world of 4 ranks"),
+    ],
+)
+def test_a_teacher_on_its_own_ranks_the_batch_does_not_fit_fails_in_the_plan(
+    overrides: list, expect: str
+) -> None:
+    cfg = load_config(["recipe=opd_tiny", *overrides])
+    with pytest.raises(ConfigError, match=expect):
+        plan_job(cfg, 4, 4000)
+
+
+def test_check_prints_where_the_teacher_and_the_actor_run(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(["recipe=opd_tiny", "parallel.teacher_ranks=2", "--check", "--world-size", "4"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "actor: ranks 0-1 (FSDP 2)" in out and "teacher: ranks 2-3 (FSDP 2, no actor)" in out, out
+    assert "the teacher on ranks of its own (ranks 2-3)" in out and "the actor's update on 2 ranks" in out, (
+        out
+    )
+
+
 def test_a_world_the_batch_does_not_split_over_fails_in_the_plan() -> None:
     cfg = load_config(["recipe=grpo_tiny"])
     with pytest.raises(ConfigError, match="not divisible by the data-parallel size 7"):
