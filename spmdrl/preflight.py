@@ -161,7 +161,8 @@ def check_router_replay(
 ) -> str:
     """model.router_replay=r3 needs a mixture of experts (the built-in tiny-moe or a local directory; a hub
     id is checked where the model is built) and an engine that returns each token's experts: vLLM's
-    single-turn generate, its rows colocated or sent whole to the trainer ranks (parallel.placement=async)
+    single-turn generate. The routing travels with its rows wherever they move (parallel.placement=async,
+    parallel.balance_tokens, parallel.teacher_ranks: spmdrl.rl.batch.pack_routed)
     (docs/models.md#router-replay-and-the-routers-metrics)."""
     key = f"model.router_replay={model.router_replay}"
     path = model.path
@@ -185,12 +186,8 @@ def check_router_replay(
         )
     unsupported = []
     if parallel.placement == "split":
-        unsupported.append("parallel.placement=split (the rows move between meshes without their routing)")
-    if parallel.balance_tokens:
-        unsupported.append("parallel.balance_tokens (the rows move between ranks without their routing)")
-    if parallel.teacher_ranks:
         unsupported.append(
-            f"parallel.teacher_ranks={parallel.teacher_ranks} (the rows move to the actor's ranks without their routing)"
+            "parallel.placement=split (PPO's critic on ranks of its own: untested with router replay)"
         )
     if rollout.multi_turn.enable:
         unsupported.append("rollout.multi_turn.enable (the agent loop's engine calls return no routing)")
@@ -205,8 +202,8 @@ def check_router_replay(
         )
     if unsupported:
         raise ConfigError(
-            f"{key} is not supported with {'; '.join(unsupported)}: the engine cannot return the experts it "
-            "routed each token to there. Change those settings, or set model.router_replay=disabled"
+            f"{key} is not supported with {'; '.join(unsupported)}. Change those settings, or set "
+            "model.router_replay=disabled"
         )
     return key
 

@@ -41,7 +41,7 @@ from spmdrl.distributed.placement import Placement
 from spmdrl.errors import ConfigError
 from spmdrl.logging.timer import PhaseTimer
 from spmdrl.rewards.sandbox import RewardResult
-from spmdrl.rl.batch import PolicyBatch
+from spmdrl.rl.batch import ROUTED, ROUTED_SHAPE, PolicyBatch, pack_routed, unpack_routed
 from spmdrl.rl.experience import policy_batch
 from spmdrl.rl.metrics import peak_memory_gb
 from spmdrl.rl.model_rewards import ModelRewards
@@ -86,11 +86,8 @@ TOKEN_VERSIONS = "versions_BT"
 # none), and their names, "\n"-joined UTF-8 bytes; both as wide as the row's key count / name length (0
 # when the reward returns a plain score).
 REWARD_EXTRA, REWARD_EXTRA_NAMES = "reward_extra", "reward_extra_names"
-# Router replay (model.router_replay=r3): each row's routed experts, (B, T, layers, k) flattened to
-# (B, T * layers * k) and shifted by one (0: no choice, as the wire pads), and (layers, k) per row; one
-# (B, 0) field and (0, 0) without replay. Flattened position by position, a row's positions past its own
-# width arrive as 0, that is no choice.
-ROUTED, ROUTED_SHAPE = "routed_experts", "routed_shape"
+# Router replay (model.router_replay=r3): each row's routed experts travel as spmdrl.rl.batch's ROUTED and
+# ROUTED_SHAPE fields (pack_routed), one (B, 0) field and (0, 0) without replay.
 # The rollout ranks' reduced metrics of a batch, one per position of the "measured" field: a fixed list, so
 # the trainer reads them back without asking which were measured (the absent ones are NaN).
 # A queue saved since these names are saved with it reads its columns by name (fill_missing_fields).
@@ -226,33 +223,6 @@ def pack_samples(
         **pack_reward_extra(samples.rewards.extra, B, device),
         **pack_routed(batch.routed_experts_BTLK, B, device),
     }
-
-
-def pack_routed(routed_BTLK: torch.Tensor | None, B: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """The rows' routed experts as the wire carries them (ROUTED, ROUTED_SHAPE)."""
-    if routed_BTLK is None:
-        return {
-            ROUTED: torch.zeros(B, 0, dtype=torch.int16, device=device),
-            ROUTED_SHAPE: torch.zeros(B, 2, dtype=torch.long, device=device),
-        }
-    _, T, L, K = routed_BTLK.shape
-    return {
-        ROUTED: (routed_BTLK.to(device=device, dtype=torch.int16) + 1).reshape(B, T * L * K),
-        ROUTED_SHAPE: torch.tensor([L, K], dtype=torch.long, device=device).expand(B, 2).contiguous(),
-    }
-
-
-def unpack_routed(rows: Mapping[str, torch.Tensor], width: int) -> torch.Tensor | None:
-    """The rows' routed experts, (B, width, layers, k), -1 where none; None when they travelled none."""
-    L, K = (int(x) for x in rows[ROUTED_SHAPE][0, :2].tolist())  # a fixed-width wire pads it
-    flat = rows[ROUTED]
-    if L * K == 0:
-        return None
-    B = flat.shape[0]
-    wire = flat.new_zeros(B, width * L * K)
-    n = min(flat.shape[1], width * L * K)
-    wire[:, :n] = flat[:, :n]
-    return (wire.view(B, width, L, K) - 1).to(torch.int16)
 
 
 def pack_reward_extra(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,6 +11,42 @@ import torch
 
 from spmdrl.data.vision import ImageInputs
 from spmdrl.rollout.engine import Generation
+
+# Router replay's routing on a wire of (rows, width) tensors (spmdrl.distributed.exchange): each row's
+# (T, layers, k) experts flattened to T * layers * k and shifted by one (0: no choice, as the wire pads),
+# and (layers, k) per row; one (B, 0) field and (0, 0) without replay. Flattened position by position, a
+# row's positions past its own width arrive as 0, that is no choice.
+ROUTED, ROUTED_SHAPE = "routed_experts", "routed_shape"
+
+
+def pack_routed(routed_BTLK: torch.Tensor | None, B: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """The rows' routed experts as the wire carries them (ROUTED, ROUTED_SHAPE)."""
+    if routed_BTLK is None:
+        return {
+            ROUTED: torch.zeros(B, 0, dtype=torch.int16, device=device),
+            ROUTED_SHAPE: torch.zeros(B, 2, dtype=torch.long, device=device),
+        }
+    _, T, L, K = routed_BTLK.shape
+    return {
+        ROUTED: (routed_BTLK.to(device=device, dtype=torch.int16) + 1).reshape(B, T * L * K),
+        ROUTED_SHAPE: torch.tensor([L, K], dtype=torch.long, device=device).expand(B, 2).contiguous(),
+    }
+
+
+def unpack_routed(rows: Mapping[str, torch.Tensor], width: int) -> torch.Tensor | None:
+    """The rows' routed experts, (B, width, layers, k), -1 where none; None when they travelled none."""
+    shape = rows[ROUTED_SHAPE]
+    flat = rows[ROUTED]
+    if shape.shape[0] == 0:
+        return None
+    L, K = (int(x) for x in shape[0, :2].tolist())  # a fixed-width wire pads it
+    if L * K == 0:
+        return None
+    B = flat.shape[0]
+    wire = flat.new_zeros(B, width * L * K)
+    n = min(flat.shape[1], width * L * K)
+    wire[:, :n] = flat[:, :n]
+    return (wire.view(B, width, L, K) - 1).to(torch.int16)
 
 
 @dataclass(frozen=True)
@@ -203,19 +239,27 @@ class PolicyBatch:
         return PolicyBatch(**out)  # type: ignore[arg-type]
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The tensor fields that are set, by name (what spmdrl.distributed.exchange moves; a VLM's images
-        do not move between ranks: spmdrl.preflight refuses the placements that would move them)."""
-        return {
+        """The tensor fields that are set, by name, as (rows, width) tensors: what spmdrl.distributed.exchange
+        moves. Router replay's (B, T, layers, k) routing travels flattened (:func:`pack_routed`); a VLM's
+        images do not move between ranks (spmdrl.preflight refuses the placements that would move them)."""
+        out = {
             f.name: t
             for f in dataclasses.fields(self)
-            if f.name != "images" and (t := getattr(self, f.name)) is not None
+            if f.name not in ("images", "routed_experts_BTLK") and (t := getattr(self, f.name)) is not None
         }
+        if self.routed_experts_BTLK is not None:
+            out.update(pack_routed(self.routed_experts_BTLK, self.num_rows, self.input_ids_BT.device))
+        return out
 
     @staticmethod
     def from_tensors(tensors: dict[str, torch.Tensor]) -> PolicyBatch:
-        """The inverse of :meth:`tensors`; a missing ``advantages_BT`` starts at 0."""
+        """The inverse of :meth:`tensors` (the routing as wide as the rows); a missing ``advantages_BT``
+        starts at 0."""
         tensors = dict(tensors)
         tensors.setdefault("advantages_BT", torch.zeros_like(tensors["engine_logprobs_BT"]))
+        if ROUTED in tensors:
+            wire = {k: tensors.pop(k) for k in (ROUTED, ROUTED_SHAPE)}
+            tensors["routed_experts_BTLK"] = unpack_routed(wire, tensors["input_ids_BT"].shape[1])
         return PolicyBatch(**tensors)
 
     def field_spec(self) -> dict[str, torch.dtype]:

@@ -75,8 +75,6 @@ def test_r3_where_the_engine_returns_no_routing_is_refused(capsys: pytest.Captur
     [
         ({"partial": "continue"}, "rollout.partial=continue"),
         ({"model_runner": "v1"}, "rollout.model_runner=v1"),
-        ({"balance_tokens": True}, "parallel.balance_tokens"),
-        ({"teacher_ranks": 1}, "parallel.teacher_ranks=1"),
     ],
 )
 def test_each_rollout_path_without_routing_is_named(changes: dict, named: str) -> None:
@@ -87,12 +85,23 @@ def test_each_rollout_path_without_routing_is_named(changes: dict, named: str) -
     from spmdrl.preflight import check_router_replay
 
     model = ModelConfig(path="tiny-moe", router_replay="r3")
-    parallel = ParallelConfig(
-        balance_tokens=changes.pop("balance_tokens", False), teacher_ranks=changes.pop("teacher_ranks", 0)
-    )
     with pytest.raises(ConfigError, match=f"is not supported with {named}"):
-        check_router_replay(model, RolloutConfig(**changes), parallel, "")
+        check_router_replay(model, RolloutConfig(**changes), ParallelConfig(), "")
     assert check_router_replay(model, RolloutConfig(), ParallelConfig(), "") == "model.router_replay=r3"
+
+
+@pytest.mark.parametrize("parallel", [{"balance_tokens": True}, {"teacher_ranks": 1}])
+def test_r3_where_the_rows_move_between_ranks_is_accepted(parallel: dict) -> None:
+    """The routing travels with its rows (PolicyBatch.tensors packs it), so the placements that move rows
+    after the rollout keep router replay."""
+    from spmdrl.config import RolloutConfig
+    from spmdrl.distributed.config import ParallelConfig
+    from spmdrl.models.config import ModelConfig
+    from spmdrl.preflight import check_router_replay
+
+    model = ModelConfig(path="tiny-moe", router_replay="r3")
+    got = check_router_replay(model, RolloutConfig(), ParallelConfig(**parallel), "")
+    assert got == "model.router_replay=r3"
 
 
 def test_r3_on_tiny_moe_passes(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,12 +1,13 @@
-"""Router replay's routing on the async wire (spmdrl.rl.async_rows.pack_routed / unpack_routed): shifted by
-one so the wire's zero padding reads back as no choice, flattened position by position so a row sent
-narrower than another arrives with its extra positions empty."""
+"""Router replay's routing on a wire of (rows, width) tensors (spmdrl.rl.batch.pack_routed / unpack_routed,
+which the async rows, balance_tokens and the teacher's own ranks move): shifted by one so the wire's zero
+padding reads back as no choice, flattened position by position so a row sent narrower than another
+arrives with its extra positions empty."""
 
 from __future__ import annotations
 
 import torch
 
-from spmdrl.rl.async_rows import ROUTED, ROUTED_SHAPE, pack_routed, unpack_routed
+from spmdrl.rl.batch import ROUTED, ROUTED_SHAPE, pack_routed, unpack_routed
 
 
 def test_routing_survives_the_wire_and_its_padding() -> None:
