@@ -232,9 +232,11 @@ def check_vision_model(
 ) -> str:
     """What a vision-language model does not support yet, refused at start (docs/models.md#vision-language-models):
     packed micro-batches (packing reorders the rows, whose images fill their image tokens in row order),
-    LoRA (its target names match the vision tower's layers too), partial rollouts, and the placements that
-    move rows between ranks (the exchange carries tensors, not images). Multi-turn rollouts run, with
-    image prompts and tools that return images (spmdrl.rollout.agent_loop)."""
+    LoRA (its target names match the vision tower's layers too), partial rollouts, and the split placement
+    (PPO's critic on ranks of its own: a VLM has no critic class). Where rows move between ranks after the
+    rollout (parallel.placement=async, parallel.balance_tokens, parallel.teacher_ranks) each row's images
+    move with it (spmdrl.rl.batch.pack_images). Multi-turn rollouts run, with image prompts and tools that
+    return images (spmdrl.rollout.agent_loop)."""
     where = f"model.path={model.path} is a vision-language model"
     why = "(docs/models.md#vision-language-models)"
     if trainer.pack_sequences:
@@ -248,15 +250,10 @@ def check_vision_model(
         )
     if rollout.partial != "off":
         raise ConfigError(f"rollout.partial={rollout.partial}: {where}; set rollout.partial=off {why}")
-    if parallel.placement != "colocated":
+    if parallel.placement == "split":
         raise ConfigError(
-            f"parallel.placement={parallel.placement}: {where}, and only the colocated placement keeps each "
-            f"row's images with it so far; set parallel.placement=colocated {why}"
-        )
-    if parallel.teacher_ranks:
-        raise ConfigError(
-            f"parallel.teacher_ranks={parallel.teacher_ranks}: {where}, and the teacher on ranks of its own moves "
-            f"the rows between ranks without their images; set parallel.teacher_ranks=0 {why}"
+            f"parallel.placement=split: {where}, and the split placement puts PPO's critic on ranks of its own, "
+            f"which a VLM has no critic class for; set parallel.placement=colocated (or async) {why}"
         )
     return f"{where} (images: the data's images column)"
 

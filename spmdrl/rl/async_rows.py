@@ -41,7 +41,18 @@ from spmdrl.distributed.placement import Placement
 from spmdrl.errors import ConfigError
 from spmdrl.logging.timer import PhaseTimer
 from spmdrl.rewards.sandbox import RewardResult
-from spmdrl.rl.batch import ROUTED, ROUTED_SHAPE, PolicyBatch, pack_routed, unpack_routed
+from spmdrl.rl.batch import (
+    IMAGE_MASK,
+    IMAGE_SHAPE,
+    IMAGES,
+    ROUTED,
+    ROUTED_SHAPE,
+    PolicyBatch,
+    pack_images,
+    pack_routed,
+    unpack_images,
+    unpack_routed,
+)
 from spmdrl.rl.experience import policy_batch
 from spmdrl.rl.metrics import peak_memory_gb
 from spmdrl.rl.model_rewards import ModelRewards
@@ -87,7 +98,8 @@ TOKEN_VERSIONS = "versions_BT"
 # when the reward returns a plain score).
 REWARD_EXTRA, REWARD_EXTRA_NAMES = "reward_extra", "reward_extra_names"
 # Router replay (model.router_replay=r3): each row's routed experts travel as spmdrl.rl.batch's ROUTED and
-# ROUTED_SHAPE fields (pack_routed), one (B, 0) field and (0, 0) without replay.
+# ROUTED_SHAPE fields (pack_routed), one (B, 0) field and (0, 0) without replay. A vision-language model's
+# images travel as its IMAGES, IMAGE_MASK and IMAGE_SHAPE fields (pack_images), (B, 0) each for a text model.
 # The rollout ranks' reduced metrics of a batch, one per position of the "measured" field: a fixed list, so
 # the trainer reads them back without asking which were measured (the absent ones are NaN).
 # A queue saved since these names are saved with it reads its columns by name (fill_missing_fields).
@@ -114,6 +126,9 @@ SPEC: dict[str, torch.dtype] = {
     REWARD_EXTRA_NAMES: torch.long,
     ROUTED: torch.int16,
     ROUTED_SHAPE: torch.long,
+    IMAGES: torch.float32,
+    IMAGE_MASK: torch.long,
+    IMAGE_SHAPE: torch.long,
 }
 
 
@@ -222,6 +237,7 @@ def pack_samples(
         ).expand(B, -1),
         **pack_reward_extra(samples.rewards.extra, B, device),
         **pack_routed(batch.routed_experts_BTLK, B, device),
+        **pack_images(batch.images, B, device),
     }
 
 
@@ -285,6 +301,8 @@ def fill_missing_fields(
             rows[name] = torch.zeros(B, 0, dtype=SPEC[name], device=rows["version"].device)
     if ROUTED not in rows:  # saved before the routing travelled: none
         rows.update(pack_routed(None, B, rows["version"].device))
+    if IMAGE_SHAPE not in rows:  # saved before the images travelled: none (a text model's rows)
+        rows.update(pack_images(None, B, rows["version"].device))
     return rows
 
 
@@ -371,7 +389,9 @@ def unpack(
     t = {k: rows[k][:, :width] for k in ROW_FIELDS}
     # The wire pads with 0; a colocated batch pads input ids with the tokenizer's pad id.
     t["input_ids_BT"] = t["input_ids_BT"].masked_fill(t["attention_mask_BT"] == 0, pad_id)
-    batch = PolicyBatch.from_tensors(t).replace(routed_experts_BTLK=unpack_routed(rows, width))
+    batch = PolicyBatch.from_tensors(t).replace(
+        routed_experts_BTLK=unpack_routed(rows, width), images=unpack_images(rows)
+    )
     col = {k: rows[k][:, 0] for k in COLUMNS}
     B = batch.num_rows
     if B % n:

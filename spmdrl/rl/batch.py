@@ -49,6 +49,78 @@ def unpack_routed(rows: Mapping[str, torch.Tensor], width: int) -> torch.Tensor 
     return (wire.view(B, width, L, K) - 1).to(torch.int16)
 
 
+# A vision-language model's images on the same wire: each row's images (ImageInputs, in the row's order)
+# flattened to count * C * H * W pixel values (IMAGES, in the pixels' dtype: float32 is exact in float64)
+# and count * H * W pixel-attention-mask values (IMAGE_MASK, 0 wide when the images have none), with
+# (count, C, H, W, has mask) per row (IMAGE_SHAPE); all three (B, 0) without images (a text model). A
+# row's fields past its own images arrive as the wire pads them, 0, and are cut off by its count.
+IMAGES, IMAGE_MASK, IMAGE_SHAPE = "image_pixels", "image_mask", "image_shape"
+
+
+def pack_images(
+    images: ImageInputs | None, B: int, device: torch.device, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
+    """The rows' images as the wire carries them (IMAGES, IMAGE_MASK, IMAGE_SHAPE); ``dtype``: the
+    pixels' when there are none (a fixed wire's)."""
+    if images is None:
+        return {
+            IMAGES: torch.zeros(B, 0, dtype=dtype, device=device),
+            IMAGE_MASK: torch.zeros(B, 0, dtype=torch.long, device=device),
+            IMAGE_SHAPE: torch.zeros(B, 0, dtype=torch.long, device=device),
+        }
+    if len(images.counts_B) != B:
+        raise ValueError(f"images of {len(images.counts_B)} rows for {B} rows")
+    pixels, mask = images.pixel_values_NCHW, images.pixel_attention_mask_NHW
+    C, H, W = pixels.shape[1:]
+    most = max(images.counts_B, default=0)
+    flat = torch.zeros(B, most * C * H * W, dtype=pixels.dtype, device=device)
+    mask_width, mask_dtype = (0, torch.long) if mask is None else (most * H * W, mask.dtype)
+    flat_mask = torch.zeros(B, mask_width, dtype=mask_dtype, device=device)
+    start = 0
+    for r, n in enumerate(images.counts_B):
+        flat[r, : n * C * H * W] = pixels[start : start + n].reshape(-1).to(device)
+        if mask is not None:
+            flat_mask[r, : n * H * W] = mask[start : start + n].reshape(-1).to(device)
+        start += n
+    shape = torch.tensor(
+        [[n, C, H, W, int(mask is not None)] for n in images.counts_B], dtype=torch.long, device=device
+    ).view(B, 5)
+    return {IMAGES: flat, IMAGE_MASK: flat_mask, IMAGE_SHAPE: shape}
+
+
+def unpack_images(rows: Mapping[str, torch.Tensor]) -> ImageInputs | None:
+    """The rows' images (on the host, where a batch keeps them), in row order; None when they travelled
+    none. Rows from different ranks agree on the image shape (one forward takes them all); a row whose
+    images had no mask beside rows whose did gets an all-ones one (every pixel real, as no mask means)."""
+    shape = rows[IMAGE_SHAPE]
+    if shape.shape[1] == 0:
+        return None
+    shape = shape.cpu()
+    counts = [int(n) for n in shape[:, 0].tolist()]
+    with_images = [r for r, n in enumerate(counts) if n]
+    if not with_images:
+        C, H, W = (int(x) for x in shape[0, 1:4].tolist()) if shape.shape[0] and shape[0, 1] else (3, 1, 1)
+        return ImageInputs(torch.zeros(0, C, H, W, dtype=rows[IMAGES].dtype), None, tuple(counts))
+    shapes = {tuple(shape[r, 1:4].tolist()) for r in with_images}
+    if len(shapes) != 1:
+        raise ValueError(f"rows' images of different shapes {sorted(shapes)}: one forward cannot take them")
+    C, H, W = (int(x) for x in shapes.pop())
+    pixels, flat_mask = rows[IMAGES].cpu(), rows[IMAGE_MASK].cpu()
+    has_mask = any(int(shape[r, 4]) for r in with_images)
+    values, masks = [], []
+    for r in with_images:
+        n = counts[r]
+        values.append(pixels[r, : n * C * H * W].reshape(n, C, H, W))
+        if has_mask:
+            own = int(shape[r, 4]) and flat_mask.shape[1] >= n * H * W
+            masks.append(
+                flat_mask[r, : n * H * W].reshape(n, H, W)
+                if own
+                else torch.ones(n, H, W, dtype=flat_mask.dtype)
+            )
+    return ImageInputs(torch.cat(values), torch.cat(masks) if has_mask else None, tuple(counts))
+
+
 @dataclass(frozen=True)
 class RolloutRows:
     """Prompt + response rows, right-padded. ``response_mask_BT`` marks the sampled tokens;
@@ -240,26 +312,31 @@ class PolicyBatch:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The tensor fields that are set, by name, as (rows, width) tensors: what spmdrl.distributed.exchange
-        moves. Router replay's (B, T, layers, k) routing travels flattened (:func:`pack_routed`); a VLM's
-        images do not move between ranks (spmdrl.preflight refuses the placements that would move them)."""
+        moves. Router replay's (B, T, layers, k) routing travels flattened (:func:`pack_routed`), and so do a
+        VLM's images, each row's with it (:func:`pack_images`)."""
         out = {
             f.name: t
             for f in dataclasses.fields(self)
             if f.name not in ("images", "routed_experts_BTLK") and (t := getattr(self, f.name)) is not None
         }
+        device = self.input_ids_BT.device
         if self.routed_experts_BTLK is not None:
-            out.update(pack_routed(self.routed_experts_BTLK, self.num_rows, self.input_ids_BT.device))
+            out.update(pack_routed(self.routed_experts_BTLK, self.num_rows, device))
+        if self.images is not None:
+            out.update(pack_images(self.images, self.num_rows, device))
         return out
 
     @staticmethod
     def from_tensors(tensors: dict[str, torch.Tensor]) -> PolicyBatch:
-        """The inverse of :meth:`tensors` (the routing as wide as the rows); a missing ``advantages_BT``
-        starts at 0."""
+        """The inverse of :meth:`tensors` (the routing as wide as the rows, the images on the host); a
+        missing ``advantages_BT`` starts at 0."""
         tensors = dict(tensors)
         tensors.setdefault("advantages_BT", torch.zeros_like(tensors["engine_logprobs_BT"]))
         if ROUTED in tensors:
             wire = {k: tensors.pop(k) for k in (ROUTED, ROUTED_SHAPE)}
             tensors["routed_experts_BTLK"] = unpack_routed(wire, tensors["input_ids_BT"].shape[1])
+        if IMAGE_SHAPE in tensors:
+            tensors["images"] = unpack_images({k: tensors.pop(k) for k in (IMAGES, IMAGE_MASK, IMAGE_SHAPE)})
         return PolicyBatch(**tensors)
 
     def field_spec(self) -> dict[str, torch.dtype]:

@@ -40,7 +40,7 @@ from spmdrl.distributed.reduce import (
 from spmdrl.models.head import fused_chunk_for
 from spmdrl.rewards.config import RewardConfig
 from spmdrl.rewards.sandbox import RewardResult
-from spmdrl.rl.batch import PolicyBatch, build_policy_batch
+from spmdrl.rl.batch import IMAGE_SHAPE, PolicyBatch, build_policy_batch, pack_images, unpack_images
 from spmdrl.rl.reference import Reference
 from spmdrl.rl.samples import ScoredSamples
 from spmdrl.rl.teacher import Teacher
@@ -132,7 +132,7 @@ def teacher_logprobs_apart(
 ) -> torch.Tensor:
     """parallel.teacher_ranks (the teacher on ranks of its own): the teacher's logprobs of this rank's rows,
     scored on the teacher's ranks. Every rank's rows (tokens and masks) go there in order, in blocks that
-    differ by one row at most; each teacher rank scores its share (micro-batches planned over
+    differ by one row at most (a VLM's images with them); each teacher rank scores its share (micro-batches planned over
     ``teacher_group``); the logprobs come back to the rows' ranks, by the point-to-point moves PPO's split
     placement moves the critic's values by (spmdrl.distributed.exchange). Every rank calls it (``teacher``:
     the module on the teacher's ranks, None elsewhere)."""
@@ -143,14 +143,19 @@ def teacher_logprobs_apart(
     there = RowLayout.from_counts(
         [total // len(ranks) + (i < total % len(ranks)) for i in range(len(ranks))], ranks
     )
-    spec = {"input_ids_BT": torch.long, "attention_mask_BT": torch.long, "response_mask_BT": torch.bool}
-    fields = {k: getattr(batch, k) for k in spec}
-    rows = move_rows(fields, spec, here, there, width=width, device=device)
+    fields = {k: getattr(batch, k) for k in ("input_ids_BT", "attention_mask_BT", "response_mask_BT")}
+    if batch.images is not None:  # a VLM's: the teacher's forward takes each row's images with it
+        fields.update(pack_images(batch.images, batch.num_rows, device))
+    spec = {k: v.dtype for k, v in fields.items()}
+    # The images make each field travel at its own width (a row's pixels are wider than its tokens).
+    rows = move_rows(fields, spec, here, there, width=None if IMAGE_SHAPE in spec else width, device=device)
     scored = None
     if rows is not None:
         assert teacher is not None, "the teacher's ranks hold the teacher"
-        zeros_BT = torch.zeros(rows["input_ids_BT"].shape, dtype=torch.float32, device=device)
-        theirs = PolicyBatch(**rows, engine_logprobs_BT=zeros_BT, advantages_BT=zeros_BT)
+        images = unpack_images(rows) if IMAGE_SHAPE in rows else None
+        tokens = {k: rows[k][:, :width] for k in ("input_ids_BT", "attention_mask_BT", "response_mask_BT")}
+        zeros_BT = torch.zeros(tokens["input_ids_BT"].shape, dtype=torch.float32, device=device)
+        theirs = PolicyBatch(**tokens, engine_logprobs_BT=zeros_BT, advantages_BT=zeros_BT, images=images)
         parts = micro_rows(settings.trainer, rl, theirs, teacher_group)
         scored = {"teacher_logprobs_BT": _teacher_logprobs(settings, teacher, theirs, parts)}
     back = move_rows(scored, {"teacher_logprobs_BT": torch.float32}, there, here, width=width, device=device)

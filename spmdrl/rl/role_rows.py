@@ -25,7 +25,7 @@ import torch.distributed as dist
 from spmdrl.derived import RLDerived
 from spmdrl.distributed.exchange import RowLayout, gather_lengths, move_rows
 from spmdrl.distributed.placement import Placement
-from spmdrl.rl.batch import ROUTED, PolicyBatch
+from spmdrl.rl.batch import IMAGES, ROUTED, PolicyBatch
 
 
 @dataclass
@@ -55,8 +55,9 @@ class RowPlan:
     ) -> dict[str, torch.Tensor] | None:
         """The rows of ``fields`` (None on a rank that holds none) from layout ``src`` to layout ``dst``
         (None on a rank of no ``dst`` rank). Every rank calls it. Router replay's routing (PolicyBatch's
-        ROUTED field, tokens x layers x k wide) makes every field travel at its own width."""
-        width = None if ROUTED in spec else self.width
+        ROUTED field, tokens x layers x k wide) and a VLM's images (IMAGES, a row's images' pixels wide)
+        make every field travel at its own width."""
+        width = None if ROUTED in spec or IMAGES in spec else self.width
         return move_rows(fields, spec, src, dst, width=width, device=self.device)
 
     def balance_colocated(
