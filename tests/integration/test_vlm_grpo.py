@@ -5,7 +5,10 @@ GRPO steps take the images with their rows, the fp32 engine and trainer agree on
 image, and the checkpoint's converter writes the same model with its processor. The learning run: held-out
 accuracy rises by 25 points or more (docs/models.md#vision-language-models). Multi-turn: two GRPO steps
 whose tool (the built-in ``draw_shape``) returns a picture at every turn, the engine and the trainer
-agreeing on the sampled tokens after the pictures (docs/multi_turn.md#image-observations)."""
+agreeing on the sampled tokens after the pictures (docs/multi_turn.md#image-observations). Rows that move
+between ranks after the rollout (parallel.balance_tokens, parallel.placement=async, parallel.teacher_ranks)
+take their images with them: the fp32 engine and trainer still agree, and a teacher on its own rank scores
+each row on its own images."""
 
 from __future__ import annotations
 
@@ -112,11 +115,27 @@ def parse(text):
 """
 
 
-def test_grpo_vlm_multi_turn_with_image_tools(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "moves",
+    [
+        (),
+        # The rows, each with its prompt's picture and its tools' (uneven counts), moved between ranks.
+        ("parallel.balance_tokens=true",),
+        (
+            "entry=grpo_async",
+            "parallel.placement=async",
+            "parallel.rollout_ranks=1",
+            "trainer.max_staleness=0",
+        ),
+    ],
+    ids=["colocated", "balance_tokens", "async"],
+)
+def test_grpo_vlm_multi_turn_with_image_tools(tmp_path: Path, moves: tuple[str, ...]) -> None:
     parser = tmp_path / "draw_every_turn.py"
     parser.write_text(DRAW_PARSER)
     out = _train(
         tmp_path,
+        *moves,
         "warmstart.enabled=false",
         "trainer.total_steps=2",
         "trainer.val_every=2",
@@ -144,3 +163,59 @@ def test_grpo_vlm_multi_turn_with_image_tools(tmp_path: Path) -> None:
         assert m["mismatch/logprob_abs_diff_mean"] < 1e-4, m
     val = [m for m in _metrics(out) if "val/multi_turn/tool_calls" in m]
     assert val and all(m["val/multi_turn/tool_calls"] >= 1.0 for m in val), val
+
+
+# Two short GRPO runs on an fp32 engine whose rows move between ranks after the rollout, with their images
+# (spmdrl.rl.batch.pack_images): a row trained on another row's pictures would score its tokens ~1e-2 away
+# from the engine, its own pictures at the fp32 level (~1e-6).
+SHORT = (
+    "warmstart.enabled=false",
+    "trainer.total_steps=2",
+    "trainer.val_every=0",
+    "trainer.save_every=0",
+    "trainer.save_hf=false",
+    "trainer.global_batch_size=8",
+    "rollout.n=4",
+    "tiny_shapes.num_train=64",
+    "tiny_shapes.num_test=8",
+    "rollout.dtype=float32",
+)
+
+
+def test_grpo_vlm_balance_tokens_moves_each_rows_images_with_it(tmp_path: Path) -> None:
+    out = _train(tmp_path, *SHORT, "parallel.balance_tokens=true")
+    rows = [m for m in _metrics(out) if "mismatch/logprob_abs_diff_mean" in m]
+    assert len(rows) == 2, rows
+    for m in rows:
+        assert "balance/actor_token_imbalance_before" in m, m  # the rows were laid out anew
+        assert m["mismatch/logprob_abs_diff_mean"] < 1e-4 and m["mismatch/logprob_abs_diff_max"] < 1e-3, m
+
+
+def test_async_grpo_vlm_carries_the_images_to_the_trainer_rank(tmp_path: Path) -> None:
+    """parallel.placement=async (1 rollout rank, 1 trainer rank; no staleness, so the trainer's weights are
+    the engine's): the trainer scores the rows on the images that came with them."""
+    out = _train(
+        tmp_path,
+        *SHORT,
+        "entry=grpo_async",
+        "parallel.placement=async",
+        "parallel.rollout_ranks=1",
+        "trainer.max_staleness=0",
+    )
+    rows = [m for m in _metrics(out) if "mismatch/logprob_abs_diff_mean" in m]
+    assert len(rows) == 2, rows
+    for m in rows:
+        assert m["mismatch/logprob_abs_diff_mean"] < 1e-4 and m["mismatch/logprob_abs_diff_max"] < 1e-3, m
+
+
+def test_grpo_vlm_with_a_teacher_on_its_own_rank_scores_each_row_on_its_images(tmp_path: Path) -> None:
+    """parallel.teacher_ranks=1 on 2 processes: the teacher (tiny-vl, the student's own start) alone on rank
+    1, the actor on rank 0; every row goes to rank 1 to be scored on its images, then to rank 0 with them.
+    Step 1's student is the teacher, so its reverse KL is float noise (2e-8; 1e-3 with the teacher's images
+    in reverse row order), and the trainer scores the rows on the engine's pixels."""
+    out = _train(tmp_path, *SHORT, "teacher.path=tiny-vl", "parallel.teacher_ranks=1")
+    rows = [m for m in _metrics(out) if "mismatch/logprob_abs_diff_mean" in m]
+    assert len(rows) == 2, rows
+    assert abs(rows[0]["distill/reverse_kl"]) < 1e-5, rows[0]
+    for m in rows:
+        assert m["mismatch/logprob_abs_diff_mean"] < 1e-4 and m["mismatch/logprob_abs_diff_max"] < 1e-3, m
