@@ -253,7 +253,7 @@ def check_vision_model(
     if parallel.placement == "split":
         raise ConfigError(
             f"parallel.placement=split: {where}, and the split placement puts PPO's critic on ranks of its own, "
-            f"which a VLM has no critic class for; set parallel.placement=colocated (or async) {why}"
+            f"which a VLM has no critic class for; set parallel.placement=colocated {why}"
         )
     return f"{where} (images: the data's images column)"
 
