@@ -6,7 +6,8 @@ on the trainer ranks and broadcasts it from rank 0 (weight_sync.Fanout), and the
 engine serves every expert (it fails the run otherwise). With trainer.max_staleness=0 the rows are the
 trained policy's own, so the trainer/engine logprob gap is float32 rounding (measured: ~1e-7 mean, ~1e-6
 max a step, the same as parallel.ep=1). A run resumed from its step-2 checkpoint (the ep actor's DCP state
-with its AdamW moments, written by the trainer ranks only) logs step 3 exactly as the uninterrupted run.
+with its AdamW moments, written by the trainer ranks only) logs step 3 exactly as the uninterrupted run. One
+batch ahead with partial rollouts (the weights arriving mid-generation), the checked syncs pass as well.
 """
 
 from __future__ import annotations
@@ -74,3 +75,16 @@ def test_async_ep_actor_serves_every_expert_to_the_rollout_ranks_and_resumes(tmp
     assert want and set(want) <= set(got), sorted(set(want) - set(got))
     diffs = {k: (want[k], got[k]) for k in want if want[k] != got[k]}
     assert not diffs, diffs
+
+
+def test_async_ep_one_batch_ahead_with_partial_rollouts(tmp_path: Path) -> None:
+    """trainer.max_staleness=1 with rollout.partial=continue: each batch after the first is generated one
+    version behind, and each sync reaches the rollout ranks' engines mid-generation, every expert checked."""
+    out, _ = _train(
+        tmp_path, "k1", "trainer.max_staleness=1", "rollout.partial=continue", "trainer.save_every=0"
+    )
+    rows = {r["step"]: r for r in read_metrics(out / "metrics.jsonl")}
+    assert [rows[s]["async/policy_age_mean"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0], rows
+    assert all(
+        rows[s]["timing/weight_sync_check_s"] > 0 and rows[s]["actor/grad_norm"] > 0 for s in (1, 2, 3)
+    )
