@@ -5,7 +5,7 @@ the float32 engines on rollout ranks 2-3, which hold no experts of their own: ev
 on the trainer ranks and broadcasts it from rank 0 (weight_sync.Fanout), and the per-step check proves each
 engine serves every expert (it fails the run otherwise). With trainer.max_staleness=0 the rows are the
 trained policy's own, so the trainer/engine logprob gap is float32 rounding (measured: ~1e-7 mean, ~1e-6
-max a step, the same as parallel.ep=1). A run resumed from its step-2 checkpoint (the ep actor's DCP state
+max a step, the same as parallel.ep=1), and step 1's gradient norm is parallel.ep=1's. A run resumed from its step-2 checkpoint (the ep actor's DCP state
 with its AdamW moments, written by the trainer ranks only) logs step 3 exactly as the uninterrupted run. One
 batch ahead with partial rollouts (the weights arriving mid-generation), the checked syncs pass as well.
 """
@@ -65,6 +65,12 @@ def test_async_ep_actor_serves_every_expert_to_the_rollout_ranks_and_resumes(tmp
         assert r["timing/weight_sync_check_s"] > 0, r
         assert r["mismatch/logprob_abs_diff_max"] < 1e-5, r  # float32 rounding, every expert as trained
         assert r["actor/grad_norm"] > 0, r
+    # Step 1 trains the same rows from the same weights as parallel.ep=1: the gradient norm, taken over the
+    # experts' (efsdp, ep) mesh and the other weights' mesh of the trainer ranks, is FSDP2's alone.
+    fsdp, _ = _train(tmp_path, "ep1", "parallel.ep=1", "trainer.save_every=0")  # the same schedule
+    first = next(r for r in read_metrics(fsdp / "metrics.jsonl") if r["step"] == 1)
+    for key in ("actor/grad_norm", "actor/kl_loss"):
+        assert rows[1][key] == pytest.approx(first[key], rel=1e-5), (key, rows[1][key], first[key])
     meta = (straight / "checkpoints" / "step-2" / "meta.json").read_text()
     assert "experts EP 2 x FSDP 1" in meta, meta
 
