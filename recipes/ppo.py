@@ -44,7 +44,7 @@ from spmdrl.rl.experience import batch_advantages, old_and_ref_logprobs, policy_
 from spmdrl.rl.metrics import step_metrics
 from spmdrl.rl.perf import actor_perf_metrics, critic_perf_metrics
 from spmdrl.rl.plan import check_val_only
-from spmdrl.rl.role_rows import RowPlan, plan_rows
+from spmdrl.rl.role_rows import RowPlan, fit_width, plan_rows
 from spmdrl.rl.update import (
     UpdateResult,
     logprobs_of,
@@ -274,7 +274,9 @@ def values_to_actor(
     assert rows.critic is not None and rows.actor is not None
     fields = None if critic_batch is None else {"values_BT": critic_batch.values_BT}
     out = rows.move(fields, {"values_BT": torch.float32}, rows.critic, rows.actor)  # type: ignore[arg-type]
-    return batch if batch is None or out is None else batch.replace(values_BT=out["values_BT"])
+    if batch is None or out is None:
+        return batch
+    return batch.replace(values_BT=fit_width(out["values_BT"], batch.response_mask_BT.shape[1]))
 
 
 def returns_to_critic(
@@ -287,7 +289,10 @@ def returns_to_critic(
     spec = {"returns_BT": torch.float32, "response_mask_BT": torch.bool}
     fields = None if batch is None else {k: getattr(batch, k) for k in spec}
     out = rows.move(fields, spec, rows.actor, rows.critic)
-    return critic_batch if critic_batch is None or out is None else critic_batch.replace(**out)
+    if critic_batch is None or out is None:
+        return critic_batch
+    width = critic_batch.response_mask_BT.shape[1]
+    return critic_batch.replace(**{k: fit_width(v, width) for k, v in out.items()})
 
 
 if __name__ == "__main__":

@@ -185,10 +185,6 @@ def check_router_replay(
             "model.router_replay=disabled, or train a mixture of experts (model.path=tiny-moe, a Qwen3-MoE)"
         )
     unsupported = []
-    if parallel.placement == "split":
-        unsupported.append(
-            "parallel.placement=split (PPO's critic on ranks of its own: untested with router replay)"
-        )
     if rollout.multi_turn.enable:
         unsupported.append("rollout.multi_turn.enable (the agent loop's engine calls return no routing)")
     if env_source:

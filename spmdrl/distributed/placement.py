@@ -250,12 +250,6 @@ def plan_placement(
 
     Runs before any model or engine is built.
     """
-    if p.ep > 1 and p.placement == "split":
-        raise ConfigError(
-            f"parallel.ep={p.ep} with parallel.placement=split (PPO's critic on ranks of its own) is not "
-            "supported yet: expert parallelism runs with parallel.placement=colocated (entry grpo and its kin) "
-            "or async (entry grpo_async); set parallel.ep=1, or parallel.placement=colocated"
-        )
     if p.teacher_ranks and not teacher:
         raise ConfigError(
             f"parallel.teacher_ranks={p.teacher_ranks} places a teacher, but the job has none: set teacher.path "
@@ -325,8 +319,8 @@ def check_ep_fits(spec: RoleSpec) -> None:
             f"parallel.ep={spec.ep} must divide the {spec.num_ranks} ranks of role '{spec.name}': its ranks form "
             f"groups of ep consecutive ranks that split the experts; pick one of {divisors} (1 = no expert "
             "parallelism), or give the role a multiple of ep ranks: start more processes, or (the actor has the "
-            "ranks the others leave it) choose parallel.rollout_ranks (placement async) or parallel.teacher_ranks "
-            "to leave it one"
+            "ranks the others leave it) choose parallel.critic_ranks (placement split), parallel.rollout_ranks "
+            "(placement async) or parallel.teacher_ranks to leave it one"
         )
     if spec.dp_replicate > 1:
         raise ConfigError(

@@ -305,6 +305,12 @@ def build_job(cfg: Config, roles: Roles = NO_EXTRA_ROLES) -> RLJob:
         teacher_dir = resolve_model_path_all_ranks(cfg.teacher.path, run.cache_dir)
         teacher_tok = load_tokenizer(teacher_dir, cfg.model.trust_remote_code)
         check_same_tokenizer(tokenizer, teacher_tok, base_dir, teacher_dir)
+    # critic.model_path: its files resolved on every rank, before the roles split: rank 0 goes first and
+    # the others wait on it, so a resolve on the critic's ranks alone would wait for a rank that never
+    # comes (parallel.placement=split puts rank 0 on the actor).
+    critic_dir = None
+    if cfg.critic.model_path and plan.rl_critic is not None and not cfg.trainer.val_only:
+        critic_dir = resolve_model_path_all_ranks(cfg.critic.model_path, run.cache_dir, critic=True)
     if env_job is None:
         check_data_sources(cfg.reward.fn, _data_sources(train_ds, val_ds))
 
@@ -362,7 +368,7 @@ def build_job(cfg: Config, roles: Roles = NO_EXTRA_ROLES) -> RLJob:
     critic = None
     if plan.rl_critic is not None and meshes.holds("critic") and not val_only:
         c = build_critic(
-            cfg.critic, cfg.model, cfg.trainer.total_steps, env.device, meshes, model_dir, run.cache_dir
+            cfg.critic, cfg.model, cfg.trainer.total_steps, env.device, meshes, critic_dir or model_dir
         )
         offload = OptimizerOffload(c.optimizer, env.device, plan.offload_optimizer)
         critic = TrainedRole(

@@ -17,7 +17,6 @@ from spmdrl.distributed.placement import Meshes
 from spmdrl.models.build import build_fsdp_model, build_meta_model, model_spec
 from spmdrl.models.causal_attention import use_causal_sdpa
 from spmdrl.models.config import ModelConfig
-from spmdrl.models.load import resolve_model_path_all_ranks
 from spmdrl.models.varlen import apply_packed_attention
 from spmdrl.optim import build_lr_scheduler, build_optimizer
 from spmdrl.rl.reference import Reference
@@ -98,16 +97,11 @@ def build_critic(
     total_steps: int,
     device: torch.device,
     meshes: Meshes,
-    actor_dir: Path,
-    cache_dir: Path,
+    path: Path,
 ) -> Critic:
-    """The value model (FSDP2 like the actor, on the critic's ranks), its optimizer and schedule
+    """The value model (FSDP2 like the actor, on the critic's ranks) from ``path`` (critic.model_path's
+    files, resolved on every rank by the caller, or the actor's), its optimizer and schedule
     (``total_steps``: trainer.total_steps, 0 for a schedule of one step)."""
-    path = (
-        resolve_model_path_all_ranks(critic_cfg.model_path, cache_dir, critic=True)
-        if critic_cfg.model_path
-        else actor_dir
-    )
     spec = model_spec(model_cfg, path, device, train=True, head="value")
     model = build_fsdp_model(spec, meshes.fsdp("critic"), device)
     use_causal_sdpa(model)

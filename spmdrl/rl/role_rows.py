@@ -143,3 +143,13 @@ def to_actor_ranks(
         return None
     moved = {k: out.pop(k) for k in columns}
     return PolicyBatch.from_tensors(out), moved
+
+
+def fit_width(t_BT: torch.Tensor, width: int) -> torch.Tensor:
+    """A moved field at the width of the batch it joins (split: the critic's values onto the actor's rows,
+    the returns onto the critic's). The roles' batches can differ in width: with router replay's routing
+    among the fields, each role's rows arrive as wide as its own longest row (RowPlan.move), and the
+    columns past a batch's width are padding in every one of its rows."""
+    if t_BT.shape[1] >= width:
+        return t_BT[:, :width]
+    return torch.nn.functional.pad(t_BT, (0, width - t_BT.shape[1]))

@@ -407,6 +407,44 @@ def test_ppo_split_placement_actor_and_critic_on_their_own_ranks(tmp_path: Path)
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and "critic/vf_loss" in rows[-1]
 
 
+def test_ppo_split_mixture_of_experts_actor_with_ep_and_router_replay(tmp_path: Path) -> None:
+    """recipe=ppo_tiny with a mixture-of-experts actor (tiny-moe, parallel.ep=2 over its ranks 0-1, router
+    replay on) and a dense critic from critic.model_path on rank 2. Before the fix such a run waited
+    forever at its start: critic.model_path was resolved on the critic's rank alone, which waited for
+    rank 0 to resolve it first. The replayed routing travels with the rows to the actor's ranks, the
+    values and returns cross at each batch's own width, and an fp32 engine's routing is the trainer's."""
+    # The mixture of experts learns the task's format more slowly than tiny: a longer, faster warm-start
+    # (rewards are all 0 after SPLIT_ARGS's 40 steps, which leaves the actor no gradient).
+    args = [a for a in SPLIT_ARGS if not a.startswith("warmstart.total_steps")]
+    out = _train(
+        tmp_path,
+        "ppo_tiny",
+        *args,
+        "warmstart.total_steps=80",
+        "warmstart.optim.lr=2e-3",
+        "model.path=tiny-moe",
+        "critic.model_path=tiny",
+        "parallel.ep=2",
+        "model.router_replay=r3",
+        "trainer.val_every=0",
+        nproc=3,
+    )
+    derived = json.loads((out / "derived.json").read_text())
+    assert "actor: ranks 0-1 (FSDP 2, experts EP 2 x FSDP 1)" in derived["placement"]
+    assert "critic: rank 2" in derived["placement"]
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if r["step"] > 0]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert math.isfinite(r["critic/vf_loss"]) and r["mismatch/logprob_abs_diff_max"] < 1e-5
+    trained = rows[1:]  # critic.warmup_steps=1: the actor waits a step
+    assert all(r["moe/replay_differs"] < 0.01 and "moe/load_entropy" in r for r in trained)
+    assert any(r["actor/grad_norm"] > 0 for r in trained)
+    critic_config = json.loads((out / "critic_hf_model" / "config.json").read_text())
+    assert critic_config["architectures"] == ["Qwen2ForTokenClassification"]
+    actor_config = json.loads((out / "hf_model" / "config.json").read_text())
+    assert actor_config["architectures"] == ["Qwen3MoeForCausalLM"]
+
+
 def test_split_placement_rejected_before_models_are_built(tmp_path: Path) -> None:
     """A placement that cannot work fails at start, naming the fix, before the warm-start or any model."""
     res = torchrun(

@@ -63,10 +63,10 @@ def test_r3_on_a_dense_model_is_refused_with_the_fix(capsys: pytest.CaptureFixtu
 
 def test_r3_where_the_engine_returns_no_routing_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = _check(
-        ["recipe=grpo_moe_tiny", "model.router_replay=r3", "parallel.placement=split"], capsys
+        ["recipe=grpo_moe_tiny", "model.router_replay=r3", "rollout.model_runner=v1"], capsys
     )
     assert code == 2
-    assert "model.router_replay=r3 is not supported with parallel.placement=split" in err
+    assert "model.router_replay=r3 is not supported with rollout.model_runner=v1" in err
     assert "set model.router_replay=disabled" in err
 
 

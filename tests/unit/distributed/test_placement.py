@@ -79,12 +79,17 @@ def test_expert_parallelism_is_the_actors_alone() -> None:
     [
         (ParallelConfig(ep=3), 4, r"parallel.ep=3 must divide the 4 ranks of role 'actor'.* 1, 2, 4"),
         (ParallelConfig(ep=2, dp_replicate=2), 4, r"dp_replicate=2 \(HSDP\) is not supported"),
-        (ParallelConfig(ep=2, placement="split"), 4, r"parallel.ep=2 with parallel.placement=split .* not"),
+        # split: the actor has the ranks the critic leaves it
+        (
+            ParallelConfig(ep=2, placement="split", critic_ranks=1),
+            4,
+            r"parallel.ep=2 must divide the 3 ranks of role 'actor'.*choose parallel.critic_ranks \(placement split\)",
+        ),
         # async: the trainer ranks (the world less the rollout ranks) are the ones ep must divide
         (
             ParallelConfig(ep=2, placement="async", rollout_ranks=1),
             4,
-            r"parallel.ep=2 must divide the 3 ranks of role 'actor'.*choose parallel.rollout_ranks",
+            r"parallel.ep=2 must divide the 3 ranks of role 'actor'.*parallel.rollout_ranks \(placement async\)",
         ),
         (
             ParallelConfig(ep=2, placement="async", dp_replicate=2, rollout_ranks=2),
@@ -209,3 +214,16 @@ def test_teacher_ranks_that_cannot_work_are_refused(
 def test_negative_teacher_ranks_are_refused():
     with pytest.raises(ConfigError, match=r"parallel.teacher_ranks must be >= 0"):
         ParallelConfig(teacher_ranks=-1).check()
+
+
+@pytest.mark.parametrize(("world", "critic", "ep"), [(3, 1, 2), (6, 2, 4), (5, 1, 2)])
+def test_expert_parallelism_on_the_split_actor_ranks(world: int, critic: int, ep: int) -> None:
+    """parallel.placement=split: the ep groups tile the actor's ranks 0 .. W-C-1; the critic (a dense value
+    model: PPO builds none on a mixture of experts) and the reference keep ep 1."""
+    p = plan_placement(
+        ParallelConfig(placement="split", critic_ranks=critic, ep=ep), world, needs_critic=True
+    )
+    a = world - critic
+    assert p.role("actor").ranks == list(range(a)) and p.role("actor").ep == ep
+    assert p.role("critic").ep == 1 and p.role("ref").ep == 1
+    assert f"experts EP {ep} x FSDP {a // ep}" in p.describe()

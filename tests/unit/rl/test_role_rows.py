@@ -16,7 +16,7 @@ import torch.distributed as dist
 from spmdrl.config import Config, ParallelConfig, RLDerived
 from spmdrl.distributed.placement import Placement
 from spmdrl.rl.batch import PolicyBatch
-from spmdrl.rl.role_rows import RowPlan, plan_rows
+from spmdrl.rl.role_rows import RowPlan, fit_width, plan_rows
 from spmdrl.testing.spawn import run_distributed
 
 WORLD = 4
@@ -297,3 +297,13 @@ def test_split_moves_rows_values_and_returns_between_roles(results: list[dict], 
         # The long rows were all in the actor's first block: balancing evens them out.
         assert m["balance/actor_token_imbalance_before"] > 1.5 and m["balance/actor_token_imbalance"] < 1.1
         assert m["balance/critic_token_imbalance"] <= m["balance/critic_token_imbalance_before"]
+
+
+def test_a_moved_field_fits_the_width_of_the_batch_it_joins() -> None:
+    """Split with router replay: the critic's values arrive as wide as the critic's longest row, the actor's
+    batch is as wide as its own; the values keep every column of the actor's rows and nothing past them."""
+    values = torch.arange(12.0).reshape(2, 6)
+    assert torch.equal(fit_width(values, 4), values[:, :4])
+    wider = fit_width(values, 8)
+    assert wider.shape == (2, 8) and torch.equal(wider[:, :6], values) and not wider[:, 6:].any()
+    assert fit_width(values, 6) is values or torch.equal(fit_width(values, 6), values)
