@@ -12,10 +12,11 @@ With ``parallel.balance_tokens`` the target layout is :meth:`RowLayout.balanced`
 rank (the update's arithmetic needs them) with the token counts evened out.
 
 Wire format: one message per (source, destination) pair, every field of the moved rows side by side in
-the columns of one float64 buffer of shape (rows, sum of the fields' widths): a fixed width every rank
-knows, or each field's own, announced first in a small header on the same pair (``width=None``).
-float64 holds int64 token ids below 2**53, booleans and float32 values exactly, so the round trip is
-bit-exact (tests/unit/distributed/test_exchange.py).
+one int64 buffer of shape (rows, sum of the fields' slots): each row of a field is its bytes in its own
+dtype (a field of w elements of s bytes fills ceil(w * s / 8) slots), so a token id costs 8 bytes, a
+float32 logprob or pixel 4, a router replay expert index (int16) 2 and a mask 1, and every value arrives
+bit for bit (tests/unit/distributed/test_exchange.py). A field is w elements wide at a width every rank
+knows, or at its own, announced first in a small header on the same pair (``width=None``).
 """
 
 from __future__ import annotations
@@ -196,13 +197,16 @@ def move_rows(
     if plan.mine.numel():
         held = _checked(fields, names, plan.mine.numel(), rank, width)
         widths = [held[n].shape[1] if width is None else width for n in names]
-        # Every field side by side in one float64 buffer, each in its own columns.
-        packed = torch.zeros(plan.mine.numel(), sum(widths), dtype=torch.float64, device=device)
+        slots = [_slots(w, spec[n]) for n, w in zip(names, widths, strict=True)]
+        # Every field side by side in one int64 buffer, each in its own slots, as its own dtype's bytes.
+        packed = torch.zeros(plan.mine.numel(), sum(slots), dtype=torch.int64, device=device)
+        packed_bytes = packed.view(torch.uint8)
         offset = 0
-        for name, w in zip(names, widths, strict=True):
-            t = held[name]
-            packed[:, offset : offset + t.shape[1]] = t.to(device=device, dtype=torch.float64)
-            offset += w
+        for name, n_slots in zip(names, slots, strict=True):
+            t = held[name].to(device=device, dtype=spec[name]).contiguous()
+            row_bytes = t.view(torch.uint8)
+            packed_bytes[:, offset * 8 : offset * 8 + row_bytes.shape[1]] = row_bytes
+            offset += n_slots
     # Each source's field widths: known without asking when fixed, sent ahead when not.
     peer_widths: dict[int, list[int]] = {}
     if width is None:
@@ -213,7 +217,10 @@ def move_rows(
     else:
         peer_widths = {peer: [width] * len(names) for peer, _ in plan.recvs}
     bufs = [
-        (peer, torch.empty(sel.numel(), sum(peer_widths[peer]), dtype=torch.float64, device=device))
+        (
+            peer,
+            torch.empty(sel.numel(), _row_slots(peer_widths[peer], spec), dtype=torch.int64, device=device),
+        )
         for peer, sel in plan.recvs
     ]
     outgoing = []
@@ -233,10 +240,26 @@ def move_rows(
         parts.append((sel.to(device), packed[pos.to(device)], widths))
     out: dict[str, torch.Tensor] = {}
     for i, name in enumerate(names):
+        dtype = spec[name]
         w_out = max(ws[i] for _, _, ws in parts)
-        field = torch.zeros(plan.want.numel(), w_out, dtype=torch.float64, device=device)
+        field = torch.zeros(plan.want.numel(), w_out, dtype=dtype, device=device)
         for sel, buf, ws in parts:
-            offset = sum(ws[:i])
-            field[sel, : ws[i]] = buf[:, offset : offset + ws[i]]
-        out[name] = field.to(spec[name])
+            offset = sum(_slots(w, spec[n]) for w, n in zip(ws[:i], names, strict=False))
+            size = ws[i] * _itemsize(dtype)
+            row_bytes = buf.view(torch.uint8)[:, offset * 8 : offset * 8 + size].contiguous()
+            field[sel, : ws[i]] = row_bytes.view(dtype)
+        out[name] = field
     return out
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _slots(width: int, dtype: torch.dtype) -> int:
+    """int64 slots that ``width`` elements of ``dtype`` take on the wire."""
+    return -(-width * _itemsize(dtype) // 8)
+
+
+def _row_slots(widths: Sequence[int], spec: FieldSpec) -> int:
+    return sum(_slots(w, dtype) for w, dtype in zip(widths, spec.values(), strict=True))

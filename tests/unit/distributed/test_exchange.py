@@ -161,21 +161,32 @@ def test_rows_move_between_meshes_bit_exact() -> None:
 
 def _ragged_worker(rank: int, world: int) -> dict:
     """Ranks 2 and 3 send rows whose fields have widths of their own (rows as wide as the rank's longest,
-    a per-row column, a 3-wide field) to ranks 0 and 1, with ``width=None``: no rank knows another's."""
+    a per-row column, a 3-wide field) to ranks 0 and 1, with ``width=None``: no rank knows another's.
+    Each field travels as its own dtype's bytes: ids past 2**53 (which a float64 wire would round),
+    router-replay-like int16 experts and bfloat16 values of widths that do not fill a whole wire slot."""
     import torch.distributed as dist
 
     from spmdrl.distributed.exchange import move_rows
 
-    spec = {"ids": torch.long, "score": torch.float32, "measured": torch.float64, "flag": torch.bool}
+    spec = {
+        "ids": torch.long,
+        "score": torch.float32,
+        "measured": torch.float64,
+        "flag": torch.bool,
+        "experts": torch.int16,
+        "pixels": torch.bfloat16,
+    }
 
     def rows_of(r: int) -> dict[str, torch.Tensor]:
         g = torch.Generator().manual_seed(r)
         n, w = 4, 5 + 3 * (r - 2)  # rank 2: 5 wide, rank 3: 8 wide
         return {
-            "ids": torch.randint(1, 2**40, (n, w), generator=g),
+            "ids": torch.randint(2**53 + 1, 2**62, (n, w), generator=g),
             "score": torch.randn(n, 1, generator=g),
             "measured": torch.randn(n, 3, generator=g, dtype=torch.float64),
             "flag": torch.rand(n, 1, generator=g) > 0.5,
+            "experts": torch.randint(-1, 128, (n, 3 + r), generator=g, dtype=torch.int16),
+            "pixels": torch.randn(n, 5, generator=g).to(torch.bfloat16),
         }
 
     src = RowLayout.from_counts([4, 4], [2, 3])
@@ -194,6 +205,10 @@ def _ragged_worker(rank: int, world: int) -> dict:
         out["score_ok"] = torch.equal(got["score"], torch.cat([a["score"], b["score"]])[sel])
         out["measured_ok"] = torch.equal(got["measured"], torch.cat([a["measured"], b["measured"]])[sel])
         out["flag_ok"] = torch.equal(got["flag"], torch.cat([a["flag"], b["flag"]])[sel])
+        want_experts = torch.zeros(8, 6, dtype=torch.int16)
+        want_experts[:4, :5], want_experts[4:] = a["experts"], b["experts"]
+        out["experts_ok"] = torch.equal(got["experts"], want_experts[sel][:, : 5 if rank == 0 else 6])
+        out["pixels_ok"] = torch.equal(got["pixels"], torch.cat([a["pixels"], b["pixels"]])[sel])
         out["dtypes"] = {k: str(v.dtype) for k, v in got.items()}
         out["shapes"] = {k: tuple(v.shape) for k, v in got.items()}
     dist.barrier()
@@ -206,11 +221,26 @@ def test_rows_move_at_their_own_widths() -> None:
     for rank in (0, 1):
         r = results[rank]
         assert r["ids_ok"] and r["score_ok"] and r["measured_ok"] and r["flag_ok"], (rank, r)
+        assert r["experts_ok"] and r["pixels_ok"], (rank, r)
         assert r["dtypes"] == {
             "ids": "torch.int64",
             "score": "torch.float32",
             "measured": "torch.float64",
             "flag": "torch.bool",
+            "experts": "torch.int16",
+            "pixels": "torch.bfloat16",
         }
-    assert results[0]["shapes"] == {"ids": (3, 5), "score": (3, 1), "measured": (3, 3), "flag": (3, 1)}
-    assert results[1]["shapes"] == {"ids": (5, 8), "score": (5, 1), "measured": (5, 3), "flag": (5, 1)}
+    common = {"score": 1, "measured": 3, "flag": 1, "pixels": 5}
+    assert results[0]["shapes"] == {k: (3, w) for k, w in {**common, "ids": 5, "experts": 5}.items()}
+    assert results[1]["shapes"] == {k: (5, w) for k, w in {**common, "ids": 8, "experts": 6}.items()}
+
+
+def test_each_field_costs_its_own_dtypes_bytes_on_the_wire() -> None:
+    """A row of router replay's experts (int16) takes a quarter of the slots a float64 wire gave it, a
+    float32 pixel row half, a mask an eighth; a width that does not fill a slot rounds up to one."""
+    from spmdrl.distributed.exchange import _row_slots, _slots
+
+    assert _slots(4096, torch.int16) == 1024 and _slots(4096, torch.float32) == 2048
+    assert _slots(4096, torch.bool) == 512 and _slots(4096, torch.long) == 4096
+    assert _slots(3, torch.int16) == 1 and _slots(0, torch.float32) == 0
+    assert _row_slots([5, 1], {"ids": torch.long, "flag": torch.bool}) == 6
