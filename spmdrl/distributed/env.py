@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import datetime
+import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -11,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -96,12 +99,14 @@ def _free_port() -> int:
 _WAIT_COUNTS: dict[str, int] = {}
 
 
-def wait_for(name: str, *, writer: bool, timeout_min: float = 120.0) -> None:
+def wait_for(name: str, *, writer: bool, timeout_min: float = 120.0, report_every_s: float = 300.0) -> None:
     """The ranks that wait for work only one rank does (an export, a download) wait here, not in a
     collective: a barrier would count that work against trainer.collective_timeout_min and kill a job
     writing a large model to slow storage. The writer calls it with ``writer=True`` when done.
 
-    Every rank taking part calls it with the same ``name``, the same number of times.
+    Every rank taking part calls it with the same ``name``, the same number of times. A waiting rank logs
+    every ``report_every_s`` that it still waits and for what, so a writer that never comes shows in the
+    log long before ``timeout_min`` ends the wait with an error naming it.
     """
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
@@ -111,8 +116,29 @@ def wait_for(name: str, *, writer: bool, timeout_min: float = 120.0) -> None:
     store = dist.distributed_c10d._get_default_store()
     if writer:
         store.set(key, b"1")
-    else:
-        store.wait([key], datetime.timedelta(minutes=timeout_min))
+        return
+    start = time.monotonic()
+    while True:
+        left = timeout_min * 60 - (time.monotonic() - start)
+        try:
+            store.wait([key], datetime.timedelta(seconds=max(min(report_every_s, left), 0.001)))
+            return
+        except dist.DistStoreError as e:
+            waited = time.monotonic() - start
+            if waited >= timeout_min * 60:
+                raise RuntimeError(
+                    f"rank {dist.get_rank()} waited {waited / 60:.1f} min for {name!r} (call {count + 1}), "
+                    "which one rank does and the others wait for (an export, a model download or build), "
+                    "and it never finished: that rank is stuck or never started it; its log says which"
+                ) from e
+            log.warning(
+                "rank %d: still waiting for %r (call %d) after %.0f s: one rank does it (an export, a model "
+                "download or build) and the others wait",
+                dist.get_rank(),
+                name,
+                count + 1,
+                waited,
+            )
 
 
 def broadcast_object(value: T, src: int = 0) -> T:
