@@ -1,7 +1,7 @@
 """A generated batch from the rollout ranks to the trainer ranks (parallel.placement=async).
 
 A rollout rank's scored samples travel as rows (spmdrl.distributed.exchange: point-to-point sends of a
-float64-packed buffer, no pickling), together with what the trainer needs besides the tokens, one
+buffer of each field's bytes, no pickling), together with what the trainer needs besides the tokens, one
 column per row: the training reward, the policy version that generated the row, the prompt's dataset
 index, whether the response was truncated, and what the rollout rank measured (its reward failures on
 its first row, its generation and scoring seconds on every row); ReMax's baseline (the reward of the
@@ -127,7 +127,7 @@ SPEC: dict[str, torch.dtype] = {
     ROUTED: torch.int16,
     ROUTED_SHAPE: torch.long,
     IMAGES: torch.float32,
-    IMAGE_MASK: torch.long,
+    IMAGE_MASK: torch.bool,
     IMAGE_SHAPE: torch.long,
 }
 

@@ -50,8 +50,9 @@ def unpack_routed(rows: Mapping[str, torch.Tensor], width: int) -> torch.Tensor 
 
 
 # A vision-language model's images on the same wire: each row's images (ImageInputs, in the row's order)
-# flattened to count * C * H * W pixel values (IMAGES, in the pixels' dtype: float32 is exact in float64)
-# and count * H * W pixel-attention-mask values (IMAGE_MASK, 0 wide when the images have none), with
+# flattened to count * C * H * W pixel values (IMAGES, in the pixels' dtype) and count * H * W
+# pixel-attention-mask values (IMAGE_MASK, bool: one byte a pixel on the wire where the processor's int64
+# took eight; back as int64, 0/1, on arrival; 0 wide when the images have none), with
 # (count, C, H, W, has mask) per row (IMAGE_SHAPE); all three (B, 0) without images (a text model). A
 # row's fields past its own images arrive as the wire pads them, 0, and are cut off by its count.
 IMAGES, IMAGE_MASK, IMAGE_SHAPE = "image_pixels", "image_mask", "image_shape"
@@ -65,7 +66,7 @@ def pack_images(
     if images is None:
         return {
             IMAGES: torch.zeros(B, 0, dtype=dtype, device=device),
-            IMAGE_MASK: torch.zeros(B, 0, dtype=torch.long, device=device),
+            IMAGE_MASK: torch.zeros(B, 0, dtype=torch.bool, device=device),
             IMAGE_SHAPE: torch.zeros(B, 0, dtype=torch.long, device=device),
         }
     if len(images.counts_B) != B:
@@ -74,13 +75,12 @@ def pack_images(
     C, H, W = pixels.shape[1:]
     most = max(images.counts_B, default=0)
     flat = torch.zeros(B, most * C * H * W, dtype=pixels.dtype, device=device)
-    mask_width, mask_dtype = (0, torch.long) if mask is None else (most * H * W, mask.dtype)
-    flat_mask = torch.zeros(B, mask_width, dtype=mask_dtype, device=device)
+    flat_mask = torch.zeros(B, 0 if mask is None else most * H * W, dtype=torch.bool, device=device)
     start = 0
     for r, n in enumerate(images.counts_B):
         flat[r, : n * C * H * W] = pixels[start : start + n].reshape(-1).to(device)
         if mask is not None:
-            flat_mask[r, : n * H * W] = mask[start : start + n].reshape(-1).to(device)
+            flat_mask[r, : n * H * W] = mask[start : start + n].reshape(-1).to(device) != 0
         start += n
     shape = torch.tensor(
         [[n, C, H, W, int(mask is not None)] for n in images.counts_B], dtype=torch.long, device=device
@@ -105,7 +105,7 @@ def unpack_images(rows: Mapping[str, torch.Tensor]) -> ImageInputs | None:
     if len(shapes) != 1:
         raise ValueError(f"rows' images of different shapes {sorted(shapes)}: one forward cannot take them")
     C, H, W = (int(x) for x in shapes.pop())
-    pixels, flat_mask = rows[IMAGES].cpu(), rows[IMAGE_MASK].cpu()
+    pixels, flat_mask = rows[IMAGES].cpu(), rows[IMAGE_MASK].cpu().long()
     has_mask = any(int(shape[r, 4]) for r in with_images)
     values, masks = [], []
     for r in with_images:

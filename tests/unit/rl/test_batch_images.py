@@ -149,13 +149,17 @@ def test_images_round_trip_through_the_wires_fields(mask: bool) -> None:
     wire = pack_images(images, 5, torch.device("cpu"))
     assert wire[IMAGES].shape == (5, 3 * 3 * 4 * 5) and wire[IMAGE_SHAPE][:, 0].tolist() == [2, 0, 1, 3, 0]
     assert wire[IMAGE_MASK].shape == ((5, 3 * 4 * 5) if mask else (5, 0))
-    # A wire pads every field with 0 past the widest row it carried (spmdrl.distributed.exchange), in float64.
+    # The mask travels as bool (a byte a pixel; the processor's int64 took eight) and arrives as int64, 0/1.
+    assert wire[IMAGE_MASK].dtype == torch.bool
+    # A wire pads every field with 0 past the widest row it carried (spmdrl.distributed.exchange).
     padded = {k: torch.nn.functional.pad(v.double(), (0, 7)).to(v.dtype) for k, v in wire.items()}
     for fields in (wire, padded):
         back = unpack_images(fields)
         assert back is not None and back.counts_B == images.counts_B
         assert torch.equal(back.pixel_values_NCHW, images.pixel_values_NCHW)
         if mask:
+            assert back.pixel_attention_mask_NHW is not None
+            assert back.pixel_attention_mask_NHW.dtype == torch.long
             assert torch.equal(back.pixel_attention_mask_NHW, images.pixel_attention_mask_NHW)
         else:
             assert back.pixel_attention_mask_NHW is None
