@@ -110,12 +110,15 @@ CARRIED_METRICS: tuple[str, ...] = (
     *DynamicSampling.METRIC_KEYS,
 )
 # What the measured columns were in queues saved without their names, by their count: before the overlong
-# penalty travelled, and after (the current list's first ones then).
+# penalty travelled, and after; both before multi_turn/observation_images (MULTI_TURN_KEYS' last) did.
+_SAVED_MULTI_TURN = MULTI_TURN_KEYS[: MULTI_TURN_KEYS.index("multi_turn/observation_images")]
 _UNNAMED_CARRIED: dict[int, tuple[str, ...]] = {
-    len(ModelRewards.METRIC_KEYS) + len(MULTI_TURN_KEYS): (*ModelRewards.METRIC_KEYS, *MULTI_TURN_KEYS),
-    len(ModelRewards.METRIC_KEYS) + len(OverlongShaping.METRIC_KEYS) + len(MULTI_TURN_KEYS): CARRIED_METRICS[
-        : len(ModelRewards.METRIC_KEYS) + len(OverlongShaping.METRIC_KEYS) + len(MULTI_TURN_KEYS)
-    ],
+    len(ModelRewards.METRIC_KEYS) + len(_SAVED_MULTI_TURN): (*ModelRewards.METRIC_KEYS, *_SAVED_MULTI_TURN),
+    len(ModelRewards.METRIC_KEYS) + len(OverlongShaping.METRIC_KEYS) + len(_SAVED_MULTI_TURN): (
+        *ModelRewards.METRIC_KEYS,
+        *OverlongShaping.METRIC_KEYS,
+        *_SAVED_MULTI_TURN,
+    ),
 }
 SPEC: dict[str, torch.dtype] = {
     **ROW_FIELDS,

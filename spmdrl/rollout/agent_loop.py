@@ -438,6 +438,7 @@ def multi_turn_metrics(gens: Sequence[Generation], stats: LoopStats) -> dict[str
         "tool_errors": float(sum(i.tool_errors for i in infos)),
         "env_errors": float(sum(i.terminate_reason in ENV_FAILURES for i in infos)),
         "observation_tokens": float(sum(i.observation_tokens for i in infos)),
+        "observation_images": float(sum(i.observation_images for i in infos)),
         "wall_s": stats.wall_s,
         "engine_idle_s": stats.engine_idle_s,
     }

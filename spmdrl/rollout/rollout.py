@@ -51,6 +51,9 @@ MULTI_TURN_KEYS = (
     "multi_turn/rank_finish_skew_s",
     "multi_turn/rollout_s",
     *(f"multi_turn/terminate_reason/{r}" for r in TERMINATE_REASONS),
+    # Last: the keys before it are what queues saved without their metric names carried
+    # (spmdrl.rl.async_rows reads those by count).
+    "multi_turn/observation_images",
 )
 
 
@@ -189,6 +192,7 @@ class Rollout:
             "multi_turn/env_errors": sums["env_errors"] / n,
             "multi_turn/tool_latency_p99_s": hi["p99"],
             "multi_turn/observation_tokens": sums["observation_tokens"] / n,
+            "multi_turn/observation_images": sums["observation_images"] / n,
             "multi_turn/engine_idle_frac": sums["engine_idle_s"] / max(sums["wall_s"], 1e-9),
             "multi_turn/rank_finish_skew_s": hi["wall_s"] - lo["wall_s"],
             "multi_turn/rollout_s": hi["wall_s"],

@@ -159,6 +159,7 @@ def test_grpo_vlm_multi_turn_with_image_tools(tmp_path: Path, moves: tuple[str, 
     for m in rows:
         # Every trajectory saw pictures (tiny-vl: 4 image tokens, 2 delimiters and the global token each).
         assert m["multi_turn/tool_calls"] >= 1.0 and m["multi_turn/observation_tokens"] >= 7, m
+        assert m["multi_turn/observation_images"] >= 1.0, m  # also where the rows travelled (async)
         # The fp32 engine and trainer agree on the tokens sampled after the pictures (the rows' images).
         assert m["mismatch/logprob_abs_diff_mean"] < 1e-4, m
     val = [m for m in _metrics(out) if "val/multi_turn/tool_calls" in m]

@@ -221,7 +221,8 @@ def _measured_after_restore(
 def test_queued_metrics_are_read_by_name() -> None:
     """A queue saved by another release, whose measured columns were in another order, resumes with each
     value under its own name: by the names it was saved with, or, saved without them, by their count."""
-    rm, mt = len(ModelRewards.METRIC_KEYS), len(MULTI_TURN_KEYS)
+    # Queues saved without names predate multi_turn/observation_images (MULTI_TURN_KEYS' last).
+    rm, mt = len(ModelRewards.METRIC_KEYS), len(MULTI_TURN_KEYS) - 1
     # Saved before the overlong penalty travelled: the reward model's columns, then multi-turn's.
     legacy = [0.0] * (rm + mt)
     legacy[rm] = 3.0  # the first multi-turn metric
@@ -230,7 +231,8 @@ def test_queued_metrics_are_read_by_name() -> None:
     # Saved with the overlong penalty's columns (the current list's first ones): as they are.
     ov = [math.nan] * rm + [-0.5, 0.25] + [7.0] * mt
     got = _measured_after_restore(None, ov, rm + 2 + mt)
-    assert got["reward/overlong_penalty_mean"] == -0.5 and got[MULTI_TURN_KEYS[-1]] == 7.0
+    assert got["reward/overlong_penalty_mean"] == -0.5 and got[MULTI_TURN_KEYS[-2]] == 7.0
+    assert "multi_turn/observation_images" not in got  # not measured then: nothing to log
     # Saved with its names, in another order, one no longer carried: by name.
     got = _measured_after_restore(
         ("reward/overlong_frac", "gone/metric", "rollout/num_gen_batches"), [0.5, 9.0, 2.0], 3

@@ -15,7 +15,7 @@ from PIL import Image
 from spmdrl.config import MultiTurnConfig
 from spmdrl.data.turns import TurnCodec
 from spmdrl.data.vision import encode_prompt
-from spmdrl.rollout.agent_loop import AgentLoop, _Trajectory
+from spmdrl.rollout.agent_loop import AgentLoop, LoopStats, _Trajectory, multi_turn_metrics
 from spmdrl.rollout.engine import SamplingSpec, TurnOutput
 from spmdrl.rollout.turn_env import ToolTurnEnv, TurnReply
 from spmdrl.tools import ToolExecutor, get_parser, load_tools
@@ -87,6 +87,9 @@ def test_a_trajectory_with_an_image_observation(vl) -> None:  # noqa: ANN001
     assert t.info.observation_images == 1 and t.info.observation_tokens == len(obs.ids)
     gen = loop._generation(t)
     assert gen.images is not None and gen.images.counts_B == (1,)
+    # multi_turn/observation_images: this rank's sum, over the trajectories (the prompt's image not counted).
+    sums = multi_turn_metrics([gen, gen], LoopStats(wall_s=1.0, engine_idle_s=0.0, engine_steps=1))
+    assert sums["observation_images"] == 2.0 and sums["n"] == 2.0
 
 
 def test_the_budget_counts_an_images_expanded_tokens(vl) -> None:  # noqa: ANN001
