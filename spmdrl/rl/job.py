@@ -266,10 +266,19 @@ def build_job(cfg: Config, roles: Roles = NO_EXTRA_ROLES) -> RLJob:
         if val_files
         else None
     )
+    # teacher.path: its files (a built-in teacher built once) and its tokenizer, the actor's, before the warm-start
+    # and the token budgets (which count its memory).
+    teacher_dir = None
+    if cfg.teacher.enabled and not cfg.trainer.val_only:
+        teacher_dir = resolve_model_path_all_ranks(cfg.teacher.path, run.cache_dir)
+        teacher_tok = load_tokenizer(teacher_dir, cfg.model.trust_remote_code)
+        check_same_tokenizer(tokenizer, teacher_tok, base_dir, teacher_dir)
     plan = plan_job(cfg, env.world_size, len(train_ds), roles, device_type=env.device.type)
     # CUDA: the token budgets left at auto, from the free memory before any model or engine is allocated.
     if wants_memory_budgets(cfg, env.device):
-        memory = measure_token_budgets(cfg, base_dir, env.device, placement, needs_critic=roles.critic)
+        memory = measure_token_budgets(
+            cfg, base_dir, env.device, placement, needs_critic=roles.critic, teacher_dir=teacher_dir
+        )
         budgets = (memory.train, memory.no_grad)
         plan = plan_job(
             cfg, env.world_size, len(train_ds), roles, device_type=env.device.type, memory_budgets=budgets
@@ -299,12 +308,6 @@ def build_job(cfg: Config, roles: Roles = NO_EXTRA_ROLES) -> RLJob:
     )
     reward_fn = env_job.reward_fn if env_job else load_reward_fn(cfg.reward.fn)
     check_model_rewards(cfg.reward_model)  # reward_model.path's files, before the warm-start
-    # teacher.path: its files (a built-in teacher built once) and its tokenizer, the actor's, before the warm-start.
-    teacher_dir = None
-    if cfg.teacher.enabled and not cfg.trainer.val_only:
-        teacher_dir = resolve_model_path_all_ranks(cfg.teacher.path, run.cache_dir)
-        teacher_tok = load_tokenizer(teacher_dir, cfg.model.trust_remote_code)
-        check_same_tokenizer(tokenizer, teacher_tok, base_dir, teacher_dir)
     # critic.model_path: its files resolved on every rank, before the roles split: rank 0 goes first and
     # the others wait on it, so a resolve on the critic's ranks alone would wait for a rank that never
     # comes (parallel.placement=split puts rank 0 on the actor).

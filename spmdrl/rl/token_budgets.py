@@ -6,8 +6,9 @@ default) become, on CUDA, the tokens that fit in the card's free memory by the m
 is allocated, as the least over all ranks (every rank must plan alike): that is what the trainer's passes
 share with a sleeping engine (rollout.free_cache_engine: asleep, it holds neither weights nor KV cache),
 less what the models' state will take, which the memory model counts from the models' shapes (the actor's,
-and reward_model.path's) on the busiest rank (rank_states: actor, reference (none under LoRA: the actor
-with its adapters off), LoRA's adapters, a critic, the reward model, by placement). Measured later, the
+and reward_model.path's and teacher.path's) on the busiest rank (rank_states: actor, reference (none under
+LoRA: the actor with its adapters off), LoRA's adapters, a critic, the reward model, a distillation teacher,
+by placement). Measured later, the
 optimizer's moments (allocated at the first step) would be missing from it. The critic's passes take the actor's budgets (its one-value head costs far less than the
 LM head: they err small). The reward model's own scoring pass is sized by
 reward_model.micro_batch_size_per_gpu, not by these budgets; check_reward_model_pass warns when it may not
@@ -107,11 +108,12 @@ class RankState:
     ref: int = 0
     critic: int = 0
     reward_model: int = 0
+    teacher: int = 0  # teacher.path: frozen, in teacher.dtype, sharded over its role's ranks
     deferred_grads: int = 0  # trainer.defer_grad_sync's unsharded gradients
 
     @property
     def total(self) -> int:
-        return self.actor + self.ref + self.critic + self.reward_model + self.deferred_grads
+        return self.actor + self.ref + self.critic + self.reward_model + self.teacher + self.deferred_grads
 
     def describe(self) -> str:
         parts = {k: v for k, v in dataclasses.asdict(self).items() if k != "ranks" and v}
@@ -123,6 +125,16 @@ def frozen_bytes_per_param(cfg: Config) -> int:
     """A frozen model's stored bytes per parameter: spmdrl.models.build keeps it in model.param_dtype
     (auto: bfloat16 on CUDA), without a float32 master copy."""
     return 4 if cfg.model.param_dtype == "float32" else 2
+
+
+def teacher_bytes(cfg: Config, shape: DecoderShape, shards: int) -> int:
+    """A distillation teacher's state: frozen, stored in teacher.dtype (auto: model.param_dtype's, as
+    spmdrl.rl.teacher builds it); 0 offloaded (teacher.offload)."""
+    t = cfg.teacher
+    if t.offload:
+        return 0
+    per_param = frozen_bytes_per_param(cfg) if t.dtype == "auto" else (4 if t.dtype == "float32" else 2)
+    return model_state_bytes(shape.params, 0, per_param, shards)
 
 
 def actor_bytes(cfg: Config, shape: DecoderShape, shards: int) -> int:
@@ -159,12 +171,15 @@ def rank_states(
     *,
     needs_critic: bool,
     rm_shape: DecoderShape | None = None,
+    teacher_shape: DecoderShape | None = None,
 ) -> list[RankState]:
     """What the models will hold at the update on each kind of rank: the actor's ranks (actor, reference,
-    a colocated critic, the reward model), and under a split placement the critic's ranks (the critic
-    alone; the actor's copy there is a meta-device one). Each model is sharded over its role's ranks.
-    ``rm_shape``: reward_model.path's shape, when reward_model.enable. The critic is counted at the
-    actor's shape (critic.model_path's is not read)."""
+    a colocated critic, the reward model, a teacher sharded over them), under a split placement the
+    critic's ranks (the critic alone; the actor's copy there is a meta-device one), and with
+    parallel.teacher_ranks the teacher's own ranks (the teacher alone). Each model is sharded over its
+    role's ranks. ``rm_shape``: reward_model.path's shape, when reward_model.enable; ``teacher_shape``:
+    teacher.path's, when a teacher distils. The critic is counted at the actor's shape (critic.model_path's
+    is not read)."""
     m, a = cfg.model, cfg.algorithm
     shards = placement.role("actor").dp_shard
     frozen = frozen_bytes_per_param(cfg)
@@ -186,6 +201,9 @@ def rank_states(
 
     grad_bytes = deferred(shards)
     roles = ["actor", "critic"] if critic_here else ["actor"]
+    teacher = 0  # beside the actor, or on its own ranks (parallel.teacher_ranks)
+    if teacher_shape is not None and "teacher" in placement.roles:
+        teacher = teacher_bytes(cfg, teacher_shape, placement.role("teacher").dp_shard)
     states = [
         RankState(
             "actor",
@@ -193,9 +211,12 @@ def rank_states(
             ref=model_state_bytes(shape.params, 0, frozen, shards) if has_ref else 0,
             critic=critic_bytes(cfg, shape, shards) if critic_here else 0,
             reward_model=rm,
+            teacher=0 if placement.teacher_apart else teacher,
             deferred_grads=grad_bytes * max(trained_params(cfg, shape, r) for r in roles),
         )
     ]
+    if placement.teacher_apart:
+        states.append(RankState("teacher", teacher=teacher))
     if needs_critic and placement.is_split:
         critic = critic_bytes(cfg, shape, placement.role("critic").dp_shard)
         states.append(
@@ -216,9 +237,12 @@ def state_bytes(
     *,
     needs_critic: bool,
     rm_shape: DecoderShape | None = None,
+    teacher_shape: DecoderShape | None = None,
 ) -> int:
     """The state of the busiest rank (rank_states): every rank plans with the same budgets."""
-    states = rank_states(cfg, shape, placement, needs_critic=needs_critic, rm_shape=rm_shape)
+    states = rank_states(
+        cfg, shape, placement, needs_critic=needs_critic, rm_shape=rm_shape, teacher_shape=teacher_shape
+    )
     return max(s.total for s in states)
 
 
@@ -265,11 +289,13 @@ def measure_token_budgets(
     placement: Placement,
     *,
     needs_critic: bool,
+    teacher_dir: Path | None = None,
     mem_get_info: Callable[[torch.device], tuple[int, int]] = torch.cuda.mem_get_info,
 ) -> TokenBudgets:
     """The update's and the no-grad passes' budgets on this job's GPUs. Every rank calls it (one
-    all_reduce), before any model is built. ``mem_get_info``: the device's (free, total) bytes, CUDA's
-    query (a test on a CPU passes a card's figures instead)."""
+    all_reduce), before any model is built. ``teacher_dir``: teacher.path's files, when a teacher distils.
+    ``mem_get_info``: the device's (free, total) bytes, CUDA's query (a test on a CPU passes a card's
+    figures instead)."""
     from transformers import AutoConfig
 
     from spmdrl.models.varlen import capabilities, choose_kernel, features_of
@@ -277,6 +303,13 @@ def measure_token_budgets(
     rm_shape = reward_model_shape(cfg)
     hf_config = AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
     shape = DecoderShape.from_hf(hf_config)
+    teacher_shape = (
+        DecoderShape.from_hf(
+            AutoConfig.from_pretrained(teacher_dir, trust_remote_code=cfg.model.trust_remote_code)
+        )
+        if teacher_dir is not None
+        else None
+    )
     dtype = torch.float32 if cfg.model.param_dtype == "float32" else torch.bfloat16
     features = features_of(hf_config, dtype)
     kernel = choose_kernel(
@@ -288,7 +321,9 @@ def measure_token_budgets(
     # (async: the trainer ranks hold no engine).
     awake = int(cfg.rollout.gpu_memory_utilization * total)
     engine = 0 if cfg.rollout.free_cache_engine or placement.is_async else awake
-    states = rank_states(cfg, shape, placement, needs_critic=needs_critic, rm_shape=rm_shape)
+    states = rank_states(
+        cfg, shape, placement, needs_critic=needs_critic, rm_shape=rm_shape, teacher_shape=teacher_shape
+    )
     state = max(s.total for s in states)
     reserve = int(cfg.trainer.memory_reserve_gib * 2**30)
     # Without sliding windows or soft-capping (eager attention) the model attends with causal SDPA.

@@ -12,7 +12,7 @@ from spmdrl.config import ConfigError, derive, derive_rl
 from spmdrl.config_loader import load_config
 from spmdrl.distributed.placement import plan_placement
 from spmdrl.models.memory_model import DecoderShape
-from spmdrl.rl.token_budgets import memory_inputs, state_bytes, wants_memory_budgets
+from spmdrl.rl.token_budgets import memory_inputs, rank_states, state_bytes, wants_memory_budgets
 
 # grpo_tiny: prompts up to 64 tokens, responses up to 24 (its recipe): the longest row is 88 tokens.
 TINY = ["recipe=grpo_tiny"]
@@ -126,6 +126,34 @@ def test_state_counts_trained_and_frozen_models_and_offload() -> None:
     Pc = shape.params_with_head("value")  # the critic: a one-output value head instead of the LM head
     expected = 16 * P // 8 + 16 * Pc // 8 + (2 * P // 8 if with_ref else 0)
     assert state_bytes(ppo, shape, colocated, needs_critic=True) == expected
+
+
+def test_state_counts_the_teacher_where_it_lives() -> None:
+    """On-policy distillation's teacher: frozen, in teacher.dtype, sharded over the actor's ranks (added to
+    their state) or over its own ranks (parallel.teacher_ranks: a rank kind of its own); none offloaded."""
+    shape = DecoderShape(896, 4864, 24, 14, 2, 151936, tied_embeddings=True)
+    teacher = DecoderShape(2048, 11008, 36, 16, 2, 151936, tied_embeddings=True)
+    P, T = shape.params, teacher.params
+
+    def states(*overrides: str) -> dict[str, int]:
+        cfg = load_config(["recipe=grpo_gsm8k", "teacher.path=Qwen/Qwen2.5-3B-Instruct", *overrides])
+        placement = plan_placement(cfg.parallel, 8, needs_critic=False, teacher=True)
+        got = rank_states(cfg, shape, placement, needs_critic=False, teacher_shape=teacher)
+        assert state_bytes(cfg, shape, placement, needs_critic=False, teacher_shape=teacher) == max(
+            s.total for s in got
+        )
+        return {s.ranks: s.teacher for s in got}
+
+    # Colocated: 2 bytes a parameter (bf16, model.param_dtype auto on CUDA) over the 8 actor ranks.
+    assert states() == {"actor": 2 * T // 8}
+    assert states("teacher.dtype=float32") == {"actor": 4 * T // 8}
+    assert states("teacher.offload=true") == {"actor": 0}
+    # Its own 2 ranks: the actor's 6 ranks hold none of it, each teacher rank a half.
+    assert states("parallel.teacher_ranks=2") == {"actor": 0, "teacher": 2 * T // 2}
+    # Without a teacher's shape (no teacher) nothing is counted.
+    cfg = load_config(["recipe=grpo_gsm8k"])
+    plain = rank_states(cfg, shape, plan_placement(cfg.parallel, 8, needs_critic=False), needs_critic=False)
+    assert [s.teacher for s in plain] == [0] and plain[0].actor == 16 * P // 8
 
 
 @pytest.mark.parametrize(
