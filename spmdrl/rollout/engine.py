@@ -381,16 +381,21 @@ def build_engine(
     world = EngineWorld.create(ranks, cfg.tp)
     engine: RolloutEngine | None = None
     if world.holds_engine:
-        from spmdrl.rollout.vllm_engine import VLLMEngine
+        from spmdrl.rollout.vllm_process import isolated_rng
 
-        engine = VLLMEngine(
-            model_dir,
-            cfg,
-            max_model_len=max_model_len,
-            device_type=device_type,
-            world=world,
-            routed_experts=routed_experts,
-        )
+        # vLLM's imports draw from Python's random too (rich.style's getrandbits at import, before the
+        # engine's own isolated build): none of the trainer's random streams move.
+        with isolated_rng(device_type):
+            from spmdrl.rollout.vllm_engine import VLLMEngine
+
+            engine = VLLMEngine(
+                model_dir,
+                cfg,
+                max_model_len=max_model_len,
+                device_type=device_type,
+                world=world,
+                routed_experts=routed_experts,
+            )
     else:  # the engines' TP groups, which the engine ranks create in VLLMEngine's TPGroups
         new_tp_subgroups(engine_tp_groups(cfg.tp, world.ranks))
     world.agree_group_names()
