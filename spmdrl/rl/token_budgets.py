@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from spmdrl.algos.config import TeacherConfig
 from spmdrl.config import Config
 from spmdrl.config_section import switch_mode
 from spmdrl.derived import max_sequence_length
@@ -127,13 +128,12 @@ def frozen_bytes_per_param(cfg: Config) -> int:
     return 4 if cfg.model.param_dtype == "float32" else 2
 
 
-def teacher_bytes(cfg: Config, shape: DecoderShape, shards: int) -> int:
-    """A distillation teacher's state: frozen, stored in teacher.dtype (auto: model.param_dtype's, as
-    spmdrl.rl.teacher builds it); 0 offloaded (teacher.offload)."""
-    t = cfg.teacher
-    if t.offload:
+def teacher_bytes(teacher: TeacherConfig, auto_bytes: int, shape: DecoderShape, shards: int) -> int:
+    """A distillation teacher's state: frozen, stored in teacher.dtype (auto: model.param_dtype's,
+    ``auto_bytes`` a parameter, as spmdrl.rl.teacher builds it); 0 offloaded (teacher.offload)."""
+    if teacher.offload:
         return 0
-    per_param = frozen_bytes_per_param(cfg) if t.dtype == "auto" else (4 if t.dtype == "float32" else 2)
+    per_param = auto_bytes if teacher.dtype == "auto" else (4 if teacher.dtype == "float32" else 2)
     return model_state_bytes(shape.params, 0, per_param, shards)
 
 
@@ -203,7 +203,7 @@ def rank_states(
     roles = ["actor", "critic"] if critic_here else ["actor"]
     teacher = 0  # beside the actor, or on its own ranks (parallel.teacher_ranks)
     if teacher_shape is not None and "teacher" in placement.roles:
-        teacher = teacher_bytes(cfg, teacher_shape, placement.role("teacher").dp_shard)
+        teacher = teacher_bytes(cfg.teacher, frozen, teacher_shape, placement.role("teacher").dp_shard)
     states = [
         RankState(
             "actor",
