@@ -256,6 +256,11 @@ def plan_placement(
             "(on-policy distillation, as in recipe=opd_tiny), or parallel.teacher_ranks=0"
         )
     placement = _plan(p, world_size, needs_critic=needs_critic, asynchronous=asynchronous)
+    if not needs_critic and "critic" in placement.roles:
+        # A job without a value model has no critic role (the plan line lists the roles that run); the
+        # colocated critic's ranks were the actor's, so no mesh or group changes.
+        roles = {name: spec for name, spec in placement.roles.items() if name != "critic"}
+        placement = Placement(placement.world_size, roles, placement.kind)
     return placement.with_teacher(p.teacher_ranks) if teacher else placement
 
 

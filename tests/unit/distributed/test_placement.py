@@ -68,7 +68,8 @@ def test_overlapping_roles_are_rejected() -> None:
 
 def test_expert_parallelism_is_the_actors_alone() -> None:
     p = plan_placement(ParallelConfig(ep=2), 4, needs_critic=False)
-    assert p.role("actor").ep == 2 and p.role("ref").ep == 1 and p.role("critic").ep == 1
+    assert p.role("actor").ep == 2 and p.role("ref").ep == 1
+    assert "critic" not in p.roles  # a job without a value model lists no critic (GRPO's plan line)
     assert p.describe().startswith(
         "colocated: actor: ranks 0-3 (FSDP 4, experts EP 2 x FSDP 2), ref: ranks 0-3 (FSDP 4)"
     )
@@ -163,7 +164,7 @@ def test_a_teacher_on_ranks_of_its_own_takes_the_last_n_and_the_actor_the_rest(w
 def test_the_teacher_on_its_own_ranks_is_described():
     p = plan_placement(ParallelConfig(teacher_ranks=1), 4, needs_critic=False, teacher=True)
     assert p.describe() == (
-        "colocated: actor: ranks 0-2 (FSDP 3), ref: ranks 0-2 (FSDP 3), critic: ranks 0-2 (FSDP 3), "
+        "colocated: actor: ranks 0-2 (FSDP 3), ref: ranks 0-2 (FSDP 3), "
         "teacher: rank 3 (FSDP 1, no actor); "
         "rollout on all 4 ranks"
     )
@@ -227,3 +228,14 @@ def test_expert_parallelism_on_the_split_actor_ranks(world: int, critic: int, ep
     assert p.role("actor").ranks == list(range(a)) and p.role("actor").ep == ep
     assert p.role("critic").ep == 1 and p.role("ref").ep == 1
     assert f"experts EP {ep} x FSDP {a // ep}" in p.describe()
+
+
+def test_a_job_without_a_critic_lists_none() -> None:
+    """GRPO's plan line names the roles that run: no critic unless the job trains a value model."""
+    grpo = plan_placement(ParallelConfig(), 2, needs_critic=False)
+    assert (
+        grpo.describe()
+        == "colocated: actor: ranks 0-1 (FSDP 2), ref: ranks 0-1 (FSDP 2); rollout on all 2 ranks"
+    )
+    ppo = plan_placement(ParallelConfig(), 2, needs_critic=True)
+    assert "critic: ranks 0-1 (FSDP 2)" in ppo.describe()
