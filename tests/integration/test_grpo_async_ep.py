@@ -90,7 +90,12 @@ def test_async_ep_one_batch_ahead_with_partial_rollouts(tmp_path: Path) -> None:
         tmp_path, "k1", "trainer.max_staleness=1", "rollout.partial=continue", "trainer.save_every=0"
     )
     rows = {r["step"]: r for r in read_metrics(out / "metrics.jsonl")}
-    assert [rows[s]["async/policy_age_mean"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0], rows
+    # Ages per token: a sync that lands mid-generation makes the rest of those rows' tokens age 0, so after
+    # the first batch the mean is within (0, 1] (1 when no switch landed mid-row; where it lands depends on
+    # timing) and no token is older than k.
+    assert rows[1]["async/policy_age_mean"] == 0.0, rows[1]
+    for s in (2, 3):
+        assert 0.0 < rows[s]["async/policy_age_mean"] <= 1.0 and rows[s]["async/policy_age_max"] == 1, rows[s]
     assert all(
         rows[s]["timing/weight_sync_check_s"] > 0 and rows[s]["actor/grad_norm"] > 0 for s in (1, 2, 3)
     )
