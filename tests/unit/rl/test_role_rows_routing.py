@@ -12,70 +12,25 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spmdrl.distributed.placement import Placement
 from spmdrl.rl.batch import PolicyBatch
 from spmdrl.testing.spawn import run_distributed
+from tests.unit.rl.moved_rows import ROWS_PER_RANK, WORLD, N, balance_and_send_to_actor, local_rows, step_rows
 
-WORLD = 2
-ROWS_PER_RANK = 4
-N = WORLD * ROWS_PER_RANK
 LAYERS, K = 3, 2
 
 
+def _routing(g: torch.Generator, attn_BT: torch.Tensor) -> dict:
+    """Each position routed to its own experts (-1 past the row, as build_policy_batch pads)."""
+    routed = torch.randint(0, 8, (*attn_BT.shape, LAYERS, K), generator=g, dtype=torch.int16)
+    return {"routed_experts_BTLK": routed.masked_fill(attn_BT[:, :, None, None] == 0, -1)}
+
+
 def _global_rows() -> PolicyBatch:
-    """Every row of the step in global order: rank 0's long, rank 1's short (balancing moves rows), each
-    position routed to its own experts (-1 past the row, as build_policy_batch pads)."""
-    g = torch.Generator().manual_seed(3)
-    lengths = torch.cat(
-        [torch.randint(30, 40, (ROWS_PER_RANK,), generator=g), torch.randint(4, 9, (4,), generator=g)]
-    )
-    width = int(lengths.max())
-    attn_BT = (torch.arange(width) < lengths[:, None]).long()
-    resp_BT = attn_BT.bool() & (torch.arange(width) >= 2)
-    routed = torch.randint(0, 8, (N, width, LAYERS, K), generator=g, dtype=torch.int16)
-    routed = routed.masked_fill(attn_BT[:, :, None, None] == 0, -1)
-    return PolicyBatch(
-        input_ids_BT=torch.randint(3, 500, (N, width), generator=g) * attn_BT,
-        attention_mask_BT=attn_BT,
-        response_mask_BT=resp_BT,
-        engine_logprobs_BT=-torch.rand(N, width, generator=g) * resp_BT,
-        advantages_BT=torch.randn(N, width, generator=g) * resp_BT,
-        routed_experts_BTLK=routed,
-    )
-
-
-def _local(rank: int) -> PolicyBatch:
-    """Rank ``rank``'s generated rows, trimmed to their own longest (as build_policy_batch makes them)."""
-    rows = torch.arange(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
-    full = _global_rows()
-    return full.take(rows, int(full.attention_mask_BT[rows].sum(dim=1).max()))
+    return step_rows(3, _routing)
 
 
 def _worker(rank: int, world: int) -> dict:
-    from spmdrl.config import RLDerived
-    from spmdrl.rl.role_rows import plan_rows, to_actor_ranks
-
-    cpu = torch.device("cpu")
-    local = _local(rank)
-    rl = RLDerived(
-        samples_per_prompt=2,
-        train_ranks=world,
-        mini_batches_per_step=1,
-        per_rank_mini_batch_seqs=ROWS_PER_RANK,
-        micro_batch_size=1,
-        micro_batches_per_mini_batch=1,
-        grad_accum_steps=1,
-        optimizer_steps_per_step=1,
-        max_model_len=128,
-    )
-    plan = plan_rows(True, Placement.colocated(world), rl, local, cpu)
-    balanced, _ = plan.balance_colocated(local, local.response_mask_BT)
-    assert balanced is not None and plan.actor is not None
-    out: dict = {"balanced": balanced, "balanced_rows": torch.nonzero(plan.actor.owner_N == rank).flatten()}
-    # The teacher on rank 1 of its own: every row goes to rank 0, the actor's only rank.
-    moved = to_actor_ranks(Placement.colocated(world).with_teacher(1), local, {}, cpu)
-    out["to_actor"] = None if moved is None else moved[0]
-    return out
+    return balance_and_send_to_actor(local_rows(_global_rows(), rank), rank, world)
 
 
 @pytest.fixture(scope="module")
