@@ -245,20 +245,16 @@ def move_rows(
         field = torch.zeros(plan.want.numel(), w_out, dtype=dtype, device=device)
         for sel, buf, ws in parts:
             offset = sum(_slots(w, spec[n]) for w, n in zip(ws[:i], names, strict=False))
-            size = ws[i] * _itemsize(dtype)
+            size = ws[i] * dtype.itemsize
             row_bytes = buf.view(torch.uint8)[:, offset * 8 : offset * 8 + size].contiguous()
             field[sel, : ws[i]] = row_bytes.view(dtype)
         out[name] = field
     return out
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def _slots(width: int, dtype: torch.dtype) -> int:
     """int64 slots that ``width`` elements of ``dtype`` take on the wire."""
-    return -(-width * _itemsize(dtype) // 8)
+    return -(-width * dtype.itemsize // 8)
 
 
 def _row_slots(widths: Sequence[int], spec: FieldSpec) -> int:
