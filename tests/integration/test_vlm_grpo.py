@@ -103,6 +103,38 @@ def test_grpo_vlm_tiny_learns_the_visual_task(tmp_path: Path) -> None:
     assert last - first >= 0.25, acc
 
 
+# Two short GRPO runs on an fp32 engine whose rows move between ranks after the rollout, with their images
+# (spmdrl.rl.batch.pack_images): a row trained on another row's pictures would score its tokens ~1e-2 away
+# from the engine, its own pictures at the fp32 level (~1e-6).
+SHORT = (
+    "warmstart.enabled=false",
+    "trainer.total_steps=2",
+    "trainer.val_every=0",
+    "trainer.save_every=0",
+    "trainer.save_hf=false",
+    "trainer.global_batch_size=8",
+    "rollout.n=4",
+    "tiny_shapes.num_train=64",
+    "tiny_shapes.num_test=8",
+    "rollout.dtype=float32",
+)
+# The async placement of these tests: 1 rollout rank, 1 trainer rank, no staleness (the trainer's weights are
+# the engine's).
+ASYNC = (
+    "entry=grpo_async",
+    "parallel.placement=async",
+    "parallel.rollout_ranks=1",
+    "trainer.max_staleness=0",
+)
+
+
+def _two_steps(out: Path) -> list[dict]:
+    """The run's two training steps' metrics (those with the trainer/engine mismatch)."""
+    rows = [m for m in _metrics(out) if "mismatch/logprob_abs_diff_mean" in m]
+    assert len(rows) == 2, rows
+    return rows
+
+
 # A random model never writes a <tool_call> by itself: the loop's pluggable parser (rollout.multi_turn.format
 # takes an import path, as in test_grpo_async_multi_turn.py) makes every finished turn call draw_shape.
 DRAW_PARSER = """
@@ -121,12 +153,7 @@ def parse(text):
         (),
         # The rows, each with its prompt's picture and its tools' (uneven counts), moved between ranks.
         ("parallel.balance_tokens=true",),
-        (
-            "entry=grpo_async",
-            "parallel.placement=async",
-            "parallel.rollout_ranks=1",
-            "trainer.max_staleness=0",
-        ),
+        ASYNC,
     ],
     ids=["colocated", "balance_tokens", "async"],
 )
@@ -136,16 +163,8 @@ def test_grpo_vlm_multi_turn_with_image_tools(tmp_path: Path, moves: tuple[str, 
     out = _train(
         tmp_path,
         *moves,
-        "warmstart.enabled=false",
-        "trainer.total_steps=2",
+        *(a for a in SHORT if a != "trainer.val_every=0"),
         "trainer.val_every=2",
-        "trainer.save_every=0",
-        "trainer.save_hf=false",
-        "trainer.global_batch_size=8",
-        "rollout.n=4",
-        "tiny_shapes.num_train=64",
-        "tiny_shapes.num_test=8",
-        "rollout.dtype=float32",
         "data.max_response_length=96",
         "rollout.multi_turn.enable=true",
         "rollout.multi_turn.tools=[draw_shape]",
@@ -154,9 +173,7 @@ def test_grpo_vlm_multi_turn_with_image_tools(tmp_path: Path, moves: tuple[str, 
         "rollout.stop=[e,a,o,i]",  # the random model's turns end within a few tokens
         "reward.max_error_frac=1.0",
     )
-    rows = [m for m in _metrics(out) if "mismatch/logprob_abs_diff_mean" in m]
-    assert len(rows) == 2, rows
-    for m in rows:
+    for m in _two_steps(out):
         # Every trajectory saw pictures (tiny-vl: 4 image tokens, 2 delimiters and the global token each).
         assert m["multi_turn/tool_calls"] >= 1.0 and m["multi_turn/observation_tokens"] >= 7, m
         assert m["multi_turn/observation_images"] >= 1.0, m  # also where the rows travelled (async)
@@ -166,28 +183,9 @@ def test_grpo_vlm_multi_turn_with_image_tools(tmp_path: Path, moves: tuple[str, 
     assert val and all(m["val/multi_turn/tool_calls"] >= 1.0 for m in val), val
 
 
-# Two short GRPO runs on an fp32 engine whose rows move between ranks after the rollout, with their images
-# (spmdrl.rl.batch.pack_images): a row trained on another row's pictures would score its tokens ~1e-2 away
-# from the engine, its own pictures at the fp32 level (~1e-6).
-SHORT = (
-    "warmstart.enabled=false",
-    "trainer.total_steps=2",
-    "trainer.val_every=0",
-    "trainer.save_every=0",
-    "trainer.save_hf=false",
-    "trainer.global_batch_size=8",
-    "rollout.n=4",
-    "tiny_shapes.num_train=64",
-    "tiny_shapes.num_test=8",
-    "rollout.dtype=float32",
-)
-
-
 def test_grpo_vlm_balance_tokens_moves_each_rows_images_with_it(tmp_path: Path) -> None:
     out = _train(tmp_path, *SHORT, "parallel.balance_tokens=true")
-    rows = [m for m in _metrics(out) if "mismatch/logprob_abs_diff_mean" in m]
-    assert len(rows) == 2, rows
-    for m in rows:
+    for m in _two_steps(out):
         assert "balance/actor_token_imbalance_before" in m, m  # the rows were laid out anew
         assert m["mismatch/logprob_abs_diff_mean"] < 1e-4 and m["mismatch/logprob_abs_diff_max"] < 1e-3, m
 
@@ -195,17 +193,8 @@ def test_grpo_vlm_balance_tokens_moves_each_rows_images_with_it(tmp_path: Path) 
 def test_async_grpo_vlm_carries_the_images_to_the_trainer_rank(tmp_path: Path) -> None:
     """parallel.placement=async (1 rollout rank, 1 trainer rank; no staleness, so the trainer's weights are
     the engine's): the trainer scores the rows on the images that came with them."""
-    out = _train(
-        tmp_path,
-        *SHORT,
-        "entry=grpo_async",
-        "parallel.placement=async",
-        "parallel.rollout_ranks=1",
-        "trainer.max_staleness=0",
-    )
-    rows = [m for m in _metrics(out) if "mismatch/logprob_abs_diff_mean" in m]
-    assert len(rows) == 2, rows
-    for m in rows:
+    out = _train(tmp_path, *SHORT, *ASYNC)
+    for m in _two_steps(out):
         assert m["mismatch/logprob_abs_diff_mean"] < 1e-4 and m["mismatch/logprob_abs_diff_max"] < 1e-3, m
 
 
@@ -215,8 +204,7 @@ def test_grpo_vlm_with_a_teacher_on_its_own_rank_scores_each_row_on_its_images(t
     Step 1's student is the teacher, so its reverse KL is float noise (2e-8; 1e-3 with the teacher's images
     in reverse row order), and the trainer scores the rows on the engine's pixels."""
     out = _train(tmp_path, *SHORT, "teacher.path=tiny-vl", "parallel.teacher_ranks=1")
-    rows = [m for m in _metrics(out) if "mismatch/logprob_abs_diff_mean" in m]
-    assert len(rows) == 2, rows
+    rows = _two_steps(out)
     assert abs(rows[0]["distill/reverse_kl"]) < 1e-5, rows[0]
     for m in rows:
         assert m["mismatch/logprob_abs_diff_mean"] < 1e-4 and m["mismatch/logprob_abs_diff_max"] < 1e-3, m
